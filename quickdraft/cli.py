@@ -1,0 +1,95 @@
+"""Command line: ``quickdraft models | generate | serve``."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from quickdraft.errors import QuickdraftError
+
+GREEN, RESET = "\033[32m", "\033[0m"
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="packaged model name (see `quickdraft models`), GGUF file or HF directory")
+    spec = p.add_mutually_exclusive_group()
+    spec.add_argument("--draft", help="draft model for speculative decoding (same tokenizer as MODEL)")
+    spec.add_argument("--speculative", choices=["ngram", "self"], help="draft-free speculation")
+    p.add_argument("--k", default="auto", help="tokens drafted per round: an int, or 'auto' (adaptive, default)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+
+
+def llm_from_args(args: argparse.Namespace, **extra):
+    from quickdraft.llm import LLM
+    k = args.k if args.k == "auto" else int(args.k)
+    return LLM(args.model, draft=args.draft, speculative=args.speculative, num_speculative_tokens=k,
+               dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, **extra)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from quickdraft.loading import list_models
+    print(f"{'name':<22} {'installed':<10} {'size':>10}  path / how to install")
+    for m in list_models():
+        where = str(m.path) if m.installed else m.install_hint
+        print(f"{m.name:<22} {'yes' if m.installed else 'no':<10} {m.size_bytes / 1e6:>8.0f}MB  {where}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from quickdraft.sampling import SamplingParams
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    llm = llm_from_args(args)
+    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    colour = args.show_drafts and sys.stdout.isatty()
+    start = time.perf_counter()
+    final = None
+    for chunk in llm.stream(prompt, params):
+        if colour and any(chunk.from_draft):
+            pieces = [(llm.tokenizer.decode([t]), d) for t, d in zip(chunk.token_ids, chunk.from_draft)]
+            text = "".join(f"{GREEN}{s}{RESET}" if d else s for s, d in pieces)
+            sys.stdout.write(text if "".join(s for s, _ in pieces) == chunk.text else chunk.text)
+        else:
+            sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        if chunk.finished:
+            final = chunk
+    sys.stdout.write("\n")
+    m = final.metrics
+    line = (f"[{m.generated_tokens} tokens, {m.tokens_per_s:.1f} tok/s, ttft {m.ttft_s * 1000:.0f} ms, "
+            f"total {time.perf_counter() - start:.2f}s, finish={final.finish_reason}")
+    if llm.drafter is not None:
+        s = m.spec
+        line += (f", {llm.drafter.name}: acceptance {s.acceptance_rate:.0%}, mean accepted {s.mean_accepted_length:.2f}"
+                 f", {s.tokens_per_pass:.2f} tokens/target pass")
+    print(line + "]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="quickdraft", description="LLM inference with exact speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("models", help="list packaged models and whether each is installed").set_defaults(fn=cmd_models)
+    g = sub.add_parser("generate", help="stream a completion to stdout, stats to stderr")
+    add_model_args(g)
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--show-drafts", action="store_true", help="colour accepted draft tokens (terminal only)")
+    g.set_defaults(fn=cmd_generate)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except QuickdraftError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

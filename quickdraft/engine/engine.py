@@ -1,0 +1,215 @@
+"""The engine step: the one decode loop every entry point runs through.
+
+One step = schedule -> draft (batched) -> one batched target forward over
+[pending tokens + drafts] of every sequence -> verify -> commit -> rewind caches.
+Plain decoding is the same step with no drafts.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from quickdraft.engine.outputs import SpecMetrics, StreamChunk
+from quickdraft.engine.scheduler import Scheduler, SchedulerConfig
+from quickdraft.engine.sequence import Sequence, Status
+from quickdraft.errors import InvalidParameterError, PromptTooLongError
+from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
+from quickdraft.sampling import LogitsProcessor, SamplingParams
+from quickdraft.sampling.sampler import make_generator, top_logprobs
+from quickdraft.speculative.controller import SpeculationController
+from quickdraft.speculative.cost import CostModel
+from quickdraft.speculative.drafters import Drafter, Proposal
+from quickdraft.speculative.verify import verify_greedy, verify_sampled
+from quickdraft.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_speculative_tokens: int | str = "auto"  # fixed k, or "auto" for the adaptive controller
+    max_speculative_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 32):
+            raise InvalidParameterError(f"num_speculative_tokens must be 'auto' or an int in 0..32, got {k!r}")
+        if k != "auto":
+            self.max_speculative_tokens = k
+
+
+class LLMEngine:
+    def __init__(self, target: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
+                 drafter: Drafter | None = None) -> None:
+        self.target, self.tokenizer, self.config, self.drafter = target, tokenizer, config, drafter
+        self.scheduler = Scheduler(config.scheduler, target, on_preempt=self._drop_kv)
+        self.cost = CostModel()
+        fixed = None if config.num_speculative_tokens == "auto" else config.num_speculative_tokens
+        self.controller = SpeculationController(self.cost, max_k=config.max_speculative_tokens, fixed_k=fixed,
+                                                draft_is_free=drafter is not None and drafter.name == "ngram")
+        self.stats = SpecMetrics()
+        self._ids = itertools.count()
+        self._groups: dict[str, list[Sequence]] = {}
+        if drafter is not None and fixed is None:
+            self.calibrate()
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; raises before any model work if it cannot run."""
+        params.validate()
+        params.check_vocab(self.target.vocab_size)
+        if not prompt_ids:
+            raise InvalidParameterError("prompt must contain at least one token")
+        if len(prompt_ids) >= self.config.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens; the context window is {self.config.max_model_len} tokens "
+                f"and at least one must be left for generation")
+        if max(prompt_ids) >= self.target.vocab_size or min(prompt_ids) < 0:
+            raise InvalidParameterError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._groups:
+            raise InvalidParameterError(f"request id {request_id!r} is already in use")
+        seqs = []
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            seq = Sequence(request_id=request_id, index=index, prompt=prompt, prompt_ids=list(prompt_ids),
+                           params=params, tokenizer=self.tokenizer,
+                           processor=LogitsProcessor(params, prompt_ids, self.target.vocab_size),
+                           generator=make_generator(seed, "cpu"), max_model_len=self.config.max_model_len)
+            seq.kv["target"] = SequenceKV()
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self._groups[request_id] = seqs
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        for seq in self._groups.pop(request_id, []):
+            self.scheduler.remove(seq)
+            if not seq.finished:
+                seq.finish("abort")
+            self._drop_kv(seq)
+
+    def sequences(self, request_id: str) -> list[Sequence]:
+        return self._groups.get(request_id, [])
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's bookkeeping."""
+        self._groups.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[StreamChunk]:
+        room = self.controller.max_k if self.drafter is not None else 0
+        scheduled = self.scheduler.schedule(draft_room=room)
+        if not scheduled:
+            return []
+        sampling = [s for s, chunk in scheduled if s.kv["target"].num_cached + chunk == s.num_tokens]
+        proposals = self._draft(sampling, base_tokens=sum(chunk for _, chunk in scheduled))
+        drafts = {id(s): p for s, p in zip(sampling, proposals)}
+        items = []
+        for seq, chunk in scheduled:
+            kv = seq.kv["target"]
+            proposal = drafts.get(id(seq))
+            tokens = seq.token_ids[kv.num_cached:kv.num_cached + chunk]
+            num_logits = 0
+            if proposal is not None:
+                tokens = tokens + proposal.tokens
+                num_logits = 1 + len(proposal.tokens)
+            items.append(ForwardItem(kv, tokens, num_logits))
+        logits = self.target.forward(items)
+        self.cost.target.record(sum(len(it.tokens) for it in items), self.target.last_forward_s)
+        for (seq, _), rows in zip(scheduled, logits):
+            if id(seq) in drafts:
+                self._commit(seq, rows, drafts[id(seq)])
+        chunks = []
+        for seq, _ in scheduled:
+            if seq.finished:
+                self.scheduler.remove(seq)
+                self._drop_kv(seq)
+            chunk = seq.take_chunk()
+            if chunk is not None:
+                chunks.append(chunk)
+        return chunks
+
+    def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Proposal]:
+        if self.drafter is None or not seqs:
+            return [Proposal([]) for _ in seqs]
+        ks = self.controller.choose(seqs, base_tokens)
+        ks = [min(k, s.max_model_len - s.num_tokens - 1, s.params.max_tokens - len(s.output_ids) - 1)
+              for s, k in zip(seqs, ks)]
+        ks = [max(0, k) for k in ks]
+        if not any(ks):
+            return [Proposal([]) for _ in seqs]
+        t0 = time.perf_counter()
+        proposals = self.drafter.propose(seqs, ks)
+        steps = max(len(p.tokens) for p in proposals)
+        if steps:
+            self.cost.draft.record(sum(1 for k in ks if k), (time.perf_counter() - t0) / steps)
+        return proposals
+
+    def _commit(self, seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> None:
+        drafted = proposal.tokens
+        if seq.params.greedy:
+            target_choice = seq.processor.process(rows, drafted=drafted).argmax(dim=-1).tolist()
+            accepted, next_token = verify_greedy(target_choice, drafted)
+        else:
+            p = seq.processor.probs(rows, drafted=drafted)
+            accepted, next_token = verify_sampled(p, proposal.q, drafted, seq.generator)
+        new_tokens = drafted[:accepted] + [next_token]
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = top_logprobs(rows[:len(new_tokens)], torch.tensor(new_tokens), seq.params.logprobs)
+        before = len(seq.output_ids)
+        seq.append(new_tokens, [True] * accepted + [False], logprobs)
+        produced = len(seq.output_ids) - before
+        round_stats = SpecMetrics(rounds=1, draft_tokens=len(drafted), accepted_tokens=min(accepted, produced),
+                                  drafting_rounds=1 if drafted else 0, generated_tokens=produced)
+        seq.metrics.spec.add(round_stats)
+        self.stats.add(round_stats)
+        seq.spec.record(len(drafted), accepted)
+        self.target.truncate(seq.kv["target"], seq.num_tokens - 1)
+        if self.drafter is not None:
+            self.drafter.rewind(seq)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        kv = seq.kv.get("target")
+        if kv is not None:
+            self.target.free(kv)
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
+    # ---- cost calibration -----------------------------------------------------------------------
+    def calibrate(self, context: int = 64, repeats: int = 2) -> None:
+        """Time target passes of 1..k+1 tokens and one draft step, so the controller starts from measurements."""
+        probe_params = SamplingParams(max_tokens=self.controller.max_k + 2, temperature=0.0)
+        probe_ids = [i % self.target.vocab_size for i in range(1, context + 1)]
+        kv = SequenceKV()
+        self.target.forward([ForwardItem(kv, probe_ids, 0)])
+        for n in range(1, self.controller.max_k + 2):
+            best = float("inf")
+            for _ in range(repeats):
+                self.target.forward([ForwardItem(kv, probe_ids[:n], 1)])
+                best = min(best, self.target.last_forward_s)
+                self.target.truncate(kv, context)
+            self.cost.target.record(n, best)
+        self.target.free(kv)
+        probe = Sequence(request_id="calibration", index=0, prompt=None, prompt_ids=probe_ids, params=probe_params,
+                         tokenizer=self.tokenizer,
+                         processor=LogitsProcessor(probe_params, probe_ids, self.target.vocab_size),
+                         generator=make_generator(0, "cpu"), max_model_len=self.config.max_model_len)
+        probe.kv["target"] = SequenceKV()
+        self.drafter.propose([probe], [1])  # warm-up, includes the draft's prefill
+        best = float("inf")
+        for _ in range(repeats):
+            probe.token_ids.append(1)
+            t0 = time.perf_counter()
+            self.drafter.propose([probe], [1])
+            best = min(best, time.perf_counter() - t0)
+        self.cost.draft.record(1, best)
+        self.drafter.release(probe)

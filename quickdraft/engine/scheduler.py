@@ -1,0 +1,116 @@
+"""Continuous batching: which sequences run in the next step, and with how many new tokens.
+
+Running sequences go first (one decode token each, or the next chunk of a long
+prompt); waiting ones are admitted while the step's token budget, the running
+limit and the free KV blocks allow. When blocks run out, the lowest-ranked
+running sequence is preempted: its KV is dropped and it waits to be recomputed,
+keeping every token it has committed, so its output does not change.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from quickdraft.engine.sequence import Sequence, Status
+from quickdraft.errors import InvalidParameterError
+from quickdraft.kv import ModelRunner, SequenceKV
+
+POLICIES = ("fcfs", "sjf", "priority", "deadline")
+
+
+def policy_key(policy: str) -> Callable[[Sequence], tuple]:
+    """Smaller key runs first and is preempted last."""
+    if policy == "fcfs":
+        return lambda s: (s.arrival_s,)
+    if policy == "sjf":
+        return lambda s: (len(s.prompt_ids) + s.params.max_tokens, s.arrival_s)
+    if policy == "priority":
+        return lambda s: (s.params.priority, s.arrival_s)
+    if policy == "deadline":
+        return lambda s: (s.params.deadline_s if s.params.deadline_s is not None else math.inf, s.arrival_s)
+    raise InvalidParameterError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512  # per-step token budget; long prompts are prefilled in chunks of this size
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        policy_key(self.policy)
+        if self.max_num_seqs < 1:
+            raise InvalidParameterError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidParameterError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, target: ModelRunner, on_preempt: Callable[[Sequence], None]) -> None:
+        self.config = config
+        self.target = target
+        self.key = policy_key(config.policy)
+        self.on_preempt = on_preempt
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, draft_room: int) -> list[tuple[Sequence, int]]:
+        """Pick (sequence, new tokens) pairs for one step; ``draft_room`` extra slots are kept for drafts."""
+        budget = self.config.max_num_batched_tokens
+        free = self.target.allocator.num_free
+        scheduled: list[tuple[Sequence, int]] = []
+        self.running.sort(key=self.key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            kv = seq.kv["target"]
+            chunk = min(seq.num_tokens - kv.num_cached, budget)
+            need = self.target.blocks_for(kv, kv.num_cached + chunk + draft_room)
+            while need > free and self.running[-1] is not seq:
+                free += self._preempt(self.running[-1])
+            if need > free:  # even alone it does not fit now; it waits for blocks
+                free += self._preempt(seq)
+                continue
+            free -= need
+            budget -= chunk
+            scheduled.append((seq, chunk))
+            i += 1
+        self.waiting.sort(key=self.key)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            kv = seq.kv.setdefault("target", SequenceKV())
+            chunk = min(seq.num_tokens - kv.num_cached, budget)
+            need = self.target.blocks_for(kv, kv.num_cached + chunk + draft_room)
+            if need > free:
+                break
+            free -= need
+            budget -= chunk
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, chunk))
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> int:
+        """Drop a running sequence's KV (recompute later); returns the blocks freed."""
+        before = self.target.allocator.num_free
+        self.running.remove(seq)
+        self.on_preempt(seq)
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+        self.num_preemptions += 1
+        return self.target.allocator.num_free - before
+

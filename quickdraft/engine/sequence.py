@@ -1,0 +1,148 @@
+"""One sample being generated: its tokens, sampling state, KV handles and text."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from quickdraft.engine.outputs import CompletionOutput, RequestMetrics, StreamChunk
+from quickdraft.kv import SequenceKV
+from quickdraft.sampling import LogitsProcessor, SamplingParams
+from quickdraft.tokenizer import StreamingDetokenizer, Tokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpeculationState:
+    """Per-sequence acceptance history the adaptive controller reads (decayed counts)."""
+
+    accepted: float = 3.0  # prior: acceptance 0.75 until measured
+    rejected: float = 1.0
+    rounds_off: int = 0  # rounds since speculation was switched off for this sequence
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def record(self, drafted: int, accepted: int, decay: float = 0.9) -> None:
+        if drafted == 0:
+            return
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (1 if accepted < drafted else 0)
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    index: int
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokenizer: Tokenizer
+    processor: LogitsProcessor
+    generator: torch.Generator
+    max_model_len: int
+    arrival_s: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    kv: dict[str, SequenceKV] = field(default_factory=dict)
+    spec: SpeculationState = field(default_factory=SpeculationState)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    logprobs: list[dict] = field(default_factory=list)
+    text: str = ""
+    _emitted_tokens: int = 0
+    _emitted_chars: int = 0
+    _from_draft: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+        self.metrics.prompt_tokens = len(self.prompt_ids)
+        self.detokenizer = StreamingDetokenizer(self.tokenizer, skip_special_tokens=self.params.skip_special_tokens)
+        self._stop_strings = self.params.stop or []
+        self._holdback = max((len(s) - 1 for s in self._stop_strings), default=0)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, tokens: list[int], from_draft: list[bool], logprobs: list[dict] | None = None) -> None:
+        """Commit generated tokens one by one, stopping at the first stop condition."""
+        if self.metrics.ttft_s is None:
+            self.metrics.ttft_s = time.perf_counter() - self.arrival_s
+        params = self.params
+        for i, (token, drafted) in enumerate(zip(tokens, from_draft)):
+            self.token_ids.append(token)
+            self._from_draft.append(drafted)
+            self.processor.accept([token])
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
+            n_out = len(self.token_ids) - len(self.prompt_ids)
+            if not params.ignore_eos and token in self.tokenizer.eos_token_ids or token in (params.stop_token_ids or ()):
+                self.finish("stop", hide_token=True)
+                return
+            self.text += self.detokenizer.add(token)
+            if self._stop_strings and self._check_stop_strings():
+                return
+            if n_out >= params.max_tokens or len(self.token_ids) >= self.max_model_len:
+                self.finish("length")
+                return
+
+    def _check_stop_strings(self) -> bool:
+        window_start = max(0, self._emitted_chars - self._holdback - 8)
+        hits = [(self.text.find(s, window_start), s) for s in self._stop_strings]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        self.text = self.text[: pos + (len(stop) if self.params.include_stop_str_in_output else 0)]
+        self.finish("stop", flush=False)
+        return True
+
+    def finish(self, reason: str, hide_token: bool = False, flush: bool = True) -> None:
+        if flush:
+            self.text += self.detokenizer.flush()
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.metrics.generated_tokens = len(self.output_ids)
+        self.metrics.total_s = time.perf_counter() - self.arrival_s
+
+    def take_chunk(self) -> StreamChunk | None:
+        """New tokens and text since the last call; text that may still become a stop string is held back."""
+        n_out = len(self.output_ids)
+        limit = len(self.text) if self.finished else max(self._emitted_chars, len(self.text) - self._holdback)
+        if n_out == self._emitted_tokens and limit == self._emitted_chars and not self.finished:
+            return None
+        chunk = StreamChunk(
+            request_id=self.request_id, index=self.index,
+            text=self.text[self._emitted_chars:limit],
+            token_ids=self.output_ids[self._emitted_tokens:],
+            from_draft=self._from_draft[self._emitted_tokens:],
+            finished=self.finished, finish_reason=self.finish_reason,
+            logprobs=self.logprobs[self._emitted_tokens:] if self.params.logprobs is not None else None,
+            metrics=self.metrics if self.finished else None,
+        )
+        self._emitted_tokens, self._emitted_chars = n_out, limit
+        return chunk
+
+    def to_output(self) -> CompletionOutput:
+        self.metrics.generated_tokens = len(self.output_ids)
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(self.output_ids), finish_reason=self.finish_reason,
+            logprobs=self.logprobs if self.params.logprobs is not None else None, metrics=self.metrics,
+        )

@@ -1,0 +1,73 @@
+"""Runs one model's batched forward over the paged KV cache. Knows nothing about sampling."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from quickdraft.kv import AttentionBatch, BlockAllocator, KVPool, SequenceKV
+from quickdraft.models import Transformer
+
+
+@dataclass
+class ForwardItem:
+    """One sequence's part of a batched forward: its KV handle, new tokens, and how many trailing logits rows it needs."""
+
+    kv: SequenceKV
+    tokens: list[int]
+    num_logits: int
+
+
+class ModelRunner:
+    def __init__(self, name: str, model: Transformer, kv_cache_bytes: int, block_size: int = 16,
+                 num_layers: int | None = None) -> None:
+        """``num_layers`` < all runs only the first layers (self-speculation); the KV pool then holds only those."""
+        self.name = name
+        self.model = model
+        cfg = model.config
+        self.num_layers = num_layers or cfg.num_layers
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = block_size
+        per_block = KVPool.bytes_per_block(self.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, self.dtype)
+        num_blocks = max(1, kv_cache_bytes // per_block)
+        self.pool = KVPool(self.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, self.dtype, self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.last_forward_s = 0.0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def blocks_for(self, kv: SequenceKV, length: int) -> int:
+        return kv.blocks_needed(length, self.block_size)
+
+    def truncate(self, kv: SequenceKV, length: int) -> None:
+        kv.truncate(length, self.allocator, self.block_size)
+
+    def free(self, kv: SequenceKV) -> None:
+        kv.free(self.allocator)
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        """Append each item's tokens to its cache and return its last ``num_logits`` rows of float32 logits."""
+        t0 = time.perf_counter()
+        for item in items:
+            item.kv.reserve(item.kv.num_cached + len(item.tokens), self.allocator, self.block_size)
+        attn = AttentionBatch(self.pool, [it.kv.block_table for it in items], [it.kv.num_cached for it in items],
+                              [len(it.tokens) for it in items])
+        tokens = torch.tensor([t for it in items for t in it.tokens], dtype=torch.long, device=self.device)
+        hidden = self.model(tokens, attn, num_layers=self.num_layers)
+        rows, offset = [], 0
+        for it in items:
+            offset += len(it.tokens)
+            rows.extend(range(offset - it.num_logits, offset))
+            it.kv.num_cached += len(it.tokens)
+        logits = self.model.logits(hidden[rows]) if rows else hidden.new_zeros(0, self.vocab_size)
+        out, start = [], 0
+        for it in items:
+            out.append(logits[start:start + it.num_logits])
+            start += it.num_logits
+        self.last_forward_s = time.perf_counter() - t0
+        return out

@@ -1,0 +1,139 @@
+"""One decoder-only transformer for Llama, Mistral, SmolLM and Qwen2 checkpoints.
+
+Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``)
+so an HF state dict loads as is. Tokens from several sequences arrive as one
+flat ``[T]`` vector; the attention object decides who attends to what.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from quickdraft.config import ModelConfig
+
+
+class Attention(Protocol):
+    positions: torch.Tensor
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (NeoX) layout, as HF stores Llama and Qwen2 q/k projections."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]."""
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
+        t = x.shape[0]
+        q = rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), attn.positions)
+        k = rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), attn.positions)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return self.o_proj(attn.attend(self.layer, q, k, v).reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+
+    def forward(self, tokens: torch.Tensor, attn: Attention, num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm; ``num_layers`` runs only the first layers
+        (self-speculation drafts with a prefix of the target)."""
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers[:num_layers]:
+            x = layer(x, self.rope, attn)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: str | torch.device = "cpu") -> Transformer:
+    """Instantiate without random init and take the given tensors as parameters (no copy on CPU)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = set(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    model.load_state_dict({k: v.to(device) for k, v in tensors.items() if k in expected}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,83 @@
+"""Chooses how many tokens to draft for each sequence in a step.
+
+Expected tokens from a round with k drafts at per-token acceptance a is
+(1 - a^(k+1)) / (1 - a). The controller picks the k that maximises expected
+tokens per second of the whole step, using measured costs at the current
+batch size, so speculation switches itself off where verification costs more
+than it returns (quantized weights on CPU, big batches) and comes back, after
+a probe, when it pays again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from quickdraft.speculative.cost import CostModel
+
+
+class HasAcceptance(Protocol):
+    spec: "SpeculationStateLike"
+
+
+class SpeculationStateLike(Protocol):
+    acceptance: float
+    rounds_off: int
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    if acceptance >= 0.999:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+@dataclass
+class SpeculationController:
+    cost: CostModel
+    max_k: int = 8
+    fixed_k: int | None = None  # a fixed k disables adaptation
+    probe_every: int = 16  # rounds a switched-off sequence waits before drafting one probe token
+    draft_is_free: bool = False  # n-gram lookup: no draft model to pay for
+
+    def choose(self, seqs: Sequence[HasAcceptance], base_tokens: int) -> list[int]:
+        """k per sequence; ``base_tokens`` is the number of tokens the step processes without any drafts."""
+        if self.fixed_k is not None:
+            return [self.fixed_k] * len(seqs)
+        if not seqs or not self.cost.calibrated:
+            return [1] * len(seqs)
+        own = [self._best_alone(s.spec.acceptance) for s in seqs]
+        best_ks, best_rate = [0] * len(seqs), -1.0
+        for cap in range(max(own, default=0) + 1):  # one batch-wide cap: at high load verification gets dearer
+            ks = [min(cap, k) for k in own]
+            rate = self._throughput(seqs, ks, base_tokens)
+            if rate > best_rate * 1.0001:
+                best_ks, best_rate = ks, rate
+        # a sequence with speculation off probes now and then so a better acceptance can be noticed
+        for i, s in enumerate(seqs):
+            if best_ks[i] == 0:
+                s.spec.rounds_off += 1
+                if s.spec.rounds_off >= self.probe_every:
+                    s.spec.rounds_off = 0
+                    best_ks[i] = 1
+            else:
+                s.spec.rounds_off = 0
+        return best_ks
+
+    def _best_alone(self, acceptance: float) -> int:
+        """The k this sequence would use on its own (batch of one)."""
+        def rate(k: int) -> float:
+            seconds = self.cost.target(1 + k) + (0.0 if self.draft_is_free else k * self.cost.draft(1))
+            return expected_tokens(acceptance, k) / seconds if seconds > 0 else 0.0
+
+        best, best_rate = 0, rate(0)
+        for k in range(1, self.max_k + 1):
+            if rate(k) > best_rate * 1.0001:
+                best, best_rate = k, rate(k)
+        return best
+
+    def _throughput(self, seqs: Sequence[HasAcceptance], ks: list[int], base_tokens: int) -> float:
+        tokens = sum(expected_tokens(s.spec.acceptance, k) for s, k in zip(seqs, ks))
+        seconds = self.cost.target(base_tokens + sum(ks))
+        if not self.draft_is_free:
+            for step in range(max(ks, default=0)):
+                seconds += self.cost.draft(sum(1 for k in ks if k > step))
+        return tokens / seconds if seconds > 0 else 0.0

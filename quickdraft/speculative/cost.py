@@ -1,0 +1,52 @@
+"""Measured step costs the speculation controller plans with.
+
+Times are kept per number of tokens in a target forward and per number of
+sequences in a draft step, as exponential moving averages, and interpolated
+between measured points. Start-up calibration fills them; every engine step
+refines them, so the plan follows the machine, the weight format and the load.
+"""
+from __future__ import annotations
+
+import bisect
+
+
+class CostTable:
+    """Seconds as a function of a size (tokens or sequences), from measurements."""
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self.smoothing = smoothing
+        self.points: dict[int, float] = {}
+
+    def record(self, size: int, seconds: float) -> None:
+        old = self.points.get(size)
+        self.points[size] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def __call__(self, size: int) -> float:
+        if not self.points:
+            return 0.0
+        sizes = sorted(self.points)
+        if size in self.points:
+            return self.points[size]
+        i = bisect.bisect_left(sizes, size)
+        if i == 0:
+            return self.points[sizes[0]] * size / sizes[0]
+        if i == len(sizes):  # beyond the largest measurement: grow linearly from the last two points
+            lo, hi = (sizes[-2], sizes[-1]) if len(sizes) > 1 else (0, sizes[-1])
+        else:
+            lo, hi = sizes[i - 1], sizes[i]
+        y_lo, y_hi = self.points.get(lo, 0.0), self.points[hi]
+        return y_lo + (y_hi - y_lo) * (size - lo) / (hi - lo)
+
+
+class CostModel:
+    def __init__(self) -> None:
+        self.target = CostTable()  # seconds of one target forward, by tokens in the batch
+        self.draft = CostTable()  # seconds of one draft step, by sequences in the batch
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.target.points)
+
+    def as_dict(self) -> dict[str, dict[int, float]]:
+        return {"target_s_by_tokens": dict(sorted(self.target.points.items())),
+                "draft_s_by_seqs": dict(sorted(self.draft.points.items()))}
