@@ -1,0 +1,237 @@
+"""Per-request sampling parameters (vLLM / OpenAI field names), validated up front.
+
+Every field is checked in ``__post_init__`` before any model work happens; a bad
+value raises :class:`quickdraft.errors.InvalidParameterError` whose message names
+the parameter, the allowed range and the value that was given.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from quickdraft.errors import InvalidParameterError
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+LOGIT_BIAS_LIMIT = 100.0
+PENALTY_LIMIT = 2.0
+
+
+def _fail(name: str, allowed: str, value: Any, *, raw: bool = False) -> InvalidParameterError:
+    got = value if raw else repr(value)
+    return InvalidParameterError(f"{name} must be {allowed}, got {got}")
+
+
+def _as_int(name: str, value: Any, allowed: str) -> int:
+    """An int (numpy ints too); bools, floats and strings are rejected."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _fail(name, allowed, value)
+    return int(value)
+
+
+def _as_float(name: str, value: Any, allowed: str) -> float:
+    """A finite real number (ints accepted); bools, strings, NaN and inf are rejected."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(name, allowed, value)
+    out = float(value)
+    if not math.isfinite(out):
+        raise _fail(name, allowed, value)
+    return out
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(name, "a bool (true or false)", value)
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Defaults match vLLM.
+
+    ``top_k`` of 0 or -1 disables top-k. ``temperature`` 0 means greedy.
+    After construction ``stop`` and ``stop_token_ids`` are always lists (possibly
+    empty) and ``logit_bias`` (if given) has int keys and float values.
+    The dataclass is mutable; call :meth:`validate` again after changing a field.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    deadline_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Check and normalise every field; raises InvalidParameterError."""
+        n = _as_int("n", self.n, f"an int in [1, {MAX_N}]")
+        if not 1 <= n <= MAX_N:
+            raise _fail("n", f"an int in [1, {MAX_N}]", self.n)
+        self.n = n
+
+        mt = _as_int("max_tokens", self.max_tokens, "an int >= 1")
+        if mt < 1:
+            raise _fail("max_tokens", "an int >= 1", self.max_tokens)
+        self.max_tokens = mt
+
+        t = _as_float("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
+        if t < 0:
+            raise _fail("temperature", ">= 0 (0 means greedy)", self.temperature)
+        self.temperature = t
+
+        tp = _as_float("top_p", self.top_p, "a number in (0, 1]")
+        if not 0 < tp <= 1:
+            raise _fail("top_p", "in (0, 1]", self.top_p)
+        self.top_p = tp
+
+        tk = _as_int("top_k", self.top_k, "an int >= 1, or 0 or -1 to disable")
+        if tk < -1:
+            raise _fail("top_k", ">= 1, or 0 or -1 to disable", self.top_k)
+        self.top_k = tk
+
+        mp = _as_float("min_p", self.min_p, "a number in [0, 1]")
+        if not 0 <= mp <= 1:
+            raise _fail("min_p", "in [0, 1]", self.min_p)
+        self.min_p = mp
+
+        rp = _as_float("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 disables)")
+        if rp <= 0:
+            raise _fail("repetition_penalty", "> 0 (1 disables)", self.repetition_penalty)
+        self.repetition_penalty = rp
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            allowed = f"in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]"
+            v = _as_float(name, getattr(self, name), "a number " + allowed)
+            if not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
+                raise _fail(name, allowed, getattr(self, name))
+            setattr(self, name, v)
+
+        self.logit_bias = self._check_logit_bias(self.logit_bias)
+
+        if self.seed is not None:
+            self.seed = _as_int("seed", self.seed, "an int or None")
+
+        self.stop = self._check_stop(self.stop)
+        self.stop_token_ids = self._check_stop_token_ids(self.stop_token_ids)
+
+        self.ignore_eos = _as_bool("ignore_eos", self.ignore_eos)
+        self.include_stop_str_in_output = _as_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
+
+        if self.logprobs is not None:
+            allowed = f"an int in [0, {MAX_LOGPROBS}] or None"
+            lp = _as_int("logprobs", self.logprobs, allowed)
+            if not 0 <= lp <= MAX_LOGPROBS:
+                raise _fail("logprobs", allowed, self.logprobs)
+            self.logprobs = lp
+
+        self.priority = _as_int("priority", self.priority, "an int")
+
+        if self.deadline_s is not None:
+            d = _as_float("deadline_s", self.deadline_s, "a finite number of seconds > 0 or None")
+            if d <= 0:
+                raise _fail("deadline_s", "> 0 seconds or None", self.deadline_s)
+            self.deadline_s = d
+
+    @staticmethod
+    def _check_logit_bias(bias: Any) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, Mapping):
+            raise _fail("logit_bias", "a dict mapping token ids to biases in [-100, 100]", bias)
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            if isinstance(key, str):
+                text = key.strip()
+                if not text.isdigit() or not text.isascii():
+                    raise _fail("logit_bias key", "a token id (an int >= 0, or a string of digits)", key)
+                tok = int(text)
+            else:
+                tok = _as_int("logit_bias key", key, "a token id (an int >= 0, or a string of digits)")
+            if tok < 0:
+                raise _fail("logit_bias key", "a token id >= 0", key)
+            allowed = f"in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
+            v = _as_float(f"logit_bias value for token {tok}", value, "a number " + allowed)
+            if not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT:
+                raise _fail(f"logit_bias value for token {tok}", allowed, value)
+            out[tok] = v
+        return out
+
+    @staticmethod
+    def _check_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)):
+            raise _fail("stop", f"a string or a list of at most {MAX_STOP_STRINGS} non-empty strings", stop)
+        if len(items) > MAX_STOP_STRINGS:
+            raise _fail("stop", f"at most {MAX_STOP_STRINGS} strings", f"{len(items)} strings", raw=True)
+        for s in items:
+            if not isinstance(s, str) or not s:
+                raise _fail("stop", "made of non-empty strings", s)
+        return list(items)
+
+    @staticmethod
+    def _check_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+            raise _fail("stop_token_ids", "a list of token ids (ints >= 0)", ids)
+        out = []
+        for t in ids:
+            v = _as_int("stop_token_ids entry", t, "a token id (an int >= 0)")
+            if v < 0:
+                raise _fail("stop_token_ids entry", "a token id >= 0", t)
+            out.append(v)
+        return out
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise if a logit_bias key or stop_token_id is outside [0, vocab_size)."""
+        for tok in self.logit_bias or {}:
+            if not 0 <= tok < vocab_size:
+                raise _fail("logit_bias key", f"a token id in [0, {vocab_size})", tok)
+        for tok in self.stop_token_ids or []:
+            if not 0 <= tok < vocab_size:
+                raise _fail("stop_token_ids entry", f"a token id in [0, {vocab_size})", tok)
+
+    # -------------------------------------------------------------- properties
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: take the argmax (after bias and penalties)."""
+        return self.temperature == 0.0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def has_truncation(self) -> bool:
+        """top-k, top-p or min-p would mask part of the vocabulary."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0

@@ -1,0 +1,269 @@
+"""Per-sequence logits processing shared by plain sampling and both sides of speculative sampling.
+
+Exact speculative sampling needs the target distribution ``p`` used at drafted
+position ``i`` to be exactly the distribution plain sampling would have used
+there, i.e. conditioned on the committed output *plus the drafted tokens before
+position i*. :class:`LogitsProcessor` does that: row ``i`` of ``process`` sees
+``committed outputs + drafted[:offset + i]``.
+
+Order of transforms (as vLLM): logit_bias, repetition penalty (prompt + output
+tokens), frequency and presence penalties (output tokens only), then for
+temperature > 0: temperature, top-k, top-p, min-p (masked entries become -inf).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from quickdraft.sampling.params import SamplingParams
+
+# Below this temperature the logits are shifted by their row max before the
+# division (no overflow to inf) and the divisor is clamped at _MIN_TEMPERATURE.
+_SMALL_TEMPERATURE = 1e-3
+_MIN_TEMPERATURE = 1e-6
+# top-p first looks for its cut among this many most probable tokens (full sort if not found).
+_TOP_P_CANDIDATES = 1024
+
+
+def _merge(cols: Tensor, in_prompt: Tensor, counts: Tensor, new: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Add ids ``new`` to the sorted distinct ``cols``; returns new tensors and the positions of ``new``."""
+    merged, inv = torch.unique(torch.cat([cols, new]), sorted=True, return_inverse=True)
+    m = cols.numel()
+    if merged.numel() == m:  # nothing new: keep the tensors
+        return cols, in_prompt, counts, inv[m:]
+    in_prompt2 = torch.zeros(merged.numel(), dtype=torch.bool, device=cols.device)
+    in_prompt2[inv[:m]] = in_prompt
+    counts2 = torch.zeros(merged.numel(), dtype=counts.dtype, device=cols.device)
+    counts2[inv[:m]] = counts
+    return merged, in_prompt2, counts2, inv[m:]
+
+
+def _ids(tokens: Sequence[int] | Tensor) -> list[int]:
+    if isinstance(tokens, Tensor):
+        return [int(t) for t in tokens.reshape(-1).tolist()]
+    return [int(t) for t in tokens]
+
+
+class LogitsProcessor:
+    """Applies one sequence's sampling parameters to its logits.
+
+    ``vocab_size`` is the tokenizer / model vocabulary; logits may be wider
+    (padded embedding rows) or narrower: extra columns are treated like any
+    other token, token ids beyond the logits width are ignored.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int] | Tensor,
+        vocab_size: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.params = params
+        self.vocab_size = int(vocab_size)
+        self.device = torch.device(device)
+        self._prompt_ids = _ids(prompt_ids)
+        self._output_ids: list[int] = []
+        self._use_rep = params.repetition_penalty != 1.0
+        self._use_counts = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        self._use_bias = bool(params.logit_bias)
+        # Lazily built caches. _hist = (cols, in_prompt, counts): the sorted distinct token ids of
+        # prompt + committed output, whether each is in the prompt, and its output count. Penalties
+        # touch only these columns, never a whole 150k-wide row. Tensors in it are never modified
+        # in place (fork shares them).
+        self._hist: tuple[Tensor, Tensor, Tensor] | None = None
+        self._bias: tuple[Tensor, Tensor] | None = None
+
+    # ---------------------------------------------------------------- history
+    @property
+    def output_ids(self) -> list[int]:
+        """The committed generated tokens (a copy)."""
+        return list(self._output_ids)
+
+    @property
+    def needs_history(self) -> bool:
+        """True when the transformed distribution depends on previous tokens (penalties)."""
+        return self._use_rep or self._use_counts
+
+    def accept(self, token_ids: Sequence[int] | Tensor) -> None:
+        """Commit generated tokens (after verification) to the output history."""
+        ids = _ids(token_ids)
+        if not ids:
+            return
+        self._output_ids.extend(ids)
+        if self._hist is not None:
+            cols, in_prompt, counts = self._hist
+            new = torch.tensor(ids, dtype=torch.long, device=cols.device)
+            cols, in_prompt, counts, pos = _merge(cols, in_prompt, counts, new)
+            counts = counts.index_add(0, pos, torch.ones(len(ids), device=cols.device))
+            self._hist = (cols, in_prompt, counts)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"output_ids": list(self._output_ids)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._output_ids = _ids(state["output_ids"])
+        self._hist = None  # rebuilt lazily from the history
+
+    def fork(self) -> "LogitsProcessor":
+        """An independent copy (same params, prompt and history), e.g. for n > 1."""
+        other = copy.copy(self)
+        other._output_ids = list(self._output_ids)
+        return other
+
+    # ------------------------------------------------------------------ caches
+    def _history(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        if self._hist is None or self._hist[0].device != device:
+            prompt = torch.tensor(self._prompt_ids, dtype=torch.long, device=device)
+            out = torch.tensor(self._output_ids, dtype=torch.long, device=device)
+            cols, inv = torch.unique(torch.cat([prompt, out]), sorted=True, return_inverse=True)
+            in_prompt = torch.zeros(cols.numel(), dtype=torch.bool, device=device)
+            in_prompt[inv[: prompt.numel()]] = True
+            counts = torch.zeros(cols.numel(), dtype=torch.float32, device=device)
+            counts.index_add_(0, inv[prompt.numel():], torch.ones(out.numel(), device=device))
+            self._hist = (cols, in_prompt, counts)
+        return self._hist
+
+    def _bias_tensors(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        if self._bias is None or self._bias[0].device != device:
+            items = sorted((self.params.logit_bias or {}).items())
+            idx = torch.tensor([k for k, _ in items], dtype=torch.long, device=device)
+            val = torch.tensor([v for _, v in items], dtype=torch.float32, device=device)
+            self._bias = (idx, val)
+        return self._bias
+
+    # -------------------------------------------------------------- transform
+    def process(
+        self, logits: Tensor, drafted: Sequence[int] | Tensor = (), offset: int = 0, *, start: int | None = None
+    ) -> Tensor:
+        """Transform ``logits`` [n, V] (or [V]) into float32 processed logits of the same shape.
+
+        Row ``i`` is conditioned on ``committed outputs + drafted[:offset + i]``: the
+        target verifying k drafts passes ``k + 1`` rows with ``drafted=drafts``; a
+        drafter producing draft ``j`` from one row passes ``drafted=drafts[:j], offset=j``.
+        ``start`` is an alias of ``offset``.
+        For greedy params the result stops after bias and penalties (take the argmax).
+        The input tensor is never modified; the result may be the input itself when
+        nothing applies (greedy, float32, no bias/penalties).
+        """
+        squeeze = logits.dim() == 1
+        x = logits.unsqueeze(0) if squeeze else logits
+        if x.dim() != 2:
+            raise ValueError(f"logits must be [n, V] or [V], got shape {tuple(logits.shape)}")
+        x = x.float()
+        n, width = x.shape
+        p = self.params
+
+        if self._use_bias or self._use_rep or self._use_counts:
+            if self._use_bias:
+                idx, val = self._bias_tensors(x.device)
+                keep = idx < width
+                x = x.index_add(1, idx[keep], val[keep].unsqueeze(0).expand(n, -1))
+            if self._use_rep or self._use_counts:
+                x = self._apply_penalties(x, _ids(drafted), offset if start is None else start)
+
+        if p.greedy:
+            return x.squeeze(0) if squeeze else x
+
+        x = self._apply_temperature(x, p.temperature)
+        if p.has_truncation:
+            x = self._apply_truncation(x)
+        return x.squeeze(0) if squeeze else x
+
+    def probs(
+        self, logits: Tensor, drafted: Sequence[int] | Tensor = (), offset: int = 0, *, start: int | None = None
+    ) -> Tensor:
+        """softmax(process(...)); for greedy params a one-hot of the argmax."""
+        x = self.process(logits, drafted, offset, start=start)
+        if self.params.greedy:
+            out = torch.zeros_like(x)
+            return out.scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+        return torch.softmax(x, dim=-1)
+
+    def _apply_penalties(self, x: Tensor, drafted: list[int], offset: int) -> Tensor:
+        n, width = x.shape
+        if offset < 0 or offset + n - 1 > len(drafted):
+            raise ValueError(
+                f"{n} logits rows from offset={offset} need at least {offset + n - 1} drafted tokens, "
+                f"got {len(drafted)}"
+            )
+        p = self.params
+        device = x.device
+        cols, in_prompt, counts = self._history(device)
+        extra = drafted[: offset + n - 1]
+        if extra:
+            # Row i also counts drafted[:offset + i].
+            d = torch.tensor(extra, dtype=torch.long, device=device)
+            cols, in_prompt, counts, pos = _merge(cols, in_prompt, counts, d)
+            rows_seen = (torch.arange(len(extra), device=device).unsqueeze(0)
+                         < (offset + torch.arange(n, device=device)).unsqueeze(1))  # [n, D]
+            row_idx = torch.arange(n, device=device).unsqueeze(1).expand(n, len(extra))[rows_seen]
+            col_idx = pos.unsqueeze(0).expand(n, len(extra))[rows_seen]
+            counts = counts.unsqueeze(0).expand(n, -1).clone()
+            counts.index_put_((row_idx, col_idx), torch.ones(row_idx.numel(), device=device), accumulate=True)
+        else:
+            counts = counts.unsqueeze(0).expand(n, -1)
+        if cols.numel() and int(cols[-1]) >= width:  # ids beyond the logits width are ignored
+            m = int(torch.searchsorted(cols, width))
+            cols, in_prompt, counts = cols[:m], in_prompt[:m], counts[:, :m]
+        if cols.numel() == 0:
+            return x
+        block = x.index_select(1, cols)  # [n, m]
+        seen = counts > 0
+        if self._use_rep:
+            r = p.repetition_penalty
+            mask = seen | in_prompt.unsqueeze(0)
+            block = torch.where(mask, torch.where(block > 0, block / r, block * r), block)
+        if p.frequency_penalty != 0.0:
+            block = block - p.frequency_penalty * counts
+        if p.presence_penalty != 0.0:
+            block = block - p.presence_penalty * seen.to(block.dtype)
+        return x.index_copy(1, cols, block)
+
+    @staticmethod
+    def _apply_temperature(x: Tensor, t: float) -> Tensor:
+        if t == 1.0:
+            return x
+        if t < _SMALL_TEMPERATURE:
+            # Shift first so huge ratios cannot overflow to inf (softmax is shift invariant).
+            return (x - x.amax(dim=-1, keepdim=True)) / max(t, _MIN_TEMPERATURE)
+        return x / t
+
+    def _apply_truncation(self, x: Tensor) -> Tensor:
+        p = self.params
+        neg_inf = float("-inf")
+        width = x.shape[-1]
+        if 0 < p.top_k < width:
+            # Ties with the k-th value are kept (deterministic, as vLLM).
+            kth = torch.topk(x, p.top_k, dim=-1).values[:, -1:]
+            x = x.masked_fill(x < kth, neg_inf)
+        if p.top_p < 1.0:
+            probs = torch.softmax(x, dim=-1)
+            sorted_probs, cum = None, None
+            candidates = min(_TOP_P_CANDIDATES, p.top_k) if p.top_k > 0 else _TOP_P_CANDIDATES
+            if width > candidates:
+                # Usually the top few hundred tokens (or the top-k) already hold top_p of the
+                # mass: avoid sorting the whole row; fall back to it when they do not.
+                sorted_probs = torch.topk(probs, candidates, dim=-1).values
+                cum = torch.cumsum(sorted_probs, dim=-1)
+                if bool((cum[:, -1] < p.top_p).any()):
+                    sorted_probs = None
+            if sorted_probs is None:
+                sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+                cum = torch.cumsum(sorted_probs, dim=-1)
+            before = cum - sorted_probs  # mass strictly before each sorted position
+            # Keep the smallest top set whose mass reaches top_p (at least one token);
+            # ties with the last kept probability are kept too.
+            num_keep = (before < p.top_p).sum(dim=-1, keepdim=True).clamp(min=1)
+            threshold = sorted_probs.gather(-1, num_keep - 1)
+            x = x.masked_fill(probs < threshold, neg_inf)
+        if p.min_p > 0.0:
+            # prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p)
+            top = x.amax(dim=-1, keepdim=True)
+            x = x.masked_fill(x < top + math.log(p.min_p), neg_inf)
+        return x

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafting and exact verification."""
