@@ -1,0 +1,101 @@
+"""Chat templates: render a conversation into the prompt string a chat model expects.
+
+Templates are Jinja2, rendered the way transformers' `apply_chat_template(tokenize=False)` does:
+a sandboxed environment with trim_blocks/lstrip_blocks, the `raise_exception`, `strftime_now`,
+`tojson` helpers, the special tokens as variables (`bos_token`, `eos_token`, ...) and
+`add_generation_prompt`.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Used when a model ships no template of its own.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The template failed to render (syntax error, or it called raise_exception)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes; chat templates want plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def compile_template(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template has a syntax error (line {exc.lineno}): {exc.message}") from exc
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check `messages` is a non-empty list of dicts with string 'role' and 'content'.
+
+    Returns shallow copies, without keys whose value is None (as transformers does), so a
+    template cannot mutate the caller's dicts.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of dicts with 'role' and 'content', got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages is empty: a conversation needs at least one message")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"messages[{i}] has no {key!r} key (each message needs 'role' and 'content')")
+            if not isinstance(message[key], str):
+                raise ValueError(
+                    f"messages[{i}][{key!r}] must be a string, got {type(message[key]).__name__}"
+                )
+        if not message["role"]:
+            raise ValueError(f"messages[{i}]['role'] is an empty string")
+        out.append({k: v for k, v in message.items() if v is not None})
+    return out
+
+
+def render_chat_template(
+    template: str | None,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    special_tokens: dict[str, str | None] | None = None,
+    **kwargs: Any,
+) -> str:
+    """Render `messages` with `template` (ChatML when None). Extra kwargs (tools, ...) reach the template."""
+    checked = validate_messages(messages)
+    compiled = compile_template(template if template is not None else CHATML_TEMPLATE)
+    variables: dict[str, Any] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+    variables.update(kwargs)
+    variables.setdefault("tools", None)
+    variables.setdefault("documents", None)
+    try:
+        return compiled.render(messages=checked, add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.exceptions.TemplateError as exc:
+        raise ChatTemplateError(f"chat template failed to render: {exc}") from exc

@@ -1,0 +1,368 @@
+"""Rebuild a HF `tokenizers` tokenizer from a GGUF file's `tokenizer.ggml.*` metadata.
+
+A GGUF file carries no tokenizer.json: it stores the vocabulary, the merges, the token types and
+the special token ids under llama.cpp's key names, plus `tokenizer.ggml.pre`, the name of the
+pre-tokenizer (the regex that cuts text into words before BPE runs). This module turns those
+fields back into a `tokenizers.Tokenizer` that encodes exactly like llama.cpp does for the same
+file, which for the supported pre-tokenizers is also exactly what the model's original
+tokenizer.json does.
+
+Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`: GPT-2, SmolLM, Qwen2, Llama 3,
+...) are supported. Anything else raises `ModelLoadError` naming what is supported.
+
+This module must not import `quickdraft.loading` (the loading layer sits on top of it): it takes
+the metadata as a plain dict.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.models import BPE
+
+from quickdraft.errors import ModelLoadError
+
+# llama.cpp's token types (gguf.TokenType / llama_token_type).
+TOKEN_NORMAL = 1
+TOKEN_UNKNOWN = 2
+TOKEN_CONTROL = 3
+TOKEN_USER_DEFINED = 4
+TOKEN_UNUSED = 5
+TOKEN_BYTE = 6
+
+SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+
+# ---------------------------------------------------------------------------------------------
+# Pre-tokenizer regexes, as in llama.cpp's llama-vocab.cpp (llm_tokenizer_bpe) and in the models'
+# own tokenizer.json files. llama.cpp spells `(?i:'s|...)` as explicit case classes because
+# std::regex lacks inline flags; the Oniguruma engine in `tokenizers` takes the original form.
+# ---------------------------------------------------------------------------------------------
+
+# GPT-2's split, the one `ByteLevel(use_regex=True)` applies by itself:
+#   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+GPT2_SPLIT = None  # marker: use ByteLevel's built-in GPT-2 regex
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class PreTokenizerSpec:
+    """How one `tokenizer.ggml.pre` value cuts text before BPE.
+
+    split: a regex applied with "isolated" behaviour, or GPT2_SPLIT (None) for GPT-2's regex.
+    individual_digits: cut every digit into its own word first (StarCoder / SmolLM).
+    ignore_merges: a word that is itself a vocabulary entry is taken whole (Llama 3).
+    add_bos: llama.cpp's default for add_bos when the file has no `tokenizer.ggml.add_bos_token`.
+    """
+
+    split: str | None
+    individual_digits: bool = False
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+
+_GPT2 = PreTokenizerSpec(GPT2_SPLIT)
+_STARCODER = PreTokenizerSpec(GPT2_SPLIT, individual_digits=True)
+_LLAMA3 = PreTokenizerSpec(LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
+_LLAMA3_LIKE = PreTokenizerSpec(LLAMA3_SPLIT)  # same regex, llama.cpp keeps merges / no default BOS
+_QWEN2 = PreTokenizerSpec(QWEN2_SPLIT)
+
+PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
+    # GPT-2 regex. "default" (and a missing key) is what old converters wrote when they did not
+    # know the pre-tokenizer; GPT-2's regex is the sensible fallback (it is also what
+    # transformers uses for files it does not recognise). llama.cpp spells GPT-2 "gpt-2";
+    # "gpt2" is accepted too.
+    "default": _GPT2,
+    "gpt-2": _GPT2,
+    "gpt2": _GPT2,
+    "phi-2": _GPT2,
+    "mpt": _GPT2,
+    "olmo": _GPT2,
+    "jais": _GPT2,
+    "trillion": _GPT2,
+    "granite-docling": _GPT2,
+    "exaone4": _GPT2,
+    "gigachat": _GPT2,
+    "mellum": _GPT2,
+    "a.x-4.0": _GPT2,
+    "jina-es": _GPT2,
+    "jina-de": _GPT2,
+    "jina-v2-es": _GPT2,
+    "jina-v2-de": _GPT2,
+    "jina-v1-en": _GPT2,
+    "jina-v2-code": _GPT2,
+    "roberta-bpe": _GPT2,
+    # digits one by one, then GPT-2's regex
+    "smollm": _STARCODER,
+    "starcoder": _STARCODER,
+    "refact": _STARCODER,
+    "command-r": _STARCODER,
+    "codeshell": _STARCODER,
+    "exaone": _STARCODER,
+    "minerva-7b": _STARCODER,
+    # Llama 3 family
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "llama-bpe": _LLAMA3,
+    "falcon3": _LLAMA3,
+    "falcon-h1": _LLAMA3,
+    "pixtral": _LLAMA3,
+    "midm-2.0": _LLAMA3,
+    "lfm2": _LLAMA3,
+    "dbrx": _LLAMA3_LIKE,
+    "smaug-bpe": _LLAMA3_LIKE,
+    "chatglm-bpe": _LLAMA3_LIKE,
+    "glm4": _LLAMA3_LIKE,
+    # Qwen2 family
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+    "kormo": _QWEN2,
+    "megrez": _QWEN2,
+    "stablelm2": _QWEN2,
+    "hunyuan": _QWEN2,
+    "grok-2": _QWEN2,
+    "qwen35": PreTokenizerSpec(QWEN35_SPLIT),
+    "tekken": PreTokenizerSpec(TEKKEN_SPLIT, ignore_merges=True, add_bos=True),
+    "gpt-4o": PreTokenizerSpec(GPT4O_SPLIT),
+    "llama4": PreTokenizerSpec(GPT4O_SPLIT),
+    "minimax-m2": PreTokenizerSpec(GPT4O_SPLIT),
+}
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the byte-level "alphabet")."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+@dataclass
+class GGUFVocab:
+    """What `build_from_gguf_metadata` returns: the backend plus the facts the Tokenizer needs."""
+
+    backend: BackendTokenizer
+    tokens: list[str]
+    token_types: list[int]
+    bos_token_id: int | None
+    eos_token_id: int | None
+    unk_token_id: int | None
+    pad_token_id: int | None
+    extra_eos_token_ids: tuple[int, ...]
+    add_bos: bool
+    add_eos: bool
+    special_ids: frozenset[int] = field(default_factory=frozenset)
+    pre_tokenizer: str = "default"
+
+
+def _get(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
+    value = metadata.get(key, default)
+    return default if value is None else value
+
+
+def _token_id(metadata: dict[str, Any], key: str, n_tokens: int) -> int | None:
+    value = metadata.get(key)
+    if value is None:
+        return None
+    try:
+        value = int(value)
+    except (TypeError, ValueError):
+        raise ModelLoadError(f"GGUF field {key} must be an integer token id, got {value!r}") from None
+    if not 0 <= value < n_tokens:
+        # llama.cpp treats out-of-range ids (often -1 / 0xFFFFFFFF) as "no such token"
+        return None
+    return value
+
+
+def _pre_tokenizer(spec: PreTokenizerSpec) -> pre_tokenizers.PreTokenizer:
+    steps: list[pre_tokenizers.PreTokenizer] = []
+    if spec.individual_digits:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    if spec.split is None:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True))
+    else:
+        steps.append(pre_tokenizers.Split(Regex(spec.split), behavior="isolated", invert=False))
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False))
+    return steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+
+
+def _post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None):
+    if bos is None and eos is None:
+        return None
+    specials = [x for x in (bos, eos) if x is not None]
+    single = ([f"{bos[0]}:0"] if bos else []) + ["$A:0"] + ([f"{eos[0]}:0"] if eos else [])
+    pair = single + (([f"{bos[0]}:1"] if bos else []) + ["$B:1"] + ([f"{eos[0]}:1"] if eos else []))
+    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=specials)
+
+
+def build_from_gguf_metadata(metadata: dict[str, Any]) -> GGUFVocab:
+    """Build the tokenizer a GGUF file describes. Raises ModelLoadError on anything unsupported."""
+    if not isinstance(metadata, dict):
+        raise ModelLoadError(f"GGUF metadata must be a dict of fields, got {type(metadata).__name__}")
+    model = metadata.get("tokenizer.ggml.model")
+    if model is None:
+        raise ModelLoadError(
+            "GGUF file has no tokenizer (no tokenizer.ggml.model field); "
+            f"supported tokenizer models: {', '.join(SUPPORTED_TOKENIZER_MODELS)}"
+        )
+    if model not in SUPPORTED_TOKENIZER_MODELS:
+        hint = " (SentencePiece vocabularies are not supported yet)" if model == "llama" else ""
+        raise ModelLoadError(
+            f"unsupported GGUF tokenizer model {model!r}{hint}; "
+            f"supported tokenizer models: {', '.join(SUPPORTED_TOKENIZER_MODELS)}"
+        )
+    return _build_byte_level_bpe(metadata)
+
+
+def _build_byte_level_bpe(metadata: dict[str, Any]) -> GGUFVocab:
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ModelLoadError("GGUF field tokenizer.ggml.tokens must be a non-empty list of strings")
+    n = len(tokens)
+    token_types = metadata.get("tokenizer.ggml.token_type")
+    if token_types is None:
+        token_types = [TOKEN_NORMAL] * n
+    elif not isinstance(token_types, list) or len(token_types) != n:
+        raise ModelLoadError(
+            f"GGUF field tokenizer.ggml.token_type has {len(token_types) if isinstance(token_types, list) else '?'} "
+            f"entries but tokenizer.ggml.tokens has {n}"
+        )
+    token_types = [int(t) for t in token_types]
+
+    merges_field = metadata.get("tokenizer.ggml.merges")
+    if not isinstance(merges_field, list):
+        raise ModelLoadError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges list")
+    merges: list[tuple[str, str]] = []
+    for i, merge in enumerate(merges_field):
+        parts = merge.split(" ") if isinstance(merge, str) else []
+        if len(parts) != 2:
+            raise ModelLoadError(f"GGUF tokenizer.ggml.merges[{i}] = {merge!r} is not two tokens separated by a space")
+        merges.append((parts[0], parts[1]))
+
+    pre_name = _get(metadata, "tokenizer.ggml.pre", "default")
+    spec = PRE_TOKENIZERS.get(pre_name)
+    if spec is None:
+        raise ModelLoadError(
+            f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre_name!r}; "
+            f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+
+    # Vocabulary. Byte-level tokens are spelled in GPT-2's byte alphabet; a token using any other
+    # character (rare: some added tokens are stored as plain text) is re-spelled from its UTF-8
+    # bytes so that the BPE model and the ByteLevel decoder agree on it. Duplicate spellings keep
+    # their first id.
+    alphabet = set(bytes_to_unicode().values())
+    byte_map = bytes_to_unicode()
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        if not token:  # llama.cpp renames empty entries "[EMPTY_i]"; here they simply decode to ""
+            continue
+        spelled = token if set(token) <= alphabet else "".join(byte_map[b] for b in token.encode("utf-8"))
+        vocab.setdefault(spelled, index)
+
+    backend = BackendTokenizer(
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=spec.ignore_merges,
+        )
+    )
+    backend.normalizer = None
+    backend.pre_tokenizer = _pre_tokenizer(spec)
+    backend.decoder = decoders.ByteLevel()
+
+    # CONTROL tokens (<|im_start|>, <|endoftext|>, ...) become special added tokens and
+    # USER_DEFINED ones (<tool_call>, <think>, ...) non-special added tokens: both are matched
+    # whole in the text, like llama.cpp's tokenizer_st_partition and HF's added tokens. A token
+    # marked CONTROL that is not spelled in the byte alphabet is a converter mislabel and is
+    # left alone (as transformers does).
+    control: list[AddedToken] = []
+    user_defined: list[AddedToken] = []
+    special_ids: set[int] = set()
+    for index, (token, ttype) in enumerate(zip(tokens, token_types)):
+        if ttype == TOKEN_CONTROL and token and set(token) <= alphabet:
+            control.append(AddedToken(token, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True))
+            special_ids.add(index)
+        elif ttype == TOKEN_USER_DEFINED and token and token in vocab:
+            user_defined.append(
+                AddedToken(token, single_word=False, lstrip=False, rstrip=False, normalized=False, special=False)
+            )
+    # (added tokens already in the vocabulary keep the id the file gives them)
+    if control:
+        backend.add_special_tokens(control)
+    if user_defined:
+        backend.add_tokens(user_defined)
+
+    bos = _token_id(metadata, "tokenizer.ggml.bos_token_id", n)
+    eos = _token_id(metadata, "tokenizer.ggml.eos_token_id", n)
+    unk = _token_id(metadata, "tokenizer.ggml.unknown_token_id", n)
+    pad = _token_id(metadata, "tokenizer.ggml.padding_token_id", n)
+    extra_eos = tuple(
+        i for i in (_token_id(metadata, f"tokenizer.ggml.{k}_token_id", n) for k in ("eot", "eom")) if i is not None
+    )
+    add_bos = bool(_get(metadata, "tokenizer.ggml.add_bos_token", spec.add_bos)) and bos is not None
+    add_eos = bool(_get(metadata, "tokenizer.ggml.add_eos_token", False)) and eos is not None
+    for tid in (bos, eos):
+        if tid is not None and token_types[tid] == TOKEN_CONTROL:
+            special_ids.add(tid)
+
+    # BOS/EOS insertion lives in the post-processor, like in a tokenizer.json
+    backend.post_processor = _post_processor(
+        (tokens[bos], bos) if add_bos else None,
+        (tokens[eos], eos) if add_eos else None,
+    )
+
+    return GGUFVocab(
+        backend=backend,
+        tokens=list(tokens),
+        token_types=token_types,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        unk_token_id=unk,
+        pad_token_id=pad,
+        extra_eos_token_ids=extra_eos,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        special_ids=frozenset(special_ids),
+        pre_tokenizer=pre_name,
+    )
