@@ -41,6 +41,20 @@ class EngineConfig:
             self.max_speculative_tokens = k
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def drafter_bytes(drafter: Drafter | None) -> int:
+    """Weight bytes one draft step reads (0 for lookup drafters)."""
+    runner = getattr(drafter, "runner", None)
+    if runner is None:
+        return 0
+    cfg = runner.model.config
+    per_layer = weight_bytes(runner.model.model.layers[0])
+    return per_layer * runner.num_layers + weight_bytes(runner.model.lm_head)
+
+
 class LLMEngine:
     def __init__(self, target: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
                  drafter: Drafter | None = None) -> None:
@@ -49,7 +63,9 @@ class LLMEngine:
         self.cost = CostModel()
         fixed = None if config.num_speculative_tokens == "auto" else config.num_speculative_tokens
         self.controller = SpeculationController(self.cost, max_k=config.max_speculative_tokens, fixed_k=fixed,
-                                                draft_is_free=drafter is not None and drafter.name == "ngram")
+                                                draft_is_free=drafter is not None and drafter.name == "ngram",
+                                                seeded_cost=CostModel.from_weight_bytes(
+                                                    weight_bytes(target.model), drafter_bytes(drafter)))
         self.stats = SpecMetrics()
         self._ids = itertools.count()
         self._groups: dict[str, list[Sequence]] = {}

@@ -17,6 +17,11 @@ from quickdraft.speculative.cost import CostModel
 
 class HasAcceptance(Protocol):
     spec: "SpeculationStateLike"
+    params: "SamplingParamsLike"
+
+
+class SamplingParamsLike(Protocol):
+    seed: int | None
 
 
 class SpeculationStateLike(Protocol):
@@ -37,6 +42,7 @@ class SpeculationController:
     fixed_k: int | None = None  # a fixed k disables adaptation
     probe_every: int = 16  # rounds a switched-off sequence waits before drafting one probe token
     draft_is_free: bool = False  # n-gram lookup: no draft model to pay for
+    seeded_cost: CostModel | None = None  # deterministic plan for seeded requests (see CostModel.from_weight_bytes)
 
     def choose(self, seqs: Sequence[HasAcceptance], base_tokens: int) -> list[int]:
         """k per sequence; ``base_tokens`` is the number of tokens the step processes without any drafts."""
@@ -44,10 +50,12 @@ class SpeculationController:
             return [self.fixed_k] * len(seqs)
         if not seqs or not self.cost.calibrated:
             return [1] * len(seqs)
-        own = [self._best_alone(s.spec.acceptance) for s in seqs]
-        best_ks, best_rate = [0] * len(seqs), -1.0
+        seeded = [self.seeded_cost is not None and s.params.seed is not None for s in seqs]
+        own = [self._best_alone(s.spec.acceptance, self.seeded_cost if fixed else self.cost)
+               for s, fixed in zip(seqs, seeded)]
+        best_ks, best_rate = list(own), -1.0
         for cap in range(max(own, default=0) + 1):  # one batch-wide cap: at high load verification gets dearer
-            ks = [min(cap, k) for k in own]
+            ks = [k if fixed else min(cap, k) for k, fixed in zip(own, seeded)]
             rate = self._throughput(seqs, ks, base_tokens)
             if rate > best_rate * 1.0001:
                 best_ks, best_rate = ks, rate
@@ -62,10 +70,10 @@ class SpeculationController:
                 s.spec.rounds_off = 0
         return best_ks
 
-    def _best_alone(self, acceptance: float) -> int:
+    def _best_alone(self, acceptance: float, cost: CostModel) -> int:
         """The k this sequence would use on its own (batch of one)."""
         def rate(k: int) -> float:
-            seconds = self.cost.target(1 + k) + (0.0 if self.draft_is_free else k * self.cost.draft(1))
+            seconds = cost.target(1 + k) + (0.0 if self.draft_is_free else k * cost.draft(1))
             return expected_tokens(acceptance, k) / seconds if seconds > 0 else 0.0
 
         best, best_rate = 0, rate(0)

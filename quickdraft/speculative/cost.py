@@ -43,6 +43,19 @@ class CostModel:
         self.target = CostTable()  # seconds of one target forward, by tokens in the batch
         self.draft = CostTable()  # seconds of one draft step, by sequences in the batch
 
+    @classmethod
+    def from_weight_bytes(cls, target_bytes: int, draft_bytes: int, max_tokens: int = 64) -> "CostModel":
+        """A deterministic estimate for seeded requests: a pass costs the bytes of weights it reads.
+
+        Seeded requests must give the same tokens on every run, so the k they use may not
+        depend on timings; the measured model would make their random draws run-dependent.
+        """
+        model = cls()
+        for n in range(1, max_tokens + 1):
+            model.target.record(n, 1.0 + 0.01 * (n - 1))
+        model.draft.record(1, draft_bytes / target_bytes)
+        return model
+
     @property
     def calibrated(self) -> bool:
         return bool(self.target.points)

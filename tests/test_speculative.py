@@ -1,0 +1,125 @@
+"""Speculative decoding is exact: greedy output equals plain greedy, caches hold exactly the committed tokens."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.kv import ForwardItem, SequenceKV
+
+BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "bench-data"
+
+
+def bench_prompts(count: int) -> list[str]:
+    """A few public prompts: HumanEval code and Spec-Bench summarization/RAG (where n-gram lookup pays)."""
+    prompts = []
+    if (BENCH / "humaneval.public.jsonl").exists():
+        lines = (BENCH / "humaneval.public.jsonl").read_text().splitlines()
+        prompts += [json.loads(l)["prompt"] for l in lines[:count]]
+        for cat in ("summarization", "rag"):
+            recs = [json.loads(l) for l in (BENCH / "spec_bench.public.jsonl").read_text().splitlines()]
+            prompts += [r["turns"][0][:1500] for r in recs if r["category"] == cat][:count]
+    return prompts or ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"] * count
+
+
+def tiny_prompts(vocab: int, count: int, length: int = 24) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(count):
+        base = torch.randint(1, vocab, (length // 3,), generator=g).tolist()
+        out.append(base * 3)  # repetition gives n-gram lookup something to find
+    return out
+
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "self", "draft-poor", "draft-same"])
+@pytest.mark.parametrize("k", ["auto", 3])
+def test_greedy_identity_tiny(tiny_dir, kind, k):
+    target = tiny_dir(arch="qwen2", vocab_size=64, layers=4)
+    prompts = tiny_prompts(64, 6)
+    plain = [o.token_ids for o in LLM(str(target), dtype="float32").generate(prompts, GREEDY)]
+    kwargs = {"speculative": kind} if kind in ("ngram", "self") else {
+        "draft": str(target if kind == "draft-same" else tiny_dir(arch="llama", vocab_size=64, seed=3))}
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=k, **kwargs)
+    spec = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert spec == plain
+    stats = llm.spec_stats
+    assert stats.draft_tokens > 0
+    if kind == "draft-same":
+        assert stats.acceptance_rate > 0.95
+
+
+@pytest.mark.parametrize("kind", ["ngram", "self", "draft"])
+def test_greedy_identity_smollm2(smollm2, kind):
+    prompts = bench_prompts(2)
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    plain = LLM(str(smollm2), dtype="float32").generate(prompts, params)
+    kwargs = {"speculative": kind} if kind != "draft" else {"draft": str(smollm2)}
+    llm = LLM(str(smollm2), dtype="float32", **kwargs)
+    spec = llm.generate(prompts, params)
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids and a.text == b.text
+    assert llm.spec_stats.rounds < sum(len(o.token_ids) for o in spec) or kind == "self"
+
+
+def cache_contents(runner, kv: SequenceKV, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    bs = runner.block_size
+    slots = torch.tensor([kv.block_table[i // bs] * bs + i % bs for i in range(n)])
+    return runner.pool.k[:, slots].clone(), runner.pool.v[:, slots].clone()
+
+
+def test_rewind_leaves_exactly_committed_tokens(tiny_dir):
+    """After many rounds with rejections, both caches equal a fresh prefill of the committed tokens."""
+    target = tiny_dir(arch="llama", vocab_size=64, layers=3)
+    draft = tiny_dir(arch="llama", vocab_size=64, seed=5)
+    llm = LLM(str(target), draft=str(draft), dtype="float32", num_speculative_tokens=4)
+    rid = llm.engine.add_request(tiny_prompts(64, 1)[0], SamplingParams(max_tokens=60, temperature=1.0, seed=3,
+                                                                         ignore_eos=True))
+    (seq,) = llm.engine.sequences(rid)
+    for _ in range(8):
+        llm.engine.step()
+    assert not seq.finished and seq.metrics.spec.draft_tokens > seq.metrics.spec.accepted_tokens > 0
+    for runner, key in ((llm.target, "target"), (llm.drafter.runner, llm.drafter.key)):
+        kv = seq.kv[key]
+        assert kv.num_cached <= seq.num_tokens - 1
+        assert len(kv.block_table) <= -(-(seq.num_tokens + 4) // runner.block_size)
+        got = cache_contents(runner, kv, kv.num_cached)
+        fresh = SequenceKV()
+        runner.forward([ForwardItem(fresh, seq.token_ids[:kv.num_cached], 1)])
+        want = cache_contents(runner, fresh, kv.num_cached)
+        runner.free(fresh)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    llm.engine.abort(rid)
+    assert llm.target.allocator.num_used == 0 and llm.drafter.runner.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_seeded_sampling_reproducible_with_speculation(tiny_dir, kind):
+    target = tiny_dir(arch="qwen2", vocab_size=64, layers=4)
+    kwargs = {"speculative": "ngram"} if kind == "ngram" else {"draft": str(tiny_dir(arch="llama", vocab_size=64, seed=3))}
+    params = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    runs = [LLM(str(target), dtype="float32", **kwargs).generate(tiny_prompts(64, 3), params) for _ in range(2)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    other = LLM(str(target), dtype="float32", **kwargs).generate(tiny_prompts(64, 3),
+                                                                  dataclasses.replace(params, seed=99))
+    assert [o.token_ids for o in other] != [o.token_ids for o in runs[0]]
+
+
+def test_stream_marks_draft_tokens_and_matches_generate(tiny_dir):
+    target = tiny_dir(arch="qwen2", vocab_size=64, layers=4)
+    llm = LLM(str(target), draft=str(target), dtype="float32", num_speculative_tokens=3)
+    prompt = tiny_prompts(64, 1)[0]
+    chunks = list(llm.stream(prompt, GREEDY))
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    ids = [t for c in chunks for t in c.token_ids]
+    assert ids == llm.generate([prompt], GREEDY)[0].token_ids
+    flags = [f for c in chunks for f in c.from_draft]
+    assert len(flags) == len(ids) and any(flags) and not all(flags)
+    assert chunks[-1].metrics.spec.acceptance_rate > 0.95
