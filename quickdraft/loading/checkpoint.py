@@ -1,0 +1,96 @@
+"""A loaded checkpoint (config + HF-named tensors) and the entry point that loads one."""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quickdraft.config import ModelConfig
+from quickdraft.errors import ModelLoadError
+
+_EDGE_BYTES = 1 << 20
+
+
+@dataclass
+class Checkpoint:
+    """Weights ready for ``quickdraft.models.transformer.Transformer``.
+
+    ``tensors`` uses Hugging Face names (``model.layers.0.self_attn.q_proj.weight``)
+    in the requested dtype and HF layout. With ``config.tie_word_embeddings`` the
+    entry ``lm_head.weight`` is the same tensor object as ``model.embed_tokens.weight``
+    (so a strict ``load_state_dict`` works; it is stored once).
+    """
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    source: Path  # resolved GGUF file or HF directory
+    fingerprint: str  # identifies the exact source file(s); changes when the model file changes
+    chat_template: str | None
+    gguf_metadata: dict[str, Any] | None  # all GGUF key/values (tokenizer.ggml.* etc.); None for HF dirs
+    hf_dir: Path | None  # the HF directory (tokenizer.json lives there); None for GGUF
+    quantization: str  # e.g. 'Q4_1', 'Q4_K_M' for GGUF, 'safetensors' for HF directories
+
+
+def _hash_file(h: "hashlib._Hash", path: Path) -> None:
+    st = path.stat()
+    h.update(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_EDGE_BYTES))
+        if st.st_size > 2 * _EDGE_BYTES:
+            f.seek(st.st_size - _EDGE_BYTES)
+            h.update(f.read(_EDGE_BYTES))
+
+
+def fingerprint(path: str | os.PathLike) -> str:
+    """Cheap identity of a model file or HF directory: resolved path, size, mtime_ns,
+    plus a hash of the first and last MiB of each weight file (no full read)."""
+    path = Path(path).resolve()
+    h = hashlib.sha256(b"quickdraft-fingerprint-v1\0")
+    if path.is_dir():
+        files = sorted(
+            p for p in path.iterdir()
+            if p.is_file() and (p.suffix in (".safetensors", ".json", ".jinja", ".gguf"))
+        )
+        for p in files:
+            _hash_file(h, p)
+    else:
+        _hash_file(h, path)
+    return h.hexdigest()[:32]
+
+
+def load_checkpoint(
+    name_or_path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    *,
+    use_cache: bool = True,
+    progress: bool = True,
+) -> Checkpoint:
+    """Load a packaged model name, a ``.gguf`` file, or a Hugging Face model directory.
+
+    Raises ModelLoadError (naming the path and what is allowed) when the model is
+    missing, corrupt or unsupported.
+    """
+    from quickdraft.loading.registry import resolve_model
+
+    path = resolve_model(name_or_path)
+    if path.is_dir():
+        from quickdraft.loading.hf import load_hf_dir
+
+        return load_hf_dir(path, dtype)
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is neither a file nor a directory")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF" or path.suffix.lower() == ".gguf":
+        from quickdraft.loading.gguf import load_gguf
+
+        return load_gguf(path, dtype, use_cache=use_cache, progress=progress)
+    hint = " (pass the model directory that holds config.json)" if path.suffix in (".safetensors", ".json", ".bin") else ""
+    raise ModelLoadError(
+        f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'){hint}; "
+        "supported: a .gguf file, a Hugging Face directory with config.json and *.safetensors, or a packaged model name"
+    )

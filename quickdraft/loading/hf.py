@@ -1,0 +1,171 @@
+"""Load a Hugging Face model directory (config.json + *.safetensors)."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quickdraft.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from quickdraft.errors import ModelLoadError
+from quickdraft.loading.checkpoint import Checkpoint, fingerprint
+from quickdraft.loading.gguf import check_tensor_set, expected_shapes
+
+log = logging.getLogger(__name__)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value if isinstance(v, int)]
+    return []
+
+
+def chat_template_from_dir(path: Path) -> str | None:
+    """``chat_template.jinja`` if present, else ``chat_template`` of tokenizer_config.json."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    tok_cfg = path / "tokenizer_config.json"
+    if not tok_cfg.is_file():
+        return None
+    template = _read_json(tok_cfg).get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of an HF directory, from the shard index when there is one."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index} has no weight_map")
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{path}: shard(s) listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        hint = f" (found {', '.join(others)}; only safetensors weights are supported)" if others else ""
+        raise ModelLoadError(f"{path} has no *.safetensors weights{hint}")
+    return files
+
+
+def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) -> dict[str, Any]:
+    """ModelConfig keyword arguments from config.json (vocab size and bias are settled from the tensors)."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path / 'config.json'}: unsupported model_type {model_type!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or {}
+        rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        rope_type = rope_type or rope.get("rope_type")
+        if rope_type not in (None, "default"):
+            log.warning("%s: rope scaling %r is not supported; using plain RoPE", path, rope_type)
+        if cfg.get("mlp_bias"):
+            raise ModelLoadError(f"{path / 'config.json'}: mlp_bias=true is not supported")
+        eos = _ids(cfg.get("eos_token_id")) + _ids(generation.get("eos_token_id"))
+        return dict(
+            architecture=model_type,
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{path / 'config.json'} is missing {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path / 'config.json'} has an invalid value: {exc}") from exc
+
+
+def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a llama / mistral / qwen2 Hugging Face directory; safetensors are memory-mapped
+    (no copy when the stored dtype already is ``dtype``)."""
+    from safetensors.torch import load_file
+
+    path = Path(path).resolve()
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory not found: {path}")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{path} has no config.json; a Hugging Face model directory needs config.json and *.safetensors")
+    cfg_json = _read_json(config_path)
+    gen_path = path / "generation_config.json"
+    generation = _read_json(gen_path) if gen_path.is_file() else {}
+    kwargs = config_from_hf(cfg_json, generation, path)
+    files = weight_files(path)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            part = load_file(str(f))
+        except Exception as exc:
+            raise ModelLoadError(f"{f} is a corrupt or truncated safetensors file: {exc}") from exc
+        for name, t in part.items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            tensors[name] = t if t.dtype == dtype else t.to(dtype)
+
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ModelLoadError(f"{path}: checkpoint is missing tensor model.embed_tokens.weight")
+    kwargs["vocab_size"] = int(embed.shape[0])
+    kwargs["attention_bias"] = kwargs["attention_bias"] or "model.layers.0.self_attn.q_proj.bias" in tensors
+    try:
+        cfg = ModelConfig(**kwargs)
+    except ValueError as exc:
+        raise ModelLoadError(f"{config_path}: {exc}") from exc
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    check_tensor_set({k: tuple(v.shape) for k, v in tensors.items()}, cfg, path)
+    wanted = expected_shapes(cfg)
+    extra = sorted(set(tensors) - set(wanted))
+    if extra:
+        log.warning("%s: ignoring %d unused tensors (e.g. %s)", path, len(extra), extra[0])
+        for name in extra:
+            del tensors[name]
+    if cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    return Checkpoint(
+        config=cfg, tensors=tensors, source=path, fingerprint=fingerprint(path),
+        chat_template=chat_template_from_dir(path), gguf_metadata=None, hf_dir=path, quantization="safetensors",
+    )

@@ -1,0 +1,119 @@
+"""On-disk cache of dequantized GGUF weights as safetensors files.
+
+Dequantizing a GGUF costs seconds; reading the cached safetensors back is a
+memory map. Entries are keyed by the source file's fingerprint and the dtype,
+written atomically (temporary file + ``os.replace``), and a damaged entry is
+ignored and rebuilt. Tied embeddings are stored once.
+
+Layout: ``$QUICKDRAFT_CACHE_DIR`` (or ``platformdirs.user_cache_dir('quickdraft')``)
+holds ``weights/`` (this cache) and ``models/`` (assembled packaged models).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "QUICKDRAFT_CACHE_DIR"
+# Bump when the conversion (dequantization, name mapping, permutation) changes.
+CACHE_FORMAT_VERSION = "1"
+TIED_KEY = "lm_head.weight"
+EMBED_KEY = "model.embed_tokens.weight"
+
+
+def cache_root() -> Path:
+    """Root of quickdraft's caches: ``$QUICKDRAFT_CACHE_DIR`` or the platform user cache dir."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("quickdraft"))
+
+
+def weights_dir() -> Path:
+    return cache_root() / "weights"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cache_path(fingerprint: str, dtype: torch.dtype) -> Path:
+    return weights_dir() / f"{fingerprint}-{_dtype_name(dtype)}-v{CACHE_FORMAT_VERSION}.safetensors"
+
+
+def load_cached(fingerprint: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """``(tensors, info)`` from the cache, tensors memory-mapped, or None on a miss or a
+    damaged entry (which is removed). ``info`` is the JSON-able dict given to ``store``."""
+    path = cache_path(fingerprint, dtype)
+    if not path.is_file():
+        return None
+    try:
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("fingerprint") != fingerprint or meta.get("dtype") != _dtype_name(dtype):
+            raise ValueError("metadata does not match the source")
+        info = json.loads(meta["info"])
+        tensors = load_file(str(path))
+        if meta.get("tied") == "1":
+            tensors[TIED_KEY] = tensors[EMBED_KEY]
+        if sorted(tensors) != sorted(info["tensor_names"]):
+            raise ValueError("tensor names do not match the recorded list")
+        if any(t.dtype != dtype for t in tensors.values()):
+            raise ValueError("tensor dtype does not match")
+        return tensors, info
+    except Exception as exc:  # any damage: rebuild from the source
+        log.warning("ignoring damaged weight cache entry %s (%s: %s); rebuilding", path, type(exc).__name__, exc)
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        return None
+
+
+def store(
+    fingerprint: str, dtype: torch.dtype, tensors: dict[str, torch.Tensor], tied: bool, info: dict[str, Any]
+) -> Path | None:
+    """Write the tensors and a JSON-able ``info`` dict atomically; returns the path,
+    or None when the cache cannot be written (loading still works, uncached)."""
+    from safetensors.torch import save_file
+
+    path = cache_path(fingerprint, dtype)
+    to_save = {k: v.contiguous() for k, v in tensors.items() if not (tied and k == TIED_KEY)}
+    meta = {
+        "fingerprint": fingerprint,
+        "dtype": _dtype_name(dtype),
+        "tied": "1" if tied else "0",
+        "quickdraft_cache_version": CACHE_FORMAT_VERSION,
+        "info": json.dumps({**info, "tensor_names": sorted(tensors)}),
+    }
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        save_file(to_save, tmp, metadata=meta)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private
+        os.replace(tmp, path)
+        tmp = None
+        return path
+    except Exception as exc:  # read-only or full disk: loading still works, just not cached
+        log.warning("could not write weight cache %s: %s", path, exc)
+        return None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

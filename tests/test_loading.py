@@ -1,0 +1,440 @@
+"""GGUF and Hugging Face loading: equality with transformers and gguf-py, clear errors, weight cache."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT, GGUFWriter
+
+from quickdraft.config import ModelConfig
+from quickdraft.errors import ModelLoadError
+from quickdraft.loading import Checkpoint, load_checkpoint
+from quickdraft.loading import gguf as gguf_loader
+from quickdraft.loading import weight_cache
+from quickdraft.loading.checkpoint import fingerprint
+from quickdraft.loading.gguf import load_gguf
+from quickdraft.loading.hf import load_hf_dir
+
+try:
+    from fixtures_loading import (  # noqa: F401  (fixtures)
+        ALL_TYPES, TINY, cache_dir, one_torch_thread, save_tiny_hf, smollm_gguf, write_tiny_gguf,
+    )
+except ImportError:  # tests/ imported as a package
+    from tests.fixtures_loading import (  # noqa: F401
+        ALL_TYPES, TINY, cache_dir, one_torch_thread, save_tiny_hf, smollm_gguf, write_tiny_gguf,
+    )
+
+
+def assert_tensors_equal(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor | np.ndarray], rtol: float = 1e-6):
+    assert set(ours) == set(ref), set(ours) ^ set(ref)
+    for name, want in ref.items():
+        want = torch.as_tensor(np.asarray(want)) if not isinstance(want, torch.Tensor) else want
+        got = ours[name]
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=0, msg=name)
+
+
+# ----------------------------------------------------------------------------- real SmolLM2 GGUF
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    """The real SmolLM2 GGUF, loaded once with a fresh weight cache (a cache miss)."""
+    cache = tmp_path_factory.mktemp("smollm_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QUICKDRAFT_CACHE_DIR", str(cache))
+        ckpt = load_checkpoint("smollm2-135m")
+    return ckpt, cache
+
+
+def test_smollm_equals_transformers_gguf_load(smollm):
+    """Same tensors as transformers' own GGUF loader (dequantization, names, q/k un-permutation)."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    ckpt, _ = smollm
+    path = smollm_gguf()
+    # from_pretrained(gguf_file=...) runs exactly this, but insists on `accelerate` being installed.
+    # The meta model only supplies HF parameter names; transformers reads the head counts it uses
+    # to un-permute q/k from the file itself. (AutoConfig would parse the file a second time.)
+    c = ckpt.config
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        tie_word_embeddings=True,
+    )
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
+    ref = parsed["tensors"]
+    assert parsed["config"]["num_attention_heads"] == 9 and parsed["config"]["num_key_value_heads"] == 3
+    assert "lm_head.weight" not in ref
+    assert ckpt.tensors["lm_head.weight"] is ckpt.tensors["model.embed_tokens.weight"]
+    ours = {k: v for k, v in ckpt.tensors.items() if k != "lm_head.weight"}
+    assert_tensors_equal(ours, ref)
+    assert all(torch.equal(ours[k], ref[k]) for k in ref), "expected bit-exact equality"
+    assert set(model.state_dict()) == set(ckpt.tensors)
+
+
+def test_smollm_checkpoint_fields(smollm):
+    ckpt, _ = smollm
+    cfg = ckpt.config
+    assert cfg == ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+        num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
+        rms_norm_eps=cfg.rms_norm_eps, attention_bias=False, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    assert cfg.rms_norm_eps == pytest.approx(1e-5)
+    assert ckpt.source == smollm_gguf().resolve()
+    assert ckpt.quantization == "Q4_1"
+    assert ckpt.hf_dir is None
+    assert len(ckpt.fingerprint) == 32
+    assert ckpt.chat_template and "<|im_start|>" in ckpt.chat_template
+    meta = ckpt.gguf_metadata
+    assert meta["tokenizer.ggml.model"] == "gpt2" and len(meta["tokenizer.ggml.tokens"]) == 49152
+    assert meta["tokenizer.ggml.tokens"][2] == "<|im_end|>"
+    assert all(t.dtype == torch.float32 for t in ckpt.tensors.values())
+    assert sum(t.numel() for k, t in ckpt.tensors.items() if k != "lm_head.weight") == cfg.num_parameters
+
+
+def test_smollm_tensors_fit_the_transformer(smollm):
+    from quickdraft.models.transformer import Transformer
+
+    ckpt, _ = smollm
+    with torch.device("meta"):
+        model = Transformer(ckpt.config)
+    model.load_state_dict(ckpt.tensors, strict=True, assign=True)
+
+
+def test_second_load_uses_weight_cache(smollm, monkeypatch):
+    ckpt, cache = smollm
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(cache))
+    files = list((cache / "weights").glob("*.safetensors"))
+    assert len(files) == 1 and ckpt.fingerprint in files[0].name
+
+    def no_parse(*a, **k):
+        raise AssertionError("the GGUF was parsed although the weight cache holds it")
+
+    monkeypatch.setattr(gguf_loader, "open_gguf", no_parse)
+    start = time.perf_counter()
+    again = load_checkpoint(smollm_gguf())
+    elapsed = time.perf_counter() - start
+    assert elapsed < 5, elapsed
+    assert again.config == ckpt.config and again.fingerprint == ckpt.fingerprint
+    assert again.gguf_metadata == ckpt.gguf_metadata and again.chat_template == ckpt.chat_template
+    assert again.quantization == ckpt.quantization
+    assert again.tensors["lm_head.weight"] is again.tensors["model.embed_tokens.weight"]
+    assert set(again.tensors) == set(ckpt.tensors)
+    assert all(torch.equal(again.tensors[k], ckpt.tensors[k]) for k in ckpt.tensors)
+
+
+# ----------------------------------------------------------------------------- tiny GGUFs (every type)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_tiny_llama_every_type(tmp_path, cache_dir, qtype):
+    path = tmp_path / "tiny.gguf"
+    original, expected = write_tiny_gguf(path, "llama", qtype)
+    ckpt = load_gguf(path, progress=False)
+    assert_tensors_equal(ckpt.tensors, expected)
+    if qtype == QT.F32:  # the round trip through llama.cpp's permutation is exact
+        assert all(torch.equal(ckpt.tensors[k], torch.from_numpy(v)) for k, v in original.items())
+    cfg = ckpt.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (
+        2, 256, 4, 2, 64, TINY["vocab"])
+    assert cfg.rope_theta == 50000.0 and cfg.max_position_embeddings == 512 and not cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_tiny_other_architectures_round_trip(tmp_path, cache_dir, arch):
+    path = tmp_path / f"{arch}.gguf"
+    original, expected = write_tiny_gguf(path, arch, QT.F32, tied=True)
+    ckpt = load_gguf(path, progress=False)
+    assert ckpt.config.architecture == arch
+    assert ckpt.config.attention_bias == (arch == "qwen2")
+    assert ckpt.config.tie_word_embeddings
+    assert ckpt.tensors["lm_head.weight"] is ckpt.tensors["model.embed_tokens.weight"]
+    assert set(ckpt.tensors) == set(original)
+    assert all(torch.equal(ckpt.tensors[k], torch.from_numpy(v)) for k, v in original.items())
+
+
+def test_tiny_qwen2_equals_transformers(tmp_path, cache_dir):
+    """Qwen2 q/k are not permuted by llama.cpp, and biases load: check against transformers."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = tmp_path / "q.gguf"
+    write_tiny_gguf(path, "qwen2", QT.Q8_0)
+    ckpt = load_gguf(path, progress=False)
+    config = transformers.AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    ref = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    assert_tensors_equal(ckpt.tensors, ref)
+
+
+def test_eos_ids_add_chatml_end_of_turn(tmp_path, cache_dir):
+    write_tiny_gguf(tmp_path / "q.gguf", "qwen2", QT.F32)
+    write_tiny_gguf(tmp_path / "l.gguf", "llama", QT.F32)
+    write_tiny_gguf(tmp_path / "plain.gguf", "llama", QT.F32, with_chatml=False)
+    q = load_gguf(tmp_path / "q.gguf", progress=False).config
+    assert q.eos_token_ids == (0, 2) and q.bos_token_id == 1  # declared <|endoftext|>, plus <|im_end|>
+    assert load_gguf(tmp_path / "l.gguf", progress=False).config.eos_token_ids == (0, 2)
+    assert load_gguf(tmp_path / "plain.gguf", progress=False).config.eos_token_ids == (0,)
+
+
+def test_dtype_conversion_and_cache_per_dtype(tmp_path, cache_dir):
+    path = tmp_path / "t.gguf"
+    _, expected = write_tiny_gguf(path, "llama", QT.Q4_0)
+    bf = load_checkpoint(path, torch.bfloat16, progress=False)
+    assert all(t.dtype == torch.bfloat16 for t in bf.tensors.values())
+    ref = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in expected.items()}
+    assert all(torch.equal(bf.tensors[k], ref[k]) for k in ref)
+    load_checkpoint(path, torch.float32, progress=False)
+    names = sorted(p.name for p in (cache_dir / "weights").glob("*.safetensors"))
+    assert len(names) == 2 and any("bfloat16" in n for n in names) and any("float32" in n for n in names)
+    assert not list((cache_dir / "weights").glob("*.tmp"))
+
+
+# ----------------------------------------------------------------------------- weight cache
+
+
+def test_tied_embedding_stored_once_and_reused(tmp_path, cache_dir, monkeypatch):
+    from safetensors import safe_open
+
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, "llama", QT.Q8_0, tied=True)
+    first = load_gguf(path, progress=False)
+    [entry] = (cache_dir / "weights").glob("*.safetensors")
+    with safe_open(str(entry), framework="pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    monkeypatch.setattr(gguf_loader, "open_gguf", lambda *a, **k: pytest.fail("cache not used"))
+    second = load_gguf(path, progress=False)
+    assert second.tensors["lm_head.weight"] is second.tensors["model.embed_tokens.weight"]
+    assert all(torch.equal(second.tensors[k], first.tensors[k]) for k in first.tensors)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "empty"])
+def test_corrupt_cache_entry_is_rebuilt(tmp_path, cache_dir, damage):
+    path = tmp_path / "t.gguf"
+    _, expected = write_tiny_gguf(path, "llama", QT.Q4_1)
+    load_gguf(path, progress=False)
+    [entry] = (cache_dir / "weights").glob("*.safetensors")
+    data = entry.read_bytes()
+    entry.write_bytes({"garbage": os.urandom(len(data)), "truncate": data[: len(data) // 2], "empty": b""}[damage])
+    again = load_gguf(path, progress=False)
+    assert_tensors_equal(again.tensors, expected)
+    assert weight_cache.load_cached(again.fingerprint, torch.float32) is not None  # rebuilt and valid
+
+
+def test_changed_source_misses_cache(tmp_path, cache_dir):
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, "llama", QT.F32, seed=1)
+    fp1 = load_gguf(path, progress=False).fingerprint
+    assert fingerprint(path) == fp1
+    _, expected = write_tiny_gguf(path, "llama", QT.F32, seed=2)  # same path and size, new content
+    ckpt = load_gguf(path, progress=False)
+    assert ckpt.fingerprint != fp1
+    assert_tensors_equal(ckpt.tensors, expected)
+
+
+def test_use_cache_false_writes_nothing(tmp_path, cache_dir):
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, "llama", QT.F16)
+    load_gguf(path, use_cache=False, progress=False)
+    assert not (cache_dir / "weights").exists() or not list((cache_dir / "weights").iterdir())
+
+
+def test_unwritable_cache_still_loads(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(blocker))
+    path = tmp_path / "t.gguf"
+    _, expected = write_tiny_gguf(path, "llama", QT.Q5_1)
+    assert_tensors_equal(load_gguf(path, progress=False).tensors, expected)
+
+
+# ----------------------------------------------------------------------------- GGUF errors
+
+
+def test_missing_path_names_path_and_packaged_models(tmp_path, cache_dir):
+    missing = tmp_path / "nope" / "model.gguf"
+    with pytest.raises(ModelLoadError) as exc:
+        load_checkpoint(str(missing))
+    msg = str(exc.value)
+    assert str(missing) in msg and "smollm2-135m" in msg and "qwen2.5-coder-1.5b" in msg
+
+
+@pytest.mark.parametrize("name", ["notes.gguf", "weights.bin"])
+def test_non_gguf_file(tmp_path, cache_dir, name):
+    path = tmp_path / name
+    path.write_bytes(b"hello, this is not a model\n" * 100)
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_checkpoint(path)
+
+
+def test_truncated_real_gguf(tmp_path, cache_dir):
+    path = tmp_path / "cut.gguf"
+    with open(smollm_gguf(), "rb") as f:
+        path.write_bytes(f.read(1 << 20))  # ends inside the token list
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        load_checkpoint(path)
+
+
+def test_truncated_tensor_data(tmp_path, cache_dir):
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, "llama", QT.Q8_0)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 5000])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("where", ["version", "header"])
+def test_corrupt_header(tmp_path, cache_dir, where):
+    path = tmp_path / "bad.gguf"
+    write_tiny_gguf(path, "llama", QT.F32)
+    data = bytearray(path.read_bytes())
+    if where == "version":
+        data[4:8] = b"\xff\xff\xff\x7f"
+    else:
+        data[24:2048] = np.random.default_rng(0).integers(0, 256, 2024, dtype=np.uint8).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "mamba"])
+def test_unsupported_architecture(tmp_path, cache_dir, arch):
+    path = tmp_path / f"{arch}.gguf"
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError) as exc:
+        load_checkpoint(path)
+    assert f"unsupported architecture '{arch}'; supported: llama, mistral, qwen2" in str(exc.value)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.IQ2_XXS], ids=lambda q: q.name)
+def test_unsupported_quant_type(tmp_path, cache_dir, qtype):
+    path = tmp_path / "q.gguf"
+    write_tiny_gguf(path, "llama", qtype)
+    with pytest.raises(ModelLoadError) as exc:
+        load_checkpoint(path)
+    msg = str(exc.value)
+    assert qtype.name in msg and "supported: F32, F16, BF16, Q4_0" in msg and "Q6_K" in msg
+
+
+def test_missing_tensor_is_reported(tmp_path, cache_dir):
+    path = tmp_path / "m.gguf"
+    w = GGUFWriter(str(path), "llama")
+    for key, value in [("block_count", 1), ("embedding_length", 32), ("feed_forward_length", 64)]:
+        w.add_uint32(f"llama.{key}", value)
+    w.add_head_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="missing tensors model.norm.weight"):
+        load_checkpoint(path)
+
+
+# ----------------------------------------------------------------------------- Hugging Face directories
+
+
+@pytest.mark.parametrize("model_type,tied,shard", [("llama", False, False), ("qwen2", True, False), ("mistral", False, True)])
+def test_hf_dir_equals_transformers_state_dict(tmp_path, model_type, tied, shard):
+    ref = save_tiny_hf(tmp_path, model_type, tied=tied, shard=shard)
+    assert (tmp_path / "model.safetensors.index.json").exists() == shard
+    ckpt = load_checkpoint(tmp_path)
+    assert isinstance(ckpt, Checkpoint) and ckpt.hf_dir == tmp_path.resolve() and ckpt.gguf_metadata is None
+    assert ckpt.quantization == "safetensors"
+    assert set(ckpt.tensors) == set(ref)
+    assert all(torch.equal(ckpt.tensors[k], ref[k]) for k in ref)
+    cfg = ckpt.config
+    assert cfg.architecture == model_type and cfg.attention_bias == (model_type == "qwen2")
+    assert cfg.tie_word_embeddings == tied
+    if tied:
+        assert ckpt.tensors["lm_head.weight"] is ckpt.tensors["model.embed_tokens.weight"]
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 64, 4, 2, 16)
+    assert cfg.eos_token_ids == (0, 2, 5) and cfg.bos_token_id == 1  # config.json then generation_config.json
+    from quickdraft.models.transformer import Transformer
+
+    Transformer(cfg).load_state_dict(ckpt.tensors, strict=True)
+
+
+def test_hf_dir_dtype_and_chat_template(tmp_path):
+    save_tiny_hf(tmp_path, "llama")
+    assert load_hf_dir(tmp_path, torch.float32).chat_template is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    ckpt = load_hf_dir(tmp_path, torch.bfloat16)
+    assert ckpt.chat_template == "{{ messages }}"
+    assert all(t.dtype == torch.bfloat16 for t in ckpt.tensors.values())
+    (tmp_path / "chat_template.jinja").write_text("{{ jinja }}")
+    assert load_hf_dir(tmp_path, torch.float32).chat_template == "{{ jinja }}"
+
+
+def test_hf_dir_without_weights(tmp_path):
+    save_tiny_hf(tmp_path, "llama")
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match=r"has no \*\.safetensors weights.*pytorch_model\.bin"):
+        load_checkpoint(tmp_path)
+
+
+def test_hf_dir_without_config(tmp_path):
+    save_tiny_hf(tmp_path, "llama")
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        load_checkpoint(tmp_path)
+
+
+def test_hf_dir_unsupported_model_type(tmp_path):
+    save_tiny_hf(tmp_path, "llama")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'gpt2'; supported: llama, mistral, qwen2"):
+        load_checkpoint(tmp_path)
+
+
+def test_hf_dir_missing_shard_and_corrupt_file(tmp_path):
+    save_tiny_hf(tmp_path, "llama", shard=True)
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    shards[0].write_bytes(b"\x00" * 10)
+    with pytest.raises(ModelLoadError, match="corrupt or truncated safetensors"):
+        load_checkpoint(tmp_path)
+    shards[0].unlink()
+    with pytest.raises(ModelLoadError, match="missing"):
+        load_checkpoint(tmp_path)
+
+
+def test_fingerprint_tracks_content(tmp_path):
+    a = tmp_path / "a.bin"
+    a.write_bytes(b"x" * (3 << 20))
+    fp = fingerprint(a)
+    assert fingerprint(a) == fp
+    st = a.stat()
+    with open(a, "r+b") as f:
+        f.write(b"y")
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime, different first MiB
+    assert fingerprint(a) != fp
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    fpd = fingerprint(d)
+    (d / "model.safetensors").write_bytes(b"z")
+    assert fingerprint(d) != fpd
