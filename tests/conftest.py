@@ -6,10 +6,13 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-import torch
-
+# Before torch starts OpenMP: idle worker threads sleep instead of spinning, which matters on 2 shared cores
+# where tests drive many tiny ops.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("QUICKDRAFT_CACHE_DIR", str(Path(__file__).parent / ".cache"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

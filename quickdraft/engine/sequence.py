@@ -38,7 +38,7 @@ class SpeculationState:
         self.rejected = self.rejected * decay + (1 if accepted < drafted else 0)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a sequence is found in queues by who it is, not by value
 class Sequence:
     request_id: str
     index: int

@@ -100,43 +100,58 @@ class AttentionBatch:
 
     The model hands each layer's q, k, v here; this writes the new keys and values
     into the pool and attends each sequence's queries to its own cached context.
+    All sequences share one attention call per layer: queries and contexts are
+    padded to the longest and a mask keeps each query to its own causal context.
     The model never sees block tables or scheduling.
     """
 
     def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int]) -> None:
         self.pool = pool
-        self.starts, self.lengths = starts, lengths
         device = pool.k.device
         bs = pool.block_size
-        new_slots, self.context_slots, self.masks = [], [], []
-        for table, start, n in zip(tables, starts, lengths):
-            total = start + n
+        batch, n_max = len(lengths), max(lengths)
+        totals = [s + n for s, n in zip(starts, lengths)]
+        l_max = max(totals)
+        context = torch.zeros(batch, l_max, dtype=torch.long)
+        new_slots = []
+        for b, (table, total, start) in enumerate(zip(tables, totals, starts)):
             positions = torch.arange(total)
-            slots = torch.tensor(table, dtype=torch.long)[positions // bs] * bs + positions % bs
+            slots = torch.tensor(table[: -(-total // bs)], dtype=torch.long)[positions // bs] * bs + positions % bs
+            context[b, :total] = slots
             new_slots.append(slots[start:])
-            self.context_slots.append(slots.to(device))
-            if n == 1:
-                mask = None
-            else:
-                # query i (absolute position start+i) sees keys 0..start+i
-                mask = positions[None, :] <= (start + torch.arange(n))[:, None]
-                mask = mask.to(device)
-            self.masks.append(mask)
         self.slot_mapping = torch.cat(new_slots).to(device)
+        self.context = context.to(device)
         self.positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
-        self.single_context = len(lengths) == 1
+        self.shape = (batch, n_max)
+        self.mask = None
+        if n_max > 1 or len(set(totals)) > 1:
+            starts_t, lengths_t, totals_t = (torch.tensor(x)[:, None, None] for x in (starts, lengths, totals))
+            query = torch.arange(n_max)[None, :, None]
+            key = torch.arange(l_max)[None, None, :]
+            mask = (key <= starts_t + query) & (key < totals_t)
+            mask |= (query >= lengths_t) & (key == 0)  # padded query rows attend somewhere harmless
+            self.mask = mask[:, None].to(device)  # [B, 1, n_max, L_max]
+        if batch > 1 and n_max > 1:
+            rows = [b * n_max + i for b, n in enumerate(lengths) for i in range(n)]
+            self.valid_rows = torch.tensor(rows, device=device)
+            pad_source = torch.zeros(batch * n_max, dtype=torch.long)
+            pad_source[self.valid_rows.cpu()] = torch.arange(len(rows))
+            self.pad_source = pad_source.to(device)
+        else:
+            self.valid_rows = self.pad_source = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]."""
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
-        out = []
-        offset = 0
-        for n, slots, mask in zip(self.lengths, self.context_slots, self.masks):
-            qs = q[offset:offset + n].transpose(0, 1)  # [H, n, D]
-            ks = k_cache.index_select(0, slots).transpose(0, 1)  # [KVH, L, D]
-            vs = v_cache.index_select(0, slots).transpose(0, 1)
-            out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True).transpose(0, 1))
-            offset += n
-        return out[0] if self.single_context else torch.cat(out)
+        batch, n_max = self.shape
+        heads, dim = q.shape[1], q.shape[2]
+        if self.pad_source is not None:
+            q = q[self.pad_source]
+        qs = q.view(batch, n_max, heads, dim).transpose(1, 2)  # [B, H, n, D]
+        ks = k_cache[self.context].transpose(1, 2)  # [B, KVH, L, D]
+        vs = v_cache[self.context].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=self.mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(batch * n_max, heads, dim)
+        return out if self.valid_rows is None else out[self.valid_rows]
