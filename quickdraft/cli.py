@@ -68,6 +68,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from quickdraft.serving import create_app
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = llm_from_args(args, policy=args.policy, max_num_seqs=args.max_num_seqs,
+                        kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)
+    name = args.served_model_name or args.model
+    app = create_app(llm, name)
+    spec = f", {llm.drafter.name} speculation" if llm.drafter is not None else ""
+    print(f"serving {name} ({llm.max_model_len} tokens of context{spec}) on http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quickdraft", description="LLM inference with exact speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--show-drafts", action="store_true", help="colour accepted draft tokens (terminal only)")
     g.set_defaults(fn=cmd_generate)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "priority", "deadline"],
+                   help="scheduling policy (priority and deadline read the request's priority / deadline_s)")
+    s.add_argument("--max-num-seqs", type=int, default=16, help="sequences batched together at most")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
+    s.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size per model, e.g. 2GiB or 512MB")
+    s.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: MODEL)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(fn=cmd_serve)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -54,7 +54,7 @@ class LLM:
     def __init__(self, model: str, *, draft: str | None = None, speculative: str | None = None,
                  num_speculative_tokens: int | str = "auto", max_speculative_tokens: int = 8,
                  dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512, policy: str = "fcfs",
+                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512, policy: str = "fcfs", preemption: str = "recompute",
                  kv_cache_memory: int | str = "1GiB", block_size: int = 16, self_draft_layers: int | None = None,
                  ngram_max: int = 4, ngram_min: int = 1) -> None:
         if draft is not None and speculative is not None:
@@ -70,6 +70,14 @@ class LLM:
         cfg = self.checkpoint.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.target = ModelRunner("target", self.model, kv_bytes, block_size)
+        # one sequence of the full context (plus drafts) must fit in the pool, or it could never finish
+        capacity = self.target.allocator.num_blocks * block_size - max_speculative_tokens - 1
+        if capacity < self.max_model_len:
+            if max_model_len is not None:
+                raise InvalidParameterError(
+                    f"max_model_len={max_model_len} does not fit in the KV cache ({capacity} tokens with "
+                    f"kv_cache_memory={kv_cache_memory}); raise kv_cache_memory or lower max_model_len")
+            self.max_model_len = capacity
         self.drafter: Drafter | None = None
         self.draft_checkpoint: Checkpoint | None = None
         if draft is not None:
@@ -88,7 +96,7 @@ class LLM:
         config = EngineConfig(
             max_model_len=self.max_model_len,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      policy=policy),
+                                      policy=policy, preemption=preemption),
             num_speculative_tokens=num_speculative_tokens if self.drafter is not None else 0,
             max_speculative_tokens=max_speculative_tokens)
         self.engine = LLMEngine(self.target, self.tokenizer, config, self.drafter)

@@ -69,6 +69,7 @@ class LLMEngine:
         self.stats = SpecMetrics()
         self._ids = itertools.count()
         self._groups: dict[str, list[Sequence]] = {}
+        self._forks: dict[str, list[Sequence]] = {}
         if drafter is not None and fixed is None:
             self.calibrate()
 
@@ -98,11 +99,15 @@ class LLMEngine:
                            generator=make_generator(seed, "cpu"), max_model_len=self.config.max_model_len)
             seq.kv["target"] = SequenceKV()
             seqs.append(seq)
-            self.scheduler.add(seq)
+        # extra samples wait until the first has prefilled the prompt, then share its blocks (copy-on-write)
+        self.scheduler.add(seqs[0])
+        if len(seqs) > 1:
+            self._forks[request_id] = seqs[1:]
         self._groups[request_id] = seqs
         return request_id
 
     def abort(self, request_id: str) -> None:
+        self._forks.pop(request_id, None)
         for seq in self._groups.pop(request_id, []):
             self.scheduler.remove(seq)
             if not seq.finished:
@@ -143,6 +148,11 @@ class LLMEngine:
         for (seq, _), rows in zip(scheduled, logits):
             if id(seq) in drafts:
                 self._commit(seq, rows, drafts[id(seq)])
+        for seq, _ in scheduled:
+            kv = seq.kv["target"]
+            self.target.publish(kv, seq.token_ids)
+            if seq.request_id in self._forks and kv.num_cached >= len(seq.prompt_ids) - 1:
+                self._fork_samples(seq)
         chunks = []
         for seq, _ in scheduled:
             if seq.finished:
@@ -152,6 +162,18 @@ class LLMEngine:
             if chunk is not None:
                 chunks.append(chunk)
         return chunks
+
+    def _fork_samples(self, parent: Sequence) -> None:
+        """Start the other samples of a request on the parent's prompt blocks; each recomputes only the last
+        prompt token, into its own copy of the shared last block."""
+        for child in self._forks.pop(parent.request_id):
+            child.kv["target"] = self.target.fork(parent.kv["target"], len(parent.prompt_ids) - 1)
+            self.scheduler.add(child)
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens served from the prefix cache instead of being recomputed."""
+        return self.target.allocator.prefix_hit_blocks * self.target.block_size
 
     def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Proposal]:
         if self.drafter is None or not seqs:
@@ -194,6 +216,8 @@ class LLMEngine:
             self.drafter.rewind(seq)
 
     def _drop_kv(self, seq: Sequence) -> None:
+        if seq.finished:
+            seq.swapped = None
         kv = seq.kv.get("target")
         if kv is not None:
             self.target.free(kv)

@@ -37,11 +37,14 @@ class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512  # per-step token budget; long prompts are prefilled in chunks of this size
     policy: str = "fcfs"
+    preemption: str = "recompute"  # or "swap": keep the preempted KV in host memory
 
     def __post_init__(self) -> None:
         policy_key(self.policy)
         if self.max_num_seqs < 1:
             raise InvalidParameterError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.preemption not in ("recompute", "swap"):
+            raise InvalidParameterError(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
         if self.max_num_batched_tokens < 1:
             raise InvalidParameterError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
@@ -89,13 +92,30 @@ class Scheduler:
             scheduled.append((seq, chunk))
             i += 1
         self.waiting.sort(key=self.key)
+        retried = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             kv = seq.kv.setdefault("target", SequenceKV())
-            chunk = min(seq.num_tokens - kv.num_cached, budget)
-            need = self.target.blocks_for(kv, kv.num_cached + chunk + draft_room)
+            cached = seq.swapped[2] if seq.swapped is not None else kv.num_cached
+            if cached == 0:  # cached prefix blocks leave the free list as they are taken
+                before = self.target.allocator.num_free
+                cached = self.target.match_prefix(kv, seq.token_ids)
+                free -= before - self.target.allocator.num_free
+            chunk = min(seq.num_tokens - cached, budget)
+            need = self.target.blocks_for(kv, cached + chunk + draft_room) if seq.swapped is None else \
+                -(-(cached + chunk + draft_room) // self.target.block_size)
             if need > free:
-                break
+                # blocks a waiting sequence holds may be promised to running ones: give them all back;
+                # its prefix stays cached and is matched again on the one retry
+                released = self._release_waiting()
+                if retried or not released:
+                    break
+                free += released
+                retried = True
+                continue
+            if seq.swapped is not None:
+                self.target.swap_in(kv, seq.swapped)
+                seq.swapped = None
             free -= need
             budget -= chunk
             self.waiting.pop(0)
@@ -104,10 +124,22 @@ class Scheduler:
             scheduled.append((seq, chunk))
         return scheduled
 
+    def _release_waiting(self) -> int:
+        """Waiting sequences give back blocks they hold (matched prefixes, forked samples), so they can
+        never keep the running ones from progressing; returns the blocks freed."""
+        before = self.target.allocator.num_free
+        for seq in self.waiting:
+            kv = seq.kv.get("target")
+            if kv is not None and kv.block_table:
+                self.target.free(kv)
+        return self.target.allocator.num_free - before
+
     def _preempt(self, seq: Sequence) -> int:
         """Drop a running sequence's KV (recompute later); returns the blocks freed."""
         before = self.target.allocator.num_free
         self.running.remove(seq)
+        if self.config.preemption == "swap":
+            seq.swapped = self.target.swap_out(seq.kv["target"])
         self.on_preempt(seq)
         seq.status = Status.WAITING
         self.waiting.append(seq)

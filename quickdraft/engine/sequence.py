@@ -57,6 +57,7 @@ class Sequence:
     spec: SpeculationState = field(default_factory=SpeculationState)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     logprobs: list[dict] = field(default_factory=list)
+    swapped: tuple | None = None  # host copy of the target KV while preempted with preemption="swap"
     text: str = ""
     _emitted_tokens: int = 0
     _emitted_chars: int = 0

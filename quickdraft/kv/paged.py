@@ -7,6 +7,9 @@ length back and returns whole blocks it no longer needs; nothing is recomputed.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -29,18 +32,37 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    def copy_block(self, src: int, dst: int) -> None:
+        bs = self.block_size
+        self.k[:, dst * bs:(dst + 1) * bs] = self.k[:, src * bs:(src + 1) * bs]
+        self.v[:, dst * bs:(dst + 1) * bs] = self.v[:, src * bs:(src + 1) * bs]
+
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """Content hash of a full block, chained to its predecessor so equal blocks at different offsets differ."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
 class BlockAllocator:
-    """Free list with reference counts, so several sequences can share blocks (n > 1, prefix cache)."""
+    """Reference-counted blocks with a prefix cache of full blocks by content hash.
+
+    A released block keeps its content and hash until it is handed out again, so
+    a later request with the same prefix can take it back (least recently freed
+    blocks are reused first).
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.prefix_hit_blocks = 0
+        self.prefix_query_blocks = 0
 
     @property
     def num_free(self) -> int:
@@ -53,18 +75,31 @@ class BlockAllocator:
     def allocate(self) -> int:
         if not self._free:
             raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
-        block = self._free.pop()
+        block, _ = self._free.popitem(last=False)
+        digest = self._hash_of.pop(block, None)
+        if digest is not None and self._block_of.get(digest) == block:
+            del self._block_of[digest]
         self.ref_counts[block] = 1
         return block
 
     def share(self, block: int) -> int:
+        if self.ref_counts[block] == 0:
+            del self._free[block]
         self.ref_counts[block] += 1
         return block
 
     def release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self._free.append(block)
+            self._free[block] = None
+
+    def register(self, block: int, digest: bytes) -> None:
+        if digest not in self._block_of:
+            self._block_of[digest] = block
+            self._hash_of[block] = digest
+
+    def lookup(self, digest: bytes) -> int | None:
+        return self._block_of.get(digest)
 
 
 @dataclass
@@ -73,6 +108,7 @@ class SequenceKV:
 
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
+    hashes: list[bytes] = field(default_factory=list)  # content hashes of the leading full, committed blocks
 
     def blocks_needed(self, new_length: int, block_size: int) -> int:
         return max(0, -(-new_length // block_size) - len(self.block_table))
@@ -84,15 +120,60 @@ class SequenceKV:
             raise OutOfBlocks(f"need {needed} KV blocks, {allocator.num_free} free")
         self.block_table.extend(allocator.allocate() for _ in range(needed))
 
+    def make_writable(self, start: int, end: int, allocator: BlockAllocator, pool: KVPool) -> None:
+        """Copy-on-write: give this sequence its own copy of any shared block that slots start..end-1 touch."""
+        bs = pool.block_size
+        for i in range(start // bs, min(-(-end // bs), len(self.block_table))):
+            old = self.block_table[i]
+            if allocator.ref_counts[old] > 1:
+                new = allocator.allocate()
+                pool.copy_block(old, new)
+                allocator.release(old)
+                self.block_table[i] = new
+
     def truncate(self, length: int, allocator: BlockAllocator, block_size: int) -> None:
         """Forget every token from ``length`` on and give back blocks that held only those."""
         self.num_cached = min(self.num_cached, length)
+        del self.hashes[length // block_size:]
         keep = -(-length // block_size)
         while len(self.block_table) > keep:
             allocator.release(self.block_table.pop())
 
     def free(self, allocator: BlockAllocator) -> None:
         self.truncate(0, allocator, 1)
+
+    def fork(self, length: int, allocator: BlockAllocator, block_size: int) -> "SequenceKV":
+        """A child sharing this sequence's first ``length`` cached tokens (n > 1 samples of one prompt)."""
+        length = min(length, self.num_cached)
+        table = [allocator.share(b) for b in self.block_table[: -(-length // block_size)]]
+        return SequenceKV(table, length, self.hashes[: length // block_size])
+
+    def match_prefix(self, tokens: list[int], allocator: BlockAllocator, block_size: int) -> int:
+        """Take cached full blocks that hold a prefix of ``tokens``; at least one token is left to compute."""
+        if self.block_table:
+            return 0
+        parent = b""
+        for i in range((len(tokens) - 1) // block_size):
+            allocator.prefix_query_blocks += 1
+            digest = block_hash(parent, tokens[i * block_size:(i + 1) * block_size])
+            block = allocator.lookup(digest)
+            if block is None:
+                break
+            allocator.prefix_hit_blocks += 1
+            self.block_table.append(allocator.share(block))
+            self.hashes.append(digest)
+            parent = digest
+        self.num_cached = len(self.block_table) * block_size
+        return self.num_cached
+
+    def publish(self, tokens: list[int], allocator: BlockAllocator, block_size: int) -> None:
+        """Register blocks that are now full of committed tokens so later prompts can reuse them."""
+        full = min(self.num_cached, len(tokens)) // block_size
+        while len(self.hashes) < full:
+            i = len(self.hashes)
+            digest = block_hash(self.hashes[-1] if self.hashes else b"", tokens[i * block_size:(i + 1) * block_size])
+            allocator.register(self.block_table[i], digest)
+            self.hashes.append(digest)
 
 
 class AttentionBatch:

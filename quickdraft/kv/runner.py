@@ -41,7 +41,30 @@ class ModelRunner:
         return self.model.config.vocab_size
 
     def blocks_for(self, kv: SequenceKV, length: int) -> int:
-        return kv.blocks_needed(length, self.block_size)
+        """Free blocks a forward growing ``kv`` to ``length`` tokens takes: new ones plus copy-on-write copies."""
+        bs = self.block_size
+        shared = sum(1 for b in kv.block_table[kv.num_cached // bs: -(-length // bs)] if self.allocator.ref_counts[b] > 1)
+        return kv.blocks_needed(length, bs) + shared
+
+    def swap_out(self, kv: SequenceKV) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Copy a sequence's cached keys/values to host memory and free its blocks."""
+        slots = self._slots(kv, kv.num_cached)
+        saved = (self.pool.k[:, slots].to("cpu"), self.pool.v[:, slots].to("cpu"), kv.num_cached)
+        self.free(kv)
+        return saved
+
+    def swap_in(self, kv: SequenceKV, saved: tuple[torch.Tensor, torch.Tensor, int]) -> None:
+        k, v, length = saved
+        kv.reserve(length, self.allocator, self.block_size)
+        slots = self._slots(kv, length)
+        self.pool.k[:, slots] = k.to(self.device)
+        self.pool.v[:, slots] = v.to(self.device)
+        kv.num_cached = length
+
+    def _slots(self, kv: SequenceKV, length: int) -> torch.Tensor:
+        bs = self.block_size
+        positions = torch.arange(length)
+        return (torch.tensor(kv.block_table, dtype=torch.long)[positions // bs] * bs + positions % bs).to(self.device)
 
     def truncate(self, kv: SequenceKV, length: int) -> None:
         kv.truncate(length, self.allocator, self.block_size)
@@ -49,12 +72,23 @@ class ModelRunner:
     def free(self, kv: SequenceKV) -> None:
         kv.free(self.allocator)
 
+    def match_prefix(self, kv: SequenceKV, tokens: list[int]) -> int:
+        return kv.match_prefix(tokens, self.allocator, self.block_size)
+
+    def publish(self, kv: SequenceKV, tokens: list[int]) -> None:
+        kv.publish(tokens, self.allocator, self.block_size)
+
+    def fork(self, kv: SequenceKV, length: int) -> SequenceKV:
+        return kv.fork(length, self.allocator, self.block_size)
+
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """Append each item's tokens to its cache and return its last ``num_logits`` rows of float32 logits."""
         t0 = time.perf_counter()
         for item in items:
-            item.kv.reserve(item.kv.num_cached + len(item.tokens), self.allocator, self.block_size)
+            end = item.kv.num_cached + len(item.tokens)
+            item.kv.make_writable(item.kv.num_cached, end, self.allocator, self.pool)
+            item.kv.reserve(end, self.allocator, self.block_size)
         attn = AttentionBatch(self.pool, [it.kv.block_table for it in items], [it.kv.num_cached for it in items],
                               [len(it.tokens) for it in items])
         tokens = torch.tensor([t for it in items for t in it.tokens], dtype=torch.long, device=self.device)

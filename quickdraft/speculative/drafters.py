@@ -112,6 +112,8 @@ class ModelDrafter:
             for i in active:
                 kv = self._kv(seqs[i])
                 context = seqs[i].token_ids + drafts[i]
+                if not kv.block_table:
+                    self.runner.match_prefix(kv, context)
                 items.append(ForwardItem(kv, context[kv.num_cached:], 1))
                 owners.append(i)
             if not items:
@@ -136,6 +138,7 @@ class ModelDrafter:
         kv = seq.kv.get(self.key)
         if kv is not None:
             self.runner.truncate(kv, min(kv.num_cached, len(seq.token_ids) - 1))
+            self.runner.publish(kv, seq.token_ids)
 
     def release(self, seq: DraftableSequence) -> None:
         kv = seq.kv.pop(self.key, None)

@@ -1,0 +1,367 @@
+"""Drive the (single-threaded) engine from asyncio: one background thread steps it, requests stream out.
+
+Threading model
+---------------
+``LLMEngine`` is not thread-safe, so every call into it (``add_request``, ``abort``, ``step``,
+``sequences``, ``release``) happens under one lock. The engine thread holds the lock while it steps;
+another thread that wants the lock announces itself first (``_waiters``) and the engine thread, after
+its current step, waits on the condition until every announced caller has had its turn, so an
+``add_request`` waits at most one step (a plain ``threading.Lock`` is not fair and could starve it).
+``add_request`` runs in a worker thread (``run_in_executor``), so the event loop keeps streaming while it
+waits for that step; validation errors still reach the caller of :meth:`AsyncEngine.generate` before
+any model work. Chunks go back to the event loop through ``loop.call_soon_threadsafe`` into a per-request
+``asyncio.Queue``. Aborts never block the event loop: they are applied at once when the engine is idle,
+otherwise right after the running step.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from quickdraft.engine.outputs import StreamChunk
+from quickdraft.errors import InvalidParameterError, QuickdraftError
+from quickdraft.sampling import SamplingParams
+from quickdraft.serving.metrics import ServerMetrics
+
+log = logging.getLogger("quickdraft.serving")
+
+_END = object()  # queue sentinel: every sample of the request has finished
+
+
+class EngineError(QuickdraftError, RuntimeError):
+    """The engine failed while generating this request (an internal bug, not the request's fault)."""
+
+
+class EngineStoppedError(EngineError):
+    """The server is shutting down."""
+
+
+@dataclass
+class _Request:
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_samples: int
+    arrival_s: float
+    finished_samples: int = 0
+    first_token_s: float | None = None
+    last_token_s: dict[int, float] = field(default_factory=dict)  # per sample index
+
+
+class RequestStream:
+    """Async iterator over one request's :class:`StreamChunk` s (all samples interleaved).
+
+    Stopping early -- ``aclose()``, cancellation while waiting, or dropping the object -- aborts the
+    request, which frees its KV blocks.
+    """
+
+    def __init__(self, owner: "AsyncEngine", request_id: str, queue: asyncio.Queue) -> None:
+        self._owner, self.request_id, self._queue = owner, request_id, queue
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: the consumer is gone
+            self._abandon()
+            raise
+        if item is _END:
+            self._done = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self._abandon()
+
+    def close(self) -> None:
+        """Synchronous ``aclose`` (safe inside cancelled scopes, where awaiting is not)."""
+        self._abandon()
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def _abandon(self) -> None:
+        if not self._done:
+            self._done = True
+            self._owner.abort(self.request_id)
+
+    def __del__(self) -> None:
+        try:
+            self._abandon()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, llm, metrics: ServerMetrics | None = None, idle_poll_s: float = 0.1) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.metrics = metrics or ServerMetrics()
+        self._cond = threading.Condition(threading.Lock())
+        self._waiters = 0
+        self._waiters_lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}  # touched under self._cond only
+        self._pending_aborts: collections.deque[str] = collections.deque()
+        self._idle_poll_s = idle_poll_s
+        self._stopping = False
+        self._ids = 0
+        self._thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
+        self._started = False
+        self.step_errors = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> "AsyncEngine":
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._locked():
+            self._stopping = True
+            for rid in list(self._requests):
+                self._fail(rid, EngineStoppedError("the server is shutting down"), status="aborted")
+            self._cond.notify_all()
+        if self._started:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    # ---- the lock --------------------------------------------------------------------------------
+    class _Turn:
+        def __init__(self, owner: "AsyncEngine") -> None:
+            self.owner = owner
+
+        def __enter__(self) -> None:
+            o = self.owner
+            with o._waiters_lock:
+                o._waiters += 1
+            o._cond.acquire()
+            with o._waiters_lock:
+                o._waiters -= 1
+
+        def __exit__(self, *exc) -> None:
+            self.owner._cond.notify_all()
+            self.owner._cond.release()
+
+    def _locked(self) -> "_Turn":
+        """Take the engine lock from a thread other than the engine's; waits at most one step."""
+        return AsyncEngine._Turn(self)
+
+    # ---- requests --------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
+                       request_id: str | None = None) -> RequestStream:
+        """Queue a request and return its chunk stream.
+
+        Raises :class:`InvalidParameterError` / :class:`PromptTooLongError` here, before any model work,
+        when the request cannot run. Iterate the result with ``async for``; ``aclose()`` it to abort.
+        """
+        if not self._started:
+            self.start()
+        if self._stopping:
+            raise EngineStoppedError("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        fut = loop.run_in_executor(None, self._add, loop, queue, list(prompt_ids), params, prompt_text, request_id)
+        try:
+            rid = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # The caller went away while the request was being queued: abort it once it is in.
+            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else self.abort(f.result()))
+            raise
+        except QuickdraftError:
+            self.metrics.count_request("error")
+            raise
+        return RequestStream(self, rid, queue)
+
+    def _add(self, loop, queue, prompt_ids, params, prompt_text, request_id) -> str:
+        with self._locked():
+            if self._stopping:
+                raise EngineStoppedError("the server is shutting down")
+            self._check_fits(len(prompt_ids), params)
+            if request_id is None:
+                self._ids += 1
+                request_id = f"aeng-{self._ids}"
+            rid = self.engine.add_request(prompt_ids, params, prompt=prompt_text, request_id=request_id)
+            self._requests[rid] = _Request(rid, loop, queue, params.n, time.perf_counter())
+            return rid
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """A sequence that can never fit in the KV cache would wait forever: reject it up front."""
+        runner = self.llm.target
+        room = self.engine.controller.max_k if self.engine.drafter is not None else 0
+        tokens = min(prompt_len + params.max_tokens, self.engine.config.max_model_len) + room
+        capacity = runner.allocator.num_blocks * runner.block_size
+        if tokens > capacity:
+            raise InvalidParameterError(
+                f"this request needs up to {tokens} tokens of KV cache (prompt {prompt_len} + max_tokens "
+                f"{params.max_tokens}{f' + {room} draft slots' if room else ''}) but the server's KV cache holds "
+                f"{capacity} tokens; lower max_tokens or shorten the prompt")
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread without blocking: at once if the engine is idle, else after its step."""
+        self._pending_aborts.append(request_id)
+        if self._cond.acquire(blocking=False):
+            try:
+                self._drain_aborts()
+                self._cond.notify_all()
+            finally:
+                self._cond.release()
+        # else: the engine thread (or a caller holding the lock) drains the deque before its next step
+
+    def _drain_aborts(self) -> None:
+        while self._pending_aborts:
+            rid = self._pending_aborts.popleft()
+            req = self._requests.pop(rid, None)
+            self.engine.abort(rid)  # frees KV blocks; a no-op for unknown / already released ids
+            if req is not None:
+                self.metrics.count_request("aborted")
+
+    # ---- the engine thread --------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return bool(self._pending_aborts) or self.engine.has_unfinished()
+
+    def _run(self) -> None:
+        cond = self._cond
+        while True:
+            with cond:
+                while not self._stopping and (self._waiters or not self._has_work()):
+                    cond.wait(None if self._waiters else self._idle_poll_s)
+                if self._stopping:
+                    self._drain_aborts()
+                    return
+                self._drain_aborts()
+                if not self.engine.has_unfinished():
+                    continue
+                try:
+                    chunks = self.engine.step()
+                    now = time.perf_counter()
+                    deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+                    for chunk in chunks:
+                        self._route(chunk, now, deliveries)
+                    for loop, items in deliveries.items():
+                        self._deliver(loop, items)
+                except Exception as exc:  # a bug: fail the requests of this step, keep serving the others
+                    self.step_errors += 1
+                    log.exception("engine step failed; failing the requests it was running")
+                    self._fail_step(exc)
+                    continue
+                if not chunks and not self.engine.scheduler.running and not self._waiters:
+                    # Nothing could be scheduled (waiting for KV blocks): don't spin.
+                    cond.wait(0.005)
+
+    def _route(self, chunk: StreamChunk, now: float, deliveries: dict) -> None:
+        req = self._requests.get(chunk.request_id)
+        if req is None:  # aborted meanwhile
+            return
+        n_tokens = len(chunk.token_ids)
+        if n_tokens:
+            if req.first_token_s is None:
+                req.first_token_s = now
+                self.metrics.observe_ttft(now - req.arrival_s)
+            last = req.last_token_s.get(chunk.index)
+            if last is not None:  # the gap since this sample's previous tokens, split over the new ones
+                self.metrics.observe_itl((now - last) / n_tokens, n_tokens)
+            req.last_token_s[chunk.index] = now
+        items = deliveries.setdefault(req.loop, [])
+        items.append((req.queue, chunk))
+        if chunk.finished:
+            req.finished_samples += 1
+            if req.finished_samples >= req.num_samples:
+                self._requests.pop(req.request_id, None)
+                self.engine.release(req.request_id)
+                self.metrics.count_request("ok")
+                items.append((req.queue, _END))
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that event loop is closed: nobody will read these requests
+            for queue, _ in items:
+                for rid, req in list(self._requests.items()):
+                    if req.queue is queue:
+                        self._requests.pop(rid, None)
+                        self.engine.abort(rid)
+                        self.metrics.count_request("aborted")
+
+    def _fail_step(self, exc: Exception) -> None:
+        sched = self.engine.scheduler
+        victims = {s.request_id for s in sched.running}
+        if not victims:  # the failure happened before anything was admitted: fail what was queued
+            victims = {s.request_id for s in sched.waiting}
+        if not victims:
+            victims = set(self._requests)
+        error = EngineError(f"internal error while generating: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        for rid in victims:
+            self._fail(rid, error)
+
+    def _fail(self, rid: str, error: BaseException, status: str = "error") -> None:
+        """Abort ``rid`` in the engine and hand ``error`` to its consumer (lock held)."""
+        try:
+            self.engine.abort(rid)
+        except Exception:
+            log.exception("aborting %s after a failure also failed", rid)
+        req = self._requests.pop(rid, None)
+        if req is not None:
+            self.metrics.count_request(status)
+            self._deliver(req.loop, [(req.queue, error)])
+
+    # ---- introspection ------------------------------------------------------------------------------
+    async def stats_async(self) -> dict[str, int]:
+        """:meth:`stats` read under the engine lock (consistent; waits at most one step, off the event loop)."""
+        def locked() -> dict[str, int]:
+            with self._locked():
+                return self.stats()
+        return await asyncio.get_running_loop().run_in_executor(None, locked)
+
+    def stats(self) -> dict[str, int]:
+        """Engine gauges and counters for /metrics. Lock-free (plain ints and list lengths), so a value may be
+        caught mid-step (e.g. while the scheduler sorts a queue); use :meth:`stats_async` for a consistent view."""
+        engine = self.engine
+        sched = engine.scheduler
+        alloc = self.llm.target.allocator
+        spec = engine.stats
+        out = {
+            "num_requests_running": len(sched.running),
+            "num_requests_waiting": len(sched.waiting),
+            "kv_blocks_used": alloc.num_used,
+            "kv_blocks_free": alloc.num_free,
+            "num_preemptions": sched.num_preemptions,
+            "prefix_cache_hits": getattr(engine, "prefix_cache_hits", 0),
+            "spec_num_rounds": spec.rounds,
+            "spec_num_drafts": spec.drafting_rounds,
+            "spec_num_draft_tokens": spec.draft_tokens,
+            "spec_num_accepted_tokens": spec.accepted_tokens,
+            "num_tracked_requests": len(self._requests),
+        }
+        draft_runner = getattr(engine.drafter, "runner", None)
+        if draft_runner is not None and draft_runner is not self.llm.target:
+            out["draft_kv_blocks_used"] = draft_runner.allocator.num_used
+        return out
+
+
+def _put_all(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+async def collect(stream: AsyncIterator[StreamChunk]) -> list[StreamChunk]:
+    """Every chunk of a stream (tests and simple callers)."""
+    return [chunk async for chunk in stream]

@@ -1,0 +1,175 @@
+"""Request and error bodies of the OpenAI-compatible API (pydantic).
+
+Integer and boolean fields are strict (``"5"``, ``5.0`` and ``true`` are not accepted as ints), so a
+wrongly typed field is reported as such instead of being coerced. Fields whose shape is a union
+(``prompt``, ``messages``, ``stop``, ``logit_bias``) are checked by hand so the error names the field in
+plain words. Unknown fields are ignored, as vLLM does. Ranges are checked by
+:class:`quickdraft.sampling.SamplingParams`, whose messages name the parameter and the allowed range.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+from quickdraft.errors import InvalidParameterError
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool | None = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM-style extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    n: StrictInt | None = 1
+    max_tokens: StrictInt | None = None  # None: until the context window is full
+    temperature: StrictFloat | None = None  # None: 1.0
+    top_p: StrictFloat | None = None
+    stop: Any = None  # str | list[str]
+    seed: StrictInt | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: Any = None  # {"token id": bias}
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None  # accepted and ignored
+    # extensions (vLLM names)
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    priority: StrictInt | None = None
+    deadline_s: StrictFloat | None = None
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> Any:
+        if value is None or isinstance(value, dict):
+            return value  # keys and values are range-checked by SamplingParams
+        raise ValueError("logit_bias must be an object mapping token ids to biases in [-100, 100]")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+TokenIds = list[int]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any = Field(..., description="a string, a list of strings, a list of token ids, or a list of those")
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        def token_list(x: Any) -> bool:
+            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            if token_list(value) or all(isinstance(p, str) for p in value) or all(token_list(p) for p in value):
+                return value
+        raise ValueError("prompt must be a string, a non-empty list of strings, a non-empty list of token ids, "
+                         "or a non-empty list of non-empty token id lists")
+
+    def prompts(self) -> list[str | TokenIds]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # str | [{"type": "text", "text": ...}] | None
+    name: StrictStr | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("content parts must be {'type': 'text', 'text': '...'} (only text is supported)")
+            return value
+        raise ValueError("content must be a string or a list of text parts")
+
+    def for_template(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part["text"] for part in content)
+        out = {k: v for k, v in (self.model_extra or {}).items()}
+        out.update(role=self.role, content=content if content is not None else "")
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    response_format: dict | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- errors ---------------------------------------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ModelNotFoundError(InvalidParameterError):
+    pass
+
+
+_PARAM = re.compile(r"^([a-z_]+)\b")
+KNOWN_PARAMS = {
+    "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+    "include_stop_str_in_output", "skip_special_tokens", "priority", "deadline_s", "prompt", "messages",
+    "top_logprobs", "max_completion_tokens", "model",
+}
+
+
+def param_of(message: str) -> str | None:
+    """The parameter an InvalidParameterError message starts with ('n must be ...' -> 'n')."""
+    m = _PARAM.match(message)
+    return m.group(1) if m and m.group(1) in KNOWN_PARAMS else None

@@ -1,0 +1,162 @@
+"""Engine behaviour: batching, chunked prefill, prefix cache, copy-on-write samples, preemption, policies."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.errors import InvalidParameterError, PromptTooLongError
+
+
+def prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (int(n),), generator=g).tolist()
+            for n in torch.randint(5, 60, (count,), generator=g)]
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return tiny_dir(arch="qwen2", vocab_size=64, layers=3)
+
+
+def alone(llm: LLM, ps: list[list[int]], params) -> list[list[int]]:
+    plist = params if isinstance(params, list) else [params] * len(ps)
+    return [llm.generate([p], q)[0].token_ids for p, q in zip(ps, plist)]
+
+
+@pytest.mark.parametrize("spec", [None, "ngram", "draft"])
+def test_batch_of_16_mixed_requests_equals_alone(target, tiny_dir, spec):
+    kwargs = {} if spec is None else {"speculative": "ngram"} if spec == "ngram" else {
+        "draft": str(tiny_dir(arch="llama", vocab_size=64, seed=4))}
+    llm = LLM(str(target), dtype="float32", **kwargs)
+    ps = prompts(64, 16)
+    mixed = [GREEDY if i % 3 else SamplingParams(max_tokens=10 + i, temperature=0.8, seed=i) for i in range(16)]
+    together = [o.token_ids for o in llm.generate(ps, mixed)]
+    greedy_idx = [i for i in range(16) if i % 3]
+    single = alone(llm, [ps[i] for i in greedy_idx], GREEDY)
+    assert [together[i] for i in greedy_idx] == single
+    assert llm.target.allocator.num_used == 0
+
+
+def test_chunked_prefill_equals_one_pass(target):
+    long_prompt = prompts(64, 1, seed=3)[0] * 6
+    whole = LLM(str(target), dtype="float32", max_num_batched_tokens=4096).generate([long_prompt], GREEDY)[0]
+    chunked = LLM(str(target), dtype="float32", max_num_batched_tokens=16).generate([long_prompt], GREEDY)[0]
+    assert chunked.token_ids == whole.token_ids
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_output(target):
+    llm = LLM(str(target), dtype="float32", block_size=8)
+    shared = prompts(64, 1, seed=5)[0] * 2  # > 8 full blocks... of 8 tokens
+    first = llm.generate([shared + [7]], GREEDY)[0]
+    assert llm.engine.prefix_cache_hits == 0
+    again = llm.generate([shared + [7]], GREEDY)[0]
+    assert again.token_ids == first.token_ids
+    assert llm.engine.prefix_cache_hits >= (len(shared) // 8) * 8 - 8
+    fresh = LLM(str(target), dtype="float32", block_size=8).generate([shared + [9]], GREEDY)[0]
+    assert llm.generate([shared + [9]], GREEDY)[0].token_ids == fresh.token_ids
+    assert llm.target.allocator.num_used == 0
+
+
+def test_n_samples_share_prompt_blocks_copy_on_write(target):
+    llm = LLM(str(target), dtype="float32", block_size=8)
+    prompt = prompts(64, 1, seed=6)[0][:21]
+    params = SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=100, ignore_eos=True)
+    rid = llm.engine.add_request(prompt, params)
+    llm.engine.step()  # parent prefills; the other samples fork onto its blocks
+    parent, *children = llm.engine.sequences(rid)
+    shared = set(parent.kv["target"].block_table) & set(children[0].kv["target"].block_table)
+    assert shared and all(llm.target.allocator.ref_counts[b] >= 2 for b in shared)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    outs = [s.output_ids for s in llm.engine.sequences(rid)]
+    llm.engine.release(rid)
+    # each sample equals a single request seeded like it (seed + index), so sharing changed nothing
+    solo = [llm.generate([prompt], dataclasses.replace(params, n=1, seed=100 + i))[0].token_ids for i in range(4)]
+    assert outs == solo and len({tuple(o) for o in outs}) > 1
+    assert llm.target.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("spec", [None, "draft"])
+def test_preemption_keeps_outputs(target, tiny_dir, preemption, spec):
+    kwargs = {} if spec is None else {"draft": str(tiny_dir(arch="llama", vocab_size=64, seed=4)),
+                                      "num_speculative_tokens": 2}
+    ps = prompts(64, 8, seed=9)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    roomy = LLM(str(target), dtype="float32", **kwargs)
+    expected = alone(roomy, ps, params)
+    # 2 layers*... a pool of ~12 blocks of 8 tokens cannot hold 8 sequences of ~70 tokens at once
+    per_block = 2 * 3 * 8 * 2 * 16 * 4
+    tight = LLM(str(target), dtype="float32", block_size=8, kv_cache_memory=per_block * 14, preemption=preemption,
+                max_model_len=100,
+                **kwargs)
+    got = [o.token_ids for o in tight.generate(ps, params)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    assert tight.target.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("policy,order", [("fcfs", [0, 1, 2]), ("sjf", [2, 1, 0]), ("priority", [1, 2, 0]),
+                                          ("deadline", [2, 0, 1])])
+def test_policies_order_admission(target, policy, order):
+    llm = LLM(str(target), dtype="float32", max_num_seqs=1, policy=policy)
+    ps = prompts(64, 3, seed=2)
+    plist = [SamplingParams(max_tokens=12, temperature=0.0, priority=3, deadline_s=5.0, ignore_eos=True),
+             SamplingParams(max_tokens=8, temperature=0.0, priority=0, deadline_s=9.0, ignore_eos=True),
+             SamplingParams(max_tokens=2, temperature=0.0, priority=1, deadline_s=1.0, ignore_eos=True)]
+    ids = [llm.engine.add_request(p, q) for p, q in zip(ps, plist)]
+    finished = []
+    while llm.engine.has_unfinished():
+        for chunk in llm.engine.step():
+            if chunk.finished:
+                finished.append(ids.index(chunk.request_id))
+    if policy == "sjf":  # shortest job = prompt + max_tokens
+        order = sorted(range(3), key=lambda i: len(ps[i]) + plist[i].max_tokens)
+    assert finished == order
+
+
+def test_bad_requests_rejected_before_model_work(target):
+    llm = LLM(str(target), dtype="float32", max_model_len=64)
+    with pytest.raises(PromptTooLongError, match="64"):
+        llm.generate([[1] * 64], GREEDY)
+    with pytest.raises(InvalidParameterError, match="token ids"):
+        llm.generate([[1, 2, 999]], GREEDY)
+    with pytest.raises(InvalidParameterError, match="logit_bias"):
+        llm.generate([[1, 2]], SamplingParams(logit_bias={500: 1.0}))
+    with pytest.raises(InvalidParameterError, match="temperature"):
+        llm.generate([[1, 2]], SamplingParams(temperature=-1))
+    with pytest.raises(InvalidParameterError, match="speculative"):
+        LLM(str(target), speculative="medusa")
+    assert not llm.engine.has_unfinished() and llm.target.allocator.num_used == 0
+    # a bad request in a batch queues nothing
+    with pytest.raises(InvalidParameterError):
+        llm.generate([[1, 2], [3, 4]], [GREEDY, SamplingParams(top_p=2.0)])
+    assert not llm.engine.has_unfinished()
+
+
+def test_stop_strings_and_finish_reasons(smollm2):
+    llm = LLM(str(smollm2), dtype="float32")
+    base = llm.generate(["def add(a, b):\n"], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 24
+    stop = base.text[5:9]
+    cut = llm.generate(["def add(a, b):\n"], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == base.text[:base.text.index(stop)]
+    streamed = "".join(c.text for c in llm.stream("def add(a, b):\n",
+                                                   SamplingParams(max_tokens=24, temperature=0.0, stop=[stop])))
+    assert streamed == cut.text
+    chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=64, temperature=0.0))[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] in llm.tokenizer.eos_token_ids
+    assert chat.metrics.prompt_tokens > 0 and chat.metrics.ttft_s > 0 and chat.metrics.tokens_per_s > 0
+
+
+def test_context_that_cannot_fit_in_kv_cache_is_refused(target):
+    with pytest.raises(InvalidParameterError, match="kv_cache_memory"):
+        LLM(str(target), dtype="float32", max_model_len=512, kv_cache_memory=64 * 1024)
+    capped = LLM(str(target), dtype="float32", kv_cache_memory=64 * 1024)
+    assert capped.max_model_len < 512
