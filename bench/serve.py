@@ -57,6 +57,15 @@ def load_sample(path: Path, count: int) -> list[dict]:
     return sample
 
 
+def machine_info() -> dict:
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from common import machine  # the other benches' description of the machine (imports torch)
+        return {**machine(), "platform": platform.platform()}
+    except ImportError:
+        return {"python": platform.python_version(), "platform": platform.platform(), "cores": os.cpu_count()}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -206,7 +215,7 @@ def chart(report: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     cfg = report["config"]
-    fig.suptitle(f"quickdraft serve: {cfg['model']} ({cfg['dtype']}, {cfg['device']}), "
+    fig.suptitle(f"quickdraft serve: {cfg['model']} ({cfg['dtype']}, {cfg['device']}; spec: {cfg['speculation'] or 'none'}), "
                  f"{cfg['requests']} Spec-Bench prompts, max_tokens {cfg['max_tokens']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -273,13 +282,9 @@ def main(argv: list[str] | None = None) -> int:
                    "kv_cache_memory": args.kv_cache_memory, "temperature": 0.0, "endpoint": "/v1/chat/completions"},
         "sample": {"file": str(args.data.name), "selection": "first turn, round-robin over the 6 Spec-Bench tasks "
                    "(each ordered by question_id)", "question_ids": [s["question_id"] for s in sample]},
-        "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                    "cpus": os.cpu_count()},
+        "machine": machine_info(),
         "results": {}, "outputs_identical_to_plain": {},
     }
-    if args.device.startswith("cuda"):
-        import torch
-        report["machine"]["gpu"] = torch.cuda.get_device_name(0)
     texts: dict[str, dict[int, list[str]]] = {}
     logs = Path(tempfile.mkdtemp(prefix="quickdraft-bench-"))
     for mode in modes:

@@ -107,7 +107,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, llm, metrics: ServerMetrics | None = None, idle_poll_s: float = 0.1) -> None:
+    def __init__(self, llm, metrics: ServerMetrics | None = None, idle_poll_s: float = 0.1,
+                 stall_timeout_s: float = 60.0) -> None:
+        """``stall_timeout_s``: fail the queued requests when the engine has had work but scheduled nothing for
+        this long (a scheduler that can never admit them would otherwise leave their clients hanging)."""
         self.llm = llm
         self.engine = llm.engine
         self.metrics = metrics or ServerMetrics()
@@ -117,6 +120,8 @@ class AsyncEngine:
         self._requests: dict[str, _Request] = {}  # touched under self._cond only
         self._pending_aborts: collections.deque[str] = collections.deque()
         self._idle_poll_s = idle_poll_s
+        self._stall_timeout_s = stall_timeout_s
+        self._stalled_since: float | None = None
         self._stopping = False
         self._ids = 0
         self._thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
@@ -262,9 +267,28 @@ class AsyncEngine:
                     log.exception("engine step failed; failing the requests it was running")
                     self._fail_step(exc)
                     continue
-                if not chunks and not self.engine.scheduler.running and not self._waiters:
-                    # Nothing could be scheduled (waiting for KV blocks): don't spin.
-                    cond.wait(0.005)
+                if chunks or self.engine.scheduler.running:
+                    self._stalled_since = None
+                else:  # nothing could be scheduled (waiting for KV blocks): don't spin, and don't wait forever
+                    self._check_stall()
+                    if not self._waiters:
+                        cond.wait(0.005)
+
+    def _check_stall(self) -> None:
+        now = time.perf_counter()
+        if self._stalled_since is None:
+            self._stalled_since = now
+            return
+        if now - self._stalled_since < self._stall_timeout_s:
+            return
+        waiting = {s.request_id for s in self.engine.scheduler.waiting}
+        log.error("the engine scheduled nothing for %.0fs with %d sequences waiting; failing their requests",
+                  now - self._stalled_since, len(self.engine.scheduler.waiting))
+        error = EngineError(f"the engine could not schedule this request for {self._stall_timeout_s:.0f}s "
+                            f"(KV cache blocks: {self.llm.target.allocator.num_free} free)")
+        for rid in waiting:
+            self._fail(rid, error)
+        self._stalled_since = None
 
     def _route(self, chunk: StreamChunk, now: float, deliveries: dict) -> None:
         req = self._requests.get(chunk.request_id)
