@@ -1,0 +1,168 @@
+"""Speculative decoding benchmark: plain vs each drafter vs HF assisted generation, same weights, one run.
+
+Usage: python bench/speculative.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b] [--dtype bfloat16]
+         [--tokens 128] [--humaneval 3] [--per-category 1] [--configs plain,draft,ngram,self,hf,hf-assist,hf-lookup]
+Sample: the first --humaneval public HumanEval prompts and the first --per-category public Spec-Bench prompts
+of each category (first turn). Greedy; tokens/s is the whole generate call (prefill included) divided by
+new tokens, for ours and HF's alike. Every speculative run is checked token for token against plain.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import humaneval_prompts, machine, save, spec_bench_prompts, table  # noqa: E402
+
+from quickdraft import LLM, SamplingParams  # noqa: E402
+from quickdraft.engine.outputs import SpecMetrics  # noqa: E402
+from quickdraft.loading import resolve_model  # noqa: E402
+
+OURS = {"plain": {}, "draft": None, "ngram": {"speculative": "ngram"}, "self": {"speculative": "self"}}
+
+
+def chat_ids(llm: LLM, text: str) -> list[int]:
+    return llm.chat_prompt([{"role": "user", "content": text}])
+
+
+def run_ours(name: str, kwargs: dict, target: str, dtype: str, prompts, tokens: int, k) -> list[dict]:
+    llm = LLM(target, dtype=dtype, num_speculative_tokens=k if name != "plain" else "auto", **kwargs)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([chat_ids(llm, "hi")], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    rows = []
+    for category, text in prompts:
+        ids = chat_ids(llm, text)
+        t0 = time.perf_counter()
+        out = llm.generate([ids], params)[0]
+        seconds = time.perf_counter() - t0
+        spec = out.metrics.spec
+        rows.append({"config": name, "category": category, "tok_s": len(out.token_ids) / seconds,
+                     "token_ids": out.token_ids, "rounds": spec.rounds, "draft_tokens": spec.draft_tokens,
+                     "accepted_tokens": spec.accepted_tokens, "drafting_rounds": spec.drafting_rounds,
+                     "generated": len(out.token_ids)})
+        print(f"  {name:<6} {category:<16} {rows[-1]['tok_s']:6.2f} tok/s  acceptance "
+              f"{spec.acceptance_rate:5.1%}  mean accepted {spec.mean_accepted_length:4.2f}", flush=True)
+    del llm
+    gc.collect()
+    return rows
+
+
+def run_hf(name: str, target: str, draft: str, dtype: str, prompts, tokens: int) -> list[dict]:
+    import transformers
+    tpath = resolve_model(target)
+    torch_dtype = getattr(torch, dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tpath.parent, gguf_file=tpath.name,
+                                                              dtype=torch_dtype).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tpath.parent, gguf_file=tpath.name)
+    extra = {}
+    if name == "hf-assist":
+        dpath = resolve_model(draft)
+        extra["assistant_model"] = transformers.AutoModelForCausalLM.from_pretrained(
+            dpath.parent, gguf_file=dpath.name, dtype=torch_dtype).eval()
+    elif name == "hf-lookup":
+        extra["prompt_lookup_num_tokens"] = 10
+    rows = []
+    with torch.inference_mode():
+        for category, text in prompts:
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)
+            t0 = time.perf_counter()
+            out = model.generate(**ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                 pad_token_id=tok.eos_token_id, **extra)
+            seconds = time.perf_counter() - t0
+            new = out[0, ids["input_ids"].shape[1]:].tolist()
+            rows.append({"config": name, "category": category, "tok_s": len(new) / seconds, "token_ids": new})
+            print(f"  {name:<9} {category:<16} {rows[-1]['tok_s']:6.2f} tok/s", flush=True)
+    del model, extra
+    gc.collect()
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    plain = {(r["category"], i): r for i, r in enumerate(x for x in rows if x["config"] == "plain")}
+    plain_by_cat = defaultdict(list)
+    for r in rows:
+        if r["config"] == "plain":
+            plain_by_cat[r["category"]].append(r)
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["config"], r["category"])].append(r)
+    out = []
+    for (config, category), rs in groups.items():
+        tok_s = sum(r["tok_s"] for r in rs) / len(rs)
+        base = sum(r["tok_s"] for r in plain_by_cat[category]) / len(plain_by_cat[category])
+        same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(rs, plain_by_cat[category]))
+        spec = SpecMetrics(rounds=sum(r.get("rounds", 0) for r in rs),
+                           draft_tokens=sum(r.get("draft_tokens", 0) for r in rs),
+                           accepted_tokens=sum(r.get("accepted_tokens", 0) for r in rs),
+                           drafting_rounds=sum(r.get("drafting_rounds", 0) for r in rs),
+                           generated_tokens=sum(r.get("generated", 0) for r in rs))
+        out.append({"config": config, "category": category, "prompts": len(rs), "tok_s": tok_s,
+                    "speedup_vs_plain": tok_s / base, "identical_to_plain": f"{same}/{len(rs)}",
+                    "acceptance": spec.acceptance_rate if spec.draft_tokens else None,
+                    "mean_accepted": spec.mean_accepted_length if spec.draft_tokens else None,
+                    "tokens_per_pass": spec.tokens_per_pass if spec.rounds else None})
+    return sorted(out, key=lambda r: (r["category"], r["config"]))
+
+
+def chart(summary: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    categories = sorted({r["category"] for r in summary})
+    configs = [c for c in ("plain", "draft", "ngram", "self", "hf", "hf-assist", "hf-lookup")
+               if any(r["config"] == c for r in summary)]
+    fig, ax = plt.subplots(figsize=(max(8, len(categories) * 1.6), 4.5))
+    width = 0.8 / len(configs)
+    for i, c in enumerate(configs):
+        vals = [next((r["tok_s"] for r in summary if r["config"] == c and r["category"] == cat), 0)
+                for cat in categories]
+        ax.bar([x + i * width for x in range(len(categories))], vals, width, label=c)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories, rotation=20)
+    ax.set_ylabel("tokens/s (greedy)")
+    ax.set_title("quickdraft speculative decoding vs plain and HF transformers")
+    ax.legend(ncol=4, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--humaneval", type=int, default=3)
+    ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--k", default="auto")
+    ap.add_argument("--configs", default="plain,draft,ngram,self,hf,hf-assist,hf-lookup")
+    args = ap.parse_args()
+    k = args.k if args.k == "auto" else int(args.k)
+    prompts = [("humaneval", p) for p in humaneval_prompts(args.humaneval)] + spec_bench_prompts(args.per_category)
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}; target {args.target}, "
+          f"draft {args.draft}, {args.dtype}, {len(prompts)} prompts, {args.tokens} new tokens, k={args.k}")
+    rows = []
+    for name in args.configs.split(","):
+        if name in OURS:
+            kwargs = {"draft": args.draft} if name == "draft" else OURS[name]
+            rows += run_ours(name, kwargs, args.target, args.dtype, prompts, args.tokens, k)
+        else:
+            rows += run_hf(name, args.target, args.draft, args.dtype, prompts, args.tokens)
+    summary = summarize(rows)
+    print("\n" + table(summary, ["category", "config", "prompts", "tok_s", "speedup_vs_plain", "identical_to_plain",
+                                 "acceptance", "mean_accepted", "tokens_per_pass"]))
+    path = save("speculative", {"machine": info, "args": vars(args), "summary": summary,
+                                "runs": [{k2: v for k2, v in r.items() if k2 != "token_ids"} for r in rows]})
+    chart(summary, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
