@@ -76,7 +76,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from quickdraft.serving import create_app
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = llm_from_args(args, policy=args.policy, max_num_seqs=args.max_num_seqs,
-                        kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)
+                        kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
+                        preemption=args.preemption)
     name = args.served_model_name or args.model
     app = create_app(llm, name)
     spec = f", {llm.drafter.name} speculation" if llm.drafter is not None else ""
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences batched together at most")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
     s.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size per model, e.g. 2GiB or 512MB")
+    s.add_argument("--preemption", default="recompute", choices=["recompute", "swap"],
+                   help="when KV blocks run out: drop and recompute (default) or keep the KV in host memory")
     s.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: MODEL)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=cmd_serve)
