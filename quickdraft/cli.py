@@ -64,6 +64,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         s = m.spec
         line += (f", {llm.drafter.name}: acceptance {s.acceptance_rate:.0%}, mean accepted {s.mean_accepted_length:.2f}"
                  f", {s.tokens_per_pass:.2f} tokens/target pass")
+        plain_step_s = llm.engine.cost.target(1)  # measured one-token target pass
+        if plain_step_s > 0 and m.tokens_per_s > 0:
+            line += f", speed-up ~{m.tokens_per_s * plain_step_s:.2f}x vs plain decoding"
     print(line + "]", file=sys.stderr)
     return 0
 
