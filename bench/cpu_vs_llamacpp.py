@@ -1,0 +1,141 @@
+"""quickdraft vs llama.cpp on CPU, same GGUF target, greedy, side by side in one run.
+
+Usage: python bench/cpu_vs_llamacpp.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b]
+         [--tokens 128] [--humaneval 3] [--spec-bench 3] [--weights auto,int4,int8,bfloat16]
+         [--modes plain,draft,ngram] [--threads 2]
+Sample: the first --humaneval public HumanEval prompts and the first public Spec-Bench prompt of the
+first --spec-bench categories, each wrapped in the chat template; both engines get the same token ids.
+llama.cpp enters through the PyPI package llama-cpp-python (`pip install llama-cpp-python`, it compiles
+llama.cpp for this CPU): plain decoding and its LlamaPromptLookupDecoding drafter. tokens/s = new tokens
+/ wall time of the whole call (prefill included) for every configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import humaneval_prompts, machine, save, spec_bench_prompts, table  # noqa: E402
+
+from quickdraft import LLM, SamplingParams  # noqa: E402
+from quickdraft.loading import resolve_model  # noqa: E402
+
+
+def prompt_ids(target: str, texts: list[tuple[str, str]]) -> list[tuple[str, list[int]]]:
+    llm = LLM(target, dtype="float32", kv_cache_memory="64MiB")  # tokenizer + chat template only
+    out = [(cat, llm.chat_prompt([{"role": "user", "content": t}])) for cat, t in texts]
+    del llm
+    gc.collect()
+    return out
+
+
+def run_quickdraft(target: str, draft: str, weights: str, mode: str, prompts, tokens: int) -> list[dict]:
+    kwargs = {"draft": draft} if mode == "draft" else {"speculative": "ngram"} if mode == "ngram" else {}
+    llm = LLM(target, weights=weights, **kwargs)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([prompts[0][1][:32]], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    rows = []
+    for cat, ids in prompts:
+        t0 = time.perf_counter()
+        out = llm.generate([ids], params)[0]
+        sec = time.perf_counter() - t0
+        spec = out.metrics.spec
+        rows.append({"engine": "quickdraft", "config": f"{llm.weights}/{mode}", "category": cat,
+                     "tok_s": len(out.token_ids) / sec, "token_ids": out.token_ids,
+                     "acceptance": spec.acceptance_rate if spec.draft_tokens else None,
+                     "tokens_per_pass": spec.tokens_per_pass})
+        print(f"  quickdraft {rows[-1]['config']:<16} {cat:<14} {rows[-1]['tok_s']:6.2f} tok/s", flush=True)
+    del llm
+    gc.collect()
+    return rows
+
+
+def run_llamacpp(target: str, mode: str, prompts, tokens: int, threads: int) -> list[dict]:
+    from llama_cpp import Llama
+    kwargs = {}
+    if mode == "lookup":
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=10)
+    llm = Llama(str(resolve_model(target)), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
+                verbose=False, **kwargs)
+    llm.create_completion(prompts[0][1][:32], max_tokens=8, temperature=0.0)  # warm-up
+    rows = []
+    for cat, ids in prompts:
+        llm.reset()
+        t0 = time.perf_counter()
+        out_ids = []
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            out_ids.append(tok)
+            if len(out_ids) >= tokens:
+                break
+        sec = time.perf_counter() - t0
+        rows.append({"engine": "llama.cpp", "config": f"Q4_K_M/{mode}", "category": cat,
+                     "tok_s": len(out_ids) / sec, "token_ids": out_ids})
+        print(f"  llama.cpp  {rows[-1]['config']:<16} {cat:<14} {rows[-1]['tok_s']:6.2f} tok/s", flush=True)
+    del llm
+    gc.collect()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--humaneval", type=int, default=3)
+    ap.add_argument("--spec-bench", type=int, default=3, help="categories of Spec-Bench, one prompt each")
+    ap.add_argument("--weights", default="auto,int4,int8,bfloat16")
+    ap.add_argument("--modes", default="plain,draft,ngram")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    info = machine()
+    cats = ("summarization", "rag", "translation", "qa", "math_reasoning", "writing")[: args.spec_bench]
+    texts = [("humaneval", p) for p in humaneval_prompts(args.humaneval)] + spec_bench_prompts(1, cats)
+    prompts = prompt_ids(args.target, texts)
+    print(f"machine: {info['cpu']}, {info['cores']} cores, {args.threads} threads; {len(prompts)} prompts, "
+          f"{args.tokens} new tokens, greedy")
+    rows = []
+    try:
+        import llama_cpp  # noqa: F401
+        for mode in ("plain", "lookup"):
+            rows += run_llamacpp(args.target, mode, prompts, args.tokens, args.threads)
+    except ImportError:
+        print("llama-cpp-python is not installed (pip install llama-cpp-python); reporting quickdraft only")
+    for weights in args.weights.split(","):
+        for mode in args.modes.split(","):
+            rows += run_quickdraft(args.target, args.draft, weights, mode, prompts, args.tokens)
+    summary = []
+    for key in dict.fromkeys((r["engine"], r["config"]) for r in rows):
+        rs = [r for r in rows if (r["engine"], r["config"]) == key]
+        plain = [r for r in rows if r["engine"] == key[0] and r["config"].split("/")[0] == key[1].split("/")[0]
+                 and r["config"].endswith("/plain")]
+        same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(rs, plain))
+        tok_s = sum(r["tok_s"] for r in rs) / len(rs)
+        base = sum(r["tok_s"] for r in plain) / len(plain) if plain else tok_s
+        summary.append({"engine": key[0], "config": key[1], "tok_s": tok_s, "vs_own_plain": tok_s / base,
+                        "identical_to_own_plain": f"{same}/{len(rs)}",
+                        "acceptance": _mean([r.get("acceptance") for r in rs]),
+                        "tokens_per_pass": _mean([r.get("tokens_per_pass") for r in rs])})
+    best_llama = max((s["tok_s"] for s in summary if s["engine"] == "llama.cpp"), default=None)
+    for s in summary:
+        s["vs_best_llamacpp"] = s["tok_s"] / best_llama if best_llama else None
+    print("\n" + table(summary, ["engine", "config", "tok_s", "vs_own_plain", "identical_to_own_plain", "acceptance",
+                                 "tokens_per_pass", "vs_best_llamacpp"]))
+    path = save("cpu_vs_llamacpp", {"machine": info, "args": vars(args), "summary": summary,
+                                    "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]})
+    print(f"wrote {path}")
+
+
+def _mean(values):
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+if __name__ == "__main__":
+    main()
