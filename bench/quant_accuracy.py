@@ -45,7 +45,6 @@ from quickdraft.models.quant import cpu_capability  # noqa: E402
 
 DATA = Path("/work/shared/bench-data/spec_bench.public.jsonl")
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
-FORMATS = ("float32", "bfloat16", "int8", "int4")
 
 
 def articles(n: int) -> list[str]:
@@ -165,7 +164,10 @@ def run_model(name: str, args) -> dict:
         }
         entry["loadavg_after_accuracy"] = [round(x, 2) for x in os.getloadavg()]
         if args.repeats and fmt in args.speed_formats:
-            runners[fmt] = runner
+            if entry["weight_bytes"] <= args.max_speed_gib * 2**30:
+                runners[fmt] = runner
+            else:
+                entry["speed_skipped"] = f"weights over --max-speed-gib {args.max_speed_gib}"
         result["formats"][fmt] = entry
         print(f"  {name:20s} {fmt:15s} ppl {entry['perplexity']:9.4f}  "
               f"max|d| {entry['logit_max_abs_diff_vs_bf16'] if ref is not None else '-':>7}  "
@@ -229,7 +231,7 @@ def interleaved_speed(runners: dict[str, ModelRunner], context: list[int], prefi
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--formats", default="bfloat16,float32,int8,int4")
+    p.add_argument("--formats", default="bfloat16,float32,int8,int4,int4/wide=int4")
     p.add_argument("--articles", type=int, default=3)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--context", type=int, default=64)
@@ -238,6 +240,8 @@ def main() -> None:
     p.add_argument("--prefill-repeats", type=int, default=2)
     p.add_argument("--speed-formats", default=None,
                    help="formats to time (default: all of --formats); their models stay in memory together")
+    p.add_argument("--max-speed-gib", type=float, default=4.0,
+                   help="formats whose weights are larger are not timed (all timed models stay in memory together)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant_accuracy.json"))
     args = p.parse_args()

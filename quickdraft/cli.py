@@ -17,6 +17,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--speculative", choices=["ngram", "self"], help="draft-free speculation")
     p.add_argument("--k", default="auto", help="tokens drafted per round: an int, or 'auto' (adaptive, default)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--weights", default=None, choices=["auto", "int4", "int8", "bfloat16", "float32"],
+                   help="weight format: quantized int4/int8 linear layers, float, or auto (fastest measured); "
+                        "default: float weights in --dtype")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
 
@@ -25,7 +28,7 @@ def llm_from_args(args: argparse.Namespace, **extra):
     from quickdraft.llm import LLM
     k = args.k if args.k == "auto" else int(args.k)
     return LLM(args.model, draft=args.draft, speculative=args.speculative, num_speculative_tokens=k,
-               dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, **extra)
+               dtype=args.dtype, weights=args.weights, device=args.device, max_model_len=args.max_model_len, **extra)
 
 
 def cmd_models(args: argparse.Namespace) -> int:

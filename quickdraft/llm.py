@@ -13,6 +13,7 @@ from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.errors import InvalidParameterError, ModelLoadError
 from quickdraft.kv import ModelRunner
 from quickdraft.loading import Checkpoint, load_checkpoint
+from quickdraft.loading.quantize import FLOAT_FORMATS, quantize_checkpoint, resolve_weights
 from quickdraft.models import Transformer, build_model
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
@@ -53,7 +54,8 @@ def tokenizer_for(ckpt: Checkpoint) -> Tokenizer:
 class LLM:
     def __init__(self, model: str, *, draft: str | None = None, speculative: str | None = None,
                  num_speculative_tokens: int | str = "auto", max_speculative_tokens: int = 8,
-                 dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
+                 dtype: str = "auto", weights: str | None = None, device: str = "cpu",
+                 max_model_len: int | None = None,
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, policy: str = "fcfs", preemption: str = "recompute",
                  kv_cache_memory: int | str = "1GiB", block_size: int = 16, self_draft_layers: int | None = None,
                  ngram_max: int = 4, ngram_min: int = 1) -> None:
@@ -62,11 +64,17 @@ class LLM:
         if speculative is not None and speculative not in SPECULATIVE:
             raise InvalidParameterError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {speculative!r}")
         self.device = device
+        # weights: None keeps float weights in `dtype`; int4/int8 keep the linear layers quantized
+        # (activations, embeddings and norms stay in `dtype`); "auto" picks the fastest measured format
+        fmt = resolve_weights(weights, device) if weights is not None else None
+        if fmt in FLOAT_FORMATS:
+            dtype = fmt
         self.dtype = resolve_dtype(dtype, device)
+        self.weights = fmt or str(self.dtype).removeprefix("torch.")
         kv_bytes = parse_size(kv_cache_memory)
         self.checkpoint = load_checkpoint(model, dtype=self.dtype)
         self.tokenizer = tokenizer_for(self.checkpoint)
-        self.model: Transformer = build_model(self.checkpoint.config, self.checkpoint.tensors, device)
+        self.model: Transformer = self._build(self.checkpoint)
         cfg = self.checkpoint.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.target = ModelRunner("target", self.model, kv_bytes, block_size)
@@ -83,7 +91,7 @@ class LLM:
         if draft is not None:
             self.draft_checkpoint = load_checkpoint(draft, dtype=self.dtype)
             self._check_draft_vocab(tokenizer_for(self.draft_checkpoint))
-            draft_model = build_model(self.draft_checkpoint.config, self.draft_checkpoint.tensors, device)
+            draft_model = self._build(self.draft_checkpoint)
             self.drafter = ModelDrafter(ModelRunner("draft", draft_model, kv_bytes, block_size), cfg.vocab_size)
         elif speculative == "ngram":
             self.drafter = NgramDrafter(ngram_max, ngram_min)
@@ -100,6 +108,10 @@ class LLM:
             num_speculative_tokens=num_speculative_tokens if self.drafter is not None else 0,
             max_speculative_tokens=max_speculative_tokens)
         self.engine = LLMEngine(self.target, self.tokenizer, config, self.drafter)
+
+    def _build(self, checkpoint: Checkpoint) -> Transformer:
+        model = build_model(checkpoint.config, checkpoint.tensors, self.device)
+        return quantize_checkpoint(model, checkpoint, self.weights)
 
     def _check_draft_vocab(self, draft_tokenizer: Tokenizer) -> None:
         """Draft and target must share a tokenizer; checkpoint vocab sizes may differ by padding rows only."""

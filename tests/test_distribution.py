@@ -99,11 +99,11 @@ def models(tiny_dir):
     return target, poor
 
 
-def make_llm(models, drafter: str) -> LLM:
+def make_llm(models, drafter: str, weights: str = "float32") -> LLM:
     target, poor = models
     kwargs = {"ngram": {"speculative": "ngram"}, "self": {"speculative": "self", "self_draft_layers": 1},
               "draft-poor": {"draft": str(poor)}, "draft-same": {"draft": str(target)}}[drafter]
-    return LLM(str(target), dtype="float32", num_speculative_tokens=3, max_num_seqs=1024,
+    return LLM(str(target), weights=weights, num_speculative_tokens=3, max_num_seqs=1024,
                max_num_batched_tokens=16384, kv_cache_memory="256MiB", **kwargs)
 
 
@@ -112,11 +112,13 @@ FULL = [(d, t, x) for d in ("ngram", "self", "draft-poor", "draft-same") for t i
 CI_SUBSET = [("draft-poor", 1.0, "plain"), ("draft-poor", 0.7, "topk_topp"), ("draft-poor", 1.5, "penalties"),
              ("ngram", 1.0, "penalties"), ("self", 0.7, "plain"), ("draft-same", 1.5, "topk_topp")]
 CASES = FULL if os.environ.get("QUICKDRAFT_FULL_DIST") else CI_SUBSET
+# quantized weights: the reference is the quantized target's own distribution
+CASES = [(*c, "float32") for c in CASES] + [("draft-poor", 1.0, "topk_topp", "int8"), ("ngram", 0.7, "penalties", "int4")]
 
 
-@pytest.mark.parametrize("drafter,temperature,transform", CASES)
-def test_speculative_sampling_matches_target_distribution(models, drafter, temperature, transform):
-    llm = make_llm(models, drafter)
+@pytest.mark.parametrize("drafter,temperature,transform,weights", CASES)
+def test_speculative_sampling_matches_target_distribution(models, drafter, temperature, transform, weights):
+    llm = make_llm(models, drafter, weights)
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True, **TRANSFORMS[transform])
     dist = exact_distribution(llm, params)
     samples = sample_engine(llm, params, SAMPLES)

@@ -55,13 +55,14 @@ def test_greedy_identity_tiny(tiny_dir, kind, k):
         assert stats.acceptance_rate > 0.95
 
 
-@pytest.mark.parametrize("kind", ["ngram", "self", "draft"])
-def test_greedy_identity_smollm2(smollm2, kind):
+@pytest.mark.parametrize("kind,weights", [("ngram", "float32"), ("self", "float32"), ("draft", "float32"),
+                                          ("draft", "int4"), ("ngram", "int8")])
+def test_greedy_identity_smollm2(smollm2, kind, weights):
     prompts = bench_prompts(2)
     params = SamplingParams(max_tokens=32, temperature=0.0)
-    plain = LLM(str(smollm2), dtype="float32").generate(prompts, params)
-    kwargs = {"speculative": kind} if kind != "draft" else {"draft": str(smollm2)}
-    llm = LLM(str(smollm2), dtype="float32", **kwargs)
+    plain = LLM(str(smollm2), weights=weights).generate(prompts, params)
+    kwargs = {"speculative": kind} if kind != "draft" else {"draft": str(smollm2), "num_speculative_tokens": 3}
+    llm = LLM(str(smollm2), weights=weights, **kwargs)
     spec = llm.generate(prompts, params)
     for a, b in zip(plain, spec):
         assert a.token_ids == b.token_ids and a.text == b.text

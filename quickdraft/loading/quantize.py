@@ -19,8 +19,11 @@ along the input dimension, exactly the kernel's ``(q - 8) * scale + zero`` with 
 * Q4_K ``d sc_j * q - dmin m_j``      -> scale ``d sc_j``, zero ``8 d sc_j - dmin m_j``
 
 so their 4-bit values are taken as they are and only scale/zero are rounded to bfloat16 (the kernel's
-scale dtype). Every other tensor type (Q5_*, Q6_K, Q8_0, F16, ...) or another group size is
-requantized from the float32-dequantized GGUF weights (round to nearest, per-group min/max).
+scale dtype). Tensors the GGUF stores with more bits (Q5_*, Q6_K, Q8_0, F16, ...) become int8 by default
+(``wide_sources='int8'``; ``'int4'`` requantizes them), as does an untied lm_head (``lm_head='int8'``).
+Requantization (those, int8, other group sizes, HF checkpoints) starts from the float32-dequantized GGUF
+weights, not from the possibly bfloat16 model weights: round to nearest, per-channel absmax (int8) or
+per-group min/max (int4).
 """
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ FLOAT_FORMATS = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # Bump when the quantization (rounding, mapping, stored layout) changes.
-QUANT_CACHE_VERSION = "1"
+QUANT_CACHE_VERSION = "2"
 # Untied lm_head in quantize_checkpoint: int8 (see bench/quant_accuracy.py for the trade-off).
 DEFAULT_LM_HEAD: bool | str = "int8"
 
@@ -238,7 +241,7 @@ def _int4_params(name: str, linear: nn.Linear, cfg, group_size: int, source_tens
 
 
 def quantize_model(model: Transformer, fmt: str, source_tensors: dict | None = None, gguf_types: dict | None = None,
-                   *, group_size: int = 32, lm_head: bool | str = False, wide_sources: str = "int4") -> Transformer:
+                   *, group_size: int = 32, lm_head: bool | str = False, wide_sources: str = "int8") -> Transformer:
     """Replace the decoder layers' nn.Linear (and ``lm_head`` when ``lm_head`` and untied) with
     Int4Linear / Int8Linear, in place; returns ``model``.
 
@@ -248,7 +251,9 @@ def quantize_model(model: Transformer, fmt: str, source_tensors: dict | None = N
     HF layout to quantize from. Tensors not found there are quantized from the module's own weight.
     ``lm_head``: False keeps it; True or ``'int8'`` quantizes an untied lm_head to int8, ``'int4'`` to int4.
     ``wide_sources`` (int4 only): format for layers whose GGUF type has more than 4 bits (Q5_*, Q6_K, Q8_0,
-    F16, ...): ``'int4'`` requantizes them, ``'int8'`` keeps them in int8.
+    F16, ...): ``'int8'`` (default) keeps them in int8, ``'int4'`` requantizes them to int4. On Qwen2.5-Coder-1.5B
+    (Q4_K_M: ffn_down/attn_v of half the layers are Q6_K) int8 there took perplexity from +1.4% to +0.1% over
+    bfloat16 at the same decode speed (bench/quant_accuracy.py).
     """
     if wide_sources not in QUANT_FORMATS:
         raise InvalidParameterError(f"wide_sources must be 'int4' or 'int8', got {wide_sources!r}")
@@ -326,7 +331,7 @@ def _layout(device: torch.device) -> str:
 
 
 def quant_cache_path(fingerprint: str, fmt: str, group_size: int, lm_head: str | None, source: str,
-                     device: torch.device | str = "cpu", *, wide_sources: str = "int4") -> Path:
+                     device: torch.device | str = "cpu", *, wide_sources: str = "int8") -> Path:
     """Cache entry for one source + format: under ``cache_root()/quantized/``."""
     from quickdraft.loading.weight_cache import cache_root
 
@@ -343,12 +348,10 @@ def _module_tensors(name: str, mod: nn.Module) -> dict[str, torch.Tensor]:
     if isinstance(mod, Int8Linear):
         return {f"{name}.qweight": mod.qweight, f"{name}.scales": mod.scales}
     assert isinstance(mod, Int4Linear)
-    out = {f"{name}.scales": mod.scales.contiguous(), f"{name}.zeros": mod.zeros.contiguous()}
-    if mod.on_cpu:
-        out[f"{name}.packed"] = mod.packed
-    else:
-        out[f"{name}.qweight"] = mod.qweight
-    return out
+    if mod.use_kernel:  # the kernel's own layout, loaded back without any conversion
+        return {f"{name}.packed": mod.packed, f"{name}.scales_and_zeros": mod.scales_and_zeros}
+    return {f"{name}.qweight": mod.qweight, f"{name}.scales": mod.scales.contiguous(),
+            f"{name}.zeros": mod.zeros.contiguous()}
 
 
 def store_quantized(path: Path, model: Transformer, meta: dict[str, str]) -> Path | None:
@@ -406,16 +409,16 @@ def load_quantized(path: Path, model: Transformer, meta: dict[str, str], group_s
                 if kind == "int8":
                     mod: nn.Module = Int8Linear(f.get_tensor(f"{name}.qweight").to(device),
                                                 f.get_tensor(f"{name}.scales").to(device), bias)
+                elif f"{name}.packed" in keys and device.type == "cpu":
+                    mod = Int4Linear.from_packed(f.get_tensor(f"{name}.packed"),
+                                                 f.get_tensor(f"{name}.scales_and_zeros"), group_size, in_f, out_f,
+                                                 bias)
                 else:
-                    s, z = f.get_tensor(f"{name}.scales").to(device), f.get_tensor(f"{name}.zeros").to(device)
-                    if f"{name}.packed" in keys and device.type == "cpu":
-                        mod = Int4Linear(None, s, z, group_size, bias, packed=f.get_tensor(f"{name}.packed"),
-                                         in_features=in_f, out_features=out_f)
-                    else:
-                        from quickdraft.models.quant import unpack_nibbles
+                    from quickdraft.models.quant import unpack_nibbles
 
-                        q = unpack_nibbles(f.get_tensor(f"{name}.qweight")).to(device)
-                        mod = Int4Linear(q, s, z, group_size, bias)
+                    q = unpack_nibbles(f.get_tensor(f"{name}.qweight")).to(device)
+                    s, z = f.get_tensor(f"{name}.scales").to(device), f.get_tensor(f"{name}.zeros").to(device)
+                    mod = Int4Linear(q, s, z, group_size, bias)
                 if (mod.out_features, mod.in_features) != (out_f, in_f):
                     raise ValueError(f"{name}: cached shape {(mod.out_features, mod.in_features)} != {(out_f, in_f)}")
                 new[name] = mod
@@ -433,17 +436,20 @@ def load_quantized(path: Path, model: Transformer, meta: dict[str, str], group_s
 
 
 def quantize_checkpoint(model: Transformer, checkpoint, fmt: str, *, group_size: int = 32,
-                        lm_head: bool | str | None = None, wide_sources: str = "int4", use_cache: bool = True,
+                        lm_head: bool | str | None = None, wide_sources: str = "int8", use_cache: bool = True,
                         release: bool = True) -> Transformer:
     """Quantize a model built from ``checkpoint`` (``build_model(checkpoint.config, checkpoint.tensors, device)``)
     to ``fmt`` (``'int4'``/``'int8'``; ``'bfloat16'``/``'float32'`` return the model unchanged) and return it.
 
-    * GGUF sources: Q4_0/Q4_1/Q4_K tensors map exactly to int4 (group 32); others are requantized from the
+    * GGUF sources: Q4_0/Q4_1/Q4_K tensors map exactly to int4 (group 32); with ``wide_sources='int8'``
+      (default) tensors stored with more bits become int8, else they are requantized to int4, from the
       float32-dequantized GGUF data (not from the possibly bfloat16 model weights).
+    * ``group_size``: int4 group (32, 64, 128); only 32 maps GGUF Q4 blocks exactly.
     * ``lm_head``: an untied lm_head's format: False (keep the model dtype), ``'int8'``/True or ``'int4'``;
       None: ``DEFAULT_LM_HEAD`` (see bench/quant_accuracy.py for the trade-off). A tied lm_head is never touched.
     * ``use_cache``: keep the result under ``cache_root()/quantized/`` keyed by the checkpoint fingerprint,
-      format, group size, source precision and (int4 on CPU) the CPU ISA + torch version of the packed layout.
+      format and options, source precision and (int4 on CPU) the CPU ISA + torch version of the packed layout
+      (the int4pack layout is ISA-dependent, so it is stored packed and only reused on the same kind of CPU).
     * ``release``: drop the replaced float weights from ``checkpoint.tensors`` so they can be freed.
     """
     if fmt in FLOAT_FORMATS:
@@ -461,7 +467,9 @@ def quantize_checkpoint(model: Transformer, checkpoint, fmt: str, *, group_size:
     meta = {"fingerprint": checkpoint.fingerprint, "format": fmt, "group_size": str(group_size),
             "lm_head": str(head_fmt), "wide_sources": wide_sources, "source": source, "layout": _layout(device),
             "quickdraft_quant_cache_version": QUANT_CACHE_VERSION}
-    if not (use_cache and load_quantized(path, model, meta, group_size)):
+    with _single_thread():
+        hit = use_cache and load_quantized(path, model, meta, group_size)
+    if not hit:
         sources, types = gguf_sources(checkpoint.source) if is_gguf else (None, None)
         quantize_model(model, fmt, sources, types, group_size=group_size, lm_head=head_fmt or False,
                        wide_sources=wide_sources)
