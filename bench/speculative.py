@@ -140,11 +140,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--humaneval", type=int, default=3)
     ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all 13)")
     ap.add_argument("--k", default="auto")
     ap.add_argument("--configs", default="plain,draft,ngram,self,hf,hf-assist,hf-lookup")
     args = ap.parse_args()
     k = args.k if args.k == "auto" else int(args.k)
-    prompts = [("humaneval", p) for p in humaneval_prompts(args.humaneval)] + spec_bench_prompts(args.per_category)
+    cats = tuple(args.categories.split(",")) if args.categories else None
+    prompts = [("humaneval", p) for p in humaneval_prompts(args.humaneval)] + spec_bench_prompts(args.per_category, cats)
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}; target {args.target}, "
           f"draft {args.draft}, {args.dtype}, {len(prompts)} prompts, {args.tokens} new tokens, k={args.k}")
