@@ -244,6 +244,8 @@ def main() -> None:
                    help="formats whose weights are larger are not timed (all timed models stay in memory together)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant_accuracy.json"))
+    p.add_argument("--append", action="store_true",
+                   help="keep the results of other models already in --out (run models one at a time)")
     args = p.parse_args()
     args.formats = [f for f in args.formats.split(",") if f]
     args.speed_formats = args.formats if args.speed_formats is None else args.speed_formats.split(",")
@@ -257,17 +259,24 @@ def main() -> None:
             print(f"skipping {name}: {exc}")
     print(f"torch {torch.__version__} ({cpu_capability()}), {args.threads} threads, loadavg {os.getloadavg()}; "
           f"times: min/median ms")
+    out = Path(args.out)
+    kept = []
+    if args.append and out.is_file():  # keep earlier results of the models not run now
+        kept = [m for m in json.loads(out.read_text()).get("models", []) if m["model"] not in models]
     results = {
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "text_sample": f"first {args.tokens} tokens of each of the first {args.articles} summarization articles "
                        f"of {DATA.name} (after 'Summarize:')",
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_capability": cpu_capability(),
                     "cores": os.cpu_count(), "torch": torch.__version__, "loadavg_start": os.getloadavg()},
-        "models": [run_model(name, args) for name in models],
+        "models": kept,
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    for name in models:
+        result = run_model(name, args)
+        result["settings"] = results["settings"]
+        results["models"].append(result)
+        out.write_text(json.dumps(results, indent=2))  # after every model: a killed run keeps what it finished
     print(f"wrote {out}")
 
 
