@@ -65,8 +65,8 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _single_thread() -> Iterator[None]:
-    """Run torch ops on one thread: the dequantization ops are memory-bound and small,
+def single_thread() -> Iterator[None]:
+    """Run torch ops on one thread: dequantizing and quantizing are many small memory-bound ops,
     and on a busy machine intra-op thread sync made them 10-30x slower than one thread."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -268,7 +268,7 @@ def load_gguf(
     from tqdm import tqdm
 
     bar = tqdm(selected, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False)
-    with _single_thread():
+    with single_thread():
         for name, target, t in bar:
             counts[GGMLQuantizationType(t.tensor_type).name] += 1
             w = dequantize(t.data, t.tensor_type, shapes[name])

@@ -27,14 +27,13 @@ per-group min/max (int4).
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,7 @@ from quickdraft.models.quant import (
     quantize_int8,
 )
 from quickdraft.models.transformer import Transformer
+from quickdraft.loading.gguf import single_thread
 
 log = logging.getLogger(__name__)
 
@@ -177,17 +177,6 @@ def quantizable_linears(model: Transformer, lm_head: bool = False) -> dict[str, 
     return out
 
 
-@contextlib.contextmanager
-def _single_thread() -> Iterator[None]:
-    """Quantizing is many small memory-bound ops; on a busy 2-core machine one thread was 3-30x faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
@@ -271,7 +260,7 @@ def quantize_model(model: Transformer, fmt: str, source_tensors: dict | None = N
             raise InvalidParameterError(f"int4 group size {group_size} does not divide {name}'s in_features "
                                         f"{linear.in_features}; use one of {INT4_GROUP_SIZES} that does")
     counts = {"int4": 0, "int8": 0}
-    with _single_thread():
+    with single_thread():
         for name, linear in linears.items():
             f = head_fmt if name == "lm_head" else fmt
             if f == "int4" and wide_sources == "int8" and name != "lm_head" and _is_wide(name, gguf_types):
@@ -439,7 +428,8 @@ def quantize_checkpoint(model: Transformer, checkpoint, fmt: str, *, group_size:
                         lm_head: bool | str | None = None, wide_sources: str = "int8", use_cache: bool = True,
                         release: bool = True) -> Transformer:
     """Quantize a model built from ``checkpoint`` (``build_model(checkpoint.config, checkpoint.tensors, device)``)
-    to ``fmt`` (``'int4'``/``'int8'``; ``'bfloat16'``/``'float32'`` return the model unchanged) and return it.
+    to ``fmt`` (``'int4'``/``'int8'``; ``'bfloat16'``/``'float32'``/``'float16'`` return the model unchanged)
+    and return it.
 
     * GGUF sources: Q4_0/Q4_1/Q4_K tensors map exactly to int4 (group 32); with ``wide_sources='int8'``
       (default) tensors stored with more bits become int8, else they are requantized to int4, from the
@@ -452,7 +442,7 @@ def quantize_checkpoint(model: Transformer, checkpoint, fmt: str, *, group_size:
       (the int4pack layout is ISA-dependent, so it is stored packed and only reused on the same kind of CPU).
     * ``release``: drop the replaced float weights from ``checkpoint.tensors`` so they can be freed.
     """
-    if fmt in FLOAT_FORMATS:
+    if fmt in FLOAT_FORMATS or fmt == "float16":  # float weights (LLM passes its dtype name): nothing to do
         return model
     if fmt not in QUANT_FORMATS:
         raise InvalidParameterError(f"weights format must be one of {', '.join(QUANT_FORMATS + tuple(FLOAT_FORMATS))}, "
@@ -467,7 +457,7 @@ def quantize_checkpoint(model: Transformer, checkpoint, fmt: str, *, group_size:
     meta = {"fingerprint": checkpoint.fingerprint, "format": fmt, "group_size": str(group_size),
             "lm_head": str(head_fmt), "wide_sources": wide_sources, "source": source, "layout": _layout(device),
             "quickdraft_quant_cache_version": QUANT_CACHE_VERSION}
-    with _single_thread():
+    with single_thread():
         hit = use_cache and load_quantized(path, model, meta, group_size)
     if not hit:
         sources, types = gguf_sources(checkpoint.source) if is_gguf else (None, None)
