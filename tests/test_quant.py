@@ -270,7 +270,8 @@ def test_wide_gguf_sources_become_int8(tiny_dir):
 def test_float_formats_leave_model_alone(tiny_dir):
     ckpt = load_checkpoint(tiny_dir(arch="llama", tie=True, vocab_size=96), dtype=torch.float32)
     model = build_model(ckpt.config, ckpt.tensors)
-    assert qz.quantize_checkpoint(model, ckpt, "float32") is model
+    for fmt in ("float32", "bfloat16", "float16"):
+        assert qz.quantize_checkpoint(model, ckpt, fmt) is model
     assert isinstance(model.model.layers[0].mlp.up_proj, torch.nn.Linear)
     with pytest.raises(InvalidParameterError, match="group size"):
         qz.quantize_model(model, "int4", group_size=128)  # hidden 64 is not a multiple of 128
