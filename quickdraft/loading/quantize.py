@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -52,6 +51,7 @@ from quickdraft.models.quant import (
 )
 from quickdraft.models.transformer import Transformer
 from quickdraft.loading.gguf import single_thread
+from quickdraft.loading.weight_cache import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -345,33 +345,13 @@ def _module_tensors(name: str, mod: nn.Module) -> dict[str, torch.Tensor]:
 
 def store_quantized(path: Path, model: Transformer, meta: dict[str, str]) -> Path | None:
     """Write the quantized layers' tensors atomically; None when the cache cannot be written."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
     for name, mod in model.named_modules():
         if isinstance(mod, (Int4Linear, Int8Linear)):
             tensors.update({k: v.detach().cpu().contiguous() for k, v in _module_tensors(name, mod).items()})
             kinds[name] = "int4" if isinstance(mod, Int4Linear) else "int8"
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        save_file(tensors, tmp, metadata={**meta, "modules": json.dumps(kinds)})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-        tmp = None
-        return path
-    except Exception as exc:  # read-only or full disk: still works, uncached
-        log.warning("could not write quantized weight cache %s: %s", path, exc)
-        return None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    return write_atomic(path, tensors, {**meta, "modules": json.dumps(kinds)}, "quantized weight cache")
 
 
 def load_quantized(path: Path, model: Transformer, meta: dict[str, str], group_size: int) -> bool:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,6 @@ def store(
 ) -> Path | None:
     """Write the tensors and a JSON-able ``info`` dict atomically; returns the path,
     or None when the cache cannot be written (loading still works, uncached)."""
-    from safetensors.torch import save_file
-
     path = cache_path(fingerprint, dtype)
     to_save = {k: v.contiguous() for k, v in tensors.items() if not (tied and k == TIED_KEY)}
     meta = {
@@ -98,18 +97,25 @@ def store(
         "quickdraft_cache_version": CACHE_FORMAT_VERSION,
         "info": json.dumps({**info, "tensor_names": sorted(tensors)}),
     }
+    return write_atomic(path, to_save, meta, "weight cache")
+
+
+def write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], what: str) -> Path | None:
+    """Write a safetensors file via a temporary file and rename, so a reader never sees half a file.
+
+    A read-only or full disk is not an error: loading still works, just uncached (None)."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         os.close(fd)
-        save_file(to_save, tmp, metadata=meta)
+        save_file(tensors, tmp, metadata=metadata)
         os.chmod(tmp, 0o644)  # mkstemp makes it private
         os.replace(tmp, path)
         tmp = None
         return path
-    except Exception as exc:  # read-only or full disk: loading still works, just not cached
-        log.warning("could not write weight cache %s: %s", path, exc)
+    except Exception as exc:
+        log.warning("could not write %s %s: %s", what, path, exc)
         return None
     finally:
         if tmp is not None:
