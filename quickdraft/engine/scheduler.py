@@ -14,7 +14,7 @@ from typing import Callable
 
 from quickdraft.engine.sequence import Sequence, Status
 from quickdraft.errors import InvalidParameterError
-from quickdraft.kv import ModelRunner, SequenceKV
+from quickdraft.kv import ModelRunner, SequenceKV, prefill_chunk
 
 POLICIES = ("fcfs", "sjf", "priority", "deadline")
 
@@ -80,7 +80,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             kv = seq.kv["target"]
-            chunk = min(seq.num_tokens - kv.num_cached, budget)
+            chunk = self._chunk(kv.num_cached, seq.num_tokens - kv.num_cached, budget)
+            if chunk == 0:  # its next prompt piece does not fit in what is left of this step
+                i += 1
+                continue
             need = self.target.blocks_for(kv, kv.num_cached + chunk + draft_room)
             while need > free and self.running[-1] is not seq:
                 free += self._preempt(self.running[-1])
@@ -101,7 +104,9 @@ class Scheduler:
                 before = self.target.allocator.num_free
                 cached = self.target.match_prefix(kv, seq.token_ids)
                 free -= before - self.target.allocator.num_free
-            chunk = min(seq.num_tokens - cached, budget)
+            chunk = self._chunk(cached, seq.num_tokens - cached, budget)
+            if chunk == 0:
+                break
             need = self.target.blocks_for(kv, cached + chunk + draft_room) if seq.swapped is None else \
                 -(-(cached + chunk + draft_room) // self.target.block_size)
             if need > free:
@@ -123,6 +128,12 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append((seq, chunk))
         return scheduled
+
+    def _chunk(self, cached: int, pending: int, budget: int) -> int:
+        """Prompt chunks end at cell boundaries so each token is computed the same way in any batch
+        (see quickdraft.kv.paged.PREFILL_CELL); a step with its whole budget free always makes progress."""
+        chunk = prefill_chunk(cached, pending, budget)
+        return chunk or (min(pending, budget) if budget == self.config.max_num_batched_tokens else 0)
 
     def _release_waiting(self) -> int:
         """Waiting sequences give back blocks they hold (matched prefixes, forked samples), so they can

@@ -101,6 +101,12 @@ class BlockAllocator:
     def lookup(self, digest: bytes) -> int | None:
         return self._block_of.get(digest)
 
+    def forget(self, block: int) -> None:
+        """Take a block out of the prefix cache: its content is about to change."""
+        digest = self._hash_of.pop(block, None)
+        if digest is not None and self._block_of.get(digest) == block:
+            del self._block_of[digest]
+
 
 @dataclass
 class SequenceKV:
@@ -134,7 +140,12 @@ class SequenceKV:
     def truncate(self, length: int, allocator: BlockAllocator, block_size: int) -> None:
         """Forget every token from ``length`` on and give back blocks that held only those."""
         self.num_cached = min(self.num_cached, length)
-        del self.hashes[length // block_size:]
+        full = length // block_size
+        if full < len(self.hashes) and length % block_size:
+            # a published block stays but will be rewritten from ``length`` on (a session's history edited
+            # below committed tokens): the prefix cache must not hand it out for its old content any more
+            allocator.forget(self.block_table[full])
+        del self.hashes[full:]
         keep = -(-length // block_size)
         while len(self.block_table) > keep:
             allocator.release(self.block_table.pop())
@@ -163,6 +174,10 @@ class SequenceKV:
             self.block_table.append(allocator.share(block))
             self.hashes.append(digest)
             parent = digest
+        # start computing at a cell boundary, as a run without the cache would have (see PREFILL_CELL)
+        while PREFILL_CELL % block_size == 0 and len(self.block_table) * block_size % PREFILL_CELL:
+            allocator.release(self.block_table.pop())
+            self.hashes.pop()
         self.num_cached = len(self.block_table) * block_size
         return self.num_cached
 
@@ -176,63 +191,106 @@ class SequenceKV:
             self.hashes.append(digest)
 
 
+# Attention is computed so that a token's result depends only on its position and the cached context,
+# never on how many other tokens share the call (see AttentionBatch). Prompt chunks are cut into pieces at
+# multiples of PREFILL_CELL positions; a piece of more than ROWWISE_MAX_QUERIES tokens attends in one
+# causal call, shorter pieces and drafted tokens one row at a time. The scheduler cuts prefill chunks that
+# stop short of the sequence's end at cell boundaries, so every piece is the same whatever the batch.
+PREFILL_CELL = 64
+ROWWISE_MAX_QUERIES = 16
+
+
+def chunk_pieces(start: int, chunk: int) -> list[tuple[int, int]]:
+    """Absolute [a, b) pieces of a prompt chunk covering positions start..start+chunk-1, cut at cell boundaries."""
+    pieces, a, end = [], start, start + chunk
+    while a < end:
+        b = min(end, (a // PREFILL_CELL + 1) * PREFILL_CELL)
+        pieces.append((a, b))
+        a = b
+    return pieces
+
+
+def prefill_chunk(num_cached: int, pending: int, budget: int) -> int:
+    """How many of a sequence's ``pending`` tokens to compute in a step with ``budget`` tokens left: all of
+    them if they fit, else the most that end at a cell boundary (possibly 0: wait for a step with more room)."""
+    if pending <= budget:
+        return pending
+    return max(0, (num_cached + budget) // PREFILL_CELL * PREFILL_CELL - num_cached)
+
+
 class AttentionBatch:
     """Per-step attention metadata for a flat batch of new tokens from several sequences.
 
     The model hands each layer's q, k, v here; this writes the new keys and values
     into the pool and attends each sequence's queries to its own cached context.
-    All sequences share one attention call per layer: queries and contexts are
-    padded to the longest and a mask keeps each query to its own causal context.
     The model never sees block tables or scheduling.
+
+    Why not one padded call for everything: torch's CPU attention kernels accumulate
+    a query row differently depending on how many rows share the call, so verifying k
+    drafts in one pass would give logits a few bfloat16 ulps away from k single-token
+    steps, and greedy speculation (or batching) would flip near-ties. Here a decode
+    token or a drafted token attends alone to exactly its causal context, and prompt
+    chunks attend in fixed pieces, so plain, speculative and batched runs compute every
+    token the same way.
     """
 
-    def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int]) -> None:
+    def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int],
+                 chunks: list[int] | None = None) -> None:
+        """``chunks[b]``: how many leading new tokens of sequence b are a prompt chunk; the rest (drafts being
+        verified) attend row by row. Default: all of them."""
         self.pool = pool
         device = pool.k.device
         bs = pool.block_size
-        batch, n_max = len(lengths), max(lengths)
-        totals = [s + n for s, n in zip(starts, lengths)]
-        l_max = max(totals)
-        context = torch.zeros(batch, l_max, dtype=torch.long)
+        self.contexts: list[torch.Tensor] = []  # per sequence: the pool slots of its whole context
+        # per sequence: (first row, last row + 1, causal mask or None for row by row), relative to its new tokens
+        self.pieces: list[list[tuple[int, int, torch.Tensor | None]]] = []
         new_slots = []
-        for b, (table, total, start) in enumerate(zip(tables, totals, starts)):
+        for b, (table, start, n) in enumerate(zip(tables, starts, lengths)):
+            total = start + n
             positions = torch.arange(total)
             slots = torch.tensor(table[: -(-total // bs)], dtype=torch.long)[positions // bs] * bs + positions % bs
-            context[b, :total] = slots
+            self.contexts.append(slots.to(device))
             new_slots.append(slots[start:])
+            chunk = n if chunks is None else chunks[b]
+            pieces = []
+            for a, e in chunk_pieces(start, chunk):
+                if e - a > ROWWISE_MAX_QUERIES:
+                    mask = (torch.arange(e)[None, :] <= torch.arange(a, e)[:, None]).to(device)
+                    pieces.append((a - start, e - start, mask))
+                else:
+                    pieces.append((a - start, e - start, None))
+            if chunk < n:
+                pieces.append((chunk, n, None))
+            self.pieces.append(pieces)
         self.slot_mapping = torch.cat(new_slots).to(device)
-        self.context = context.to(device)
+        self.starts = list(starts)
         self.positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
-        self.shape = (batch, n_max)
-        self.mask = None
-        if n_max > 1 or len(set(totals)) > 1:
-            starts_t, lengths_t, totals_t = (torch.tensor(x)[:, None, None] for x in (starts, lengths, totals))
-            query = torch.arange(n_max)[None, :, None]
-            key = torch.arange(l_max)[None, None, :]
-            mask = (key <= starts_t + query) & (key < totals_t)
-            mask |= (query >= lengths_t) & (key == 0)  # padded query rows attend somewhere harmless
-            self.mask = mask[:, None].to(device)  # [B, 1, n_max, L_max]
-        if batch > 1 and n_max > 1:
-            rows = [b * n_max + i for b, n in enumerate(lengths) for i in range(n)]
-            self.valid_rows = torch.tensor(rows, device=device)
-            pad_source = torch.zeros(batch * n_max, dtype=torch.long)
-            pad_source[self.valid_rows.cpu()] = torch.arange(len(rows))
-            self.pad_source = pad_source.to(device)
-        else:
-            self.valid_rows = self.pad_source = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]."""
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
-        batch, n_max = self.shape
-        heads, dim = q.shape[1], q.shape[2]
-        if self.pad_source is not None:
-            q = q[self.pad_source]
-        qs = q.view(batch, n_max, heads, dim).transpose(1, 2)  # [B, H, n, D]
-        ks = k_cache[self.context].transpose(1, 2)  # [B, KVH, L, D]
-        vs = v_cache[self.context].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=self.mask, enable_gqa=True)
-        out = out.transpose(1, 2).reshape(batch * n_max, heads, dim)
-        return out if self.valid_rows is None else out[self.valid_rows]
+        out, row = [], 0
+        tokens, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        grouped = q.view(tokens, kv_heads, heads // kv_heads, dim)  # query heads that share a key/value head
+        for slots, start, pieces in zip(self.contexts, self.starts, self.pieces):
+            ks = k_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+            vs = v_cache[slots].transpose(0, 1).unsqueeze(0)
+            for first, last, mask in pieces:
+                if mask is not None:
+                    end = start + last
+                    qs = q[row + first:row + last].transpose(0, 1).unsqueeze(0)  # [1, H, m, D]
+                    o = F.scaled_dot_product_attention(qs, ks[:, :, :end], vs[:, :, :end], attn_mask=mask,
+                                                       enable_gqa=True)
+                    out.append(o[0].transpose(0, 1))
+                    continue
+                for i in range(first, last):
+                    # one token: its query heads are the rows of a plain (non-GQA) call per key/value head,
+                    # which torch runs >10x faster on CPU than a one-row GQA call
+                    end = start + i + 1
+                    o = F.scaled_dot_product_attention(grouped[row + i].unsqueeze(0), ks[:, :, :end], vs[:, :, :end])
+                    out.append(o.reshape(1, heads, dim))
+            row += pieces[-1][1] if pieces else 0
+        return torch.cat(out)

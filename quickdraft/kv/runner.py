@@ -53,6 +53,12 @@ class ModelRunner:
         self.free(kv)
         return saved
 
+    def gather(self, kv: SequenceKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of a sequence's cached keys and values, ``[layers, num_cached, kv_heads, head_dim]``
+        each (contiguous); the blocks stay where they are (session snapshots)."""
+        slots = self._slots(kv, kv.num_cached)
+        return self.pool.k[:, slots].to("cpu").contiguous(), self.pool.v[:, slots].to("cpu").contiguous()
+
     def swap_in(self, kv: SequenceKV, saved: tuple[torch.Tensor, torch.Tensor, int]) -> None:
         k, v, length = saved
         kv.reserve(length, self.allocator, self.block_size)
@@ -89,8 +95,10 @@ class ModelRunner:
             end = item.kv.num_cached + len(item.tokens)
             item.kv.make_writable(item.kv.num_cached, end, self.allocator, self.pool)
             item.kv.reserve(end, self.allocator, self.block_size)
+        # every logits row after the first is a drafted token under verification, not part of a prompt chunk
+        chunks = [len(it.tokens) - max(0, it.num_logits - 1) for it in items]
         attn = AttentionBatch(self.pool, [it.kv.block_table for it in items], [it.kv.num_cached for it in items],
-                              [len(it.tokens) for it in items])
+                              [len(it.tokens) for it in items], chunks)
         tokens = torch.tensor([t for it in items for t in it.tokens], dtype=torch.long, device=self.device)
         hidden = self.model(tokens, attn, num_layers=self.num_layers)
         rows, offset = [], 0

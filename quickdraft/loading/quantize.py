@@ -7,9 +7,13 @@ Entry points:
   GGUF's own int4 blocks where they map exactly, caches the result on disk, returns the model.
 * ``quantize_model(model, fmt, source_tensors, gguf_types)``: the in-memory conversion itself.
 
-What is quantized: q/k/v/o and gate/up/down of every decoder layer, and ``lm_head`` only when it is
-not tied to the embeddings and ``lm_head`` is asked for. Embeddings, norms and biases stay in the
-model dtype (biases are added after the quantized matmul).
+What is quantized: q/k/v/o and gate/up/down of every decoder layer, and ``lm_head`` when asked for
+(by default int8). A tied ``lm_head`` gets its own int8 copy and the embedding table stays in the model
+dtype: besides halving the bytes a decode step reads for the head, the packed kernels compute each row
+independently of how many rows are in the batch, while dense bfloat16 ``F.linear`` with a 1536-wide input
+does not, so a dense head would give a k-token verify pass other logits than k single steps and flip
+greedy near-ties. Embeddings, norms and biases stay in the model dtype (biases are added after the
+quantized matmul).
 
 int4 from a GGUF: Q4_0, Q4_1 and Q4_K tensors are already affine int4 over 32-element (sub-)blocks
 along the input dimension, exactly the kernel's ``(q - 8) * scale + zero`` with group size 32:
@@ -20,7 +24,7 @@ along the input dimension, exactly the kernel's ``(q - 8) * scale + zero`` with 
 
 so their 4-bit values are taken as they are and only scale/zero are rounded to bfloat16 (the kernel's
 scale dtype). Tensors the GGUF stores with more bits (Q5_*, Q6_K, Q8_0, F16, ...) become int8 by default
-(``wide_sources='int8'``; ``'int4'`` requantizes them), as does an untied lm_head (``lm_head='int8'``).
+(``wide_sources='int8'``; ``'int4'`` requantizes them), as does the lm_head (``lm_head='int8'``).
 Requantization (those, int8, other group sizes, HF checkpoints) starts from the float32-dequantized GGUF
 weights, not from the possibly bfloat16 model weights: round to nearest, per-channel absmax (int8) or
 per-group min/max (int4).
@@ -61,8 +65,8 @@ FLOAT_FORMATS = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # Bump when the quantization (rounding, mapping, stored layout) changes.
-QUANT_CACHE_VERSION = "2"
-# Untied lm_head in quantize_checkpoint: int8 (see bench/quant_accuracy.py for the trade-off).
+QUANT_CACHE_VERSION = "3"
+# lm_head (tied or not) in quantize_checkpoint: int8 (see bench/quant_accuracy.py for the trade-off).
 DEFAULT_LM_HEAD: bool | str = "int8"
 
 
@@ -172,7 +176,7 @@ def quantizable_linears(model: Transformer, lm_head: bool = False) -> dict[str, 
             mod = layer.get_submodule(path)
             if isinstance(mod, nn.Linear):
                 out[f"model.layers.{i}.{path}"] = mod
-    if lm_head and not model.config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
+    if lm_head and isinstance(model.lm_head, nn.Linear):  # a tied head gets its own copy; the embedding stays
         out["lm_head"] = model.lm_head
     return out
 
@@ -231,14 +235,14 @@ def _int4_params(name: str, linear: nn.Linear, cfg, group_size: int, source_tens
 
 def quantize_model(model: Transformer, fmt: str, source_tensors: dict | None = None, gguf_types: dict | None = None,
                    *, group_size: int = 32, lm_head: bool | str = False, wide_sources: str = "int8") -> Transformer:
-    """Replace the decoder layers' nn.Linear (and ``lm_head`` when ``lm_head`` and untied) with
+    """Replace the decoder layers' nn.Linear (and ``lm_head`` when ``lm_head``) with
     Int4Linear / Int8Linear, in place; returns ``model``.
 
     ``source_tensors`` (HF names, ``...q_proj.weight``): with ``gguf_types`` (HF name -> GGML type id)
     the raw GGUF block data as stored in the file (see ``gguf_sources``), used for the exact Q4 mapping
     and otherwise dequantized to float32 for requantization; without ``gguf_types``, float tensors in
     HF layout to quantize from. Tensors not found there are quantized from the module's own weight.
-    ``lm_head``: False keeps it; True or ``'int8'`` quantizes an untied lm_head to int8, ``'int4'`` to int4.
+    ``lm_head``: False keeps it; True or ``'int8'`` quantizes the lm_head to int8, ``'int4'`` to int4.
     ``wide_sources`` (int4 only): format for layers whose GGUF type has more than 4 bits (Q5_*, Q6_K, Q8_0,
     F16, ...): ``'int8'`` (default) keeps them in int8, ``'int4'`` requantizes them to int4. On Qwen2.5-Coder-1.5B
     (Q4_K_M: ffn_down/attn_v of half the layers are Q6_K) int8 there took perplexity from +1.4% to +0.1% over
@@ -415,8 +419,9 @@ def quantize_checkpoint(model: Transformer, checkpoint, fmt: str, *, group_size:
       (default) tensors stored with more bits become int8, else they are requantized to int4, from the
       float32-dequantized GGUF data (not from the possibly bfloat16 model weights).
     * ``group_size``: int4 group (32, 64, 128); only 32 maps GGUF Q4 blocks exactly.
-    * ``lm_head``: an untied lm_head's format: False (keep the model dtype), ``'int8'``/True or ``'int4'``;
-      None: ``DEFAULT_LM_HEAD`` (see bench/quant_accuracy.py for the trade-off). A tied lm_head is never touched.
+    * ``lm_head``: the lm_head's format: False (keep the model dtype), ``'int8'``/True or ``'int4'``;
+      None: ``DEFAULT_LM_HEAD`` (see bench/quant_accuracy.py for the trade-off). A tied lm_head becomes a
+      quantized copy; the embedding table keeps the model dtype.
     * ``use_cache``: keep the result under ``cache_root()/quantized/`` keyed by the checkpoint fingerprint,
       format and options, source precision and (int4 on CPU) the CPU ISA + torch version of the packed layout
       (the int4pack layout is ISA-dependent, so it is stored packed and only reused on the same kind of CPU).
