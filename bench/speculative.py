@@ -1,10 +1,13 @@
 """Speculative decoding benchmark: plain vs each drafter vs HF assisted generation, same weights, one run.
 
 Usage: python bench/speculative.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b] [--dtype bfloat16]
-         [--tokens 128] [--humaneval 3] [--per-category 1] [--configs plain,draft,ngram,self,hf,hf-assist,hf-lookup]
+         [--tokens 128] [--humaneval 3] [--per-category 1]
+         [--configs plain,draft,draft-runahead,ngram,self,self-runahead,hf,hf-assist,hf-lookup]
 Sample: the first --humaneval public HumanEval prompts and the first --per-category public Spec-Bench prompts
 of each category (first turn). Greedy; tokens/s is the whole generate call (prefill included) divided by
 new tokens, for ours and HF's alike. Every speculative run is checked token for token against plain.
+draft-runahead / self-runahead are draft / self with run_ahead=True (the draft drafts the next round while the
+target verifies); `run_ahead` is the fraction of drafting rounds whose proposal began with run-ahead tokens.
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ from quickdraft import LLM, SamplingParams  # noqa: E402
 from quickdraft.engine.outputs import SpecMetrics  # noqa: E402
 from quickdraft.loading import resolve_model  # noqa: E402
 
-OURS = {"plain": {}, "draft": None, "ngram": {"speculative": "ngram"}, "self": {"speculative": "self"}}
+OURS = {"plain": {}, "draft": None, "draft-runahead": None, "ngram": {"speculative": "ngram"},
+        "self": {"speculative": "self"}, "self-runahead": {"speculative": "self", "run_ahead": True}}
+CONFIGS = ("plain", "draft", "draft-runahead", "ngram", "self", "self-runahead", "hf", "hf-assist", "hf-lookup")
 
 
 def chat_ids(llm: LLM, text: str) -> list[int]:
@@ -45,9 +50,11 @@ def run_ours(name: str, kwargs: dict, target: str, dtype: str, prompts, tokens: 
         rows.append({"config": name, "category": category, "tok_s": len(out.token_ids) / seconds,
                      "token_ids": out.token_ids, "rounds": spec.rounds, "draft_tokens": spec.draft_tokens,
                      "accepted_tokens": spec.accepted_tokens, "drafting_rounds": spec.drafting_rounds,
-                     "generated": len(out.token_ids)})
-        print(f"  {name:<6} {category:<16} {rows[-1]['tok_s']:6.2f} tok/s  acceptance "
-              f"{spec.acceptance_rate:5.1%}  mean accepted {spec.mean_accepted_length:4.2f}", flush=True)
+                     "run_ahead_rounds": spec.run_ahead_rounds, "generated": len(out.token_ids)})
+        ahead = (f"  run-ahead {spec.run_ahead_rounds / spec.drafting_rounds:5.1%} of rounds"
+                 if kwargs.get("run_ahead") and spec.drafting_rounds else "")
+        print(f"  {name:<14} {category:<16} {rows[-1]['tok_s']:6.2f} tok/s  acceptance "
+              f"{spec.acceptance_rate:5.1%}  mean accepted {spec.mean_accepted_length:4.2f}{ahead}", flush=True)
     del llm
     gc.collect()
     return rows
@@ -102,12 +109,15 @@ def summarize(rows: list[dict]) -> list[dict]:
                            draft_tokens=sum(r.get("draft_tokens", 0) for r in rs),
                            accepted_tokens=sum(r.get("accepted_tokens", 0) for r in rs),
                            drafting_rounds=sum(r.get("drafting_rounds", 0) for r in rs),
-                           generated_tokens=sum(r.get("generated", 0) for r in rs))
+                           generated_tokens=sum(r.get("generated", 0) for r in rs),
+                           run_ahead_rounds=sum(r.get("run_ahead_rounds", 0) for r in rs))
         out.append({"config": config, "category": category, "prompts": len(rs), "tok_s": tok_s,
                     "speedup_vs_plain": tok_s / base, "identical_to_plain": f"{same}/{len(rs)}",
                     "acceptance": spec.acceptance_rate if spec.draft_tokens else None,
                     "mean_accepted": spec.mean_accepted_length if spec.draft_tokens else None,
-                    "tokens_per_pass": spec.tokens_per_pass if spec.rounds else None})
+                    "tokens_per_pass": spec.tokens_per_pass if spec.rounds else None,
+                    "run_ahead": spec.run_ahead_rounds / spec.drafting_rounds
+                    if config.endswith("-runahead") and spec.drafting_rounds else None})
     return sorted(out, key=lambda r: (r["category"], r["config"]))
 
 
@@ -116,8 +126,7 @@ def chart(summary: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     categories = sorted({r["category"] for r in summary})
-    configs = [c for c in ("plain", "draft", "ngram", "self", "hf", "hf-assist", "hf-lookup")
-               if any(r["config"] == c for r in summary)]
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in summary)]
     fig, ax = plt.subplots(figsize=(max(8, len(categories) * 1.6), 4.5))
     width = 0.8 / len(configs)
     for i, c in enumerate(configs):
@@ -142,7 +151,7 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all 13)")
     ap.add_argument("--k", default="auto")
-    ap.add_argument("--configs", default="plain,draft,ngram,self,hf,hf-assist,hf-lookup")
+    ap.add_argument("--configs", default="plain,draft,draft-runahead,ngram,self,self-runahead,hf,hf-assist,hf-lookup")
     args = ap.parse_args()
     k = args.k if args.k == "auto" else int(args.k)
     cats = tuple(args.categories.split(",")) if args.categories else None
@@ -153,13 +162,14 @@ def main() -> None:
     rows = []
     for name in args.configs.split(","):
         if name in OURS:
-            kwargs = {"draft": args.draft} if name == "draft" else OURS[name]
+            kwargs = OURS[name] if OURS[name] is not None else {"draft": args.draft,
+                                                                 "run_ahead": name == "draft-runahead"}
             rows += run_ours(name, kwargs, args.target, args.dtype, prompts, args.tokens, k)
         else:
             rows += run_hf(name, args.target, args.draft, args.dtype, prompts, args.tokens)
     summary = summarize(rows)
     print("\n" + table(summary, ["category", "config", "prompts", "tok_s", "speedup_vs_plain", "identical_to_plain",
-                                 "acceptance", "mean_accepted", "tokens_per_pass"]))
+                                 "acceptance", "mean_accepted", "tokens_per_pass", "run_ahead"]))
     path = save("speculative", {"machine": info, "args": vars(args), "summary": summary,
                                 "runs": [{k2: v for k2, v in r.items() if k2 != "token_ids"} for r in rows]})
     chart(summary, path.with_suffix(".png"))

@@ -1,4 +1,4 @@
-"""Command line: ``quickdraft models | generate | serve``."""
+"""Command line: ``quickdraft models | generate | chat | serve``."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--draft", help="draft model for speculative decoding (same tokenizer as MODEL)")
     spec.add_argument("--speculative", choices=["ngram", "self"], help="draft-free speculation")
     p.add_argument("--k", default="auto", help="tokens drafted per round: an int, or 'auto' (adaptive, default)")
+    p.add_argument("--run-ahead", action="store_true",
+                   help="with --draft or --speculative self: draft the next round in a background thread while "
+                        "the target verifies the current one")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--weights", default=None, choices=["auto", "int4", "int8", "bfloat16", "float32"],
                    help="weight format: quantized int4/int8 linear layers, float, or auto (fastest measured); "
@@ -28,7 +31,8 @@ def llm_from_args(args: argparse.Namespace, **extra):
     from quickdraft.llm import LLM
     k = args.k if args.k == "auto" else int(args.k)
     return LLM(args.model, draft=args.draft, speculative=args.speculative, num_speculative_tokens=k,
-               dtype=args.dtype, weights=args.weights, device=args.device, max_model_len=args.max_model_len, **extra)
+               dtype=args.dtype, weights=args.weights, device=args.device, max_model_len=args.max_model_len,
+               run_ahead=args.run_ahead, **extra)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -67,10 +71,59 @@ def cmd_generate(args: argparse.Namespace) -> int:
         s = m.spec
         line += (f", {llm.drafter.name}: acceptance {s.acceptance_rate:.0%}, mean accepted {s.mean_accepted_length:.2f}"
                  f", {s.tokens_per_pass:.2f} tokens/target pass")
+        if args.run_ahead and s.drafting_rounds:
+            line += f", {s.run_ahead_rounds / s.drafting_rounds:.0%} of rounds from run-ahead"
         plain_step_s = llm.engine.cost.target(1)  # measured one-token target pass
         if plain_step_s > 0 and m.tokens_per_s > 0:
             line += f", speed-up ~{m.tokens_per_s * plain_step_s:.2f}x vs plain decoding"
     print(line + "]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive chat: user lines from stdin, replies streamed to stdout, the session saved after every turn."""
+    from pathlib import Path
+
+    from quickdraft.sampling import SamplingParams
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    llm = llm_from_args(args, kv_cache_memory=args.kv_cache_memory)
+    path = Path(args.session) if args.session else None
+    if path is not None and path.exists():
+        session = llm.load_session(path)
+        note = "; the last reply was interrupted: an empty line continues it" if session.interrupted else ""
+        print(f"restored {session.turns} turns, {session.num_tokens} tokens from {path}{note}", file=sys.stderr)
+    else:
+        session = llm.session()
+    interactive = sys.stdin.isatty()
+    with session:
+        while True:
+            if interactive:
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line:  # EOF / Ctrl-D
+                break
+            text = line.rstrip("\n")
+            if not text.strip() and session.interrupted is None:
+                continue
+            stream = session.stream(None, params) if not text.strip() else \
+                session.chat_stream({"role": "user", "content": text}, params)
+            try:
+                for chunk in stream:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:  # the reply stays interrupted (and saved); an empty line continues it
+                print("\n[interrupted]", end="", file=sys.stderr)
+            except QuickdraftError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+            finally:
+                stream.close()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            if path is not None:
+                session.save(path)
+        saved = f", saved to {path}" if path is not None else ""
+        print(f"{session.turns} turns, {session.num_tokens} tokens{saved}", file=sys.stderr)
     return 0
 
 
@@ -108,6 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--show-drafts", action="store_true", help="colour accepted draft tokens (terminal only)")
     g.set_defaults(fn=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat on stdin/stdout; --session FILE keeps it across runs")
+    add_model_args(c)
+    c.add_argument("--session", default=None, metavar="FILE",
+                   help="session snapshot: loaded first if it exists, saved after every turn")
+    c.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most")
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size per model, e.g. 2GiB or 512MB")
+    c.set_defaults(fn=cmd_chat)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     add_model_args(s)
     s.add_argument("--host", default="127.0.0.1")

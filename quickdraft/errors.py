@@ -15,3 +15,7 @@ class ModelLoadError(QuickdraftError, ValueError):
 
 class PromptTooLongError(QuickdraftError, ValueError):
     """A prompt does not fit in the model's context window."""
+
+
+class SessionError(QuickdraftError, ValueError):
+    """A session snapshot cannot be saved or resumed (missing, damaged, or made with other models/options)."""

@@ -16,7 +16,8 @@ from quickdraft.loading import Checkpoint, load_checkpoint
 from quickdraft.loading.quantize import FLOAT_FORMATS, quantize_checkpoint, resolve_weights
 from quickdraft.models import Transformer, build_model
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
+from quickdraft.session import Session
+from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter, RunAheadDrafter
 from quickdraft.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,7 +59,10 @@ class LLM:
                  max_model_len: int | None = None,
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, policy: str = "fcfs", preemption: str = "recompute",
                  kv_cache_memory: int | str = "1GiB", block_size: int = 16, self_draft_layers: int | None = None,
-                 ngram_max: int = 4, ngram_min: int = 1) -> None:
+                 ngram_max: int = 4, ngram_min: int = 1, run_ahead: bool = False) -> None:
+        """``run_ahead``: a draft model (or self-speculation) drafts round t+1 in a background thread while the
+        target verifies round t, keeping that work when round t is accepted in full (see RunAheadDrafter);
+        no effect with n-gram lookup or without speculation."""
         if draft is not None and speculative is not None:
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both")
         if speculative is not None and speculative not in SPECULATIVE:
@@ -92,14 +96,16 @@ class LLM:
             self.draft_checkpoint = load_checkpoint(draft, dtype=self.dtype)
             self._check_draft_vocab(tokenizer_for(self.draft_checkpoint))
             draft_model = self._build(self.draft_checkpoint)
-            self.drafter = ModelDrafter(ModelRunner("draft", draft_model, kv_bytes, block_size), cfg.vocab_size)
+            model_drafter = RunAheadDrafter if run_ahead else ModelDrafter
+            self.drafter = model_drafter(ModelRunner("draft", draft_model, kv_bytes, block_size), cfg.vocab_size)
         elif speculative == "ngram":
             self.drafter = NgramDrafter(ngram_max, ngram_min)
         elif speculative == "self":
             layers = self_draft_layers or max(1, cfg.num_layers // 4)
             if not 1 <= layers < cfg.num_layers:
                 raise InvalidParameterError(f"self_draft_layers must be in 1..{cfg.num_layers - 1}, got {layers}")
-            self.drafter = ModelDrafter(ModelRunner("self", self.model, kv_bytes, block_size, num_layers=layers),
+            model_drafter = RunAheadDrafter if run_ahead else ModelDrafter
+            self.drafter = model_drafter(ModelRunner("self", self.model, kv_bytes, block_size, num_layers=layers),
                                         cfg.vocab_size, name="self")
         config = EngineConfig(
             max_model_len=self.max_model_len,
@@ -183,6 +189,15 @@ class LLM:
         finally:
             self.engine.abort(rid)
 
+    def cancel(self, request_id: str | None = None) -> None:
+        """Cancel one request (a ``StreamChunk.request_id``), or every request in flight when None, from any
+        thread. The step in progress completes, then each finishes with finish_reason "abort": ``generate``
+        returns the tokens generated so far and ``stream`` ends."""
+        if request_id is None:
+            self.engine.cancel_all()
+        else:
+            self.engine.cancel(request_id)
+
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
              ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -191,6 +206,17 @@ class LLM:
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def session(self) -> Session:
+        """A conversation whose KV caches stay in the pools between turns (``generate``/``stream``/``chat``),
+        saved with ``save(path)``; free its blocks with ``close()`` (or use it as a context manager)."""
+        return Session(self)
+
+    def load_session(self, path: str | Path) -> Session:
+        """Resume a saved session in this LLM (same models and options as when it was saved); raises
+        SessionError, before taking any KV block, when the file is damaged or was made with other models."""
+        return Session.load(self, path)
 
     @property
     def spec_stats(self):

@@ -31,8 +31,8 @@ TRANSFORMS = {
 }
 
 
-def exact_distribution(llm: LLM, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(t1, t2, t3) by enumeration with the same transforms the request asks for."""
+def exact_distribution(llm: LLM, params: SamplingParams, length: int = 3) -> dict[tuple[int, ...], float]:
+    """P(t1, ..., t_length) by enumeration with the same transforms the request asks for."""
     def next_probs(outputs: tuple[int, ...]) -> torch.Tensor:
         kv = SequenceKV()
         ids = PROMPT + list(outputs)
@@ -43,18 +43,17 @@ def exact_distribution(llm: LLM, params: SamplingParams) -> dict[tuple[int, ...]
         return proc.probs(logits)[0].double()
 
     dist = {}
-    p1 = next_probs(())
-    for a in range(VOCAB):
-        if p1[a] == 0:
-            continue
-        p2 = next_probs((a,))
-        for b in range(VOCAB):
-            if p2[b] == 0:
-                continue
-            p3 = next_probs((a, b))
-            for c in range(VOCAB):
-                if p3[c] > 0:
-                    dist[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+
+    def walk(prefix: tuple[int, ...], prob: float) -> None:
+        p = next_probs(prefix)
+        for t in range(VOCAB):
+            if p[t] > 0:
+                if len(prefix) + 1 == length:
+                    dist[prefix + (t,)] = float(prob * p[t])
+                else:
+                    walk(prefix + (t,), prob * p[t])
+
+    walk((), 1.0)
     return dist
 
 
@@ -99,12 +98,13 @@ def models(tiny_dir):
     return target, poor
 
 
-def make_llm(models, drafter: str, weights: str = "float32") -> LLM:
+def make_llm(models, drafter: str, weights: str = "float32", **options) -> LLM:
     target, poor = models
     kwargs = {"ngram": {"speculative": "ngram"}, "self": {"speculative": "self", "self_draft_layers": 1},
               "draft-poor": {"draft": str(poor)}, "draft-same": {"draft": str(target)}}[drafter]
-    return LLM(str(target), weights=weights, num_speculative_tokens=3, max_num_seqs=1024,
-               max_num_batched_tokens=16384, kv_cache_memory="256MiB", **kwargs)
+    options = {"num_speculative_tokens": 3, **options}
+    return LLM(str(target), weights=weights, max_num_seqs=1024, max_num_batched_tokens=16384,
+               kv_cache_memory="256MiB", **kwargs, **options)
 
 
 FULL = [(d, t, x) for d in ("ngram", "self", "draft-poor", "draft-same") for t in (0.7, 1.0, 1.5) for x in TRANSFORMS]

@@ -6,22 +6,25 @@ Plain decoding is the same step with no drafts.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from quickdraft.engine.outputs import SpecMetrics, StreamChunk
 from quickdraft.engine.scheduler import Scheduler, SchedulerConfig
-from quickdraft.engine.sequence import Sequence, Status
+from quickdraft.engine.sequence import CarriedState, Sequence, Status
 from quickdraft.errors import InvalidParameterError, PromptTooLongError
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
 from quickdraft.sampling import LogitsProcessor, SamplingParams
 from quickdraft.sampling.sampler import make_generator, top_logprobs
 from quickdraft.speculative.controller import SpeculationController
 from quickdraft.speculative.cost import CostModel
-from quickdraft.speculative.drafters import Drafter, Proposal
+from quickdraft.speculative.drafters import Drafter, ModelDrafter, Proposal, RunAheadDrafter
 from quickdraft.speculative.verify import verify_greedy, verify_sampled
 from quickdraft.tokenizer import Tokenizer
 
@@ -70,13 +73,22 @@ class LLMEngine:
         self._ids = itertools.count()
         self._groups: dict[str, list[Sequence]] = {}
         self._forks: dict[str, list[Sequence]] = {}
+        self._cancel_lock = threading.Lock()
+        self._cancelled: set[str] = set()  # request ids cancel() was called for, applied at the next step's start
+        if isinstance(drafter, ModelDrafter):
+            drafter.cancelled = self.is_cancelled
         if drafter is not None and fixed is None:
             self.calibrate()
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request; raises before any model work if it cannot run."""
+                    request_id: str | None = None, *, carried: CarriedState | None = None) -> str:
+        """Validate and queue a request; raises before any model work if it cannot run.
+
+        ``carried`` (sessions, n=1 only): the KV handles, speculation state and generator the sequence uses
+        (shared objects, updated in place), output tokens of an interrupted generation to continue, and
+        ``keep_kv``: the engine then never frees those KV blocks when the request finishes or is aborted
+        (preemption may still drop them; they are recomputed)."""
         params.validate()
         params.check_vocab(self.target.vocab_size)
         if not prompt_ids:
@@ -90,6 +102,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._groups:
             raise InvalidParameterError(f"request id {request_id!r} is already in use")
+        if carried is not None and params.n != 1:
+            raise InvalidParameterError(f"a session generates one sample per turn (n=1), got n={params.n}")
         seqs = []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
@@ -98,6 +112,8 @@ class LLMEngine:
                            processor=LogitsProcessor(params, prompt_ids, self.target.vocab_size),
                            generator=make_generator(seed, "cpu"), max_model_len=self.config.max_model_len)
             seq.kv["target"] = SequenceKV()
+            if carried is not None:
+                carried.apply(seq)
             seqs.append(seq)
         # extra samples wait until the first has prefilled the prompt, then share its blocks (copy-on-write)
         self.scheduler.add(seqs[0])
@@ -124,12 +140,55 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    # ---- cancellation (any thread) ------------------------------------------------------------------
+    def cancel(self, request_id: str) -> None:
+        """Stop a request from any thread. Returns at once; the drafter (and the run-ahead worker) skip it
+        from their next draft forward, the step in progress (if any) completes, and the next step finishes
+        every sample with finish_reason "abort", keeping the tokens generated so far (unlike ``abort``, the
+        request stays readable through ``sequences`` until ``release``)."""
+        with self._cancel_lock:
+            self._cancelled.add(request_id)
+
+    def cancel_all(self) -> None:
+        """``cancel`` every request in flight now (requests added later are not affected)."""
+        for _ in range(8):
+            try:
+                ids = tuple(self._groups)  # a snapshot; the engine thread may add a request meanwhile
+                break
+            except RuntimeError:
+                continue
+        else:
+            ids = ()
+        with self._cancel_lock:
+            self._cancelled.update(ids)
+
+    def is_cancelled(self, seq: Sequence) -> bool:
+        return seq.request_id in self._cancelled
+
+    def _apply_cancels(self) -> list[StreamChunk]:
+        with self._cancel_lock:
+            pending, self._cancelled = self._cancelled, set()
+        chunks = []
+        for rid in pending:  # unknown, released or finished requests are left as they are
+            self._forks.pop(rid, None)
+            for seq in self._groups.get(rid, []):
+                if seq.finished:
+                    continue
+                self.scheduler.remove(seq)
+                seq.finish("abort")
+                self._drop_kv(seq)
+                chunk = seq.take_chunk()
+                if chunk is not None:
+                    chunks.append(chunk)
+        return chunks
+
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[StreamChunk]:
+        cancelled = self._apply_cancels() if self._cancelled else []
         room = self.controller.max_k if self.drafter is not None else 0
         scheduled = self.scheduler.schedule(draft_room=room)
         if not scheduled:
-            return []
+            return cancelled
         sampling = [s for s, chunk in scheduled if s.kv["target"].num_cached + chunk == s.num_tokens]
         proposals = self._draft(sampling, base_tokens=sum(chunk for _, chunk in scheduled))
         drafts = {id(s): p for s, p in zip(sampling, proposals)}
@@ -143,7 +202,8 @@ class LLMEngine:
                 tokens = tokens + proposal.tokens
                 num_logits = 1 + len(proposal.tokens)
             items.append(ForwardItem(kv, tokens, num_logits))
-        logits = self.target.forward(items)
+        with self._run_ahead(sampling, proposals):
+            logits = self.target.forward(items)
         self.cost.target.record(sum(len(it.tokens) for it in items), self.target.last_forward_s)
         for (seq, _), rows in zip(scheduled, logits):
             if id(seq) in drafts:
@@ -153,7 +213,7 @@ class LLMEngine:
             self.target.publish(kv, seq.token_ids)
             if seq.request_id in self._forks and kv.num_cached >= len(seq.prompt_ids) - 1:
                 self._fork_samples(seq)
-        chunks = []
+        chunks = cancelled
         for seq, _ in scheduled:
             if seq.finished:
                 self.scheduler.remove(seq)
@@ -186,10 +246,22 @@ class LLMEngine:
             return [Proposal([]) for _ in seqs]
         t0 = time.perf_counter()
         proposals = self.drafter.propose(seqs, ks)
-        steps = max(len(p.tokens) for p in proposals)
+        steps = getattr(self.drafter, "last_steps", max(len(p.tokens) for p in proposals))  # forwards run
         if steps:
             self.cost.draft.record(sum(1 for k in ks if k), (time.perf_counter() - t0) / steps)
         return proposals
+
+    @contextlib.contextmanager
+    def _run_ahead(self, seqs: list[Sequence], proposals: list[Proposal]) -> Iterator[None]:
+        """A run-ahead drafter drafts round t+1 in the background while the body (the target pass of round t)
+        runs, and is waited for before anything is committed (see RunAheadDrafter)."""
+        if not isinstance(self.drafter, RunAheadDrafter) or not any(p.tokens for p in proposals):
+            yield
+            return
+        with self.drafter.running(seqs, proposals):
+            yield
+        if self.drafter.last_depth is not None:
+            self.cost.record_run_ahead(self.drafter.last_depth)
 
     def _commit(self, seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> None:
         drafted = proposal.tokens
@@ -207,7 +279,8 @@ class LLMEngine:
         seq.append(new_tokens, [True] * accepted + [False], logprobs)
         produced = len(seq.output_ids) - before
         round_stats = SpecMetrics(rounds=1, draft_tokens=len(drafted), accepted_tokens=min(accepted, produced),
-                                  drafting_rounds=1 if drafted else 0, generated_tokens=produced)
+                                  drafting_rounds=1 if drafted else 0, generated_tokens=produced,
+                                  run_ahead_rounds=1 if proposal.reused else 0, run_ahead_tokens=proposal.reused)
         seq.metrics.spec.add(round_stats)
         self.stats.add(round_stats)
         seq.spec.record(len(drafted), accepted)
@@ -218,6 +291,8 @@ class LLMEngine:
     def _drop_kv(self, seq: Sequence) -> None:
         if seq.finished:
             seq.swapped = None
+            if seq.keep_kv:  # a session's caches: it frees them on close
+                return
         kv = seq.kv.get("target")
         if kv is not None:
             self.target.free(kv)

@@ -13,6 +13,8 @@ class SpecMetrics:
     accepted_tokens: int = 0  # proposed tokens the target accepted
     drafting_rounds: int = 0  # rounds in which at least one token was proposed
     generated_tokens: int = 0
+    run_ahead_rounds: int = 0  # drafting rounds whose proposal began with tokens drafted ahead (run-ahead)
+    run_ahead_tokens: int = 0  # proposed tokens that were drafted ahead, during the previous target pass
 
     @property
     def acceptance_rate(self) -> float:
@@ -28,7 +30,8 @@ class SpecMetrics:
         return self.generated_tokens / self.rounds if self.rounds else 0.0
 
     def add(self, other: "SpecMetrics") -> None:
-        for name in ("rounds", "draft_tokens", "accepted_tokens", "drafting_rounds", "generated_tokens"):
+        for name in ("rounds", "draft_tokens", "accepted_tokens", "drafting_rounds", "generated_tokens",
+                     "run_ahead_rounds", "run_ahead_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict[str, float]:
@@ -37,6 +40,7 @@ class SpecMetrics:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "tokens_per_pass": round(self.tokens_per_pass, 4),
+            "run_ahead_rounds": self.run_ahead_rounds, "run_ahead_tokens": self.run_ahead_tokens,
         }
 
 

@@ -38,6 +38,26 @@ class SpeculationState:
         self.rejected = self.rejected * decay + (1 if accepted < drafted else 0)
 
 
+@dataclass
+class CarriedState:
+    """What a Session carries from turn to turn (and through snapshots) into the sequence of its next turn.
+
+    The objects are shared, not copied: the engine updates them in place as the turn runs."""
+
+    kv: dict[str, SequenceKV]  # "target" and the drafter's key; blocks owned by the session
+    spec: SpeculationState
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)  # tokens an interrupted turn already generated
+    delivered_chars: int | None = None  # how much of their text the caller already has
+    keep_kv: bool = True
+
+    def apply(self, seq: "Sequence") -> None:
+        self.kv.setdefault("target", SequenceKV())
+        seq.kv, seq.spec, seq.generator, seq.keep_kv = self.kv, self.spec, self.generator, self.keep_kv
+        if self.output_ids:
+            seq.resume(self.output_ids, self.delivered_chars)
+
+
 @dataclass(eq=False)  # identity: a sequence is found in queues by who it is, not by value
 class Sequence:
     request_id: str
@@ -58,10 +78,13 @@ class Sequence:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     logprobs: list[dict] = field(default_factory=list)
     swapped: tuple | None = None  # host copy of the target KV while preempted with preemption="swap"
+    keep_kv: bool = False  # the KV handles belong to a Session: not freed when finished or aborted
     text: str = ""
     _emitted_tokens: int = 0
     _emitted_chars: int = 0
     _from_draft: list[bool] = field(default_factory=list)
+    _base_tokens: int = 0  # output tokens generated before a resume (not returned again)
+    _base_chars: int = 0  # characters of text delivered before a resume
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -69,6 +92,29 @@ class Sequence:
         self.detokenizer = StreamingDetokenizer(self.tokenizer, skip_special_tokens=self.params.skip_special_tokens)
         self._stop_strings = self.params.stop or []
         self._holdback = max((len(s) - 1 for s in self._stop_strings), default=0)
+
+    def resume(self, output_ids: list[int], delivered_chars: int | None = None) -> None:
+        """Continue an interrupted generation whose first ``output_ids`` were generated earlier (perhaps in
+        another process): they count towards ``max_tokens``, feed the penalties and the detokenizer, and stop
+        strings spanning the cut are still found, but they are not returned again. ``delivered_chars``: how
+        much of their text the caller already has (default all of it that was complete)."""
+        if len(self.token_ids) != len(self.prompt_ids) or self.metrics.ttft_s is not None:
+            raise RuntimeError("resume() must be called on a sequence that has not generated anything yet")
+        self.token_ids.extend(output_ids)
+        self._from_draft.extend([False] * len(output_ids))
+        self.processor.accept(output_ids)
+        if self.params.logprobs is not None:
+            self.logprobs.extend({} for _ in output_ids)  # placeholders; only the new tokens are returned
+        for token in output_ids:
+            self.text += self.detokenizer.add(token)
+        chars = len(self.text) if delivered_chars is None else max(0, min(delivered_chars, len(self.text)))
+        self._base_tokens = self._emitted_tokens = len(output_ids)
+        self._base_chars = self._emitted_chars = chars
+
+    @property
+    def delivered_chars(self) -> int:
+        """Characters of ``text`` handed out by ``take_chunk`` so far (what a streaming caller has seen)."""
+        return self._emitted_chars
 
     @property
     def output_ids(self) -> list[int]:
@@ -120,7 +166,7 @@ class Sequence:
             self.text += self.detokenizer.flush()
         self.status = Status.FINISHED
         self.finish_reason = reason
-        self.metrics.generated_tokens = len(self.output_ids)
+        self.metrics.generated_tokens = len(self.output_ids) - self._base_tokens
         self.metrics.total_s = time.perf_counter() - self.arrival_s
 
     def take_chunk(self) -> StreamChunk | None:
@@ -142,8 +188,11 @@ class Sequence:
         return chunk
 
     def to_output(self) -> CompletionOutput:
-        self.metrics.generated_tokens = len(self.output_ids)
+        """The generated text and tokens (after a ``resume``, only those generated since)."""
+        new_ids = self.output_ids[self._base_tokens:]
+        self.metrics.generated_tokens = len(new_ids)
         return CompletionOutput(
-            index=self.index, text=self.text, token_ids=list(self.output_ids), finish_reason=self.finish_reason,
-            logprobs=self.logprobs if self.params.logprobs is not None else None, metrics=self.metrics,
+            index=self.index, text=self.text[self._base_chars:], token_ids=new_ids, finish_reason=self.finish_reason,
+            logprobs=self.logprobs[self._base_tokens:] if self.params.logprobs is not None else None,
+            metrics=self.metrics,
         )

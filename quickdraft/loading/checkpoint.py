@@ -1,7 +1,9 @@
 """A loaded checkpoint (config + HF-named tensors) and the entry point that loads one."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,14 @@ class Checkpoint:
     hf_dir: Path | None  # the HF directory (tokenizer.json lives there); None for GGUF
     quantization: str  # e.g. 'Q4_1', 'Q4_K_M' for GGUF, 'safetensors' for HF directories
 
+    def content_fingerprint(self) -> str:
+        """Identity of the weights by content (see ``content_fingerprint``), computed once: unlike
+        ``fingerprint`` it stays the same when the model file is copied, moved or touched."""
+        cached = self.__dict__.get("_content_fingerprint")
+        if cached is None:
+            cached = self.__dict__["_content_fingerprint"] = content_fingerprint(self.source, self.config)
+        return cached
+
 
 def _hash_file(h: "hashlib._Hash", path: Path) -> None:
     st = path.stat()
@@ -59,6 +69,33 @@ def fingerprint(path: str | os.PathLike) -> str:
             _hash_file(h, p)
     else:
         _hash_file(h, path)
+    return h.hexdigest()[:32]
+
+
+def _hash_content(h: "hashlib._Hash", path: Path, name: str) -> None:
+    size = path.stat().st_size
+    h.update(f"{name}\0{size}\0".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_EDGE_BYTES))
+        if size > 2 * _EDGE_BYTES:
+            f.seek(size - _EDGE_BYTES)
+            h.update(f.read(_EDGE_BYTES))
+
+
+def content_fingerprint(path: str | os.PathLike, config: ModelConfig | None = None) -> str:
+    """Identity of a model file or HF directory by content only: each weight/config file's size and a hash
+    of its first and last MiB (names relative to the directory), plus the parsed ``ModelConfig``.
+    Neither the path nor the mtime is part of it, so a copied model file has the same fingerprint."""
+    path = Path(path).resolve()
+    h = hashlib.sha256(b"quickdraft-content-fingerprint-v1\0")
+    if path.is_dir():
+        for p in sorted(p for p in path.iterdir()
+                        if p.is_file() and p.suffix in (".safetensors", ".json", ".jinja", ".gguf")):
+            _hash_content(h, p, p.name)
+    else:
+        _hash_content(h, path, "")
+    if config is not None:
+        h.update(json.dumps(dataclasses.asdict(config), sort_keys=True, default=str).encode())
     return h.hexdigest()[:32]
 
 

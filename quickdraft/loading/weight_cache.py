@@ -100,10 +100,15 @@ def store(
     return write_atomic(path, to_save, meta, "weight cache")
 
 
-def write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], what: str) -> Path | None:
+def write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], what: str,
+                 *, strict: bool = False) -> Path | None:
     """Write a safetensors file via a temporary file and rename, so a reader never sees half a file.
 
-    A read-only or full disk is not an error: loading still works, just uncached (None)."""
+    The temporary file is fsynced before ``os.replace`` and the directory after it, so after a crash
+    (even a power loss) the path holds the old file or the new one, whole. A temporary file left by a
+    killed writer is named ``<name>.<random>.tmp`` and is never read as ``path``.
+    ``strict=False`` (caches): a read-only or full disk is not an error, loading still works, just
+    uncached (None). ``strict=True`` (session snapshots): any failure raises (OSError and friends)."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,10 +116,18 @@ def write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
         os.close(fd)
         save_file(tensors, tmp, metadata=metadata)
         os.chmod(tmp, 0o644)  # mkstemp makes it private
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
         tmp = None
+        _fsync_dir(path.parent)
         return path
     except Exception as exc:
+        if strict:
+            raise
         log.warning("could not write %s %s: %s", what, path, exc)
         return None
     finally:
@@ -123,3 +136,15 @@ def write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

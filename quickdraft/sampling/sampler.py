@@ -34,11 +34,20 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
 
 
 def _sample_inverse_cdf(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    return sample_with_uniforms(probs, torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64))
+
+
+def sample_with_uniforms(probs: Tensor, uniforms: Tensor | list[float]) -> Tensor:
+    """Inverse-CDF sampling of one token per row of ``probs`` [n, V] from given uniforms in [0, 1) (one per row).
+
+    The draw is a pure function of (probs, uniform): drafters use it with uniforms keyed by the token's position,
+    so a draft is the same whichever thread or round computes it (see ``ModelDrafter``).
+    """
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
     if not bool((total > 0).all() and torch.isfinite(total).all()) or bool((probs < 0).any()):
         raise ValueError("probabilities must be finite and non-negative with a positive sum per row")
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64) * total
+    u = torch.as_tensor(uniforms, dtype=torch.float64, device=probs.device).reshape(-1, 1) * total
     # First index whose cumulative mass exceeds u: a zero-probability token never is.
     idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     over = idx >= probs.shape[-1]

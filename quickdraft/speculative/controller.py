@@ -6,6 +6,13 @@ tokens per second of the whole step, using measured costs at the current
 batch size, so speculation switches itself off where verification costs more
 than it returns (quantized weights on CPU, big batches) and comes back, after
 a probe, when it pays again.
+
+With a run-ahead drafter, a round that accepts all k drafts and whose bonus
+token the draft guessed (probability about a^(k+1)) starts its next proposal
+with the tokens drafted during the target pass, so those draft steps are not
+paid again: the rate counts a draft step at depth s < d (d = the measured
+run-ahead depth, ``CostModel.run_ahead_depth``) only with probability
+1 - a^(k+1). Seeded requests plan without it (their plan may not depend on timings).
 """
 from __future__ import annotations
 
@@ -73,7 +80,8 @@ class SpeculationController:
     def _best_alone(self, acceptance: float, cost: CostModel) -> int:
         """The k this sequence would use on its own (batch of one)."""
         def rate(k: int) -> float:
-            seconds = cost.target(1 + k) + (0.0 if self.draft_is_free else k * cost.draft(1))
+            steps = sum(1.0 - self._drafted_ahead(cost, acceptance, k, s) for s in range(k))
+            seconds = cost.target(1 + k) + (0.0 if self.draft_is_free else steps * cost.draft(1))
             return expected_tokens(acceptance, k) / seconds if seconds > 0 else 0.0
 
         best, best_rate = 0, rate(0)
@@ -87,5 +95,14 @@ class SpeculationController:
         seconds = self.cost.target(base_tokens + sum(ks))
         if not self.draft_is_free:
             for step in range(max(ks, default=0)):
-                seconds += self.cost.draft(sum(1 for k in ks if k > step))
+                seconds += self.cost.draft(sum(1.0 - self._drafted_ahead(self.cost, s.spec.acceptance, k, step)
+                                               for s, k in zip(seqs, ks) if k > step))
         return tokens / seconds if seconds > 0 else 0.0
+
+    @staticmethod
+    def _drafted_ahead(cost: CostModel, acceptance: float, k: int, step: int) -> float:
+        """Probability that draft step ``step`` of a k-token round was already run ahead (0 without run-ahead)."""
+        depth = cost.run_ahead_depth
+        if depth is None:
+            return 0.0
+        return min(1.0, acceptance) ** (k + 1) * min(1.0, max(0.0, depth - step))

@@ -42,6 +42,13 @@ class CostModel:
     def __init__(self) -> None:
         self.target = CostTable()  # seconds of one target forward, by tokens in the batch
         self.draft = CostTable()  # seconds of one draft step, by sequences in the batch
+        # with a run-ahead drafter: draft tokens past the guess it gets ahead during a target pass (moving
+        # average); None without run-ahead
+        self.run_ahead_depth: float | None = None
+
+    def record_run_ahead(self, depth: int, smoothing: float = 0.2) -> None:
+        old = self.run_ahead_depth
+        self.run_ahead_depth = float(depth) if old is None else old + smoothing * (depth - old)
 
     @classmethod
     def from_weight_bytes(cls, target_bytes: int, draft_bytes: int, max_tokens: int = 64) -> "CostModel":

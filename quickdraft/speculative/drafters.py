@@ -7,6 +7,13 @@ Deterministic drafters return no q; the verifier treats them as one-hot.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import struct
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -15,13 +22,15 @@ import torch
 
 from quickdraft.kv import ForwardItem, ModelRunner, OutOfBlocks, SequenceKV
 from quickdraft.sampling import LogitsProcessor, SamplingParams
-from quickdraft.sampling.sampler import sample
+from quickdraft.sampling.sampler import sample_with_uniforms
 
 
 class DraftableSequence(Protocol):
     """What a drafter reads from a sequence (the engine's Sequence satisfies it)."""
 
     token_ids: list[int]
+    prompt_ids: list[int]
+    max_model_len: int
     kv: dict[str, SequenceKV]
     params: SamplingParams
     processor: LogitsProcessor
@@ -32,6 +41,23 @@ class DraftableSequence(Protocol):
 class Proposal:
     tokens: list[int]
     q: torch.Tensor | None = None  # [len(tokens), target_vocab] draft probabilities, None when deterministic
+    reused: int = 0  # leading tokens that were drafted ahead, during the previous round's target pass
+
+
+_DRAFT_KEY = b"quickdraft.draft"
+
+
+def draft_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) a model drafter samples the draft token at ``position`` with.
+
+    Draft randomness is keyed by (the sequence's seed, position) instead of drawn from the verifier's
+    generator: a draft is then the same function of its prefix whichever thread computes it, in which round,
+    and however far the run-ahead got, so seeded requests give the same tokens with and without run-ahead and
+    whatever the timing. It stays exact: the uniform of a position only ever decides the draft at that
+    position, which is verified (and committed) at most once, independently of the target's own generator.
+    """
+    digest = hashlib.blake2b(struct.pack("<QQ", seed % 2**64, position), digest_size=8, key=_DRAFT_KEY).digest()
+    return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
 
 
 class Drafter(Protocol):
@@ -88,6 +114,9 @@ class ModelDrafter:
     def __init__(self, runner: ModelRunner, target_vocab: int, name: str = "draft") -> None:
         self.runner, self.target_vocab, self.name = runner, target_vocab, name
         self.key = f"draft:{runner.name}"
+        # set by the engine: a sequence whose request was cancelled gets no further draft forwards (any thread)
+        self.cancelled: Callable[[DraftableSequence], bool] = lambda seq: False
+        self.last_steps = 0  # draft forwards the last propose() ran
 
     def _kv(self, seq: DraftableSequence) -> SequenceKV:
         return seq.kv.setdefault(self.key, SequenceKV())
@@ -103,36 +132,47 @@ class ModelDrafter:
         return torch.cat([logits, pad], dim=-1)
 
     def propose(self, seqs: Sequence[DraftableSequence], ks: Sequence[int]) -> list[Proposal]:
-        drafts: list[list[int]] = [[] for _ in seqs]
-        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        active = [i for i, k in enumerate(ks) if k > 0]
-        for step in range(max(ks, default=0)):
-            active = [i for i in active if ks[i] > step]
-            items, owners = [], []
+        proposals, self.last_steps = self._draft(seqs, ks)
+        return proposals
+
+    def _draft(self, seqs: Sequence[DraftableSequence], ks: Sequence[int], starts: Sequence[Proposal] | None = None,
+               stop: Callable[[int], bool] | None = None) -> tuple[list[Proposal], int]:
+        """Extend each sequence's draft (``starts``, default empty) to ``ks`` tokens with batched draft forwards,
+        each feeding only the tokens the draft cache has not seen. ``stop(steps_done)`` ends drafting early.
+        Returns the proposals (starts included) and the number of forwards run."""
+        starts = starts or [Proposal([]) for _ in seqs]
+        drafts: list[list[int]] = [list(p.tokens) for p in starts]
+        qs: list[list[torch.Tensor]] = [list(p.q.unbind(0)) if p.q is not None else [] for p in starts]
+        steps = 0
+        while stop is None or not stop(steps):
+            active = [i for i, (seq, k) in enumerate(zip(seqs, ks)) if len(drafts[i]) < k and not self.cancelled(seq)]
+            if not active:
+                break
+            items = []
             for i in active:
                 kv = self._kv(seqs[i])
                 context = seqs[i].token_ids + drafts[i]
                 if not kv.block_table:
                     self.runner.match_prefix(kv, context)
                 items.append(ForwardItem(kv, context[kv.num_cached:], 1))
-                owners.append(i)
-            if not items:
-                break
             try:
                 rows = self.runner.forward(items)
             except OutOfBlocks:  # no room in the draft pool: verify what we have
                 break
-            for i, row in zip(owners, rows):
+            steps += 1
+            for i, row in zip(active, rows):
                 seq = seqs[i]
                 logits = seq.processor.process(self._widen(row), drafted=drafts[i], offset=len(drafts[i]))
                 if seq.params.greedy:
                     token = int(logits[0].argmax())
                 else:
                     q = torch.softmax(logits, dim=-1)
-                    token = int(sample(q, seq.generator)[0])
+                    u = draft_uniform(seq.generator.initial_seed(), len(seq.token_ids) + len(drafts[i]))
+                    token = int(sample_with_uniforms(q, [u])[0])
                     qs[i].append(q[0])
                 drafts[i].append(token)
-        return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs)]
+        return [Proposal(d, torch.stack(q) if q else None, reused=start.reused)
+                for d, q, start in zip(drafts, qs, starts)], steps
 
     def rewind(self, seq: DraftableSequence) -> None:
         kv = seq.kv.get(self.key)
@@ -144,3 +184,152 @@ class ModelDrafter:
         kv = seq.kv.pop(self.key, None)
         if kv is not None:
             self.runner.free(kv)
+
+
+@dataclass
+class _Ahead:
+    """What the draft computed ahead, during the target pass of a round that drafted ``drafted`` tokens after
+    ``base`` tokens: ``tokens[0]`` is its guess of the target's next (bonus) token, the rest would be the next
+    round's drafts; the draft cache then holds ``cached`` tokens."""
+
+    base: int
+    drafted: int
+    tokens: list[int]
+    q: torch.Tensor | None
+    cached: int
+
+
+class RunAheadDrafter(ModelDrafter):
+    """A model drafter that drafts round t+1 while the target verifies round t.
+
+    The engine wraps its target forward in :meth:`running`: a background thread continues every drafting
+    sequence's draft past the proposal being verified, assuming all of it is accepted. Its first token guesses
+    the target's bonus token; the following ones are the next round's drafts. At the commit (:meth:`rewind`),
+    a sequence that accepted every draft and whose new token equals the guess keeps the rest as the leading
+    tokens of its next proposal, with the draft cache already holding them; any other outcome drops the
+    speculative work and the draft cache rewinds to the committed prefix, as without run-ahead.
+
+    Exactness: kept drafts are the ones plain drafting would produce from the same committed prefix (same
+    draft model, same transforms, same position-keyed randomness, see :func:`draft_uniform`), and their q rows
+    come along. Thread safety: the worker only touches the draft cache, the draft pool and the sequences'
+    processors, and only between ``start`` and ``wait``, while the engine thread runs the target forward;
+    :meth:`running` always waits for it before the engine commits, rewinds or releases anything.
+    The worker stops before its next draft forward once the target pass is done (after ``min_steps``), so
+    the engine waits at most about one draft step, and it skips cancelled requests.
+    """
+
+    def __init__(self, runner: ModelRunner, target_vocab: int, name: str = "draft", min_steps: int = 2) -> None:
+        super().__init__(runner, target_vocab, name)
+        self.min_steps = min_steps  # the guess plus one draft, even if the target pass finished first
+        self._executor: ThreadPoolExecutor | None = None
+        self._job: Future | None = None
+        self._target_done = threading.Event()
+        self._ahead: dict[int, tuple[DraftableSequence, _Ahead]] = {}  # by id(seq), until its round commits
+        # kept run-ahead, by sequence, until its next proposal (weak: an abandoned sequence leaves nothing)
+        self._ready: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.last_depth: int | None = None  # tokens past the guess the last run-ahead drafted (None: none ran)
+        self.rounds_ahead = self.rounds_kept = self.tokens_reused = 0
+
+    # ---- the overlap -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def running(self, seqs: Sequence[DraftableSequence], proposals: Sequence[Proposal]) -> Iterator[None]:
+        """Draft ahead in the background while the body (the target forward) runs; waits for it on exit."""
+        self.start(seqs, proposals)
+        try:
+            yield
+        except BaseException:
+            self.wait(discard=True)
+            raise
+        self.wait()
+
+    def start(self, seqs: Sequence[DraftableSequence], proposals: Sequence[Proposal]) -> None:
+        self._ahead.clear()
+        self.last_depth = None
+        jobs, ks = [], []
+        for seq, p in zip(seqs, proposals):
+            k = len(p.tokens)
+            if not k or self.cancelled(seq):
+                continue
+            # if all k are accepted the sequence has n + k + 1 tokens and the next round may draft up to k again
+            n = len(seq.token_ids) + k + 1
+            room = min(seq.max_model_len - n - 1, seq.params.max_tokens - (n - len(seq.prompt_ids)) - 1)
+            if room > 0:
+                jobs.append((seq, p))
+                ks.append(k + 1 + min(k, room))
+        if not jobs:
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"quickdraft-{self.name}-ahead")
+        self._target_done.clear()
+        self._job = self._executor.submit(self._run_ahead, [s for s, _ in jobs], ks, [p for _, p in jobs])
+
+    def _run_ahead(self, seqs, ks, proposals) -> tuple[list, int]:
+        out, steps = self._draft(seqs, ks, proposals,
+                                 stop=lambda done: done >= self.min_steps and self._target_done.is_set())
+        return [(seq, _Ahead(len(seq.token_ids), len(p.tokens), o.tokens[len(p.tokens):],
+                             None if o.q is None else o.q[len(p.tokens):], self._kv(seq).num_cached))
+                for seq, p, o in zip(seqs, proposals, out)], steps
+
+    def wait(self, discard: bool = False) -> None:
+        """Tell the worker the target pass is done and wait for its current draft step."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        self._target_done.set()
+        try:
+            results, steps = job.result()
+        except BaseException:
+            if discard:  # the step already failed: keep that error, drop the speculative work
+                return
+            raise
+        if discard:
+            return
+        self.rounds_ahead += 1
+        self.last_depth = max(0, steps - 1)
+        self._ahead = {id(seq): (seq, ahead) for seq, ahead in results}
+
+    # ---- the drafter protocol ------------------------------------------------------------------------
+    def propose(self, seqs: Sequence[DraftableSequence], ks: Sequence[int]) -> list[Proposal]:
+        starts = []
+        for seq, k in zip(seqs, ks):
+            ready = self._ready.pop(seq, None)
+            kv = seq.kv.get(self.key)
+            committed = len(seq.token_ids)
+            start, length = Proposal([]), committed - 1
+            if (ready is not None and k > 0 and kv is not None and ready.base == committed
+                    and kv.num_cached == committed - 1 and len(kv.block_table) * self.runner.block_size >= ready.cached):
+                n = min(k, len(ready.tokens))
+                start = Proposal(ready.tokens[:n], None if ready.q is None else ready.q[:n], reused=n)
+                length = min(ready.cached, committed + n - 1)
+                kv.num_cached = length  # the run-ahead tokens, hidden since the commit, are in the cache
+                self.rounds_kept += 1
+                self.tokens_reused += n
+            if kv is not None:  # give back what is not used (run-ahead beyond the proposal, or all of it)
+                self.runner.truncate(kv, min(kv.num_cached, length))
+            starts.append(start)
+        proposals, self.last_steps = self._draft(seqs, ks, starts)
+        return proposals
+
+    def rewind(self, seq: DraftableSequence) -> None:
+        """After the commit: keep the run-ahead if the round went as it assumed, else drop it and rewind."""
+        self._ready.pop(seq, None)
+        _, ahead = self._ahead.pop(id(seq), (None, None))
+        kv = seq.kv.get(self.key)
+        committed = len(seq.token_ids)
+        if (ahead is not None and kv is not None and not getattr(seq, "finished", False) and len(ahead.tokens) > 1
+                and committed == ahead.base + ahead.drafted + 1 and seq.token_ids[-1] == ahead.tokens[0]
+                and kv.num_cached == ahead.cached):
+            # everything drafted was accepted and the target's token is the guess: keep the rest. Until the
+            # next proposal takes them, the cache reports only the committed prefix (its blocks stay), so
+            # whoever looks at it meanwhile (a session snapshot, the prefix cache) sees committed tokens only.
+            self._ready[seq] = _Ahead(committed, 0, ahead.tokens[1:], None if ahead.q is None else ahead.q[1:],
+                                      ahead.cached)
+            kv.num_cached = committed - 1
+            self.runner.publish(kv, seq.token_ids)
+            return
+        super().rewind(seq)
+
+    def release(self, seq: DraftableSequence) -> None:
+        self._ready.pop(seq, None)
+        self._ahead.pop(id(seq), None)
+        super().release(seq)
