@@ -79,16 +79,19 @@ def test_verify_pass_equals_single_steps_bitwise(smollm2, weights):
     runner = llm.target
     prompt = llm.tokenizer.encode("def fibonacci(n):\n    if n")
     tokens = [29, 308, 4811, 28, 476, 44]
-    kv_a, kv_b, kv_other = SequenceKV(), SequenceKV(), SequenceKV()
+    kv_a, kv_b = SequenceKV(), SequenceKV()
+    others = [SequenceKV() for _ in range(9)]  # 10 decode rows in one step: the batched attention path
     runner.forward([ForwardItem(kv_a, prompt, 1)])
     runner.forward([ForwardItem(kv_b, prompt, 1)])
-    runner.forward([ForwardItem(kv_other, prompt[:5], 1)])
+    runner.forward([ForwardItem(kv, prompt[:3 + i], 1) for i, kv in enumerate(others)])
     (verified,) = runner.forward([ForwardItem(kv_a, tokens, len(tokens))])
-    stepped = []
-    for t in tokens:  # one token at a time, batched beside an unrelated sequence
-        rows, _ = runner.forward([ForwardItem(kv_b, [t], 1), ForwardItem(kv_other, [t], 1)])
-        stepped.append(rows)
+    stepped, batched = [], []
+    for t in tokens:  # one token at a time: alone, and batched beside unrelated sequences
+        stepped.append(runner.forward([ForwardItem(kv_b, [t], 1)])[0])
+        runner.truncate(kv_b, kv_b.num_cached - 1)
+        batched.append(runner.forward([ForwardItem(kv_b, [t], 1)] + [ForwardItem(kv, [t], 1) for kv in others])[0])
     assert torch.equal(verified, torch.cat(stepped))
+    assert torch.equal(verified, torch.cat(batched))
 
 
 def cache_contents(runner, kv: SequenceKV, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,9 @@ length back and returns whole blocks it no longer needs; nothing is recomputed.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -194,10 +196,13 @@ class SequenceKV:
 # Attention is computed so that a token's result depends only on its position and the cached context,
 # never on how many other tokens share the call (see AttentionBatch). Prompt chunks are cut into pieces at
 # multiples of PREFILL_CELL positions; a piece of more than ROWWISE_MAX_QUERIES tokens attends in one
-# causal call, shorter pieces and drafted tokens one row at a time. The scheduler cuts prefill chunks that
-# stop short of the sequence's end at cell boundaries, so every piece is the same whatever the batch.
+# causal call; every other token (decode steps, short pieces, drafts under verification) attends on its
+# own, batched with the others whose context rounds up to the same multiple of KEY_BUCKET keys. The
+# scheduler cuts prefill chunks that stop short of the sequence's end at cell boundaries, so every piece
+# is the same whatever the batch.
 PREFILL_CELL = 64
 ROWWISE_MAX_QUERIES = 16
+KEY_BUCKET = 64
 
 
 def chunk_pieces(start: int, chunk: int) -> list[tuple[int, int]]:
@@ -225,45 +230,59 @@ class AttentionBatch:
     into the pool and attends each sequence's queries to its own cached context.
     The model never sees block tables or scheduling.
 
-    Why not one padded call for everything: torch's CPU attention kernels accumulate
-    a query row differently depending on how many rows share the call, so verifying k
-    drafts in one pass would give logits a few bfloat16 ulps away from k single-token
-    steps, and greedy speculation (or batching) would flip near-ties. Here a decode
-    token or a drafted token attends alone to exactly its causal context, and prompt
-    chunks attend in fixed pieces, so plain, speculative and batched runs compute every
-    token the same way.
+    Why not one padded call for everything: torch's CPU attention rounds a query row
+    differently depending on how many query rows share its call and how long the padded
+    key axis is (not on the batch size), so verifying k drafts in one causal call would
+    give logits a few bfloat16 ulps away from k single-token steps, and greedy
+    speculation (or batching) would flip near-ties. So each single token is one batch
+    element whose query rows are its own query heads (grouped per key/value head, also
+    >10x faster on CPU than a one-row GQA call), attending to its context padded to the
+    next multiple of KEY_BUCKET, a length that depends only on its position, in a call run
+    on one thread (torch splits a batch between threads in a way that leaks into the
+    results; on one thread a batch element's result is its own). Long prompt
+    pieces attend in one causal call over exactly their own context. Plain, speculative
+    and batched runs therefore compute every token the same way.
     """
 
     def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int],
                  chunks: list[int] | None = None) -> None:
         """``chunks[b]``: how many leading new tokens of sequence b are a prompt chunk; the rest (drafts being
-        verified) attend row by row. Default: all of them."""
+        verified) attend as single tokens. Default: all of them."""
         self.pool = pool
         device = pool.k.device
         bs = pool.block_size
-        self.contexts: list[torch.Tensor] = []  # per sequence: the pool slots of its whole context
-        # per sequence: (first row, last row + 1, causal mask or None for row by row), relative to its new tokens
-        self.pieces: list[list[tuple[int, int, torch.Tensor | None]]] = []
-        new_slots = []
+        self.num_tokens = sum(lengths)
+        self.pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (first row, end row, slots, mask)
+        singles: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # bucket -> (context slots, row, keys)
+        new_slots, row = [], 0
         for b, (table, start, n) in enumerate(zip(tables, starts, lengths)):
             total = start + n
             positions = torch.arange(total)
             slots = torch.tensor(table[: -(-total // bs)], dtype=torch.long)[positions // bs] * bs + positions % bs
-            self.contexts.append(slots.to(device))
             new_slots.append(slots[start:])
             chunk = n if chunks is None else chunks[b]
-            pieces = []
+            lone = []
             for a, e in chunk_pieces(start, chunk):
                 if e - a > ROWWISE_MAX_QUERIES:
-                    mask = (torch.arange(e)[None, :] <= torch.arange(a, e)[:, None]).to(device)
-                    pieces.append((a - start, e - start, mask))
+                    mask = torch.arange(e)[None, :] <= torch.arange(a, e)[:, None]
+                    self.pieces.append((row + a - start, row + e - start, slots[:e].to(device), mask.to(device)))
                 else:
-                    pieces.append((a - start, e - start, None))
-            if chunk < n:
-                pieces.append((chunk, n, None))
-            self.pieces.append(pieces)
+                    lone.extend(range(a, e))
+            lone.extend(range(start + chunk, total))
+            for pos in lone:
+                keys = pos + 1
+                singles.setdefault(-(-keys // KEY_BUCKET) * KEY_BUCKET, []).append((slots, row + pos - start, keys))
+            row += n
+        self.singles = []  # per bucket: (rows [R], key slots [R, bucket], mask [R, 1, 1, bucket])
+        for bucket, items in singles.items():
+            key_slots = torch.zeros(len(items), bucket, dtype=torch.long)  # padding reads slot 0, masked out
+            for i, (slots, _, keys) in enumerate(items):
+                key_slots[i, :keys] = slots[:keys]
+            keys = torch.tensor([k for _, _, k in items])
+            mask = (torch.arange(bucket)[None, :] < keys[:, None])[:, None, None, :]
+            rows = torch.tensor([r for _, r, _ in items])
+            self.singles.append((rows.to(device), key_slots.to(device), mask.to(device)))
         self.slot_mapping = torch.cat(new_slots).to(device)
-        self.starts = list(starts)
         self.positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -271,26 +290,35 @@ class AttentionBatch:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
-        out, row = [], 0
         tokens, heads, dim = q.shape
         kv_heads = k.shape[1]
-        grouped = q.view(tokens, kv_heads, heads // kv_heads, dim)  # query heads that share a key/value head
-        for slots, start, pieces in zip(self.contexts, self.starts, self.pieces):
+        out = q.new_empty(tokens, heads, dim)
+        for first, end, slots, mask in self.pieces:
+            qs = q[first:end].transpose(0, 1).unsqueeze(0)  # [1, H, m, D]
             ks = k_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
             vs = v_cache[slots].transpose(0, 1).unsqueeze(0)
-            for first, last, mask in pieces:
-                if mask is not None:
-                    end = start + last
-                    qs = q[row + first:row + last].transpose(0, 1).unsqueeze(0)  # [1, H, m, D]
-                    o = F.scaled_dot_product_attention(qs, ks[:, :, :end], vs[:, :, :end], attn_mask=mask,
-                                                       enable_gqa=True)
-                    out.append(o[0].transpose(0, 1))
-                    continue
-                for i in range(first, last):
-                    # one token: its query heads are the rows of a plain (non-GQA) call per key/value head,
-                    # which torch runs >10x faster on CPU than a one-row GQA call
-                    end = start + i + 1
-                    o = F.scaled_dot_product_attention(grouped[row + i].unsqueeze(0), ks[:, :, :end], vs[:, :, :end])
-                    out.append(o.reshape(1, heads, dim))
-            row += pieces[-1][1] if pieces else 0
-        return torch.cat(out)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            out[first:end] = o[0].transpose(0, 1)
+        grouped = q.view(tokens, kv_heads, heads // kv_heads, dim)  # query heads that share a key/value head
+        for rows, key_slots, mask in self.singles:
+            ks = k_cache[key_slots].transpose(1, 2)  # [R, KVH, bucket, D]
+            vs = v_cache[key_slots].transpose(1, 2)
+            with one_thread(q.device):
+                o = F.scaled_dot_product_attention(grouped[rows], ks, vs, attn_mask=mask)  # [R, KVH, G, D]
+            out[rows] = o.reshape(len(rows), heads, dim)
+        return out
+
+
+@contextlib.contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """With several threads, torch's CPU attention gives a batch element a result that depends on how the
+    batch was split between threads; on one thread each element's result is its own."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
