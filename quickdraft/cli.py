@@ -10,6 +10,14 @@ from quickdraft.errors import QuickdraftError
 GREEN, RESET = "\033[32m", "\033[0m"
 
 
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, max_tokens_help: str | None = None) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=max_tokens_help)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="packaged model name (see `quickdraft models`), GGUF file or HF directory")
     spec = p.add_mutually_exclusive_group()
@@ -154,22 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(g)
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    add_sampling_args(g, max_tokens=128)
     g.add_argument("--show-drafts", action="store_true", help="colour accepted draft tokens (terminal only)")
     g.set_defaults(fn=cmd_generate)
     c = sub.add_parser("chat", help="interactive chat on stdin/stdout; --session FILE keeps it across runs")
     add_model_args(c)
     c.add_argument("--session", default=None, metavar="FILE",
                    help="session snapshot: loaded first if it exists, saved after every turn")
-    c.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most")
-    c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--seed", type=int, default=None)
+    add_sampling_args(c, max_tokens=256, max_tokens_help="tokens per reply at most")
     c.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size per model, e.g. 2GiB or 512MB")
     c.set_defaults(fn=cmd_chat)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")

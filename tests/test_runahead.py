@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.kv import ForwardItem, SequenceKV
 from quickdraft.speculative.controller import SpeculationController
 from quickdraft.speculative.cost import CostModel
 from quickdraft.speculative.drafters import RunAheadDrafter
 from test_distribution import SAMPLES, chi_square_pvalue, exact_distribution, make_llm, models, sample_engine  # noqa: F401
-from test_speculative import bench_prompts, cache_contents, tiny_prompts
+from test_speculative import assert_cache_matches_fresh_prefill, bench_prompts, tiny_prompts
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -91,13 +90,7 @@ def test_draft_cache_holds_committed_tokens_after_every_round(target):
         llm.engine.step()
         kv = seq.kv[llm.drafter.key]
         assert kv.num_cached <= seq.num_tokens - 1
-        got = cache_contents(runner, kv, kv.num_cached)
-        fresh = SequenceKV()
-        runner.forward([ForwardItem(fresh, seq.token_ids[:kv.num_cached], 1)])
-        want = cache_contents(runner, fresh, kv.num_cached)
-        runner.free(fresh)
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert_cache_matches_fresh_prefill(runner, kv, seq.token_ids)
     assert seq.metrics.spec.run_ahead_rounds > 0
     llm.engine.abort(rid)
     assert llm.target.allocator.num_used == 0 and runner.allocator.num_used == 0

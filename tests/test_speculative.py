@@ -100,6 +100,17 @@ def cache_contents(runner, kv: SequenceKV, n: int) -> tuple[torch.Tensor, torch.
     return runner.pool.k[:, slots].clone(), runner.pool.v[:, slots].clone()
 
 
+def assert_cache_matches_fresh_prefill(runner, kv: SequenceKV, tokens: list[int]) -> None:
+    """The cache holds exactly what a fresh prefill of its first ``kv.num_cached`` tokens computes."""
+    got = cache_contents(runner, kv, kv.num_cached)
+    fresh = SequenceKV()
+    runner.forward([ForwardItem(fresh, tokens[:kv.num_cached], 1)])
+    want = cache_contents(runner, fresh, kv.num_cached)
+    runner.free(fresh)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_rewind_leaves_exactly_committed_tokens(tiny_dir):
     """After many rounds with rejections, both caches equal a fresh prefill of the committed tokens."""
     target = tiny_dir(arch="llama", vocab_size=64, layers=3)
@@ -115,13 +126,7 @@ def test_rewind_leaves_exactly_committed_tokens(tiny_dir):
         kv = seq.kv[key]
         assert kv.num_cached <= seq.num_tokens - 1
         assert len(kv.block_table) <= -(-(seq.num_tokens + 4) // runner.block_size)
-        got = cache_contents(runner, kv, kv.num_cached)
-        fresh = SequenceKV()
-        runner.forward([ForwardItem(fresh, seq.token_ids[:kv.num_cached], 1)])
-        want = cache_contents(runner, fresh, kv.num_cached)
-        runner.free(fresh)
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert_cache_matches_fresh_prefill(runner, kv, seq.token_ids)
     llm.engine.abort(rid)
     assert llm.target.allocator.num_used == 0 and llm.drafter.runner.allocator.num_used == 0
 
