@@ -251,39 +251,45 @@ class AttentionBatch:
         self.pool = pool
         device = pool.k.device
         bs = pool.block_size
+        num_seqs = len(lengths)
         self.num_tokens = sum(lengths)
+        totals = [s + n for s, n in zip(starts, lengths)]
+        width = -(-max(totals) // KEY_BUCKET) * KEY_BUCKET
+        # slot of every position of every sequence, [B, width] (past a sequence's end: some slot, never read unmasked)
+        table_width = -(-width // bs)
+        table = torch.tensor([t[:table_width] + [0] * (table_width - len(t[:table_width])) for t in tables],
+                             dtype=torch.long)
+        position = torch.arange(width)
+        slots = table[:, position // bs] * bs + position % bs
+        # per new token (row): its sequence and absolute position
+        counts = torch.tensor(lengths)
+        seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), counts)
+        first_row = torch.cumsum(counts, 0) - counts
+        positions = (torch.arange(self.num_tokens) - first_row[seq_of_row]) + torch.tensor(starts)[seq_of_row]
+        lone = torch.ones(self.num_tokens, dtype=torch.bool)
         self.pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (first row, end row, slots, mask)
-        singles: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # bucket -> (context slots, row, keys)
-        new_slots, row = [], 0
-        for b, (table, start, n) in enumerate(zip(tables, starts, lengths)):
-            total = start + n
-            positions = torch.arange(total)
-            slots = torch.tensor(table[: -(-total // bs)], dtype=torch.long)[positions // bs] * bs + positions % bs
-            new_slots.append(slots[start:])
-            chunk = n if chunks is None else chunks[b]
-            lone = []
-            for a, e in chunk_pieces(start, chunk):
+        for b in range(num_seqs):
+            chunk = lengths[b] if chunks is None else chunks[b]
+            if chunk <= ROWWISE_MAX_QUERIES:
+                continue  # every piece is short: all its tokens attend alone
+            row = int(first_row[b]) - starts[b]  # row of absolute position 0 of this sequence
+            for a, e in chunk_pieces(starts[b], chunk):
                 if e - a > ROWWISE_MAX_QUERIES:
                     mask = torch.arange(e)[None, :] <= torch.arange(a, e)[:, None]
-                    self.pieces.append((row + a - start, row + e - start, slots[:e].to(device), mask.to(device)))
-                else:
-                    lone.extend(range(a, e))
-            lone.extend(range(start + chunk, total))
-            for pos in lone:
-                keys = pos + 1
-                singles.setdefault(-(-keys // KEY_BUCKET) * KEY_BUCKET, []).append((slots, row + pos - start, keys))
-            row += n
-        self.singles = []  # per bucket: (rows [R], key slots [R, bucket], mask [R, 1, 1, bucket])
-        for bucket, items in singles.items():
-            key_slots = torch.zeros(len(items), bucket, dtype=torch.long)  # padding reads slot 0, masked out
-            for i, (slots, _, keys) in enumerate(items):
-                key_slots[i, :keys] = slots[:keys]
-            keys = torch.tensor([k for _, _, k in items])
-            mask = (torch.arange(bucket)[None, :] < keys[:, None])[:, None, None, :]
-            rows = torch.tensor([r for _, r, _ in items])
-            self.singles.append((rows.to(device), key_slots.to(device), mask.to(device)))
-        self.slot_mapping = torch.cat(new_slots).to(device)
-        self.positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
+                    self.pieces.append((row + a, row + e, slots[b, :e].to(device), mask.to(device)))
+                    lone[row + a:row + e] = False
+        self.singles = []  # per key bucket: (rows [R], key slots [R, bucket], mask [R, 1, 1, bucket])
+        rows = lone.nonzero().squeeze(1)
+        keys = positions[rows] + 1
+        buckets = (keys + KEY_BUCKET - 1) // KEY_BUCKET * KEY_BUCKET
+        for bucket in buckets.unique().tolist():
+            chosen = buckets == bucket
+            bucket_rows, bucket_keys = rows[chosen], keys[chosen]
+            mask = torch.arange(bucket)[None, :] < bucket_keys[:, None]
+            key_slots = slots[seq_of_row[bucket_rows], :bucket].masked_fill(~mask, 0)  # padding reads slot 0
+            self.singles.append((bucket_rows.to(device), key_slots.to(device), mask[:, None, None, :].to(device)))
+        self.slot_mapping = slots[seq_of_row, positions].to(device)
+        self.positions = positions.to(device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]."""
