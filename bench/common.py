@@ -44,7 +44,7 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     total = 0
     seen = set()
     embed = model.model.embed_tokens.weight
-    head = model.lm_head.weight
+    head = getattr(model.lm_head, "weight", None)  # None: a packed or quantized head (its own buffers)
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
             continue
@@ -53,7 +53,7 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
             continue
         total += p.numel() * p.element_size()
     for name, b in model.named_buffers():
-        if name.endswith(("qweight", "packed", "weight_int", "scales", "scales_and_zeros")):
+        if name.endswith(("qweight", "packed", "weight_packed", "weight_int", "scales", "scales_and_zeros")):
             total += b.numel() * b.element_size()
     return total
 

@@ -13,6 +13,7 @@ from quickdraft.loading import quantize as qz
 from quickdraft.loading.dequant import dequantize
 from quickdraft.loading.gguf import unpermute_rows
 from quickdraft.models import build_model
+from quickdraft.models.packed import PackedLinear
 from quickdraft.models.quant import (
     Int4Linear,
     Int8Linear,
@@ -269,14 +270,18 @@ def test_wide_gguf_sources_become_int8(tiny_dir):
         assert (_logits(model, ids) - ref).abs().max() < bound * ref.abs().max()
 
 
-def test_float_formats_leave_model_alone(tiny_dir):
+def test_float_formats_keep_float_weights_packed_for_onednn(tiny_dir):
     ckpt = load_checkpoint(tiny_dir(arch="llama", tie=True, vocab_size=96), dtype=torch.float32)
-    model = build_model(ckpt.config, ckpt.tensors)
+    model, unpacked = build_model(ckpt.config, ckpt.tensors), build_model(ckpt.config, ckpt.tensors)
+    ids = torch.tensor([1, 5, 9, 2, 7])
+    ref = _logits(model, ids)
     for fmt in ("float32", "bfloat16", "float16"):
         assert qz.quantize_checkpoint(model, ckpt, fmt) is model
-    assert isinstance(model.model.layers[0].mlp.up_proj, torch.nn.Linear)
+    assert isinstance(model.model.layers[0].mlp.up_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # the tied embedding stays
+    torch.testing.assert_close(_logits(model, ids), ref, atol=1e-4, rtol=1e-4)
     with pytest.raises(InvalidParameterError, match="group size"):
-        qz.quantize_model(model, "int4", group_size=128)  # hidden 64 is not a multiple of 128
+        qz.quantize_model(unpacked, "int4", group_size=128)  # hidden 64 is not a multiple of 128
 
 
 def test_resolve_weights():

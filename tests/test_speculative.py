@@ -69,12 +69,12 @@ def test_greedy_identity_smollm2(smollm2, kind, weights):
     assert llm.spec_stats.rounds < sum(len(o.token_ids) for o in spec) or kind == "self"
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "float32", "bfloat16"])
 def test_verify_pass_equals_single_steps_bitwise(smollm2, weights):
     """Logits of k tokens verified in one pass are bit-identical to k one-token steps (so greedy speculation
-    cannot flip a near-tie), and a sequence's logits do not change when other sequences share the step.
-    Quantized weights only: their packed kernels compute each row on its own, while dense float32 matmuls
-    differ by ~1e-6 with the row count (far below any real near-tie)."""
+    cannot flip a near-tie), and a sequence's logits do not change when other sequences share the step:
+    every linear layer runs a kernel that computes each row on its own (int4/int8 packed, or float weights
+    in oneDNN's layout with calls padded to several rows) and attention is batch-invariant."""
     llm = LLM(str(smollm2), weights=weights)
     runner = llm.target
     prompt = llm.tokenizer.encode("def fibonacci(n):\n    if n")

@@ -45,7 +45,9 @@ class EngineConfig:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of parameters and weight buffers (packed and quantized layers keep weights as buffers)."""
+    tensors = list(model.parameters()) + [b for name, b in model.named_buffers() if not name.startswith("rope.")]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def drafter_bytes(drafter: Drafter | None) -> int:

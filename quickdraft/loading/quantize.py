@@ -53,6 +53,7 @@ from quickdraft.models.quant import (
     quantize_int4,
     quantize_int8,
 )
+from quickdraft.models.packed import PackedLinear, packing_supported
 from quickdraft.models.transformer import Transformer
 from quickdraft.loading.gguf import single_thread
 from quickdraft.loading.weight_cache import write_atomic
@@ -323,6 +324,21 @@ def _layout(device: torch.device) -> str:
     return "nibbles"
 
 
+def pack_float_linears(model: Transformer, checkpoint=None) -> Transformer:
+    """Give every decoder-layer linear and the lm_head (a tied one gets its own copy) oneDNN's packed layout
+    where it runs (CPU, float32/bfloat16): row-independent results and faster short calls (see
+    models/packed.py). Elsewhere the model is returned unchanged. ``checkpoint``: drop the replaced weights
+    from its tensors so they can be freed."""
+    weight = model.model.embed_tokens.weight
+    if not packing_supported(weight.dtype, weight.device):
+        return model
+    for name, linear in quantizable_linears(model, lm_head=True).items():
+        _set_module(model, name, PackedLinear.from_linear(linear))
+        if checkpoint is not None:
+            checkpoint.tensors.pop(name + ".weight", None)
+    return model
+
+
 def quant_cache_path(fingerprint: str, fmt: str, group_size: int, lm_head: str | None, source: str,
                      device: torch.device | str = "cpu", *, wide_sources: str = "int8") -> Path:
     """Cache entry for one source + format: under ``cache_root()/quantized/``."""
@@ -412,7 +428,8 @@ def quantize_checkpoint(model: Transformer, checkpoint, fmt: str, *, group_size:
                         lm_head: bool | str | None = None, wide_sources: str = "int8", use_cache: bool = True,
                         release: bool = True) -> Transformer:
     """Quantize a model built from ``checkpoint`` (``build_model(checkpoint.config, checkpoint.tensors, device)``)
-    to ``fmt`` (``'int4'``/``'int8'``; ``'bfloat16'``/``'float32'``/``'float16'`` return the model unchanged)
+    to ``fmt`` (``'int4'``/``'int8'``; ``'bfloat16'``/``'float32'``/``'float16'`` keep float weights, packed for
+    oneDNN on CPU by ``pack_float_linears``)
     and return it.
 
     * GGUF sources: Q4_0/Q4_1/Q4_K tensors map exactly to int4 (group 32); with ``wide_sources='int8'``
@@ -427,8 +444,8 @@ def quantize_checkpoint(model: Transformer, checkpoint, fmt: str, *, group_size:
       (the int4pack layout is ISA-dependent, so it is stored packed and only reused on the same kind of CPU).
     * ``release``: drop the replaced float weights from ``checkpoint.tensors`` so they can be freed.
     """
-    if fmt in FLOAT_FORMATS or fmt == "float16":  # float weights (LLM passes its dtype name): nothing to do
-        return model
+    if fmt in FLOAT_FORMATS or fmt == "float16":  # float weights (LLM passes its dtype name)
+        return pack_float_linears(model, checkpoint if release else None)
     if fmt not in QUANT_FORMATS:
         raise InvalidParameterError(f"weights format must be one of {', '.join(QUANT_FORMATS + tuple(FLOAT_FORMATS))}, "
                                     f"got {fmt!r}")
