@@ -277,7 +277,9 @@ def test_float_formats_keep_float_weights_packed_for_onednn(tiny_dir):
     ref = _logits(model, ids)
     for fmt in ("float32", "bfloat16", "float16"):
         assert qz.quantize_checkpoint(model, ckpt, fmt) is model
-    assert isinstance(model.model.layers[0].mlp.up_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, PackedLinear) and isinstance(layer.mlp.gate_up_proj, PackedLinear)
+    assert isinstance(layer.mlp.down_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
     assert model.model.embed_tokens.weight.dtype == torch.float32  # the tied embedding stays
     torch.testing.assert_close(_logits(model, ids), ref, atol=1e-4, rtol=1e-4)
     with pytest.raises(InvalidParameterError, match="group size"):

@@ -327,15 +327,25 @@ def _layout(device: torch.device) -> str:
 def pack_float_linears(model: Transformer, checkpoint=None) -> Transformer:
     """Give every decoder-layer linear and the lm_head (a tied one gets its own copy) oneDNN's packed layout
     where it runs (CPU, float32/bfloat16): row-independent results and faster short calls (see
-    models/packed.py). Elsewhere the model is returned unchanged. ``checkpoint``: drop the replaced weights
-    from its tensors so they can be freed."""
+    models/packed.py); q/k/v and gate/up become one packed projection each. Elsewhere the model is returned
+    unchanged. ``checkpoint``: drop the replaced weights from its tensors so they can be freed."""
     weight = model.model.embed_tokens.weight
-    if not packing_supported(weight.dtype, weight.device):
+    if not packing_supported(weight.dtype, weight.device) or isinstance(model.lm_head, PackedLinear):
         return model
-    for name, linear in quantizable_linears(model, lm_head=True).items():
-        _set_module(model, name, PackedLinear.from_linear(linear))
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+        attn.fuse(PackedLinear(torch.cat([p.weight for p in parts]), bias))
+        attn.o_proj = PackedLinear.from_linear(attn.o_proj)
+        mlp.fuse(PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])))
+        mlp.down_proj = PackedLinear.from_linear(mlp.down_proj)
         if checkpoint is not None:
-            checkpoint.tensors.pop(name + ".weight", None)
+            for path in LAYER_LINEARS:
+                checkpoint.tensors.pop(f"model.layers.{i}.{path}.weight", None)
+    model.lm_head = PackedLinear.from_linear(model.lm_head)
+    if checkpoint is not None:
+        checkpoint.tensors.pop("lm_head.weight", None)
     return model
 
 

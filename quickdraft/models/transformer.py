@@ -58,12 +58,24 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        # q, k and v in one module whose output is their concatenation (set by the loader, see fuse())
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+
+    def fuse(self, qkv_proj: nn.Module) -> None:
+        """Run q/k/v as one projection (one weight read, one kernel call instead of three)."""
+        self.qkv_proj = qkv_proj
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         t = x.shape[0]
-        q = rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), attn.positions)
-        k = rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), attn.positions)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = rope(q.reshape(t, self.num_heads, self.head_dim), attn.positions)
+        k = rope(k.reshape(t, self.num_kv_heads, self.head_dim), attn.positions)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn.attend(self.layer, q, k, v).reshape(t, -1))
 
 
@@ -73,9 +85,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one module (set by the loader, see fuse())
+
+    def fuse(self, gate_up_proj: nn.Module) -> None:
+        """Run gate and up as one projection whose output is their concatenation."""
+        self.gate_up_proj = gate_up_proj
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
