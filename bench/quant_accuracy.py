@@ -36,6 +36,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from quickdraft.engine.engine import weight_bytes  # noqa: E402
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV  # noqa: E402
 from quickdraft.llm import tokenizer_for  # noqa: E402
 from quickdraft.loading import load_checkpoint, resolve_model  # noqa: E402
@@ -82,16 +83,6 @@ def step_times(runner: ModelRunner, context: list[int], n_new: int, repeats: int
             times.append(dt * 1e3)
     runner.free(kv)
     return min(times), statistics.median(times)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith("rope.") or t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
 
 
 def build(name: str, fmt: str, ckpt_bf16):

@@ -257,8 +257,7 @@ class AttentionBatch:
         width = -(-max(totals) // KEY_BUCKET) * KEY_BUCKET
         # slot of every position of every sequence, [B, width] (past a sequence's end: some slot, never read unmasked)
         table_width = -(-width // bs)
-        table = torch.tensor([t[:table_width] + [0] * (table_width - len(t[:table_width])) for t in tables],
-                             dtype=torch.long)
+        table = torch.tensor([(t + [0] * table_width)[:table_width] for t in tables], dtype=torch.long)
         position = torch.arange(width)
         slots = table[:, position // bs] * bs + position % bs
         # per new token (row): its sequence and absolute position

@@ -324,15 +324,16 @@ def _layout(device: torch.device) -> str:
     return "nibbles"
 
 
-def pack_float_linears(model: Transformer, checkpoint=None) -> Transformer:
+def pack_float_linears(model: Transformer) -> list[str]:
     """Give every decoder-layer linear and the lm_head (a tied one gets its own copy) oneDNN's packed layout
     where it runs (CPU, float32/bfloat16): row-independent results and faster short calls (see
-    models/packed.py); q/k/v and gate/up become one packed projection each. Elsewhere the model is returned
-    unchanged. ``checkpoint``: drop the replaced weights from its tensors so they can be freed."""
+    models/packed.py); q/k/v and gate/up become one packed projection each. Returns the HF names of the
+    replaced linears (none where packing does not run or the model is already packed)."""
     weight = model.model.embed_tokens.weight
     if not packing_supported(weight.dtype, weight.device) or isinstance(model.lm_head, PackedLinear):
-        return model
-    for i, layer in enumerate(model.model.layers):
+        return []
+    names = list(quantizable_linears(model, lm_head=True))
+    for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts = [attn.q_proj, attn.k_proj, attn.v_proj]
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
@@ -340,13 +341,14 @@ def pack_float_linears(model: Transformer, checkpoint=None) -> Transformer:
         attn.o_proj = PackedLinear.from_linear(attn.o_proj)
         mlp.fuse(PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])))
         mlp.down_proj = PackedLinear.from_linear(mlp.down_proj)
-        if checkpoint is not None:
-            for path in LAYER_LINEARS:
-                checkpoint.tensors.pop(f"model.layers.{i}.{path}.weight", None)
     model.lm_head = PackedLinear.from_linear(model.lm_head)
-    if checkpoint is not None:
-        checkpoint.tensors.pop("lm_head.weight", None)
-    return model
+    return names
+
+
+def _release(checkpoint, names: list[str]) -> None:
+    """Drop replaced weights from ``checkpoint.tensors`` so they can be freed."""
+    for name in names:
+        checkpoint.tensors.pop(name + ".weight", None)
 
 
 def quant_cache_path(fingerprint: str, fmt: str, group_size: int, lm_head: str | None, source: str,
@@ -455,7 +457,10 @@ def quantize_checkpoint(model: Transformer, checkpoint, fmt: str, *, group_size:
     * ``release``: drop the replaced float weights from ``checkpoint.tensors`` so they can be freed.
     """
     if fmt in FLOAT_FORMATS or fmt == "float16":  # float weights (LLM passes its dtype name)
-        return pack_float_linears(model, checkpoint if release else None)
+        packed = pack_float_linears(model)
+        if release:
+            _release(checkpoint, packed)
+        return model
     if fmt not in QUANT_FORMATS:
         raise InvalidParameterError(f"weights format must be one of {', '.join(QUANT_FORMATS + tuple(FLOAT_FORMATS))}, "
                                     f"got {fmt!r}")
@@ -479,6 +484,5 @@ def quantize_checkpoint(model: Transformer, checkpoint, fmt: str, *, group_size:
         if use_cache:
             store_quantized(path, model, {**meta, "info": json.dumps(model.quant_info)})
     if release:
-        for name in names:
-            checkpoint.tensors.pop(name + ".weight", None)
+        _release(checkpoint, names)
     return model

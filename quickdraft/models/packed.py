@@ -9,7 +9,7 @@ Why not ``nn.Linear`` (facts checked on torch 2.13, 2-core AVX512-BF16 EPYC, see
   batched beside other sequences (as with the int4/int8 kernels in ``quant.py``).
 * Speed: over the 28 layers of Qwen2.5-1.5B in bfloat16, ``F.linear`` with 1 row streams weights at
   14-17 GB/s; the packed kernel at 17-20 GB/s with 1-4 rows and 24-26 GB/s with 5 or 6 rows (the
-  machine's read bandwidth is ~32 GB/s). So short calls are padded to 5 rows: the extra rows cost
+  host's measured read bandwidth varied between 31 and 51 GB/s that day). So short calls are padded to 5 rows: the extra rows cost
   arithmetic, and a decode step is bound by reading the weights.
 """
 from __future__ import annotations
