@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculative", choices=["ngram", "self"], help="draft-free speculation (replaces --draft)")
     p.add_argument("--k", default="auto")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--draft-weights", default="auto", help="the draft's weight format (auto: int4 on CPU)")
     p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     p.add_argument("--requests", type=int, default=48, help="requests per concurrency level (same sample each)")
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     spec_args = ["--speculative", args.speculative] if args.speculative else (
-        ["--draft", args.draft] if args.draft else [])
+        ["--draft", args.draft, "--draft-weights", args.draft_weights] if args.draft else [])
     if "spec" in modes and not spec_args:
         p.error("mode 'spec' needs --draft or --speculative")
     spec_args += ["--k", str(args.k)] if spec_args else []

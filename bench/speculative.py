@@ -2,12 +2,14 @@
 
 Usage: python bench/speculative.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b] [--dtype bfloat16]
          [--tokens 128] [--humaneval 3] [--per-category 1]
-         [--configs plain,draft,draft-runahead,ngram,self,self-runahead,hf,hf-assist,hf-lookup]
+         [--draft-weights auto] [--configs plain,draft,draft-float,draft-runahead,ngram,self,self-runahead,hf,...]
 Sample: the first --humaneval public HumanEval prompts and the first --per-category public Spec-Bench prompts
 of each category (first turn). Greedy; tokens/s is the whole generate call (prefill included) divided by
 new tokens, for ours and HF's alike. Every speculative run is checked token for token against plain.
 draft-runahead / self-runahead are draft / self with run_ahead=True (the draft drafts the next round while the
 target verifies); `run_ahead` is the fraction of drafting rounds whose proposal began with run-ahead tokens.
+draft / draft-runahead run the draft in --draft-weights (default auto: int4 on CPU); draft-float runs it in
+--dtype, like the target (and like HF's assistant model).
 """
 from __future__ import annotations
 
@@ -27,9 +29,9 @@ from quickdraft import LLM, SamplingParams  # noqa: E402
 from quickdraft.engine.outputs import SpecMetrics  # noqa: E402
 from quickdraft.loading import resolve_model  # noqa: E402
 
-OURS = {"plain": {}, "draft": None, "draft-runahead": None, "ngram": {"speculative": "ngram"},
+OURS = {"plain": {}, "draft": None, "draft-float": None, "draft-runahead": None, "ngram": {"speculative": "ngram"},
         "self": {"speculative": "self"}, "self-runahead": {"speculative": "self", "run_ahead": True}}
-CONFIGS = ("plain", "draft", "draft-runahead", "ngram", "self", "self-runahead", "hf", "hf-assist", "hf-lookup")
+CONFIGS = ("plain", "draft", "draft-float", "draft-runahead", "ngram", "self", "self-runahead", "hf", "hf-assist", "hf-lookup")
 
 
 def chat_ids(llm: LLM, text: str) -> list[int]:
@@ -151,6 +153,7 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all 13)")
     ap.add_argument("--k", default="auto")
+    ap.add_argument("--draft-weights", default="auto", help="the draft's weight format for draft/draft-runahead")
     ap.add_argument("--configs", default="plain,draft,draft-runahead,ngram,self,self-runahead,hf,hf-assist,hf-lookup")
     args = ap.parse_args()
     k = args.k if args.k == "auto" else int(args.k)
@@ -158,12 +161,13 @@ def main() -> None:
     prompts = [("humaneval", p) for p in humaneval_prompts(args.humaneval)] + spec_bench_prompts(args.per_category, cats)
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}; target {args.target}, "
-          f"draft {args.draft}, {args.dtype}, {len(prompts)} prompts, {args.tokens} new tokens, k={args.k}")
+          f"draft {args.draft} ({args.draft_weights}), {args.dtype}, {len(prompts)} prompts, {args.tokens} new tokens, k={args.k}")
     rows = []
     for name in args.configs.split(","):
         if name in OURS:
-            kwargs = OURS[name] if OURS[name] is not None else {"draft": args.draft,
-                                                                 "run_ahead": name == "draft-runahead"}
+            kwargs = OURS[name] if OURS[name] is not None else {
+                "draft": args.draft, "run_ahead": name == "draft-runahead",
+                "draft_weights": args.dtype if name == "draft-float" else args.draft_weights}
             rows += run_ours(name, kwargs, args.target, args.dtype, prompts, args.tokens, k)
         else:
             rows += run_hf(name, args.target, args.draft, args.dtype, prompts, args.tokens)

@@ -31,6 +31,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, choices=["auto", "int4", "int8", "bfloat16", "float32"],
                    help="weight format: quantized int4/int8 linear layers, float, or auto (fastest measured); "
                         "default: float weights in --dtype")
+    p.add_argument("--draft-weights", default="auto", choices=["auto", "int4", "int8", "bfloat16", "float32"],
+                   help="the --draft model's weight format (default auto: int4 on CPU; a draft's precision changes "
+                        "acceptance, never the output)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
 
@@ -39,8 +42,8 @@ def llm_from_args(args: argparse.Namespace, **extra):
     from quickdraft.llm import LLM
     k = args.k if args.k == "auto" else int(args.k)
     return LLM(args.model, draft=args.draft, speculative=args.speculative, num_speculative_tokens=k,
-               dtype=args.dtype, weights=args.weights, device=args.device, max_model_len=args.max_model_len,
-               run_ahead=args.run_ahead, **extra)
+               dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, device=args.device,
+               max_model_len=args.max_model_len, run_ahead=args.run_ahead, **extra)
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -13,7 +13,8 @@ from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.errors import InvalidParameterError, ModelLoadError
 from quickdraft.kv import ModelRunner
 from quickdraft.loading import Checkpoint, load_checkpoint
-from quickdraft.loading.quantize import FLOAT_FORMATS, quantize_checkpoint, resolve_weights
+from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, FLOAT_FORMATS, QUANT_FORMATS, quantize_checkpoint,
+                                        resolve_draft_weights, resolve_weights, restrict_lm_head)
 from quickdraft.models import Transformer, build_model
 from quickdraft.sampling import SamplingParams
 from quickdraft.session import Session
@@ -55,16 +56,25 @@ def tokenizer_for(ckpt: Checkpoint) -> Tokenizer:
 class LLM:
     def __init__(self, model: str, *, draft: str | None = None, speculative: str | None = None,
                  num_speculative_tokens: int | str = "auto", max_speculative_tokens: int = 8,
-                 dtype: str = "auto", weights: str | None = None, device: str = "cpu",
-                 max_model_len: int | None = None,
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512, policy: str = "fcfs", preemption: str = "recompute",
+                 dtype: str = "auto", weights: str | None = None, draft_weights: str = "auto",
+                 draft_vocab: int | None = None, device: str = "cpu",
+                 max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                 policy: str = "fcfs", preemption: str = "recompute",
                  kv_cache_memory: int | str = "1GiB", block_size: int = 16, self_draft_layers: int | None = None,
                  ngram_max: int = 4, ngram_min: int = 1, run_ahead: bool = False) -> None:
-        """``run_ahead``: a draft model (or self-speculation) drafts round t+1 in a background thread while the
+        """``draft_weights``: the draft model's weight format (``'auto'``: int4 on CPU, see
+        ``resolve_draft_weights``; it changes acceptance, never the output).
+        ``draft_vocab``: the draft proposes only among the first N token ids (its lm_head keeps those rows, see
+        ``restrict_lm_head``): a cheaper draft step for a little acceptance; the output does not change.
+        ``run_ahead``: a draft model (or self-speculation) drafts round t+1 in a background thread while the
         target verifies round t, keeping that work when round t is accepted in full (see RunAheadDrafter);
         no effect with n-gram lookup or without speculation."""
         if draft is not None and speculative is not None:
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both")
+        if draft_vocab is not None and (draft is None or isinstance(draft_vocab, bool)
+                                        or not isinstance(draft_vocab, int) or draft_vocab < 1):
+            raise InvalidParameterError(f"draft_vocab must be a positive int and needs draft=MODEL, got {draft_vocab!r}"
+                                        + ("" if draft is not None else " without a draft model"))
         if speculative is not None and speculative not in SPECULATIVE:
             raise InvalidParameterError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {speculative!r}")
         self.device = device
@@ -78,7 +88,7 @@ class LLM:
         kv_bytes = parse_size(kv_cache_memory)
         self.checkpoint = load_checkpoint(model, dtype=self.dtype)
         self.tokenizer = tokenizer_for(self.checkpoint)
-        self.model: Transformer = self._build(self.checkpoint)
+        self.model: Transformer = self._build(self.checkpoint, self.weights)
         cfg = self.checkpoint.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.target = ModelRunner("target", self.model, kv_bytes, block_size)
@@ -92,12 +102,24 @@ class LLM:
             self.max_model_len = capacity
         self.drafter: Drafter | None = None
         self.draft_checkpoint: Checkpoint | None = None
+        self.draft_weights: str | None = None
+        self.draft_vocab = draft_vocab
         if draft is not None:
             self.draft_checkpoint = load_checkpoint(draft, dtype=self.dtype)
             self._check_draft_vocab(tokenizer_for(self.draft_checkpoint))
-            draft_model = self._build(self.draft_checkpoint)
+            self.draft_weights = resolve_draft_weights(draft_weights, self.weights, self.draft_checkpoint.config, device)
+            if self.draft_weights in FLOAT_FORMATS and FLOAT_FORMATS[self.draft_weights] != self.dtype:
+                self.draft_checkpoint = load_checkpoint(draft, dtype=FLOAT_FORMATS[self.draft_weights])
+            quantized = self.draft_weights in QUANT_FORMATS
+            draft_model = self._build(self.draft_checkpoint, self.draft_weights,
+                                      DRAFT_INT4_OPTIONS if self.draft_weights == "int4" else {}, draft_vocab,
+                                      release=not quantized)
+            # a quantized draft keeps float weights too, for prompts and catch-ups (see ModelRunner long_model)
+            long_model = self._build(self.draft_checkpoint, str(self.dtype).removeprefix("torch."), None,
+                                     draft_vocab) if quantized else None
             model_drafter = RunAheadDrafter if run_ahead else ModelDrafter
-            self.drafter = model_drafter(ModelRunner("draft", draft_model, kv_bytes, block_size), cfg.vocab_size)
+            self.drafter = model_drafter(ModelRunner("draft", draft_model, kv_bytes, block_size, long_model=long_model),
+                                         cfg.vocab_size)
         elif speculative == "ngram":
             self.drafter = NgramDrafter(ngram_max, ngram_min)
         elif speculative == "self":
@@ -115,9 +137,12 @@ class LLM:
             max_speculative_tokens=max_speculative_tokens)
         self.engine = LLMEngine(self.target, self.tokenizer, config, self.drafter)
 
-    def _build(self, checkpoint: Checkpoint) -> Transformer:
+    def _build(self, checkpoint: Checkpoint, fmt: str, options: dict | None = None,
+               head_rows: int | None = None, release: bool = True) -> Transformer:
         model = build_model(checkpoint.config, checkpoint.tensors, self.device)
-        return quantize_checkpoint(model, checkpoint, self.weights)
+        if head_rows is not None:
+            restrict_lm_head(model, head_rows)
+        return quantize_checkpoint(model, checkpoint, fmt, release=release, **(options or {}))
 
     def _check_draft_vocab(self, draft_tokenizer: Tokenizer) -> None:
         """Draft and target must share a tokenizer; checkpoint vocab sizes may differ by padding rows only."""

@@ -400,6 +400,7 @@ def identity(llm: "LLM") -> dict:
         "draft": model(llm.draft_checkpoint) if llm.draft_checkpoint is not None else None,
         "drafter": None if drafter is None else drafter.name,
         "weights": llm.weights,
+        "draft_weights": llm.draft_weights,
         "dtype": str(llm.dtype).removeprefix("torch."),
         "kv": {key: {"dtype": str(r.pool.k.dtype).removeprefix("torch."), "layers": r.num_layers,
                      "kv_heads": r.pool.k.shape[2], "head_dim": r.pool.k.shape[3]} for key, r in runners.items()},
@@ -425,7 +426,8 @@ def _check_identity(theirs: Any, ours: dict, path: Path) -> None:
     if (theirs.get("draft") or {}).get("fingerprint") != (ours["draft"] or {}).get("fingerprint"):
         raise SessionError(f"session snapshot {path} was made with draft model fingerprint {_describe(theirs, 'draft')}; "
                            f"this LLM has {_describe(ours, 'draft')}; {fix}")
-    for field, what in (("weights", "weight format"), ("dtype", "dtype"), ("kv", "KV cache layout")):
+    for field, what in (("weights", "weight format"), ("draft_weights", "draft weight format"), ("dtype", "dtype"),
+                        ("kv", "KV cache layout")):
         if theirs.get(field) != ours[field]:
             raise SessionError(f"session snapshot {path} was made with {what} {theirs.get(field)}; "
                                f"this LLM has {ours[field]}; {fix}")

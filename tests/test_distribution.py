@@ -105,7 +105,10 @@ def models(tiny_dir):
 def make_llm(models, drafter: str, weights: str = "float32", **options) -> LLM:
     target, poor = models
     kwargs = {"ngram": {"speculative": "ngram"}, "self": {"speculative": "self", "self_draft_layers": 1},
-              "draft-poor": {"draft": str(poor)}, "draft-same": {"draft": str(target)}}[drafter]
+              "draft-poor": {"draft": str(poor)},  # the default int4 draft weights
+              "draft-same": {"draft": str(target), "draft_weights": "float32"},
+              # the target as its own draft, proposing among the first 5 of 8 tokens only: q is 0 where p is not
+              "draft-vocab": {"draft": str(target), "draft_weights": "float32", "draft_vocab": 5}}[drafter]
     options = {"num_speculative_tokens": 3, **options}
     return LLM(str(target), weights=weights, max_num_seqs=1024, max_num_batched_tokens=16384,
                kv_cache_memory="256MiB", **kwargs, **options)
@@ -117,7 +120,8 @@ CI_SUBSET = [("draft-poor", 1.0, "plain"), ("draft-poor", 0.7, "topk_topp"), ("d
              ("ngram", 1.0, "penalties"), ("self", 0.7, "plain"), ("draft-same", 1.5, "topk_topp")]
 CASES = FULL if os.environ.get("QUICKDRAFT_FULL_DIST") else CI_SUBSET
 # quantized weights: the reference is the quantized target's own distribution
-CASES = [(*c, "float32") for c in CASES] + [("draft-poor", 1.0, "topk_topp", "int8"), ("ngram", 0.7, "penalties", "int4")]
+CASES = [(*c, "float32") for c in CASES] + [("draft-poor", 1.0, "topk_topp", "int8"), ("ngram", 0.7, "penalties", "int4"),
+                                           ("draft-vocab", 1.0, "plain", "float32")]
 
 
 @pytest.mark.parametrize("drafter,temperature,transform,weights", CASES)

@@ -38,7 +38,9 @@ def plain_greedy(target):
 def drafter_kwargs(tiny_dir, target, kind: str) -> dict:
     if kind == "self":
         return {"speculative": "self"}
-    return {"draft": str(target if kind == "draft-same" else tiny_dir(arch="llama", vocab_size=64, seed=3))}
+    if kind == "draft-same":  # the target's own weights (the default int4 draft would differ a little)
+        return {"draft": str(target), "draft_weights": "float32"}
+    return {"draft": str(tiny_dir(arch="llama", vocab_size=64, seed=3))}
 
 
 @pytest.mark.parametrize("kind", ["self", "draft-poor", "draft-same"])
@@ -48,14 +50,16 @@ def test_greedy_identity_tiny(tiny_dir, target, plain_greedy, kind, k):
               **drafter_kwargs(tiny_dir, target, kind))
     assert isinstance(llm.drafter, RunAheadDrafter)
     assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
-    assert llm.spec_stats.draft_tokens > 0
+    if k == 3 or kind == "draft-same":  # adaptive k may rightly not draft with a tiny model's poor drafts
+        assert llm.spec_stats.draft_tokens > 0
     if k == 3:
         assert llm.drafter.rounds_ahead > 0
 
 
 def test_run_ahead_reuses_work(target, plain_greedy):
     """Draft == target accepts everything: nearly every round after the first starts from run-ahead tokens."""
-    llm = LLM(str(target), draft=str(target), dtype="float32", num_speculative_tokens=3, run_ahead=True)
+    llm = LLM(str(target), draft=str(target), draft_weights="float32", dtype="float32", num_speculative_tokens=3,
+              run_ahead=True)
     assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
     stats = llm.spec_stats
     assert stats.acceptance_rate > 0.95
@@ -81,7 +85,8 @@ def test_seeded_sampling_same_with_and_without_run_ahead(tiny_dir, target, kind)
 
 def test_draft_cache_holds_committed_tokens_after_every_round(target):
     """Kept run-ahead tokens stay hidden past the committed prefix until the next proposal takes them."""
-    llm = LLM(str(target), draft=str(target), dtype="float32", num_speculative_tokens=3, run_ahead=True)
+    llm = LLM(str(target), draft=str(target), draft_weights="float32", dtype="float32", num_speculative_tokens=3,
+              run_ahead=True)
     rid = llm.engine.add_request(tiny_prompts(64, 1)[0], SamplingParams(max_tokens=60, temperature=0.3, seed=3,
                                                                          ignore_eos=True))
     (seq,) = llm.engine.sequences(rid)
@@ -143,7 +148,8 @@ def test_controller_counts_run_ahead_draft_steps_as_hidden():
 # ---- cancellation ------------------------------------------------------------------------------------
 def test_cancel_from_another_thread_stops_stream_within_one_step(target):
     k = 3
-    llm = LLM(str(target), draft=str(target), dtype="float32", num_speculative_tokens=k, run_ahead=True)
+    llm = LLM(str(target), draft=str(target), draft_weights="float32", dtype="float32", num_speculative_tokens=k,
+              run_ahead=True)
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     tokens: list[int] = []
     reached, at_cancel = threading.Event(), []

@@ -192,7 +192,9 @@ class LLMEngine:
         if not scheduled:
             return cancelled
         sampling = [s for s, chunk in scheduled if s.kv["target"].num_cached + chunk == s.num_tokens]
-        proposals = self._draft(sampling, base_tokens=sum(chunk for _, chunk in scheduled))
+        # the plan is for the decode batch: a prompt chunk makes this step's target pass dearer whatever is
+        # drafted, and counting it would make drafting look cheap (and start draft catch-ups at high load)
+        proposals = self._draft(sampling, base_tokens=len(sampling))
         drafts = {id(s): p for s, p in zip(sampling, proposals)}
         items = []
         for seq, chunk in scheduled:
@@ -240,17 +242,17 @@ class LLMEngine:
     def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Proposal]:
         if self.drafter is None or not seqs:
             return [Proposal([]) for _ in seqs]
-        ks = self.controller.choose(seqs, base_tokens)
+        lag = getattr(self.drafter, "lag", None)
+        ks = self.controller.choose(seqs, base_tokens, catch_up=[lag(s) for s in seqs] if lag else None,
+                                    remaining=[s.params.max_tokens - len(s.output_ids) for s in seqs])
         ks = [min(k, s.max_model_len - s.num_tokens - 1, s.params.max_tokens - len(s.output_ids) - 1)
               for s, k in zip(seqs, ks)]
         ks = [max(0, k) for k in ks]
         if not any(ks):
             return [Proposal([]) for _ in seqs]
-        t0 = time.perf_counter()
         proposals = self.drafter.propose(seqs, ks)
-        steps = getattr(self.drafter, "last_steps", max(len(p.tokens) for p in proposals))  # forwards run
-        if steps:
-            self.cost.draft.record(sum(1 for k in ks if k), (time.perf_counter() - t0) / steps)
+        for num_seqs, seconds in getattr(self.drafter, "last_step_costs", ()):  # model drafters' decode steps
+            self.cost.draft.record(num_seqs, seconds)
         return proposals
 
     @contextlib.contextmanager

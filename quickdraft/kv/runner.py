@@ -21,10 +21,17 @@ class ForwardItem:
 
 class ModelRunner:
     def __init__(self, name: str, model: Transformer, kv_cache_bytes: int, block_size: int = 16,
-                 num_layers: int | None = None) -> None:
-        """``num_layers`` < all runs only the first layers (self-speculation); the KV pool then holds only those."""
+                 num_layers: int | None = None, long_model: Transformer | None = None,
+                 long_tokens: int = 5) -> None:
+        """``num_layers`` < all runs only the first layers (self-speculation); the KV pool then holds only those.
+
+        ``long_model``: the same network with other weights (a draft's float weights beside its int4 ones) that
+        runs every item of at least ``long_tokens`` new tokens (a prompt, a catch-up): quantized kernels are
+        fast for a few rows only, and a 500-token prompt through the int4 kernel took seconds. The choice is
+        per item, by its own length, so it never depends on what else is in the batch."""
         self.name = name
         self.model = model
+        self.long_model, self.long_tokens = long_model, long_tokens
         cfg = model.config
         self.num_layers = num_layers or cfg.num_layers
         param = next(model.parameters())
@@ -91,25 +98,38 @@ class ModelRunner:
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """Append each item's tokens to its cache and return its last ``num_logits`` rows of float32 logits."""
         t0 = time.perf_counter()
-        for item in items:
+        for item in items:  # every block first: running out must leave no cache half-advanced
             end = item.kv.num_cached + len(item.tokens)
             item.kv.make_writable(item.kv.num_cached, end, self.allocator, self.pool)
             item.kv.reserve(end, self.allocator, self.block_size)
+        long = [len(it.tokens) >= self.long_tokens for it in items] if self.long_model is not None else []
+        if not any(long):
+            out = self._forward(items, self.model)
+        else:
+            out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
+            for model, chosen in ((self.long_model, True), (self.model, False)):
+                picked = [i for i, is_long in enumerate(long) if is_long == chosen]
+                if picked:
+                    for i, rows in zip(picked, self._forward([items[i] for i in picked], model)):
+                        out[i] = rows
+        self.last_forward_s = time.perf_counter() - t0
+        return out
+
+    def _forward(self, items: list[ForwardItem], model: Transformer) -> list[torch.Tensor]:
         # every logits row after the first is a drafted token under verification, not part of a prompt chunk
         chunks = [len(it.tokens) - max(0, it.num_logits - 1) for it in items]
         attn = AttentionBatch(self.pool, [it.kv.block_table for it in items], [it.kv.num_cached for it in items],
                               [len(it.tokens) for it in items], chunks)
         tokens = torch.tensor([t for it in items for t in it.tokens], dtype=torch.long, device=self.device)
-        hidden = self.model(tokens, attn, num_layers=self.num_layers)
+        hidden = model(tokens, attn, num_layers=self.num_layers)
         rows, offset = [], 0
         for it in items:
             offset += len(it.tokens)
             rows.extend(range(offset - it.num_logits, offset))
             it.kv.num_cached += len(it.tokens)
-        logits = self.model.logits(hidden[rows]) if rows else hidden.new_zeros(0, self.vocab_size)
+        logits = model.logits(hidden[rows]) if rows else hidden.new_zeros(0, self.vocab_size)
         out, start = [], 0
         for it in items:
             out.append(logits[start:start + it.num_logits])
             start += it.num_logits
-        self.last_forward_s = time.perf_counter() - t0
         return out

@@ -51,8 +51,13 @@ class SpeculationController:
     draft_is_free: bool = False  # n-gram lookup: no draft model to pay for
     seeded_cost: CostModel | None = None  # deterministic plan for seeded requests (see CostModel.from_weight_bytes)
 
-    def choose(self, seqs: Sequence[HasAcceptance], base_tokens: int) -> list[int]:
-        """k per sequence; ``base_tokens`` is the number of tokens the step processes without any drafts."""
+    def choose(self, seqs: Sequence[HasAcceptance], base_tokens: int, catch_up: Sequence[int] | None = None,
+               remaining: Sequence[int] | None = None) -> list[int]:
+        """k per sequence; ``base_tokens`` is the number of tokens the step processes without any drafts.
+
+        ``catch_up[i]``: tokens the draft must process before it can draft for ``seqs[i]`` (its prompt, or what
+        was generated while speculation was off); ``remaining[i]``: tokens ``seqs[i]`` may still generate. A
+        sequence whose expected savings over its remaining tokens do not repay its catch-up does not draft."""
         if self.fixed_k is not None:
             return [self.fixed_k] * len(seqs)
         if not seqs or not self.cost.calibrated:
@@ -60,15 +65,23 @@ class SpeculationController:
         seeded = [self.seeded_cost is not None and s.params.seed is not None for s in seqs]
         own = [self._best_alone(s.spec.acceptance, self.seeded_cost if fixed else self.cost)
                for s, fixed in zip(seqs, seeded)]
+        held = set()  # sequences kept from drafting by their catch-up: no probing either
+        if catch_up is not None and remaining is not None and not self.draft_is_free:
+            for i, s in enumerate(seqs):
+                if own[i] and not seeded[i] and not self._repays(s.spec.acceptance, own[i], catch_up[i], remaining[i]):
+                    own[i] = 0
+                    held.add(i)
         best_ks, best_rate = list(own), -1.0
         for cap in range(max(own, default=0) + 1):  # one batch-wide cap: at high load verification gets dearer
             ks = [k if fixed else min(cap, k) for k, fixed in zip(own, seeded)]
             rate = self._throughput(seqs, ks, base_tokens)
             if rate > best_rate * 1.0001:
                 best_ks, best_rate = ks, rate
-        # a sequence with speculation off probes now and then so a better acceptance can be noticed
+        # a sequence whose own acceptance switched speculation off probes now and then, so a better acceptance
+        # can be noticed; one switched off by the load alone does not (its acceptance is not in question, and
+        # the plan turns it back on as soon as the costs allow)
         for i, s in enumerate(seqs):
-            if best_ks[i] == 0:
+            if own[i] == 0 and i not in held:
                 s.spec.rounds_off += 1
                 if s.spec.rounds_off >= self.probe_every:
                     s.spec.rounds_off = 0
@@ -76,6 +89,17 @@ class SpeculationController:
             else:
                 s.spec.rounds_off = 0
         return best_ks
+
+    def _repays(self, acceptance: float, k: int, catch_up: int, remaining: int) -> bool:
+        """Drafting ``k`` per round saves more over ``remaining`` tokens than the draft's catch-up costs (priced
+        as a target pass of that many tokens, scaled by the measured draft/target step ratio)."""
+        if catch_up <= 1:
+            return True
+        plain = self.cost.target(1)
+        if plain <= 0:
+            return True
+        spec = (self.cost.target(1 + k) + k * self.cost.draft(1)) / expected_tokens(acceptance, k)
+        return remaining * (plain - spec) > self.cost.target(catch_up) * self.cost.draft(1) / plain
 
     def _best_alone(self, acceptance: float, cost: CostModel) -> int:
         """The k this sequence would use on its own (batch of one)."""

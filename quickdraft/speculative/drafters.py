@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -116,7 +117,10 @@ class ModelDrafter:
         self.key = f"draft:{runner.name}"
         # set by the engine: a sequence whose request was cancelled gets no further draft forwards (any thread)
         self.cancelled: Callable[[DraftableSequence], bool] = lambda seq: False
-        self.last_steps = 0  # draft forwards the last propose() ran
+        # (sequences, seconds) of each draft step of the last propose() that fed every sequence one token:
+        # what the cost model learns from (a step that catches a lagging cache up costs more and says nothing
+        # about the next one)
+        self.last_step_costs: list[tuple[int, float]] = []
 
     def _kv(self, seq: DraftableSequence) -> SequenceKV:
         return seq.kv.setdefault(self.key, SequenceKV())
@@ -131,14 +135,22 @@ class ModelDrafter:
         pad = logits.new_full((*logits.shape[:-1], self.target_vocab - width), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
+    def lag(self, seq: DraftableSequence) -> int:
+        """Tokens the draft cache must take in before it can draft for ``seq``."""
+        kv = seq.kv.get(self.key)
+        return len(seq.token_ids) - 1 - (kv.num_cached if kv is not None else 0)
+
     def propose(self, seqs: Sequence[DraftableSequence], ks: Sequence[int]) -> list[Proposal]:
-        proposals, self.last_steps = self._draft(seqs, ks)
+        self.last_step_costs = []
+        proposals, _ = self._draft(seqs, ks, timings=self.last_step_costs)
         return proposals
 
     def _draft(self, seqs: Sequence[DraftableSequence], ks: Sequence[int], starts: Sequence[Proposal] | None = None,
-               stop: Callable[[int], bool] | None = None) -> tuple[list[Proposal], int]:
+               stop: Callable[[int], bool] | None = None, timings: list[tuple[int, float]] | None = None
+               ) -> tuple[list[Proposal], int]:
         """Extend each sequence's draft (``starts``, default empty) to ``ks`` tokens with batched draft forwards,
-        each feeding only the tokens the draft cache has not seen. ``stop(steps_done)`` ends drafting early.
+        each feeding only the tokens the draft cache has not seen. ``stop(steps_done)`` ends drafting early;
+        ``timings`` gets (sequences, seconds) of every step that fed each sequence one token.
         Returns the proposals (starts included) and the number of forwards run."""
         starts = starts or [Proposal([]) for _ in seqs]
         drafts: list[list[int]] = [list(p.tokens) for p in starts]
@@ -148,6 +160,7 @@ class ModelDrafter:
             active = [i for i, (seq, k) in enumerate(zip(seqs, ks)) if len(drafts[i]) < k and not self.cancelled(seq)]
             if not active:
                 break
+            t0 = time.perf_counter()
             items = []
             for i in active:
                 kv = self._kv(seqs[i])
@@ -171,6 +184,8 @@ class ModelDrafter:
                     token = int(sample_with_uniforms(q, [u])[0])
                     qs[i].append(q[0])
                 drafts[i].append(token)
+            if timings is not None and all(len(item.tokens) == 1 for item in items):
+                timings.append((len(items), time.perf_counter() - t0))
         return [Proposal(d, torch.stack(q) if q else None, reused=start.reused)
                 for d, q, start in zip(drafts, qs, starts)], steps
 
@@ -307,7 +322,8 @@ class RunAheadDrafter(ModelDrafter):
             if kv is not None:  # give back what is not used (run-ahead beyond the proposal, or all of it)
                 self.runner.truncate(kv, min(kv.num_cached, length))
             starts.append(start)
-        proposals, self.last_steps = self._draft(seqs, ks, starts)
+        self.last_step_costs = []
+        proposals, _ = self._draft(seqs, ks, starts, timings=self.last_step_costs)
         return proposals
 
     def rewind(self, seq: DraftableSequence) -> None:
