@@ -164,12 +164,13 @@ def test_stream_marks_draft_tokens_and_matches_generate(tiny_dir):
     assert chunks[-1].metrics.spec.acceptance_rate > 0.95
 
 
-def test_draft_vocab_restricts_proposals_not_output(tiny_dir):
+@pytest.mark.parametrize("draft_weights", ["float32", "int4"])
+def test_draft_vocab_restricts_proposals_not_output(tiny_dir, draft_weights):
     """A draft restricted to the first 32 of 64 token ids proposes only those; the output stays plain greedy."""
     target = tiny_dir(arch="qwen2", vocab_size=64, layers=4)
     prompts = tiny_prompts(64, 4)
     plain = [o.token_ids for o in LLM(str(target), dtype="float32").generate(prompts, GREEDY)]
-    llm = LLM(str(target), draft=str(target), draft_weights="float32", draft_vocab=32, dtype="float32",
+    llm = LLM(str(target), draft=str(target), draft_weights=draft_weights, draft_vocab=32, dtype="float32",
               num_speculative_tokens=3)
     assert llm.drafter.runner.model.lm_head.out_features == 32
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
@@ -186,3 +187,35 @@ def test_bad_draft_options_rejected(tiny_dir, kwargs, message):
     kwargs = {"draft": str(target), **kwargs}
     with pytest.raises(InvalidParameterError, match=message):
         LLM(str(target), dtype="float32", **kwargs)
+
+
+def test_quantized_draft_runs_long_items_on_float_weights(tiny_dir):
+    """A quantized draft's runner sends items of 5+ new tokens (prompts, catch-ups) to its float model and
+    shorter ones to its int4 model, item by item, whatever else is in the batch."""
+    target = tiny_dir(arch="qwen2", vocab_size=64, layers=4)
+    runner = LLM(str(target), draft=str(target), dtype="float32").drafter.runner
+    assert runner.long_model is not None and runner.long_model is not runner.model
+    prompt = tiny_prompts(64, 1)[0]
+
+    def alone(prefix: list[int], tokens: list[int], long_tokens: int) -> torch.Tensor:
+        """Last logits row of ``tokens`` after ``prefix``, each forward alone, with that long/short threshold."""
+        kv, default = SequenceKV(), runner.long_tokens
+        runner.long_tokens = long_tokens
+        try:
+            if prefix:
+                runner.forward([ForwardItem(kv, prefix, 0)])
+            (rows,) = runner.forward([ForwardItem(kv, tokens, 1)])
+        finally:
+            runner.long_tokens = default
+            runner.free(kv)
+        return rows
+
+    kv_a, kv_b = SequenceKV(), SequenceKV()
+    runner.forward([ForwardItem(kv_b, prompt, 0)])
+    # one batch: a 24-token prompt (long: float weights) beside a 1-token step (short: int4 weights)
+    long_rows, short_rows = runner.forward([ForwardItem(kv_a, prompt, 1), ForwardItem(kv_b, [7], 1)])
+    runner.free(kv_a)
+    runner.free(kv_b)
+    assert torch.equal(long_rows, alone([], prompt, long_tokens=1))  # everything on float weights
+    assert torch.equal(short_rows, alone(prompt, [7], long_tokens=5))
+    assert not torch.equal(short_rows, alone(prompt, [7], long_tokens=1))  # the float model differs
