@@ -75,6 +75,8 @@ class LLM:
                                         or not isinstance(draft_vocab, int) or draft_vocab < 1):
             raise InvalidParameterError(f"draft_vocab must be a positive int and needs draft=MODEL, got {draft_vocab!r}"
                                         + ("" if draft is not None else " without a draft model"))
+        # an explicit draft format is checked (and its float dtype known) before anything is loaded
+        draft_fmt = None if draft_weights == "auto" else resolve_weights(draft_weights, device)
         if speculative is not None and speculative not in SPECULATIVE:
             raise InvalidParameterError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {speculative!r}")
         self.device = device
@@ -105,11 +107,10 @@ class LLM:
         self.draft_weights: str | None = None
         self.draft_vocab = draft_vocab
         if draft is not None:
-            self.draft_checkpoint = load_checkpoint(draft, dtype=self.dtype)
+            self.draft_checkpoint = load_checkpoint(draft, dtype=FLOAT_FORMATS.get(draft_fmt, self.dtype))
             self._check_draft_vocab(tokenizer_for(self.draft_checkpoint))
-            self.draft_weights = resolve_draft_weights(draft_weights, self.weights, self.draft_checkpoint.config, device)
-            if self.draft_weights in FLOAT_FORMATS and FLOAT_FORMATS[self.draft_weights] != self.dtype:
-                self.draft_checkpoint = load_checkpoint(draft, dtype=FLOAT_FORMATS[self.draft_weights])
+            self.draft_weights = draft_fmt or resolve_draft_weights("auto", self.weights, self.draft_checkpoint.config,
+                                                                    device)
             quantized = self.draft_weights in QUANT_FORMATS
             draft_model = self._build(self.draft_checkpoint, self.draft_weights,
                                       DRAFT_INT4_OPTIONS if self.draft_weights == "int4" else {}, draft_vocab,
