@@ -53,7 +53,8 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
             continue
         total += p.numel() * p.element_size()
     for name, b in model.named_buffers():
-        if name.endswith(("qweight", "packed", "weight_packed", "weight_int", "scales", "scales_and_zeros")):
+        if name.endswith(("qweight", "packed", "weight_packed", "weight_int", "scales", "scales_and_zeros",
+                          "kweight", "kscales")):
             total += b.numel() * b.element_size()
     return total
 

@@ -7,7 +7,10 @@ Sample: the first --humaneval public HumanEval prompts and the first public Spec
 first --spec-bench categories, each wrapped in the chat template; both engines get the same token ids.
 llama.cpp enters through the PyPI package llama-cpp-python (`pip install llama-cpp-python`, it compiles
 llama.cpp for this CPU): plain decoding and its LlamaPromptLookupDecoding drafter. tokens/s = new tokens
-/ wall time of the whole call (prefill included) for every configuration.
+/ wall time of the whole call (prefill included) for every configuration; plain configurations are also
+reported against the memory-bandwidth limit of the weights one decode step reads (measured bandwidth / bytes).
+Summaries are given over all prompts and for the HumanEval and Spec-Bench groups apart; JSON and a PNG chart go to
+bench/results/cpu_vs_llamacpp.{json,png}.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import humaneval_prompts, machine, save, spec_bench_prompts, table  # noqa: E402
+from common import (humaneval_prompts, machine, memory_bandwidth_gbs, save, spec_bench_prompts, table,  # noqa: E402
+                    weight_bytes_per_token)
 
 from quickdraft import LLM, SamplingParams  # noqa: E402
 from quickdraft.loading import resolve_model  # noqa: E402
@@ -39,6 +43,7 @@ def run_quickdraft(target: str, draft: str, weights: str, mode: str, prompts, to
     llm = LLM(target, weights=weights, **kwargs)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     llm.generate([prompts[0][1][:32]], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    nbytes = weight_bytes_per_token(llm.model)
     rows = []
     for cat, ids in prompts:
         t0 = time.perf_counter()
@@ -46,7 +51,7 @@ def run_quickdraft(target: str, draft: str, weights: str, mode: str, prompts, to
         sec = time.perf_counter() - t0
         spec = out.metrics.spec
         rows.append({"engine": "quickdraft", "config": f"{llm.weights}/{mode}", "category": cat,
-                     "tok_s": len(out.token_ids) / sec, "token_ids": out.token_ids,
+                     "tok_s": len(out.token_ids) / sec, "token_ids": out.token_ids, "weight_bytes": nbytes,
                      "acceptance": spec.acceptance_rate if spec.draft_tokens else None,
                      "tokens_per_pass": spec.tokens_per_pass})
         print(f"  quickdraft {rows[-1]['config']:<16} {cat:<14} {rows[-1]['tok_s']:6.2f} tok/s", flush=True)
@@ -75,7 +80,8 @@ def run_llamacpp(target: str, mode: str, prompts, tokens: int, threads: int) -> 
                 break
         sec = time.perf_counter() - t0
         rows.append({"engine": "llama.cpp", "config": f"Q4_K_M/{mode}", "category": cat,
-                     "tok_s": len(out_ids) / sec, "token_ids": out_ids})
+                     "tok_s": len(out_ids) / sec, "token_ids": out_ids,
+                     "weight_bytes": resolve_model(target).stat().st_size})  # the whole GGUF: an upper bound
         print(f"  llama.cpp  {rows[-1]['config']:<16} {cat:<14} {rows[-1]['tok_s']:6.2f} tok/s", flush=True)
     del llm
     gc.collect()
@@ -95,11 +101,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     info = machine()
+    bandwidth = memory_bandwidth_gbs()
     cats = ("summarization", "rag", "translation", "qa", "math_reasoning", "writing")[: args.spec_bench]
     texts = [("humaneval", p) for p in humaneval_prompts(args.humaneval)] + spec_bench_prompts(1, cats)
     prompts = prompt_ids(args.target, texts)
     print(f"machine: {info['cpu']}, {info['cores']} cores, {args.threads} threads; {len(prompts)} prompts, "
-          f"{args.tokens} new tokens, greedy")
+          f"{args.tokens} new tokens, greedy; measured read bandwidth {bandwidth:.1f} GB/s")
     rows = []
     try:
         import llama_cpp  # noqa: F401
@@ -111,6 +118,23 @@ def main() -> None:
         for mode in args.modes.split(","):
             rows += run_quickdraft(args.target, args.draft, weights, mode, prompts, args.tokens)
     summary = []
+    for group in ("all", "humaneval", "spec-bench"):
+        summary += summarize([r for r in rows if group == "all" or (r["category"] == "humaneval") == (group == "humaneval")],
+                             group, bandwidth)
+    cols = ["group", "engine", "config", "tok_s", "vs_own_plain", "identical_to_own_plain", "acceptance",
+            "tokens_per_pass", "vs_best_llamacpp", "pct_of_bandwidth_limit"]
+    print("\n" + table(summary, cols))
+    path = save("cpu_vs_llamacpp", {"machine": info, "bandwidth_GB_s": bandwidth, "args": vars(args),
+                                    "summary": summary,
+                                    "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]})
+    chart(summary, path.with_suffix(".png"))
+    print(f"wrote {path}")
+
+
+def summarize(rows: list[dict], group: str, bandwidth: float) -> list[dict]:
+    """One line per (engine, config): mean tok/s, ratio to the same engine and weights without speculation, how
+    many outputs equal that plain run's, and (plain only) tok/s as a share of the bandwidth limit."""
+    out = []
     for key in dict.fromkeys((r["engine"], r["config"]) for r in rows):
         rs = [r for r in rows if (r["engine"], r["config"]) == key]
         plain = [r for r in rows if r["engine"] == key[0] and r["config"].split("/")[0] == key[1].split("/")[0]
@@ -118,18 +142,36 @@ def main() -> None:
         same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(rs, plain))
         tok_s = sum(r["tok_s"] for r in rs) / len(rs)
         base = sum(r["tok_s"] for r in plain) / len(plain) if plain else tok_s
-        summary.append({"engine": key[0], "config": key[1], "tok_s": tok_s, "vs_own_plain": tok_s / base,
-                        "identical_to_own_plain": f"{same}/{len(rs)}",
-                        "acceptance": _mean([r.get("acceptance") for r in rs]),
-                        "tokens_per_pass": _mean([r.get("tokens_per_pass") for r in rs])})
-    best_llama = max((s["tok_s"] for s in summary if s["engine"] == "llama.cpp"), default=None)
-    for s in summary:
+        limit = bandwidth * 1e9 / rs[0]["weight_bytes"]
+        out.append({"group": group, "engine": key[0], "config": key[1], "tok_s": tok_s, "vs_own_plain": tok_s / base,
+                    "identical_to_own_plain": f"{same}/{len(rs)}",
+                    "acceptance": _mean([r.get("acceptance") for r in rs]),
+                    "tokens_per_pass": _mean([r.get("tokens_per_pass") for r in rs]),
+                    "pct_of_bandwidth_limit": 100 * tok_s / limit if key[1].endswith("/plain") else None})
+    best_llama = max((s["tok_s"] for s in out if s["engine"] == "llama.cpp"), default=None)
+    for s in out:
         s["vs_best_llamacpp"] = s["tok_s"] / best_llama if best_llama else None
-    print("\n" + table(summary, ["engine", "config", "tok_s", "vs_own_plain", "identical_to_own_plain", "acceptance",
-                                 "tokens_per_pass", "vs_best_llamacpp"]))
-    path = save("cpu_vs_llamacpp", {"machine": info, "args": vars(args), "summary": summary,
-                                    "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]})
-    print(f"wrote {path}")
+    return out
+
+
+def chart(summary: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = list(dict.fromkeys(s["group"] for s in summary))
+    configs = list(dict.fromkeys(f"{s['engine']} {s['config']}" for s in summary))
+    fig, ax = plt.subplots(figsize=(max(8, len(groups) * 3), 4.5))
+    width = 0.8 / len(configs)
+    for i, c in enumerate(configs):
+        vals = [next((s["tok_s"] for s in summary if f"{s['engine']} {s['config']}" == c and s["group"] == g), 0)
+                for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], vals, width, label=c)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], groups)
+    ax.set_ylabel("tokens/s (greedy, prefill included)")
+    ax.set_title("quickdraft vs llama.cpp on CPU, Qwen2.5-Coder-1.5B (Q4_K_M GGUF)")
+    ax.legend(ncol=3, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _mean(values):

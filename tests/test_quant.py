@@ -1,6 +1,10 @@
 """Quantized execution: Int8Linear / Int4Linear, the exact GGUF Q4 -> int4 mapping, quantized models, the cache."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -13,8 +17,10 @@ from quickdraft.loading import quantize as qz
 from quickdraft.loading.dequant import dequantize
 from quickdraft.loading.gguf import unpermute_rows
 from quickdraft.models import build_model
+from quickdraft.models import qmatmul
 from quickdraft.models.packed import PackedLinear
 from quickdraft.models.quant import (
+    BACKENDS,
     Int4Linear,
     Int8Linear,
     dequantize_int4,
@@ -37,13 +43,33 @@ def _layer_data(n: int = 40, k: int = 256, seed: int = 0):
     return w, b, x
 
 
+needs_qmatmul = pytest.mark.skipif(not qmatmul.available(), reason="qmatmul kernel not built on this CPU")
+
+
+def _activation_rounding(x: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
+    """Bound on what qmatmul's int8 activations change in x @ w_hat.T: each element moves by at most half a step,
+    amax(group of 32) / 254, so row m, output n moves by at most sum_g amax[m, g] / 254 * sum_(k in g) |w_hat[n, k]|."""
+    m, k = x.shape
+    step = x.float().abs().reshape(m, k // 32, 32).amax(-1) / 254
+    return step @ w_hat.abs().reshape(w_hat.shape[0], k // 32, 32).sum(-1).T
+
+
+def _assert_backends_agree(y, other, x, w_hat, b):
+    """Two backends of one layer agree within bfloat16 rounding and qmatmul's int8 activation rounding."""
+    tol = _activation_rounding(x, w_hat) + 8 * BF16_EPS * (x.float().abs() @ w_hat.abs().T + b.abs()) + 1e-3
+    assert ((y.float() - other.float()).abs() <= tol).all()
+
+
 def _check_output(mod, w_hat, b, x, dtype):
-    """Output = x @ w_hat.T + b up to bfloat16 activation/accumulation rounding, and keeps the input dtype."""
+    """Output = x @ w_hat.T + b up to bfloat16 activation/accumulation rounding (and, with qmatmul, int8
+    activations), and keeps the input dtype."""
     xd = x.to(dtype)
     y = mod(xd)
     assert y.dtype == dtype and y.shape == (x.shape[0], w_hat.shape[0])
     ref = xd.float().bfloat16().float() @ w_hat.T + b
     tol = 4 * BF16_EPS * (xd.float().abs() @ w_hat.abs().T + b.abs()) + 1e-4
+    if mod.backend == "qmatmul":
+        tol = tol + _activation_rounding(xd, w_hat)
     assert ((y.float() - ref).abs() <= tol).all()
 
 
@@ -52,7 +78,7 @@ def test_int8_linear_within_quantization_error(dtype):
     w, b, x = _layer_data()
     mod = Int8Linear.from_float(w, b)
     w_hat = mod.dequantize()
-    scale = mod.scales.float()[:, None]
+    scale = mod.channel_scales().float()[:, None]
     assert ((w_hat - w).abs() <= scale / 2 + 1e-7).all()  # round to nearest, scale rounded up: no clipping
     assert (w.abs().amax(1, keepdim=True) <= 127 * scale).all()
     _check_output(mod, w_hat, b, x, dtype)
@@ -60,9 +86,11 @@ def test_int8_linear_within_quantization_error(dtype):
     y = mod(x.to(dtype)).float()
     ref = x.to(dtype).float() @ w.T + b
     bound = x.to(dtype).float().abs() @ (scale.expand_as(w) / 2).T + 4 * BF16_EPS * (x.abs() @ w.abs().T + b.abs())
+    if mod.backend == "qmatmul":
+        bound = bound + _activation_rounding(x.to(dtype), w_hat)
     assert ((y - ref).abs() <= bound + 1e-3).all()
-    fallback = Int8Linear(mod.qweight, mod.scales, b, kernel=False)
-    assert torch.allclose(fallback(x.to(dtype)).float(), y, rtol=2e-2, atol=2e-2)
+    fallback = Int8Linear(mod.int_weight(), mod.channel_scales(), b, kernel=False)
+    _assert_backends_agree(fallback(x.to(dtype)), y, x.to(dtype), w_hat, b)
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -79,7 +107,7 @@ def test_int4_linear_within_quantization_error(group_size, dtype):
     assert ((w_hat - w).abs() <= s_el / 2 + BF16_EPS * z_el.abs() + 1e-6).all()
     _check_output(mod, w_hat, b, x, dtype)
     fallback = Int4Linear(q, s, z, group_size, b, kernel=False)
-    assert torch.allclose(fallback(x.to(dtype)).float(), mod(x.to(dtype)).float(), rtol=2e-2, atol=2e-2)
+    _assert_backends_agree(fallback(x.to(dtype)), mod(x.to(dtype)), x.to(dtype), w_hat, b)
     assert torch.equal(fallback.int_weight(), q)
 
 
@@ -93,19 +121,55 @@ def _misaligned(t: torch.Tensor, offset_bytes: int = 8) -> torch.Tensor:
     return out
 
 
-def test_kernels_take_misaligned_operands():
+def test_torch_kernels_take_misaligned_operands():
     """torch's int8pack kernel segfaults on operands that are not 64-byte aligned (weights memory-mapped from the
     cache, sliced activations): the layers copy such operands."""
     w, b, x = _layer_data(n=48)
-    for ref in (Int8Linear.from_float(w, b), Int4Linear.from_float(w, b)):
+    for ref in (Int8Linear.from_float(w, b, kernel="torch"), Int4Linear.from_float(w, b, kernel="torch")):
         if isinstance(ref, Int8Linear):
-            mod = Int8Linear(_misaligned(ref.qweight), _misaligned(ref.scales), b)
+            mod = Int8Linear(_misaligned(ref.qweight), _misaligned(ref.scales), b, kernel="torch")
         else:
             mod = Int4Linear.from_packed(_misaligned(ref.packed, 1), _misaligned(ref.scales_and_zeros, 2), 32,
                                          w.shape[1], w.shape[0], b)
         for rows in (1, 5):
             xm = _misaligned(x[:rows].bfloat16())
             assert torch.equal(mod(xm), ref(x[:rows].bfloat16()))
+
+
+@needs_qmatmul
+def test_qmatmul_layers_from_misaligned_kernel_tensors():
+    """Cached kernel tensors are memory-mapped at any offset: the kernel reads them unaligned."""
+    w, b, x = _layer_data(n=48, k=576)  # 576 columns: a partly padded last block
+    for ref in (Int8Linear.from_float(w, b), Int4Linear.from_float(w, b)):
+        cls = type(ref)
+        mod = cls.from_kernel_tensors(_misaligned(ref.kweight, 3), _misaligned(ref.kscales, 2), w.shape[1], b)
+        for rows in (1, 5):
+            assert torch.equal(mod(_misaligned(x[:rows].bfloat16())), ref(x[:rows].bfloat16()))
+
+
+@needs_qmatmul
+@pytest.mark.parametrize("k", [256, 576, 1536])
+def test_qmatmul_rows_are_batch_invariant_and_match_other_backends(k):
+    """Each row's output is bit-identical whether it is computed alone or among others (any row tile, 1 or 2
+    threads), and agrees with torch's kernel and the reference within the int8 activation rounding."""
+    w, b, _ = _layer_data(n=72, k=k)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for cls in (Int4Linear, Int8Linear):
+        mods = {be: cls.from_float(w, b, kernel=be) for be in BACKENDS}
+        mod = mods["qmatmul"]
+        full = mod(x)
+        threads = torch.get_num_threads()
+        try:
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for rows in (slice(0, 1), slice(3, 5), slice(2, 9), slice(0, 11)):
+                    assert torch.equal(mod(x[rows]), full[rows])
+        finally:
+            torch.set_num_threads(threads)
+        w_hat = mod.dequantize()
+        assert torch.equal(w_hat, mods["torch"].dequantize())
+        for other in ("torch", "reference"):
+            _assert_backends_agree(full, mods[other](x), x, w_hat, b)
 
 
 def test_nibble_roundtrip_and_bad_group():
@@ -296,3 +360,16 @@ def test_resolve_weights():
             qz.resolve_weights(bad, "cpu")
     with pytest.raises(InvalidParameterError):
         qz.quantize_model(None, "int2")  # type: ignore[arg-type]
+
+
+def test_without_qmatmul_layers_use_torch_kernels(tmp_path):
+    """Where the kernel cannot be built (here: turned off; likewise no compiler or no VNNI) the layers fall back to
+    torch's kernels, with the reason on record, in a fresh process."""
+    code = ("from quickdraft.models import qmatmul; from quickdraft.models.quant import Int4Linear, default_backend; "
+            "import torch; m = Int4Linear.from_float(torch.randn(16, 64)); "
+            "print(default_backend('cpu'), m.backend, qmatmul.unavailable_reason())")
+    env = {**os.environ, "QUICKDRAFT_QMATMUL": "0", "QUICKDRAFT_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split()[:2] == ["torch", "torch"] and "QUICKDRAFT_QMATMUL=0" in out
+    with pytest.raises(ValueError, match="backend must be one of"):
+        Int8Linear.from_float(torch.randn(16, 64), kernel="fast")

@@ -50,6 +50,7 @@ from quickdraft.models.quant import (
     Int4Linear,
     Int8Linear,
     cpu_capability,
+    default_backend,
     quantize_int4,
     quantize_int8,
 )
@@ -66,7 +67,7 @@ FLOAT_FORMATS = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # Bump when the quantization (rounding, mapping, stored layout) changes.
-QUANT_CACHE_VERSION = "3"
+QUANT_CACHE_VERSION = "4"
 # lm_head (tied or not) in quantize_checkpoint: int8 (see bench/quant_accuracy.py for the trade-off).
 DEFAULT_LM_HEAD: bool | str = "int8"
 
@@ -363,8 +364,12 @@ def _replace_one(model: Transformer, name: str, linear: nn.Linear, fmt: str, cfg
 
 
 def _layout(device: torch.device) -> str:
-    """Int4 storage layout tag: the CPU kernel's packing depends on the ISA and possibly the torch version."""
-    if device.type == "cpu":
+    """Storage layout tag of the quantized layers on ``device``: the qmatmul kernel's own layout, or torch's int4pack
+    packing (which depends on the ISA and possibly the torch version), or portable nibbles off CPU."""
+    backend = default_backend(device)
+    if backend == "qmatmul":
+        return "qmatmul-v1"
+    if backend == "torch":
         return f"cpu-{cpu_capability()}-torch{torch.__version__.split('+')[0]}"
     return "nibbles"
 
@@ -403,7 +408,7 @@ def quant_cache_path(fingerprint: str, fmt: str, group_size: int, lm_head: str |
     from quickdraft.loading.weight_cache import cache_root
 
     device = torch.device(device)
-    layout = _layout(device) if "int4" in (fmt, lm_head) else "int8"
+    layout = _layout(device)
     key = f"{fingerprint}|{fmt}|g{group_size}|lm-{lm_head}|wide-{wide_sources}|{source}|{layout}" \
           f"|v{QUANT_CACHE_VERSION}" + (f"|head-rows-{head_rows}" if head_rows is not None else "")
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -412,10 +417,13 @@ def quant_cache_path(fingerprint: str, fmt: str, group_size: int, lm_head: str |
 
 
 def _module_tensors(name: str, mod: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a quantized layer is cached as: each kernel's own layout, loaded back without conversion."""
+    if mod.backend == "qmatmul":
+        return {f"{name}.kweight": mod.kweight, f"{name}.kscales": mod.kscales}
     if isinstance(mod, Int8Linear):
         return {f"{name}.qweight": mod.qweight, f"{name}.scales": mod.scales}
     assert isinstance(mod, Int4Linear)
-    if mod.use_kernel:  # the kernel's own layout, loaded back without any conversion
+    if mod.backend == "torch":
         return {f"{name}.packed": mod.packed, f"{name}.scales_and_zeros": mod.scales_and_zeros}
     return {f"{name}.qweight": mod.qweight, f"{name}.scales": mod.scales.contiguous(),
             f"{name}.zeros": mod.zeros.contiguous()}
@@ -453,8 +461,12 @@ def load_quantized(path: Path, model: Transformer, meta: dict[str, str], group_s
                 bias = None if old.bias is None else old.bias.detach()
                 device = old.weight.device
                 out_f, in_f = old.weight.shape
-                if kind == "int8":
-                    mod: nn.Module = Int8Linear(f.get_tensor(f"{name}.qweight").to(device),
+                if f"{name}.kweight" in keys and device.type == "cpu":
+                    cls = Int8Linear if kind == "int8" else Int4Linear
+                    mod: nn.Module = cls.from_kernel_tensors(f.get_tensor(f"{name}.kweight"),
+                                                             f.get_tensor(f"{name}.kscales"), in_f, bias)
+                elif kind == "int8":
+                    mod = Int8Linear(f.get_tensor(f"{name}.qweight").to(device),
                                                 f.get_tensor(f"{name}.scales").to(device), bias)
                 elif f"{name}.packed" in keys and device.type == "cpu":
                     mod = Int4Linear.from_packed(f.get_tensor(f"{name}.packed"),

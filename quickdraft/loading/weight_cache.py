@@ -20,23 +20,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from quickdraft.paths import CACHE_ENV, cache_root  # noqa: F401  (re-exported)
+
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "QUICKDRAFT_CACHE_DIR"
 # Bump when the conversion (dequantization, name mapping, permutation) changes.
 CACHE_FORMAT_VERSION = "1"
 TIED_KEY = "lm_head.weight"
 EMBED_KEY = "model.embed_tokens.weight"
-
-
-def cache_root() -> Path:
-    """Root of quickdraft's caches: ``$QUICKDRAFT_CACHE_DIR`` or the platform user cache dir."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("quickdraft"))
 
 
 def weights_dir() -> Path:
