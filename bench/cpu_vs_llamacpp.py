@@ -66,7 +66,8 @@ def run_llamacpp(target: str, mode: str, prompts, tokens: int, threads: int) -> 
     if mode == "lookup":
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=10)
-    llm = Llama(str(resolve_model(target)), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
+        kwargs["logits_all"] = True  # verifying drafts reads every position's logits (else only n_batch rows fit)
+    llm = Llama(str(resolve_model(target)), n_ctx=8192, n_threads=threads, n_threads_batch=threads,
                 verbose=False, **kwargs)
     llm.create_completion(prompts[0][1][:32], max_tokens=8, temperature=0.0)  # warm-up
     rows = []
