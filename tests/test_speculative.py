@@ -53,11 +53,12 @@ def test_greedy_identity_tiny(tiny_dir, kind, k):
     spec = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert spec == plain
     stats = llm.spec_stats
-    # adaptive k may rightly not draft where a tiny model's drafts save less than the draft's catch-up costs;
-    # a perfect draft always pays
-    if k == 3 or kind == "draft-same":
+    # adaptive k may rightly not draft: a tiny model's drafts can save less than the draft's catch-up costs, and
+    # with draft == target a draft step costs a target pass (c ~ 1), so even perfect drafts only break even
+    # ((k + 1) tokens for k c + 1) and measured-cost noise decides; a fixed k always drafts
+    if k == 3:
         assert stats.draft_tokens > 0
-    if kind == "draft-same":
+    if kind == "draft-same" and stats.draft_tokens:
         assert stats.acceptance_rate > 0.95
 
 
