@@ -297,7 +297,11 @@ def test_cache_round_trip(tiny_dir, tmp_path, monkeypatch, fmt):
     ckpt = load_checkpoint(tiny_dir(arch="qwen2", tie=False, vocab_size=96), dtype=torch.bfloat16)
     ids = list(range(1, 40))
     first = qz.quantize_checkpoint(build_model(ckpt.config, ckpt.tensors), ckpt, fmt, release=False)
-    assert isinstance(first.lm_head, Int8Linear) and first.model.layers[0].self_attn.q_proj.bias is not None
+    attn = first.model.layers[0].self_attn
+    # on the qmatmul kernel q/k/v run as one call (QuantGroup), each keeping its own layer and bias
+    assert (attn.qkv_proj is not None) == qmatmul.available()
+    q_proj = attn.qkv_proj.layers[0] if attn.qkv_proj is not None else attn.q_proj
+    assert isinstance(first.lm_head, Int8Linear) and q_proj.bias is not None
     files = list((tmp_path / "quantized").glob("*.safetensors"))
     assert len(files) == 1
     expected = _logits(first, ids)
@@ -368,8 +372,8 @@ def test_without_qmatmul_layers_use_torch_kernels(tmp_path):
     code = ("from quickdraft.models import qmatmul; from quickdraft.models.quant import Int4Linear, default_backend; "
             "import torch; m = Int4Linear.from_float(torch.randn(16, 64)); "
             "print(default_backend('cpu'), m.backend, qmatmul.unavailable_reason())")
-    env = {**os.environ, "QUICKDRAFT_QMATMUL": "0", "QUICKDRAFT_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "QUICKDRAFT_KERNELS": "0", "QUICKDRAFT_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split()[:2] == ["torch", "torch"] and "QUICKDRAFT_QMATMUL=0" in out
+    assert out.split()[:2] == ["torch", "torch"] and "QUICKDRAFT_KERNELS=0" in out
     with pytest.raises(ValueError, match="backend must be one of"):
         Int8Linear.from_float(torch.randn(16, 64), kernel="fast")

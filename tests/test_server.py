@@ -420,7 +420,8 @@ def test_engine_failure_fails_only_its_step(plain):
         assert "injected failure" in json.loads(lines[0][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
     finally:
         del engine.step
-    assert client.completions.create(model="tiny", prompt="t1 t2", max_tokens=5).choices[0].text
+    after = client.completions.create(model="tiny", prompt="t1 t2", max_tokens=5, extra_body={"ignore_eos": True})
+    assert after.usage.completion_tokens == 5 and after.choices[0].finish_reason == "length"
     assert plain.wait_idle()["quickdraft_kv_blocks_used"] == 0
 
 

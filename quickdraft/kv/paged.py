@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from quickdraft.models import native
+
 
 class OutOfBlocks(RuntimeError):
     """The pool has no free block left; the scheduler must wait or preempt."""
@@ -239,7 +241,9 @@ class AttentionBatch:
     >10x faster on CPU than a one-row GQA call), attending to its context padded to the
     next multiple of KEY_BUCKET, a length that depends only on its position, in a call run
     on one thread (torch splits a batch between threads in a way that leaks into the
-    results; on one thread a batch element's result is its own). Long prompt
+    results; on one thread a batch element's result is its own). On CPU, quickdraft's attention
+    kernel (``models/cpu_ops.c``) takes the single tokens instead: each attends to exactly its own
+    context, read in place through the slot table, with a fixed order of operations. Long prompt
     pieces attend in one causal call over exactly their own context. Plain, speculative
     and batched runs therefore compute every token the same way.
     """
@@ -277,18 +281,31 @@ class AttentionBatch:
                     mask = torch.arange(e)[None, :] <= torch.arange(a, e)[:, None]
                     self.pieces.append((row + a, row + e, slots[b, :e].to(device), mask.to(device)))
                     lone[row + a:row + e] = False
-        self.singles = []  # per key bucket: (rows [R], key slots [R, bucket], mask [R, 1, 1, bucket])
         rows = lone.nonzero().squeeze(1)
         keys = positions[rows] + 1
+        # single tokens: quickdraft's CPU attention kernel when it runs here (each token over exactly its own
+        # context, read in place from the pool), else torch's attention per key bucket (see attend)
+        self.native = native.available() and pool.k.device.type == "cpu" and pool.k.dtype in (torch.float32,
+                                                                                            torch.bfloat16)
+        self.single_rows, self.single_slots, self.single_lengths = rows, slots[seq_of_row[rows]], keys
+        self._bucket_args = (rows, keys, slots, seq_of_row, device)
+        self.singles = [] if self.native else self._buckets(*self._bucket_args)
+        self.slot_mapping = slots[seq_of_row, positions].to(device)
+        self.positions = positions.to(device)
+
+    @staticmethod
+    def _buckets(rows: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, seq_of_row: torch.Tensor,
+                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per key bucket: (rows [R], key slots [R, bucket], mask [R, 1, 1, bucket])."""
+        out = []
         buckets = (keys + KEY_BUCKET - 1) // KEY_BUCKET * KEY_BUCKET
         for bucket in buckets.unique().tolist():
             chosen = buckets == bucket
             bucket_rows, bucket_keys = rows[chosen], keys[chosen]
             mask = torch.arange(bucket)[None, :] < bucket_keys[:, None]
             key_slots = slots[seq_of_row[bucket_rows], :bucket].masked_fill(~mask, 0)  # padding reads slot 0
-            self.singles.append((bucket_rows.to(device), key_slots.to(device), mask[:, None, None, :].to(device)))
-        self.slot_mapping = slots[seq_of_row, positions].to(device)
-        self.positions = positions.to(device)
+            out.append((bucket_rows.to(device), key_slots.to(device), mask[:, None, None, :].to(device)))
+        return out
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]."""
@@ -304,6 +321,13 @@ class AttentionBatch:
             vs = v_cache[slots].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[first:end] = o[0].transpose(0, 1)
+        if self.native and len(self.single_rows) and not native.runs_attend(q, k_cache):
+            self.native = False  # a head layout the kernel does not take (checked once per batch)
+            self.singles = self._buckets(*self._bucket_args)
+        if self.native:
+            if len(self.single_rows):
+                native.attend_rows(q, k_cache, v_cache, self.single_rows, self.single_slots, self.single_lengths, out)
+            return out
         grouped = q.view(tokens, kv_heads, heads // kv_heads, dim)  # query heads that share a key/value head
         for rows, key_slots, mask in self.singles:
             ks = k_cache[key_slots].transpose(1, 2)  # [R, KVH, bucket, D]

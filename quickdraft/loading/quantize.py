@@ -49,6 +49,8 @@ from quickdraft.models.quant import (
     INT4_GROUP_SIZES,
     Int4Linear,
     Int8Linear,
+    QuantGroup,
+    QuantLinear,
     cpu_capability,
     default_backend,
     quantize_int4,
@@ -67,7 +69,7 @@ FLOAT_FORMATS = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # Bump when the quantization (rounding, mapping, stored layout) changes.
-QUANT_CACHE_VERSION = "4"
+QUANT_CACHE_VERSION = "5"
 # lm_head (tied or not) in quantize_checkpoint: int8 (see bench/quant_accuracy.py for the trade-off).
 DEFAULT_LM_HEAD: bool | str = "int8"
 
@@ -368,7 +370,7 @@ def _layout(device: torch.device) -> str:
     packing (which depends on the ISA and possibly the torch version), or portable nibbles off CPU."""
     backend = default_backend(device)
     if backend == "qmatmul":
-        return "qmatmul-v1"
+        return "qmatmul-v2"
     if backend == "torch":
         return f"cpu-{cpu_capability()}-torch{torch.__version__.split('+')[0]}"
     return "nibbles"
@@ -393,6 +395,24 @@ def pack_float_linears(model: Transformer) -> list[str]:
         mlp.down_proj = PackedLinear.from_linear(mlp.down_proj)
     model.lm_head = PackedLinear.from_linear(model.lm_head)
     return names
+
+
+def fuse_quant_linears(model: Transformer) -> int:
+    """Where every layer runs on the qmatmul kernel, make q/k/v one ``QuantGroup`` call per decoder layer and
+    gate/up one call that also applies SwiGLU (fewer kernel calls and torch ops per token; the layers' tensors
+    are shared, not copied). Returns the number of decoder layers fused."""
+    fused = 0
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is not None:
+            continue
+        qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        if not all(isinstance(m, QuantLinear) and m.backend == "qmatmul" for m in qkv + gate_up):
+            continue
+        attn.fuse(QuantGroup(qkv))
+        mlp.fuse(QuantGroup(gate_up, swiglu=True), activated=True)
+        fused += 1
+    return fused
 
 
 def _release(checkpoint, names: list[str]) -> None:
@@ -510,8 +530,11 @@ def quantize_checkpoint(model: Transformer, checkpoint, fmt: str, *, group_size:
       None: ``DEFAULT_LM_HEAD`` (see bench/quant_accuracy.py for the trade-off). A tied lm_head becomes a
       quantized copy; the embedding table keeps the model dtype.
     * ``use_cache``: keep the result under ``cache_root()/quantized/`` keyed by the checkpoint fingerprint,
-      format and options, source precision and (int4 on CPU) the CPU ISA + torch version of the packed layout
-      (the int4pack layout is ISA-dependent, so it is stored packed and only reused on the same kind of CPU).
+      format and options, source precision and the layout of the backend the layers run on (``_layout``: the
+      qmatmul kernel's, or torch's ISA-dependent int4pack layout with the torch version), so an entry is only
+      reused where the same kernel runs.
+    * On the qmatmul kernel, q/k/v and gate/up of each decoder layer become one ``QuantGroup`` call each
+      (``fuse_quant_linears``).
     * ``release``: drop the replaced float weights from ``checkpoint.tensors`` so they can be freed.
     """
     if fmt in FLOAT_FORMATS or fmt == "float16":  # float weights (LLM passes its dtype name)
@@ -547,4 +570,5 @@ def quantize_checkpoint(model: Transformer, checkpoint, fmt: str, *, group_size:
             store_quantized(path, model, {**meta, "info": json.dumps(model.quant_info)})
     if release:
         _release(checkpoint, names)
+    fuse_quant_linears(model)
     return model

@@ -7,11 +7,14 @@
  *     y[m, n] = sum_g  scale * xs[m, g] * sum_k q x8  +  (zero - off * scale) * xsum[m, g]
  * with xsum[m, g] = xs[m, g] * sum_k x8[m, k].
  *
- * Layout: K is padded to a multiple of 256 (a block of 8 groups). In a block, byte 32 t + 4 j + i of the
- * 8-bit weight (and of the quantized x row) is element 32 j + 4 t + i: after the 8 vpdpbusd of a block,
- * int32 lane j holds the whole dot product of group j, so one fma per block applies 8 group scales.
- * 4-bit weights store blocks of 128 bytes: the low nibbles of bytes 32 s .. 32 s + 31 are the 8-bit
- * layout's bytes 64 s .. 64 s + 31, the high nibbles bytes 64 s + 32 .. 64 s + 63.
+ * Layout: K is padded to a multiple of 256 (a block of 8 groups). A block is 8 chunks of 32 bytes; chunk t
+ * holds elements 32 j + 4 t + i (group j, i = 0..3) at byte 4 j + i, so after the dot products of a block
+ * int32 lane j holds the whole dot product of group j and one fma per block applies 8 group scales.
+ * Chunks are stored in the order t = 0, 2, 1, 3, 4, 6, 5, 7 (in the quantized x rows and the 8-bit
+ * weights), so that one 64-byte load takes chunks (0, 2), (1, 3), (4, 6) or (5, 7).
+ * 4-bit weights store blocks of 128 bytes: the low nibbles of bytes 32 s .. 32 s + 31 are chunk 2 s, the
+ * high nibbles chunk 2 s + 1; so the low and high nibbles of a 64-byte load are chunks (0, 2) and (1, 3),
+ * or (4, 6) and (5, 7).
  * scales_zeros: [N][K / 256][16] bfloat16 bits, 8 scales then 8 zeros per block.
  *
  * Every output element is computed by one thread with the same sequence of operations whatever M, the
@@ -23,18 +26,21 @@
 #include <stdlib.h>
 #include <math.h>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define DPBUSD(acc, a, b) _mm256_dpbusd_epi32((acc), (a), (b))
-#elif defined(__AVXVNNI__)
-#define DPBUSD(acc, a, b) _mm256_dpbusd_avx_epi32((acc), (a), (b))
-#else
+#include "floats.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define WIDE 1 /* 512-bit dot products: half the instructions per block */
+#elif !defined(__AVXVNNI__)
 #error "qmatmul needs AVX-VNNI or AVX512-VNNI"
 #endif
+
+static const int CHUNK_AT[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* stored position of chunk t (its own inverse) */
 
 #define BLOCK 256
 #define GROUP 32
 #define ROWS_PER_TASK 8 /* output rows one thread takes at a time */
-#define ROW_TILE 4      /* rows of x that share one unpacked weight block */
+#define K_CHUNK 8 /* blocks (of 256 columns) per pass over a task's output columns, when x has several rows */
+#define ROW_TILE 8      /* rows of x that share one unpacked weight block (a verify pass of up to 8 tokens) */
 
 typedef struct {
     int8_t *xq;
@@ -60,27 +66,6 @@ static int reserve(size_t nq, size_t nf) {
     return ws.xq && ws.xs && ws.xsum;
 }
 
-static inline float load_x(const void *x, int bf16, size_t i) {
-    if (bf16) {
-        uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
-        float f;
-        __builtin_memcpy(&f, &bits, 4);
-        return f;
-    }
-    return ((const float *)x)[i];
-}
-
-static inline void store_y(void *y, int bf16, size_t i, float v) {
-    if (bf16) {
-        uint32_t bits;
-        __builtin_memcpy(&bits, &v, 4);
-        bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even */
-        ((uint16_t *)y)[i] = (uint16_t)(bits >> 16);
-    } else {
-        ((float *)y)[i] = v;
-    }
-}
-
 /* One row of x -> int8 groups in the block layout, per-group scale and scaled sum. */
 static void quantize_row(const void *x, int bf16, size_t row_off, int K, int Kpad, int8_t *xq, float *xs,
                          float *xsum) {
@@ -88,7 +73,7 @@ static void quantize_row(const void *x, int bf16, size_t row_off, int K, int Kpa
         float v[GROUP], amax = 0.f;
         for (int e = 0; e < GROUP; e++) {
             int k = g * GROUP + e;
-            v[e] = k < K ? load_x(x, bf16, row_off + (size_t)k) : 0.f;
+            v[e] = k < K ? ld(x, bf16, row_off + (size_t)k) : 0.f;
             amax = fmaxf(amax, fabsf(v[e]));
         }
         float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -97,7 +82,7 @@ static void quantize_row(const void *x, int bf16, size_t row_off, int K, int Kpa
         for (int e = 0; e < GROUP; e++) {
             int q = (int)nearbyintf(v[e] * inv);
             q = q > 127 ? 127 : q < -127 ? -127 : q;
-            dst[32 * (e / 4) + (e % 4)] = (int8_t)q;
+            dst[32 * CHUNK_AT[e / 4] + (e % 4)] = (int8_t)q;
             sum += q;
         }
         xs[g] = amax / 127.f;
@@ -105,61 +90,129 @@ static void quantize_row(const void *x, int bf16, size_t row_off, int K, int Kpa
     }
 }
 
-static inline __m256 bf16x8(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+/* Running sums of rows m0 .. m0 + TILE - 1 of one output column, kept between chunks of blocks. */
+typedef struct {
+#ifdef WIDE
+    __m512 dot[ROW_TILE];
+    __m256 shift[ROW_TILE];
+#else
+    __m256 dot[ROW_TILE];
+#endif
+} tile_sums;
+
+static inline float tile_total(const tile_sums *t, int r) {
+#ifdef WIDE
+    return _mm512_reduce_add_ps(t->dot[r]) + hsum(t->shift[r]);
+#else
+    return hsum(t->dot[r]);
+#endif
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* rows m0 .. m0 + TILE - 1 of y[:, n]; TILE is a constant after inlining, so acc stays in registers */
+/* Blocks b0 .. b1 - 1 of rows m0 .. m0 + TILE - 1 of y[:, n], added to st (which they start when b0 = 0); TILE is a constant after inlining,
+ * so the sums stay in registers within the call. */
 static inline __attribute__((always_inline)) void tile(int TILE, int bits, const uint8_t *wrow,
-                                                        const uint16_t *szrow, int nblk, const int8_t *xq,
+                                                        const uint16_t *szrow, int b0, int b1, const int8_t *xq,
                                                         const float *xs, const float *xsum, int Kpad, int m0,
-                                                        float out[ROW_TILE]) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
+                                                        tile_sums *st) {
     const __m256 off = _mm256_set1_ps(bits == 4 ? 8.f : 128.f);
     const int ngroups = Kpad / GROUP;
+#ifdef WIDE
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[ROW_TILE];
+    __m256 acc_shift[ROW_TILE];
+    for (int r = 0; r < TILE; r++) {
+        acc[r] = b0 ? st->dot[r] : _mm512_setzero_ps();
+        acc_shift[r] = b0 ? st->shift[r] : _mm256_setzero_ps();
+    }
+    for (int b = b0; b < b1; b++) {
+        __m512i w[4]; /* chunk pairs (0, 2), (1, 3), (4, 6), (5, 7) */
+        if (bits == 4) {
+            const uint8_t *wb = wrow + (size_t)b * (BLOCK / 2);
+            for (int h = 0; h < 2; h++) {
+                __m512i l = _mm512_loadu_si512((const void *)(wb + 64 * h));
+                w[2 * h] = _mm512_and_si512(l, low);
+                w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(l, 4), low);
+            }
+        } else {
+            const uint8_t *wb = wrow + (size_t)b * BLOCK;
+            for (int u = 0; u < 4; u++) w[u] = _mm512_loadu_si512((const void *)(wb + 64 * u));
+        }
+        const __m256 scale = bf16x8(szrow + 16 * b);
+        const __m256 shift = _mm256_fnmadd_ps(off, scale, bf16x8(szrow + 16 * b + 8)); /* zero - off * scale */
+        const __m512 scale2 = _mm512_insertf32x8(_mm512_castps256_ps512(scale), scale, 1);
+        for (int r = 0; r < TILE; r++) {
+            const int8_t *xb = xq + (size_t)(m0 + r) * Kpad + (size_t)b * BLOCK;
+            __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512((const void *)xb));
+            __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_load_si512((const void *)(xb + 64)));
+            d0 = _mm512_dpbusd_epi32(d0, w[2], _mm512_load_si512((const void *)(xb + 128)));
+            d1 = _mm512_dpbusd_epi32(d1, w[3], _mm512_load_si512((const void *)(xb + 192)));
+            /* lane j and lane 8 + j both hold parts of group j's dot product: both get its scale */
+            const size_t gi = (size_t)(m0 + r) * ngroups + 8 * b;
+            const __m512 s = _mm512_mul_ps(scale2, _mm512_broadcast_f32x8(_mm256_load_ps(xs + gi)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), s, acc[r]);
+            acc_shift[r] = _mm256_fmadd_ps(shift, _mm256_load_ps(xsum + gi), acc_shift[r]);
+        }
+    }
+    for (int r = 0; r < TILE; r++) st->dot[r] = acc[r], st->shift[r] = acc_shift[r];
+#else
+    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[ROW_TILE];
-    for (int r = 0; r < TILE; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nblk; b++) {
-        __m256i w[8];
+    for (int r = 0; r < TILE; r++) acc[r] = b0 ? st->dot[r] : _mm256_setzero_ps();
+    for (int b = b0; b < b1; b++) {
+        __m256i w[8]; /* by stored position */
         if (bits == 4) {
             const uint8_t *wb = wrow + (size_t)b * (BLOCK / 2);
             for (int s = 0; s < 4; s++) {
                 __m256i l = _mm256_loadu_si256((const __m256i *)(wb + 32 * s));
-                w[2 * s] = _mm256_and_si256(l, low);
-                w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(l, 4), low);
+                w[CHUNK_AT[2 * s]] = _mm256_and_si256(l, low);
+                w[CHUNK_AT[2 * s + 1]] = _mm256_and_si256(_mm256_srli_epi16(l, 4), low);
             }
         } else {
             const uint8_t *wb = wrow + (size_t)b * BLOCK;
-            for (int t = 0; t < 8; t++) w[t] = _mm256_loadu_si256((const __m256i *)(wb + 32 * t));
+            for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(wb + 32 * c));
         }
         __m256 scale = bf16x8(szrow + 16 * b);
         __m256 shift = _mm256_fnmadd_ps(off, scale, bf16x8(szrow + 16 * b + 8)); /* zero - off * scale */
         for (int r = 0; r < TILE; r++) {
             const int8_t *xb = xq + (size_t)(m0 + r) * Kpad + (size_t)b * BLOCK;
-            __m256i dot = _mm256_setzero_si256();
-            for (int t = 0; t < 8; t++) dot = DPBUSD(dot, w[t], _mm256_load_si256((const __m256i *)(xb + 32 * t)));
+            __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256(); /* two chains: dpbusd latency */
+            for (int c = 0; c < 8; c += 2) {
+                d0 = _mm256_dpbusd_avx_epi32(d0, w[c], _mm256_load_si256((const __m256i *)(xb + 32 * c)));
+                d1 = _mm256_dpbusd_avx_epi32(d1, w[c + 1], _mm256_load_si256((const __m256i *)(xb + 32 * c + 32)));
+            }
+            const __m256i dot = _mm256_add_epi32(d0, d1);
             size_t gi = (size_t)(m0 + r) * ngroups + 8 * b;
             __m256 s = _mm256_mul_ps(scale, _mm256_load_ps(xs + gi));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r]);
             acc[r] = _mm256_fmadd_ps(shift, _mm256_load_ps(xsum + gi), acc[r]);
         }
     }
-    for (int r = 0; r < TILE; r++) out[r] = hsum(acc[r]);
+    for (int r = 0; r < TILE; r++) st->dot[r] = acc[r];
+#endif
 }
 
-/* Returns 0 on success, -1 when the workspace cannot be allocated, -2 on bad arguments. */
-int qd_linear(const void *x, int x_bf16, int M, int K, const uint8_t *w, const uint16_t *scales_zeros, int bits,
-              int N, int Kpad, const float *bias, void *y, int y_bf16) {
-    if (M < 0 || N <= 0 || K <= 0 || Kpad % BLOCK || Kpad < K || (bits != 4 && bits != 8)) return -2;
+#define MAX_PARTS 8
+
+/* Several weights that read the same x (q/k/v, gate/up), computed in one call: x is quantized once and one
+ * parallel loop covers every part. Part p (w[p], scales_zeros[p], bits[p], N[p] rows, bias[p] or NULL) fills
+ * columns offset .. offset + N[p] of y, offset = N[0] + .. + N[p-1]. swiglu = 1 (two parts of equal N):
+ * y has N[0] columns, silu(part 0) * part 1, computed in float32 and rounded once.
+ * Returns 0 on success, -1 when the workspace cannot be allocated, -2 on bad arguments. */
+int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, const uint8_t *const *w,
+              const uint16_t *const *scales_zeros, const int *bits, const int *N, const float *const *bias,
+              int swiglu, void *y, int y_bf16) {
+    if (M < 0 || K <= 0 || Kpad % BLOCK || Kpad < K || nparts < 1 || nparts > MAX_PARTS) return -2;
+    if (swiglu && (nparts != 2 || N[0] != N[1])) return -2;
+    int first_task[MAX_PARTS + 1], offset[MAX_PARTS + 1];
+    first_task[0] = offset[0] = 0;
+    for (int p = 0; p < nparts; p++) {
+        if (N[p] <= 0 || (bits[p] != 4 && bits[p] != 8)) return -2;
+        const int tasks = swiglu && p == 1 ? 0 : (N[p] + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+        first_task[p + 1] = first_task[p] + tasks;
+        offset[p + 1] = offset[p] + N[p];
+    }
     if (M == 0) return 0;
+    const int ldy = swiglu ? N[0] : offset[nparts];
     const int nblk = Kpad / BLOCK, ngroups = Kpad / GROUP;
     if (!reserve((size_t)M * Kpad, (size_t)M * ngroups)) return -1;
     int8_t *xq = ws.xq;
@@ -168,25 +221,44 @@ int qd_linear(const void *x, int x_bf16, int M, int K, const uint8_t *w, const u
     for (int m = 0; m < M; m++)
         quantize_row(x, x_bf16, (size_t)m * K, K, Kpad, xq + (size_t)m * Kpad, xs + (size_t)m * ngroups,
                      xsum + (size_t)m * ngroups);
-    const size_t wbytes = (size_t)Kpad * bits / 8;
-    const int ntasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for schedule(static)
-    for (int task = 0; task < ntasks; task++) {
-        const int n0 = task * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < N ? n0 + ROWS_PER_TASK : N;
+    for (int task = 0; task < first_task[nparts]; task++) {
+        int p = 0;
+        while (task >= first_task[p + 1]) p++;
+        const int n0 = (task - first_task[p]) * ROWS_PER_TASK;
+        const int n1 = n0 + ROWS_PER_TASK < N[p] ? n0 + ROWS_PER_TASK : N[p];
         for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
             const int rows = M - m0 < ROW_TILE ? M - m0 : ROW_TILE;
-            for (int n = n0; n < n1; n++) {
-                const uint8_t *wrow = w + (size_t)n * wbytes;
-                const uint16_t *szrow = scales_zeros + (size_t)n * nblk * 16;
-                float out[ROW_TILE];
-                switch (rows) {
-                    case 4: tile(4, bits, wrow, szrow, nblk, xq, xs, xsum, Kpad, m0, out); break;
-                    case 3: tile(3, bits, wrow, szrow, nblk, xq, xs, xsum, Kpad, m0, out); break;
-                    case 2: tile(2, bits, wrow, szrow, nblk, xq, xs, xsum, Kpad, m0, out); break;
-                    default: tile(1, bits, wrow, szrow, nblk, xq, xs, xsum, Kpad, m0, out); break;
+            tile_sums sums[2][ROWS_PER_TASK]; /* set by the first chunk (b0 = 0) */
+            /* several rows: blocks in chunks, so the chunk of x rows stays in L1 while every output column of the
+             * task reads it; one or two rows: each weight row streamed whole (what the prefetcher likes). The
+             * sums are carried exactly between chunks: the chunking never changes a result. */
+            const int chunk = rows <= 2 ? nblk : K_CHUNK;
+            for (int b0 = 0; b0 < nblk; b0 += chunk) {
+                const int b1 = b0 + chunk < nblk ? b0 + chunk : nblk;
+                for (int n = n0; n < n1; n++) {
+                    for (int part = p; part < p + 1 + swiglu; part++) {
+                        const size_t wbytes = (size_t)Kpad * bits[part] / 8;
+                        const uint8_t *wrow = w[part] + (size_t)n * wbytes;
+                        const uint16_t *szrow = scales_zeros[part] + (size_t)n * nblk * 16;
+                        tile_sums *st = &sums[part - p][n - n0];
+#define TILE_CASE(T) case T: tile(T, bits[part], wrow, szrow, b0, b1, xq, xs, xsum, Kpad, m0, st); break;
+                        switch (rows) {
+                            TILE_CASE(8) TILE_CASE(7) TILE_CASE(6) TILE_CASE(5) TILE_CASE(4) TILE_CASE(3) TILE_CASE(2)
+                            default: tile(1, bits[part], wrow, szrow, b0, b1, xq, xs, xsum, Kpad, m0, st); break;
+                        }
+                    }
                 }
-                const float b = bias ? bias[n] : 0.f;
-                for (int r = 0; r < rows; r++) store_y(y, y_bf16, (size_t)(m0 + r) * N + n, out[r] + b);
+            }
+            for (int n = n0; n < n1; n++) {
+                for (int r = 0; r < rows; r++) {
+                    float v = tile_total(&sums[0][n - n0], r) + (bias[p] ? bias[p][n] : 0.f);
+                    if (swiglu) {
+                        const float up = tile_total(&sums[1][n - n0], r) + (bias[1] ? bias[1][n] : 0.f);
+                        v = v / (1.f + expf(-v)) * up;
+                    }
+                    st(y, y_bf16, (size_t)(m0 + r) * ldy + offset[p] + n, v);
+                }
             }
         }
     }

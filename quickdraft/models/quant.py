@@ -163,18 +163,25 @@ class _QuantLinearBase(nn.Module):
     out_features: int
     backend: str
 
+    bits: int
+
     def _init_bias(self, bias: torch.Tensor | None) -> None:
         if bias is not None:
             self.register_buffer("bias", bias.detach())
         else:
             self.bias = None
-        self._bias_f32: torch.Tensor | None = None
+        self._call: qmatmul.PartsCall | None = None
 
-    def _qmatmul(self, x2: torch.Tensor, bits: int) -> torch.Tensor:
-        if self.bias is not None and self._bias_f32 is None:
-            self._bias_f32 = self.bias.float().contiguous()
-        return qmatmul.linear(x2, self.kweight, self.kscales, bits, self.in_features, self.out_features,
-                              self._bias_f32)
+    def kernel_part(self) -> qmatmul.Part:
+        """This layer as one part of a qmatmul call (``qmatmul`` backend only)."""
+        bias = None if self.bias is None else self.bias.float().contiguous()
+        return qmatmul.Part(self.kweight, self.kscales, self.bits, self.out_features, bias)
+
+    def _qmatmul(self, x2: torch.Tensor) -> torch.Tensor:
+        call = self._call
+        if call is None or call.parts[0].weight.data_ptr() != self.kweight.data_ptr():  # built once per weight
+            call = self._call = qmatmul.PartsCall([self.kernel_part()], self.in_features)
+        return call(x2)
 
     def _finish(self, y: torch.Tensor, x: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
         y = y.to(x.dtype)
@@ -188,6 +195,8 @@ class _QuantLinearBase(nn.Module):
 
 
 class Int8Linear(_QuantLinearBase):
+    bits = 8
+
     """``y = x @ (q * scale[:, None]).T + bias`` with int8 ``q`` per output channel.
 
     Buffers: ``qweight`` int8 ``[N, K]`` and ``scales`` bfloat16 ``[N]`` (``torch``/``reference`` backends), or the
@@ -261,7 +270,7 @@ class Int8Linear(_QuantLinearBase):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.backend == "qmatmul":
-            return self._qmatmul(x2, 8).reshape(*lead, self.out_features)
+            return self._qmatmul(x2).reshape(*lead, self.out_features)
         if self.backend == "torch":
             kd = _kernel_dtype(x2)
             scales = self.scales
@@ -290,6 +299,8 @@ def _check_kernel_tensors(kweight: torch.Tensor, kscales: torch.Tensor, bits: in
 
 
 class Int4Linear(_QuantLinearBase):
+    bits = 4
+
     """``y = x @ W.T + bias`` with ``W[n, k] = (q[n, k] - 8) * scale[n, k // G] + zero[n, k // G]``, ``q`` in 0..15.
 
     Storage by backend: ``qmatmul``: ``kweight``/``kscales`` (the kernel's layout, scales repeated per 32
@@ -435,7 +446,7 @@ class Int4Linear(_QuantLinearBase):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.backend == "qmatmul":
-            return self._qmatmul(x2, 4).reshape(*lead, self.out_features)
+            return self._qmatmul(x2).reshape(*lead, self.out_features)
         if self.backend == "torch":
             kd = _kernel_dtype(x2)
             sz = self.scales_and_zeros
@@ -456,3 +467,25 @@ class Int4Linear(_QuantLinearBase):
 
 
 QuantLinear = (Int8Linear, Int4Linear)
+
+
+class QuantGroup(nn.Module):
+    """Quantized layers that read the same input (q/k/v, gate/up) run as one qmatmul call: the input is
+    quantized once and one parallel loop covers all the weights. The output is the layers' outputs side by side,
+    or with ``swiglu`` (gate, up) ``silu(gate) * up`` computed in the kernel. Each layer keeps its own format
+    (a Q4_K_M GGUF stores some v projections with more bits than q and k) and its own tensors (no copy)."""
+
+    def __init__(self, layers: list[nn.Module], swiglu: bool = False) -> None:
+        super().__init__()
+        if not all(isinstance(m, QuantLinear) and m.backend == "qmatmul" for m in layers):
+            raise ValueError("QuantGroup needs Int4Linear/Int8Linear layers on the qmatmul backend")
+        if len({m.in_features for m in layers}) != 1:
+            raise ValueError(f"QuantGroup layers must share in_features, got {[m.in_features for m in layers]}")
+        self.layers = nn.ModuleList(layers)
+        self.in_features = layers[0].in_features
+        self.call = qmatmul.PartsCall([m.kernel_part() for m in layers], self.in_features, swiglu)
+        self.out_features = self.call.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        return self.call(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)

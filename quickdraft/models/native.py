@@ -1,0 +1,183 @@
+"""quickdraft's CPU kernels in C: built on first use, loaded, called.
+
+Two sources make one library: ``qmatmul.c`` (weight-only int4/int8 linear layers, see ``qmatmul.py``) and
+``cpu_ops.c`` (RMSNorm, rotary embedding and one token's attention over the paged cache: the small per-token
+operations whose torch dispatch cost as much as the matmuls in a decode step). Each computes every result row
+with the same operations whatever the batch and thread count (bit-identical rows, which speculative
+verification relies on).
+
+The library is compiled with the system C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``)
+into ``cache_root()/kernels/`` and linked against the OpenMP runtime torch already loaded, so it shares
+torch's threads and ``torch.set_num_threads``. Where it cannot be built (no compiler, a CPU without AVX-VNNI
+/ AVX512-VNNI, not x86-64) ``available()`` is False and the model runs torch's operations;
+``QUICKDRAFT_KERNELS=0`` turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from quickdraft.paths import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).with_name("qmatmul.c"), Path(__file__).with_name("cpu_ops.c"))
+HEADERS = (Path(__file__).with_name("floats.h"),)
+DISABLE_ENV = "QUICKDRAFT_KERNELS"
+# -ffp-contract=off: an auto-vectorized loop and its scalar prologue (whose length depends on the address) then
+# round alike, so a row's result never depends on where its buffer lies
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+MAX_HEAD_DIM = 256
+MAX_QUERY_GROUP = 16
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_SIGNATURES = {
+    "qd_linear": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _I],
+    "qd_rmsnorm": [_P, _I, _P, _I, _I, _I, _F, _P],
+    "qd_rope": [_P, _I, _I, _I, _I, _L, _P, _P, _P],
+    "qd_attend": [_P, _L, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P],
+}
+
+
+def _cpu_identity() -> str:
+    """Model name and feature flags: a library built with -march=native is only reused on the same CPU type."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(keep)
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = "\n".join([*(s.read_text() for s in SOURCES + HEADERS), compiler, version, " ".join(FLAGS), _cpu_identity()])
+    target = cache_root() / "kernels" / f"quickdraft-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-400:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _error
+    with _lock:
+        if _lib is not None or _error is not None:
+            return _lib
+        if os.environ.get(DISABLE_ENV, "1") == "0":
+            _error = f"turned off by {DISABLE_ENV}=0"
+            return None
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if platform.machine().lower() not in ("x86_64", "amd64") or compiler is None:
+            _error = "needs an x86-64 CPU and a C compiler"
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(compiler)))
+        except Exception as exc:  # no VNNI (#error in the source), compiler missing headers, ...
+            _error = f"{type(exc).__name__}: {exc}"
+            log.info("quickdraft CPU kernels unavailable, using torch's operations (%s)", _error)
+            return None
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = ctypes.c_int, argtypes
+        _lib = lib
+        return _lib
+
+
+def available() -> bool:
+    """True when the library is built (or was just built) and loaded for this CPU."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _error
+
+
+def lib() -> ctypes.CDLL:
+    loaded = _load()
+    if loaded is None:
+        raise RuntimeError(f"quickdraft CPU kernels unavailable: {_error}")
+    return loaded
+
+
+def _check(rc: int, name: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{name} failed ({'out of memory' if rc == -1 else 'bad arguments'}, code {rc})")
+
+
+def _float_kind(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)
+
+
+def runs_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _float_kind(x) and _float_kind(weight) and x.shape[-1] % 8 == 0 and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, in float32, rounded once to x's dtype."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    d = x.shape[-1]
+    _check(lib().qd_rmsnorm(x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(),
+                            int(weight.dtype == torch.bfloat16), x.numel() // d, d, eps, y.data_ptr()), "qd_rmsnorm")
+    return y
+
+
+def runs_rope(x: torch.Tensor) -> bool:
+    """x: ``[T, heads, D]`` with contiguous heads (a view of a fused q/k/v output is fine)."""
+    return (_float_kind(x) and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and x.shape[2] % 2 == 0 and available())
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x [T, heads, D]`` in place; ``cos``/``sin``: float32 ``[max_pos, D / 2]``,
+    ``positions``: int64 ``[T]``."""
+    t, heads, d = x.shape
+    _check(lib().qd_rope(x.data_ptr(), int(x.dtype == torch.bfloat16), t, heads, d, x.stride(0),
+                         positions.data_ptr(), cos.data_ptr(), sin.data_ptr()), "qd_rope")
+    return x
+
+
+def runs_attend(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """q ``[T, H, D]`` and the caches ``[slots, KVH, D]`` of one float dtype on CPU, shapes the kernel takes."""
+    t, heads, d = q.shape
+    kv_heads = k_cache.shape[1]
+    return (_float_kind(q) and q.dtype == k_cache.dtype and q.stride(2) == 1 and q.stride(1) == d
+            and heads % kv_heads == 0 and heads // kv_heads <= MAX_QUERY_GROUP and d % 8 == 0
+            and d <= MAX_HEAD_DIM and k_cache.is_contiguous() and available())
+
+
+def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                slots: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
+    """For each item r: query row ``rows[r]`` of ``q [T, H, D]`` attends (scaled dot product, softmax in float32)
+    to cache positions ``slots[r, :lengths[r]]``; the result goes to ``out[rows[r]]`` (``out`` contiguous)."""
+    t, heads, d = q.shape
+    r, width = slots.shape
+    _check(lib().qd_attend(q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), r, rows.data_ptr(), heads,
+                           k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), width,
+                           lengths.data_ptr(), d ** -0.5, out.data_ptr()), "qd_attend")

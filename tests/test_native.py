@@ -1,0 +1,97 @@
+"""quickdraft's C kernels for the small per-token operations (models/cpu_ops.c) and fused qmatmul calls: they
+agree with torch's operations, and every row's result is bit-identical whatever the other rows of the call
+and wherever its buffer lies (speculative verification and batching rely on this)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quickdraft.models import native
+from quickdraft.models.quant import Int4Linear, Int8Linear, QuantGroup
+from quickdraft.models.transformer import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="quickdraft's CPU kernels not built on this CPU")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _offset_copy(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """``x`` in a buffer starting ``shift`` elements into a larger one (another alignment)."""
+    buf = torch.empty(x.numel() + shift, dtype=x.dtype)
+    view = buf[shift:].view(x.shape)
+    view.copy_(x)
+    return view
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_torch_and_rows_are_independent(dtype):
+    torch.manual_seed(0)
+    x, w = (torch.randn(20, 1536) * 3).to(dtype), torch.randn(1536).to(dtype)
+    y = native.rms_norm(x, w, 1e-6)
+    ref = F.rms_norm(x.float(), (1536,), w.float(), 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert torch.allclose(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    for r in (0, 7, 19):  # one row alone, from a buffer at another offset, as in the batch of 20
+        assert torch.equal(native.rms_norm(_offset_copy(x[r:r + 1], 3), w, 1e-6), y[r:r + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_matches_torch_and_rows_are_independent(dtype):
+    torch.manual_seed(1)
+    rope = RotaryEmbedding(64, 10000.0, 512)
+    qkv = torch.randn(6, 5 * 64).to(dtype)  # 3 query + 2 key heads of a fused projection, rotated in place
+    positions = torch.tensor([3, 100, 101, 102, 400, 511])
+    heads = qkv.clone().view(6, 5, 64)
+    x1, x2 = heads.float().chunk(2, dim=-1)
+    cos, sin = rope.cos[positions][:, None], rope.sin[positions][:, None]
+    ref = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    batch = qkv.clone()
+    native.rope_(batch.view(6, 5, 64), positions, rope.cos, rope.sin)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    assert torch.allclose(batch.view(6, 5, 64).float(), ref, rtol=tol, atol=tol * 4)
+    for r in range(6):
+        alone = _offset_copy(qkv[r:r + 1], r + 1)
+        native.rope_(alone.view(1, 5, 64), positions[r:r + 1], rope.cos, rope.sin)
+        assert torch.equal(alone, batch[r:r + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_matches_torch_and_rows_are_independent(dtype):
+    torch.manual_seed(2)
+    slots_total, kv_heads, heads, dim = 96, 2, 6, 64
+    k_cache, v_cache = torch.randn(slots_total, kv_heads, dim).to(dtype), torch.randn(slots_total, kv_heads, dim).to(dtype)
+    q = torch.randn(5, heads, dim).to(dtype)
+    slots = torch.randperm(slots_total)[:64].repeat(5, 1).contiguous()  # a paged context: slots in any order
+    lengths = torch.tensor([1, 17, 40, 63, 64])
+    out = torch.zeros(5, heads, dim, dtype=dtype)
+    native.attend_rows(q, k_cache, v_cache, torch.arange(5), slots, lengths, out)
+    for r in range(5):
+        keys = k_cache[slots[r, :lengths[r]]].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        values = v_cache[slots[r, :lengths[r]]].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        ref = F.scaled_dot_product_attention(q[r].float()[:, None], keys, values)[:, 0]
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        assert torch.allclose(out[r].float(), ref, rtol=tol, atol=tol)
+        alone = torch.zeros(1, heads, dim, dtype=dtype)
+        native.attend_rows(_offset_copy(q[r:r + 1], 5), k_cache, v_cache, torch.tensor([0]), slots[r:r + 1].clone(),
+                           lengths[r:r + 1], alone)
+        assert torch.equal(alone[0], out[r])
+    with pytest.raises(RuntimeError, match="bad arguments"):  # a context longer than its slot table
+        native.attend_rows(q, k_cache, v_cache, torch.tensor([0]), slots[:1].clone(), torch.tensor([65]), out)
+
+
+def test_quant_group_is_its_layers_side_by_side_and_swiglu_is_silu_times_up():
+    """q/k/v with mixed formats (a Q4_K_M GGUF stores some v projections with more bits) in one call give each
+    layer's own result bit for bit; gate/up with SwiGLU in the kernel match silu(gate) * up."""
+    torch.manual_seed(3)
+    q, k = Int4Linear.from_float(torch.randn(96, 576), torch.randn(96)), Int4Linear.from_float(torch.randn(32, 576))
+    v = Int8Linear.from_float(torch.randn(32, 576), torch.randn(32))
+    x = torch.randn(7, 576, dtype=torch.bfloat16)
+    fused = QuantGroup([q, k, v])(x)
+    assert torch.equal(fused, torch.cat([q(x), k(x), v(x)], dim=-1))
+    assert torch.equal(QuantGroup([q, k, v])(x[2:3]), fused[2:3])  # a row alone: the same bits
+    gate, up = Int4Linear.from_float(torch.randn(300, 576)), Int4Linear.from_float(torch.randn(300, 576))
+    act = QuantGroup([gate, up], swiglu=True)(x.float())
+    ref = F.silu(gate(x.float())) * up(x.float())
+    assert torch.allclose(act, ref, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="2 of equal size"):
+        QuantGroup([q, k], swiglu=True)
