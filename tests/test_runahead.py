@@ -50,10 +50,10 @@ def test_greedy_identity_tiny(tiny_dir, target, plain_greedy, kind, k):
               **drafter_kwargs(tiny_dir, target, kind))
     assert isinstance(llm.drafter, RunAheadDrafter)
     assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
-    if k == 3 or kind == "draft-same":  # adaptive k may rightly not draft with a tiny model's poor drafts
-        assert llm.spec_stats.draft_tokens > 0
+    # adaptive k may rightly not draft: a tiny model's drafts are poor, and a draft equal to the target costs
+    # a target pass per token (break-even until run-ahead has been measured), so only a fixed k must draft
     if k == 3:
-        assert llm.drafter.rounds_ahead > 0
+        assert llm.spec_stats.draft_tokens > 0 and llm.drafter.rounds_ahead > 0
 
 
 def test_run_ahead_reuses_work(target, plain_greedy):

@@ -304,8 +304,12 @@ class LLMEngine:
             self.drafter.release(seq)
 
     # ---- cost calibration -----------------------------------------------------------------------
-    def calibrate(self, context: int = 64, repeats: int = 2) -> None:
-        """Time target passes of 1..k+1 tokens and one draft step, so the controller starts from measurements."""
+    def calibrate(self, context: int = 64, repeats: int = 3) -> None:
+        """Time target passes of 1..k+1 tokens and one draft step, so the controller starts from measurements.
+
+        Each time is the best of ``repeats`` after an untimed pass of the same kind: the first pass through
+        weights memory-mapped from the cache pays page faults, and a draft step priced at twice its cost
+        would keep speculation off for good (the controller only refines the draft cost while drafting)."""
         probe_params = SamplingParams(max_tokens=self.controller.max_k + 2, temperature=0.0)
         probe_ids = [i % self.target.vocab_size for i in range(1, context + 1)]
         kv = SequenceKV()
@@ -324,6 +328,8 @@ class LLMEngine:
                          generator=make_generator(0, "cpu"), max_model_len=self.config.max_model_len)
         probe.kv["target"] = SequenceKV()
         self.drafter.propose([probe], [1])  # warm-up, includes the draft's prefill
+        probe.token_ids.append(1)
+        self.drafter.propose([probe], [1])  # warm-up of the one-token step (the prefill may run other weights)
         best = float("inf")
         for _ in range(repeats):
             probe.token_ids.append(1)

@@ -85,6 +85,8 @@ def _build(compiler: str) -> Path:
 
 def _load() -> ctypes.CDLL | None:
     global _lib, _error
+    if _lib is not None:  # the common case, without the lock (called for every small op)
+        return _lib
     with _lock:
         if _lib is not None or _error is not None:
             return _lib

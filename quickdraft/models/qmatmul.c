@@ -39,6 +39,9 @@ static const int CHUNK_AT[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* stored position of c
 #define BLOCK 256
 #define GROUP 32
 #define ROWS_PER_TASK 8 /* output rows one thread takes at a time */
+/* How far ahead a one- or two-row call asks for its weights: +8-10% read bandwidth on the 2-core Zen 4
+ * (4096 measured best of 0 / 1024 / 2048 / 4096 / 8192, interleaved runs). */
+#define PREFETCH_BYTES 4096
 #define K_CHUNK 8 /* blocks (of 256 columns) per pass over a task's output columns, when x has several rows */
 #define ROW_TILE 8      /* rows of x that share one unpacked weight block (a verify pass of up to 8 tokens) */
 
@@ -126,6 +129,11 @@ static inline __attribute__((always_inline)) void tile(int TILE, int bits, const
     }
     for (int b = b0; b < b1; b++) {
         __m512i w[4]; /* chunk pairs (0, 2), (1, 3), (4, 6), (5, 7) */
+        if (TILE <= 2) { /* streaming from memory: ask for the weights a few blocks ahead (rows are contiguous) */
+            const uint8_t *ahead = wrow + (size_t)b * BLOCK * bits / 8 + PREFETCH_BYTES;
+            for (int c = 0; c < BLOCK * bits / 8; c += 64) _mm_prefetch((const char *)ahead + c, _MM_HINT_T0);
+            _mm_prefetch((const char *)(szrow + 16 * b) + PREFETCH_BYTES / 4, _MM_HINT_T0);
+        }
         if (bits == 4) {
             const uint8_t *wb = wrow + (size_t)b * (BLOCK / 2);
             for (int h = 0; h < 2; h++) {
