@@ -95,3 +95,17 @@ def test_quant_group_is_its_layers_side_by_side_and_swiglu_is_silu_times_up():
     assert torch.allclose(act, ref, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="2 of equal size"):
         QuantGroup([q, k], swiglu=True)
+
+
+@pytest.mark.skipif(not native.has_bf16_linear(), reason="no AVX512-BF16 on this CPU")
+def test_bf16_linear_matches_torch_and_rows_are_independent():
+    """Odd sizes: K not a multiple of 32 (masked tail), N not a multiple of the column tile, 1..9 rows."""
+    torch.manual_seed(4)
+    w, bias = torch.randn(37, 1000).to(torch.bfloat16), torch.randn(37)
+    x = torch.randn(9, 1000).to(torch.bfloat16)
+    y = native.linear_bf16(x, w, bias)
+    ref = F.linear(x.float(), w.float(), bias)
+    assert torch.allclose(y.float(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+    for rows in range(1, 9):
+        part = native.linear_bf16(_offset_copy(x[rows - 1:rows - 1 + rows], 1), w, bias)
+        assert torch.equal(part, y[rows - 1:rows - 1 + rows])

@@ -172,3 +172,83 @@ int qd_attend(const void *q, long q_stride, int bf16, int R, const int64_t *rows
     }
     return failed & 2 ? -2 : failed ? -1 : 0;
 }
+
+/* y = x @ W.T (+ bias) with bfloat16 x [M][K] and W [N][K] (row-major, as stored), y bfloat16 [M][N]: float32 sums
+ * of AVX512-BF16 pair products (vdpbf16ps), in a fixed order per output element. Weight rows are streamed once
+ * per tile of up to 8 rows of x, so a decode step reads the weights at memory speed and a verify pass of a
+ * few tokens costs little more. Returns -3 where the CPU has no AVX512-BF16 (the caller keeps oneDNN). */
+#define BF16_ROW_TILE 6      /* rows of x per tile ... */
+#define BF16_COLS 4          /* ... times weight rows per tile: each loaded x chunk serves 4 columns */
+#define BF16_COLS_PER_TASK 16
+#define BF16_PREFETCH 4096
+
+int qd_has_bf16_linear(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* rows m0 .. m0 + TILE - 1 times weight rows wrow, wrow + K, .. (COLS of them); TILE and COLS are constants after
+ * inlining. Each output element gets the same operations whatever TILE and COLS are. */
+static inline __attribute__((always_inline)) void bf16_tile(int TILE, int COLS, const uint16_t *x, int K, int m0,
+                                                             const uint16_t *wrow, float out[BF16_COLS][BF16_ROW_TILE]) {
+    __m512 acc[BF16_COLS][BF16_ROW_TILE];
+    for (int c = 0; c < COLS; c++)
+        for (int r = 0; r < TILE; r++) acc[c][r] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        const __mmask32 mask = K - k >= 32 ? 0xFFFFFFFFu : (1u << (K - k)) - 1u;
+        __m512bh wv[BF16_COLS];
+        for (int c = 0; c < COLS; c++) {
+            const uint16_t *wc = wrow + (size_t)c * K + k;
+            _mm_prefetch((const char *)wc + BF16_PREFETCH, _MM_HINT_T0);
+            wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wc);
+        }
+        for (int r = 0; r < TILE; r++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (size_t)(m0 + r) * K + k);
+            for (int c = 0; c < COLS; c++) acc[c][r] = _mm512_dpbf16_ps(acc[c][r], xv, wv[c]);
+        }
+    }
+    for (int c = 0; c < COLS; c++)
+        for (int r = 0; r < TILE; r++) out[c][r] = _mm512_reduce_add_ps(acc[c][r]);
+}
+#endif
+
+int qd_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, const float *bias, uint16_t *y) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (M < 0 || K <= 0 || N <= 0) return -2;
+    const int ntasks = (N + BF16_COLS_PER_TASK - 1) / BF16_COLS_PER_TASK;
+#pragma omp parallel for schedule(static)
+    for (int task = 0; task < ntasks; task++) {
+        const int n0 = task * BF16_COLS_PER_TASK;
+        const int n1 = n0 + BF16_COLS_PER_TASK < N ? n0 + BF16_COLS_PER_TASK : N;
+        for (int m0 = 0; m0 < M; m0 += BF16_ROW_TILE) {
+            const int rows = M - m0 < BF16_ROW_TILE ? M - m0 : BF16_ROW_TILE;
+            for (int n = n0; n < n1; n += BF16_COLS) {
+                const int cols = n1 - n < BF16_COLS ? n1 - n : BF16_COLS;
+                float out[BF16_COLS][BF16_ROW_TILE] = {{0}};
+                const uint16_t *wrow = w + (size_t)n * K;
+#define BF16_CASE(T, C) case T: bf16_tile(T, C, x, K, m0, wrow, out); break;
+#define BF16_ROWS(C) switch (rows) { BF16_CASE(6, C) BF16_CASE(5, C) BF16_CASE(4, C) BF16_CASE(3, C) BF16_CASE(2, C) \
+                                     default: BF16_CASE(1, C) }
+                switch (cols) {
+                    case 4: BF16_ROWS(4) break;
+                    case 3: BF16_ROWS(3) break;
+                    case 2: BF16_ROWS(2) break;
+                    default: BF16_ROWS(1) break;
+                }
+                for (int c = 0; c < cols; c++) {
+                    const float b = bias ? bias[n + c] : 0.f;
+                    for (int r = 0; r < rows; r++) st(y, 1, (size_t)(m0 + r) * N + n + c, out[c][r] + b);
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)w; (void)N; (void)bias; (void)y;
+    return -3;
+#endif
+}

@@ -50,6 +50,8 @@ _SIGNATURES = {
     "qd_rmsnorm": [_P, _I, _P, _I, _I, _I, _F, _P],
     "qd_rope": [_P, _I, _I, _I, _I, _L, _P, _P, _P],
     "qd_attend": [_P, _L, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P],
+    "qd_has_bf16_linear": [],
+    "qd_linear_bf16": [_P, _I, _I, _P, _I, _P, _P],
 }
 
 
@@ -163,6 +165,23 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     _check(lib().qd_rope(x.data_ptr(), int(x.dtype == torch.bfloat16), t, heads, d, x.stride(0),
                          positions.data_ptr(), cos.data_ptr(), sin.data_ptr()), "qd_rope")
     return x
+
+
+def has_bf16_linear() -> bool:
+    """The library is built and this CPU has AVX512-BF16 (``linear_bf16`` runs)."""
+    return available() and bool(lib().qd_has_bf16_linear())
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K].T (+ bias float32 [N])``, all bfloat16 but the bias, float32 sums; each output row
+    computed on its own (bit-identical whatever M)."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    _check(lib().qd_linear_bf16(x.data_ptr(), m, k, weight.data_ptr(), n, None if bias is None else bias.data_ptr(),
+                                y.data_ptr()), "qd_linear_bf16")
+    return y
 
 
 def runs_attend(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -1,21 +1,27 @@
-"""Dense linear layers whose weight is reordered once into oneDNN's blocked layout (CPU, float32 and bfloat16).
+"""Dense float linear layers for CPU: quickdraft's bfloat16 kernel, or oneDNN's packed layout (float32 and
+bfloat16).
 
-Why not ``nn.Linear`` (facts checked on torch 2.13, 2-core AVX512-BF16 EPYC, see tests/test_packed.py):
+* bfloat16 where the CPU has AVX512-BF16 and quickdraft's kernels build (``native.linear_bf16``, in
+  ``cpu_ops.c``): the weight is kept as is and streamed once per tile of up to 6 rows, with float32 sums of
+  AVX512-BF16 pair products in a fixed order per output element. Qwen2.5-Coder-1.5B decodes at 18.5 tok/s,
+  76% of the measured bandwidth limit, against 6.0 tok/s (36%) with oneDNN; verifying 5 tokens costs ~1.2x a
+  one-token step. oneDNN is ~1.5x faster for long prompt chunks (it is a tuned GEMM), but one kernel for every
+  row keeps a token's result independent of what else is in the call.
+* Otherwise oneDNN (facts checked on torch 2.13, 2-core AVX512-BF16 EPYC, see tests/test_packed.py):
+  ``mkldnn._linear_pointwise`` computes each output row independently of the other rows of the call as long
+  as the call has at least 2 rows; a 1-row call takes another path that rounds differently, and so does
+  ``F.linear`` between 1 and several rows. Calls are therefore padded to ``MIN_ROWS`` rows (also faster:
+  the packed kernel streamed 17-20 GB/s with 1-4 rows and 24-26 GB/s with 5 or 6).
 
-* Exactness: the packed kernel (``mkldnn._linear_pointwise``) computes each output row independently of the
-  other rows of the call as long as the call has at least 2 rows; a 1-row call takes another path that rounds
-  differently, and so does ``F.linear`` between 1 and several rows. Calls are therefore padded to ``MIN_ROWS``
-  rows, and a token's logits are bit-identical whether it is decoded alone, verified among k drafts or
-  batched beside other sequences (as with the int4/int8 kernels in ``quant.py``).
-* Speed: over the 28 layers of Qwen2.5-1.5B in bfloat16, ``F.linear`` with 1 row streams weights at
-  14-17 GB/s; the packed kernel at 17-20 GB/s with 1-4 rows and 24-26 GB/s with 5 or 6 rows (the
-  host's measured read bandwidth varied between 31 and 51 GB/s that day). So short calls are padded to 5 rows: the extra rows cost
-  arithmetic, and a decode step is bound by reading the weights.
+Either way a token's logits are bit-identical whether it is decoded alone, verified among k drafts or batched
+beside other sequences (as with the int4/int8 kernels in ``quant.py``).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from quickdraft.models import native
 
 MIN_ROWS = 5
 
@@ -30,7 +36,11 @@ def packing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` in oneDNN's layout (the original weight is not kept)."""
+    """``y = x @ W.T + b`` with ``W`` in oneDNN's layout (the original weight is not kept), or, for bfloat16 on a CPU
+    with AVX512-BF16 where quickdraft's kernels build, ``W`` as is for ``native.linear_bf16``: that kernel streams
+    a decode step's weights at close to the memory bandwidth (oneDNN's short calls reach about half of it) and
+    computes each row on its own whatever the row count, so no padding is needed (``backend``: ``native`` or
+    ``onednn``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -38,8 +48,14 @@ class PackedLinear(nn.Module):
             raise ValueError(f"PackedLinear needs a 2-D float32/bfloat16 CPU weight with oneDNN available, "
                              f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight_packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1))
-        self.register_buffer("bias", None if bias is None else bias.detach().to(weight.dtype).contiguous())
+        self.backend = "native" if weight.dtype == torch.bfloat16 and native.has_bf16_linear() else "onednn"
+        if self.backend == "native":
+            self.register_buffer("weight_packed", weight.detach().contiguous())
+            self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        else:
+            self.register_buffer("weight_packed",
+                                 torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1))
+            self.register_buffer("bias", None if bias is None else bias.detach().to(weight.dtype).contiguous())
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
@@ -49,10 +65,13 @@ class PackedLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
+        if self.backend == "native":
+            return native.linear_bf16(x2.to(torch.bfloat16), self.weight_packed, self.bias).reshape(*lead, self.out_features)
         if rows < MIN_ROWS:
             x2 = torch.cat([x2, x2.new_zeros(MIN_ROWS - rows, self.in_features)])
         y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.weight_packed, self.bias, "none", [None], "")
         return y[:rows].reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"backend={self.backend}")
