@@ -123,9 +123,3 @@ class PartsCall:
             raise RuntimeError(f"qd_linear failed ({'out of memory' if rc == -1 else 'bad arguments'}, code {rc})")
         return y
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, bits: int, in_features: int,
-           out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K]`` (float32 or bfloat16) times one packed weight: ``[M, N]`` in ``x``'s dtype."""
-    bias = None if bias is None else bias.float().contiguous()
-    return PartsCall([Part(weight, scales_zeros, bits, out_features, bias)], in_features)(x)

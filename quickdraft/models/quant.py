@@ -162,7 +162,6 @@ class _QuantLinearBase(nn.Module):
     in_features: int
     out_features: int
     backend: str
-
     bits: int
 
     def _init_bias(self, bias: torch.Tensor | None) -> None:
@@ -195,12 +194,12 @@ class _QuantLinearBase(nn.Module):
 
 
 class Int8Linear(_QuantLinearBase):
-    bits = 8
-
     """``y = x @ (q * scale[:, None]).T + bias`` with int8 ``q`` per output channel.
 
     Buffers: ``qweight`` int8 ``[N, K]`` and ``scales`` bfloat16 ``[N]`` (``torch``/``reference`` backends), or the
     qmatmul layout ``kweight``/``kscales`` (``q + 128`` as 8-bit values, the row's scale in every group, zero 0)."""
+
+    bits = 8
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *,
                  kernel: bool | str | None = None) -> None:
@@ -299,14 +298,14 @@ def _check_kernel_tensors(kweight: torch.Tensor, kscales: torch.Tensor, bits: in
 
 
 class Int4Linear(_QuantLinearBase):
-    bits = 4
-
     """``y = x @ W.T + bias`` with ``W[n, k] = (q[n, k] - 8) * scale[n, k // G] + zero[n, k // G]``, ``q`` in 0..15.
 
     Storage by backend: ``qmatmul``: ``kweight``/``kscales`` (the kernel's layout, scales repeated per 32
     columns for G > 32); ``torch``: ``packed`` (the int4pack kernel's ISA-dependent layout) with
     ``scales_and_zeros`` ``[K // G, N, 2]`` bfloat16; ``reference``: nibbles ``qweight`` ``[N, K // 2]`` (even
     column in the low nibble) with ``scales_and_zeros``. Build the layer on the device it will run on."""
+
+    bits = 4
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 32,
                  bias: torch.Tensor | None = None, *, kernel: bool | str | None = None) -> None:
