@@ -97,7 +97,6 @@ def test_quant_group_is_its_layers_side_by_side_and_swiglu_is_silu_times_up():
         QuantGroup([q, k], swiglu=True)
 
 
-@pytest.mark.skipif(not native.has_bf16_linear(), reason="no AVX512-BF16 on this CPU")
 def test_bf16_linear_matches_torch_and_rows_are_independent():
     """Odd sizes: K not a multiple of 32 (masked tail), N not a multiple of the column tile, 1..9 rows."""
     torch.manual_seed(4)

@@ -173,26 +173,28 @@ int qd_attend(const void *q, long q_stride, int bf16, int R, const int64_t *rows
     return failed & 2 ? -2 : failed ? -1 : 0;
 }
 
-/* y = x @ W.T (+ bias) with bfloat16 x [M][K] and W [N][K] (row-major, as stored), y bfloat16 [M][N]: float32 sums
- * of AVX512-BF16 pair products (vdpbf16ps), in a fixed order per output element. Weight rows are streamed once
- * per tile of up to 8 rows of x, so a decode step reads the weights at memory speed and a verify pass of a
- * few tokens costs little more. Returns -3 where the CPU has no AVX512-BF16 (the caller keeps oneDNN). */
+/* y = x @ W.T (+ bias) with bfloat16 x [M][K] and W [N][K] (row-major, as stored), y bfloat16 [M][N], float32 sums
+ * in a fixed order per output element: with AVX512-BF16 of vdpbf16ps pair products, else (AVX2) of exact float32
+ * products (bf16 x bf16 fits a float32) accumulated by fma over 8 lanes and summed across lanes once. Weight rows
+ * are streamed once per tile of a few rows of x, so a decode step reads the weights at memory speed and a verify
+ * pass of a few tokens costs little more. Each output element gets the same operations whatever the tile sizes. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BF16_ROW_TILE 6      /* rows of x per tile ... */
 #define BF16_COLS 4          /* ... times weight rows per tile: each loaded x chunk serves 4 columns */
+#define BF16_COLS_FOR(rows) BF16_COLS
+#else
+/* AVX2 has 16 vector registers: one row of x times 4 weight rows (decode), or up to 6 rows times 2 weight rows
+ * (12 sums, 2 weight chunks and one x chunk), so a weight chunk is converted once for up to 6 rows */
+#define BF16_ROW_TILE 6
+#define BF16_COLS 4
+#define BF16_COLS_FOR(rows) ((rows) == 1 ? 4 : 2)
+#endif
 #define BF16_COLS_PER_TASK 16
 #define BF16_PREFETCH 4096
 
-int qd_has_bf16_linear(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* rows m0 .. m0 + TILE - 1 times weight rows wrow, wrow + K, .. (COLS of them); TILE and COLS are constants after
- * inlining. Each output element gets the same operations whatever TILE and COLS are. */
+ * inlining. */
 static inline __attribute__((always_inline)) void bf16_tile(int TILE, int COLS, const uint16_t *x, int K, int m0,
                                                              const uint16_t *wrow, float out[BF16_COLS][BF16_ROW_TILE]) {
     __m512 acc[BF16_COLS][BF16_ROW_TILE];
@@ -214,10 +216,46 @@ static inline __attribute__((always_inline)) void bf16_tile(int TILE, int COLS, 
     for (int c = 0; c < COLS; c++)
         for (int r = 0; r < TILE; r++) out[c][r] = _mm512_reduce_add_ps(acc[c][r]);
 }
+#else
+/* 8 bfloat16 values at p as floats; only the first n (< 8) are read when n < 8, the rest are 0 */
+static inline __m256 bf16x8_tail(const uint16_t *p, int n) {
+    uint16_t buf[8] = {0};
+    for (int i = 0; i < n; i++) buf[i] = p[i];
+    return bf16x8(buf);
+}
+
+static inline __attribute__((always_inline)) void bf16_tile(int TILE, int COLS, const uint16_t *x, int K, int m0,
+                                                             const uint16_t *wrow, float out[BF16_COLS][BF16_ROW_TILE]) {
+    __m256 acc[BF16_COLS][BF16_ROW_TILE];
+    for (int c = 0; c < COLS; c++)
+        for (int r = 0; r < TILE; r++) acc[c][r] = _mm256_setzero_ps();
+    const int body = K / 8 * 8;
+    for (int k = 0; k < body; k += 8) {
+        __m256 wv[BF16_COLS];
+        for (int c = 0; c < COLS; c++) {
+            const uint16_t *wc = wrow + (size_t)c * K + k;
+            if (k % 32 == 0) _mm_prefetch((const char *)wc + BF16_PREFETCH, _MM_HINT_T0);
+            wv[c] = bf16x8(wc);
+        }
+        for (int r = 0; r < TILE; r++) {
+            const __m256 xv = bf16x8(x + (size_t)(m0 + r) * K + k);
+            for (int c = 0; c < COLS; c++) acc[c][r] = _mm256_fmadd_ps(xv, wv[c], acc[c][r]);
+        }
+    }
+    if (body < K) {
+        __m256 wv[BF16_COLS];
+        for (int c = 0; c < COLS; c++) wv[c] = bf16x8_tail(wrow + (size_t)c * K + body, K - body);
+        for (int r = 0; r < TILE; r++) {
+            const __m256 xv = bf16x8_tail(x + (size_t)(m0 + r) * K + body, K - body);
+            for (int c = 0; c < COLS; c++) acc[c][r] = _mm256_fmadd_ps(xv, wv[c], acc[c][r]);
+        }
+    }
+    for (int c = 0; c < COLS; c++)
+        for (int r = 0; r < TILE; r++) out[c][r] = hsum(acc[c][r]);
+}
 #endif
 
 int qd_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, const float *bias, uint16_t *y) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (M < 0 || K <= 0 || N <= 0) return -2;
     const int ntasks = (N + BF16_COLS_PER_TASK - 1) / BF16_COLS_PER_TASK;
 #pragma omp parallel for schedule(static)
@@ -226,19 +264,35 @@ int qd_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, co
         const int n1 = n0 + BF16_COLS_PER_TASK < N ? n0 + BF16_COLS_PER_TASK : N;
         for (int m0 = 0; m0 < M; m0 += BF16_ROW_TILE) {
             const int rows = M - m0 < BF16_ROW_TILE ? M - m0 : BF16_ROW_TILE;
-            for (int n = n0; n < n1; n += BF16_COLS) {
-                const int cols = n1 - n < BF16_COLS ? n1 - n : BF16_COLS;
+            const int step = BF16_COLS_FOR(rows);
+            for (int n = n0; n < n1; n += step) {
+                const int cols = n1 - n < step ? n1 - n : step;
                 float out[BF16_COLS][BF16_ROW_TILE] = {{0}};
                 const uint16_t *wrow = w + (size_t)n * K;
 #define BF16_CASE(T, C) case T: bf16_tile(T, C, x, K, m0, wrow, out); break;
 #define BF16_ROWS(C) switch (rows) { BF16_CASE(6, C) BF16_CASE(5, C) BF16_CASE(4, C) BF16_CASE(3, C) BF16_CASE(2, C) \
                                      default: BF16_CASE(1, C) }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
                 switch (cols) {
                     case 4: BF16_ROWS(4) break;
                     case 3: BF16_ROWS(3) break;
                     case 2: BF16_ROWS(2) break;
                     default: BF16_ROWS(1) break;
                 }
+#else
+                if (rows == 1) {
+                    switch (cols) {
+                        case 4: bf16_tile(1, 4, x, K, m0, wrow, out); break;
+                        case 3: bf16_tile(1, 3, x, K, m0, wrow, out); break;
+                        case 2: bf16_tile(1, 2, x, K, m0, wrow, out); break;
+                        default: bf16_tile(1, 1, x, K, m0, wrow, out); break;
+                    }
+                } else if (cols == 2) {
+                    BF16_ROWS(2)
+                } else {
+                    BF16_ROWS(1)
+                }
+#endif
                 for (int c = 0; c < cols; c++) {
                     const float b = bias ? bias[n + c] : 0.f;
                     for (int r = 0; r < rows; r++) st(y, 1, (size_t)(m0 + r) * N + n + c, out[c][r] + b);
@@ -247,8 +301,4 @@ int qd_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, co
         }
     }
     return 0;
-#else
-    (void)x; (void)M; (void)K; (void)w; (void)N; (void)bias; (void)y;
-    return -3;
-#endif
 }

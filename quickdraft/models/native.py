@@ -8,9 +8,10 @@ verification relies on).
 
 The library is compiled with the system C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``)
 into ``cache_root()/kernels/`` and linked against the OpenMP runtime torch already loaded, so it shares
-torch's threads and ``torch.set_num_threads``. Where it cannot be built (no compiler, a CPU without AVX-VNNI
-/ AVX512-VNNI, not x86-64) ``available()`` is False and the model runs torch's operations;
-``QUICKDRAFT_KERNELS=0`` turns it off.
+torch's threads and ``torch.set_num_threads``. It needs AVX2 and FMA (every x86-64 server CPU since 2013-2015)
+and uses AVX512, AVX512-VNNI / AVX-VNNI and AVX512-BF16 where the CPU has them; the integer dot products of the
+quantized kernel give the same sums on every ISA. Where it cannot be built (no compiler, no AVX2, not x86-64)
+``available()`` is False and the model runs torch's operations; ``QUICKDRAFT_KERNELS=0`` turns it off.
 """
 from __future__ import annotations
 
@@ -50,7 +51,6 @@ _SIGNATURES = {
     "qd_rmsnorm": [_P, _I, _P, _I, _I, _I, _F, _P],
     "qd_rope": [_P, _I, _I, _I, _I, _L, _P, _P, _P],
     "qd_attend": [_P, _L, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P],
-    "qd_has_bf16_linear": [],
     "qd_linear_bf16": [_P, _I, _I, _P, _I, _P, _P],
 }
 
@@ -101,7 +101,7 @@ def _load() -> ctypes.CDLL | None:
             return None
         try:
             lib = ctypes.CDLL(str(_build(compiler)))
-        except Exception as exc:  # no VNNI (#error in the source), compiler missing headers, ...
+        except Exception as exc:  # no AVX2 (#error in the source), compiler missing headers, ...
             _error = f"{type(exc).__name__}: {exc}"
             log.info("quickdraft CPU kernels unavailable, using torch's operations (%s)", _error)
             return None
@@ -168,8 +168,9 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
 
 
 def has_bf16_linear() -> bool:
-    """The library is built and this CPU has AVX512-BF16 (``linear_bf16`` runs)."""
-    return available() and bool(lib().qd_has_bf16_linear())
+    """``linear_bf16`` runs here (the library is built: AVX512-BF16 pair products where the CPU has them, else
+    AVX2 fma)."""
+    return available()
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

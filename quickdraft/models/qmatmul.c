@@ -1,9 +1,10 @@
-/* y = x @ W.T (+ bias) for weight-only quantized W, on CPU with AVX-VNNI or AVX512-VNNI.
+/* y = x @ W.T (+ bias) for weight-only quantized W, on x86-64 CPUs with AVX2 and FMA (VNNI used where present).
  *
  * W is affine per group of 32 input columns: w[n, k] = scale[n, g] * (q[n, k] - off) + zero[n, g],
  * q unsigned (4 bits: 0..15, off 8; 8 bits: 0..255, off 128), scale/zero bfloat16. x is quantized per
  * row and per group of 32 to int8 (absmax / 127, round to nearest even), so each group's dot product is
- * an exact int32 sum computed with vpdpbusd (u8 x s8):
+ * an exact int32 sum computed with vpdpbusd (u8 x s8), or on AVX2 without VNNI with vpmaddubsw + vpmaddwd on
+ * 4-bit values, exact too (see dot_block), so every ISA gives the same integer sums:
  *     y[m, n] = sum_g  scale * xs[m, g] * sum_k q x8  +  (zero - off * scale) * xsum[m, g]
  * with xsum[m, g] = xs[m, g] * sum_k x8[m, k].
  *
@@ -30,8 +31,8 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define WIDE 1 /* 512-bit dot products: half the instructions per block */
-#elif !defined(__AVXVNNI__)
-#error "qmatmul needs AVX-VNNI or AVX512-VNNI"
+#elif !defined(__AVX2__) || !defined(__FMA__)
+#error "quickdraft's CPU kernels need AVX2 and FMA"
 #endif
 
 static const int CHUNK_AT[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* stored position of chunk t (its own inverse) */
@@ -92,6 +93,41 @@ static void quantize_row(const void *x, int bf16, size_t row_off, int K, int Kpa
         xsum[g] = xs[g] * (float)sum;
     }
 }
+
+#ifndef WIDE
+/* Lane j = the int32 dot product of group j of one block: weight chunks w[0..7] (by stored position, u8) with the
+ * quantized x chunks at xb (s8, 32 bytes each). */
+static inline __m256i dot_block(const __m256i w[8], int bits, const int8_t *xb) {
+#ifdef __AVXVNNI__
+    (void)bits;
+    __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256(); /* two chains: dpbusd latency */
+    for (int c = 0; c < 8; c += 2) {
+        d0 = _mm256_dpbusd_avx_epi32(d0, w[c], _mm256_load_si256((const __m256i *)(xb + 32 * c)));
+        d1 = _mm256_dpbusd_avx_epi32(d1, w[c + 1], _mm256_load_si256((const __m256i *)(xb + 32 * c + 32)));
+    }
+    return _mm256_add_epi32(d0, d1);
+#else
+    /* AVX2: vpmaddubsw sums two u8 x s8 products in 16 bits with saturation, which never happens for 4-bit
+     * values: 16-bit lane i of chunk c holds 2 products of at most 15 * 127, and summing the 8 chunks keeps
+     * 16 such products per lane (at most 30480 < 32767); vpmaddwd then adds the lane pairs into int32 lane j
+     * = group j. 8-bit weights are split into nibbles: q = 16 * hi + lo. */
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        const __m256i x = _mm256_load_si256((const __m256i *)(xb + 32 * c));
+        if (bits == 4) {
+            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w[c], x));
+        } else {
+            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(w[c], low), x));
+            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w[c], 4), low), x));
+        }
+    }
+    __m256i dot = _mm256_madd_epi16(lo, ones);
+    if (bits == 8) dot = _mm256_add_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(hi, ones), 4));
+    return dot;
+#endif
+}
+#endif
 
 /* Running sums of rows m0 .. m0 + TILE - 1 of one output column, kept between chunks of blocks. */
 typedef struct {
@@ -182,13 +218,7 @@ static inline __attribute__((always_inline)) void tile(int TILE, int bits, const
         __m256 scale = bf16x8(szrow + 16 * b);
         __m256 shift = _mm256_fnmadd_ps(off, scale, bf16x8(szrow + 16 * b + 8)); /* zero - off * scale */
         for (int r = 0; r < TILE; r++) {
-            const int8_t *xb = xq + (size_t)(m0 + r) * Kpad + (size_t)b * BLOCK;
-            __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256(); /* two chains: dpbusd latency */
-            for (int c = 0; c < 8; c += 2) {
-                d0 = _mm256_dpbusd_avx_epi32(d0, w[c], _mm256_load_si256((const __m256i *)(xb + 32 * c)));
-                d1 = _mm256_dpbusd_avx_epi32(d1, w[c + 1], _mm256_load_si256((const __m256i *)(xb + 32 * c + 32)));
-            }
-            const __m256i dot = _mm256_add_epi32(d0, d1);
+            const __m256i dot = dot_block(w, bits, xq + (size_t)(m0 + r) * Kpad + (size_t)b * BLOCK);
             size_t gi = (size_t)(m0 + r) * ngroups + 8 * b;
             __m256 s = _mm256_mul_ps(scale, _mm256_load_ps(xs + gi));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r]);
