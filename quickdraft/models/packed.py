@@ -1,11 +1,12 @@
 """Dense float linear layers for CPU: quickdraft's bfloat16 kernel, or oneDNN's packed layout (float32 and
 bfloat16).
 
-* bfloat16 where the CPU has AVX512-BF16 and quickdraft's kernels build (``native.linear_bf16``, in
-  ``cpu_ops.c``): the weight is kept as is and streamed once per tile of up to 6 rows, with float32 sums of
-  AVX512-BF16 pair products in a fixed order per output element. Qwen2.5-Coder-1.5B decodes at 18.5 tok/s,
-  76% of the measured bandwidth limit, against 6.0 tok/s (36%) with oneDNN; verifying 5 tokens costs ~1.2x a
-  one-token step. oneDNN is ~1.5x faster for long prompt chunks (it is a tuned GEMM), but one kernel for every
+* bfloat16 where quickdraft's kernels build (``native.linear_bf16``, in ``cpu_ops.c``; any AVX2 CPU): the weight
+  is kept as is and streamed once per tile of up to 6 rows, with float32 sums in a fixed order per output element
+  (of AVX512-BF16 pair products where the CPU has them, else of exact float32 products by AVX2 fma). On a 2-core
+  Zen 4 Qwen2.5-Coder-1.5B decodes at 18.5 tok/s, 76% of the measured bandwidth limit, against 6.0 tok/s (36%)
+  with oneDNN; verifying 5 tokens costs ~1.2x a one-token step. On a 2-core Zen 3 (AVX2 only, where oneDNN has
+  no bfloat16 at all) a 1-row call of the 151936x1536 LM head streams 18 GB/s of the 24 GB/s measured. oneDNN is ~1.5x faster for long prompt chunks (it is a tuned GEMM), but one kernel for every
   row keeps a token's result independent of what else is in the call.
 * Otherwise oneDNN (facts checked on torch 2.13, 2-core AVX512-BF16 EPYC, see tests/test_packed.py):
   ``mkldnn._linear_pointwise`` computes each output row independently of the other rows of the call as long
@@ -27,8 +28,13 @@ MIN_ROWS = 5
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """True where the packed kernel runs: CPU with oneDNN, float32, or bfloat16 on a CPU oneDNN supports it on."""
-    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+    """True where a PackedLinear runs: on CPU, bfloat16 with quickdraft's kernel (any AVX2 CPU) or with a oneDNN that
+    supports bfloat16 on this CPU, float32 with oneDNN."""
+    if torch.device(device).type != "cpu":
+        return False
+    if dtype == torch.bfloat16 and native.has_bf16_linear():
+        return True
+    if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -36,8 +42,8 @@ def packing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` in oneDNN's layout (the original weight is not kept), or, for bfloat16 on a CPU
-    with AVX512-BF16 where quickdraft's kernels build, ``W`` as is for ``native.linear_bf16``: that kernel streams
+    """``y = x @ W.T + b`` with ``W`` in oneDNN's layout (the original weight is not kept), or, for bfloat16 where
+    quickdraft's kernels build, ``W`` as is for ``native.linear_bf16``: that kernel streams
     a decode step's weights at close to the memory bandwidth (oneDNN's short calls reach about half of it) and
     computes each row on its own whatever the row count, so no padding is needed (``backend``: ``native`` or
     ``onednn``)."""

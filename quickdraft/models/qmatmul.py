@@ -4,7 +4,8 @@ Why a kernel of our own: torch's packed CPU kernels (``_weight_int4pack_mm_for_c
 ``_weight_int8pack_mm``) stream a decode step's weights at well under half the memory bandwidth of a
 2-core AVX512 machine, and their cost grows ~3x from 1 to 5 rows, which is what makes speculative
 verification expensive with quantized weights. ``qmatmul.c`` quantizes the activations to int8 per group of
-32 and multiplies with VNNI int8 dot products (as llama.cpp does), one weight block unpacked once for up to
+32 and multiplies with int8 dot products (as llama.cpp does: VNNI where the CPU has it, else AVX2
+vpmaddubsw on 4-bit values, with the same exact integer sums), one weight block unpacked once for up to
 8 rows, and computes every row independently of the others (bit-identical whatever the batch). Several
 weights that read the same input (q/k/v, gate/up) run as one call (``linear_parts``), gate/up with the SwiGLU
 activation applied in the kernel.

@@ -2,7 +2,7 @@
 
 Weights stay quantized in memory. Each layer has one backend, chosen when it is built:
 
-* ``"qmatmul"`` (CPU, default where it builds): quickdraft's own VNNI kernel (``qmatmul.py``/``qmatmul.c``):
+* ``"qmatmul"`` (CPU, default where it builds): quickdraft's own kernel (``qmatmul.py``/``qmatmul.c``; AVX2, VNNI where present):
   activations quantized to int8 per group of 32, int8 dot products; 2-3x faster decode steps than torch's
   kernels and a verify pass of 5 rows that costs far less than 5 steps.
 * ``"torch"`` (CPU without the kernel): torch's packed kernels ``aten._weight_int8pack_mm`` and
