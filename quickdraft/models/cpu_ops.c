@@ -195,7 +195,9 @@ int qd_attend(const void *q, long q_stride, int bf16, int R, const int64_t *rows
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* rows m0 .. m0 + TILE - 1 times weight rows wrow, wrow + K, .. (COLS of them); TILE and COLS are constants after
  * inlining. */
-static inline __attribute__((always_inline)) void bf16_tile(int TILE, int COLS, const uint16_t *x, int K, int m0,
+typedef uint16_t x_elem; /* x as given */
+
+static inline __attribute__((always_inline)) void bf16_tile(int TILE, int COLS, const x_elem *x, int ldx, int K, int m0,
                                                              const uint16_t *wrow, float out[BF16_COLS][BF16_ROW_TILE]) {
     __m512 acc[BF16_COLS][BF16_ROW_TILE];
     for (int c = 0; c < COLS; c++)
@@ -209,7 +211,7 @@ static inline __attribute__((always_inline)) void bf16_tile(int TILE, int COLS, 
             wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wc);
         }
         for (int r = 0; r < TILE; r++) {
-            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (size_t)(m0 + r) * K + k);
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (size_t)(m0 + r) * ldx + k);
             for (int c = 0; c < COLS; c++) acc[c][r] = _mm512_dpbf16_ps(acc[c][r], xv, wv[c]);
         }
     }
@@ -224,29 +226,23 @@ static inline __m256 bf16x8_tail(const uint16_t *p, int n) {
     return bf16x8(buf);
 }
 
-static inline __attribute__((always_inline)) void bf16_tile(int TILE, int COLS, const uint16_t *x, int K, int m0,
+typedef float x_elem; /* x converted to float32 once per call (exact), rows padded to a multiple of 8 with zeros */
+
+static inline __attribute__((always_inline)) void bf16_tile(int TILE, int COLS, const x_elem *x, int ldx, int K, int m0,
                                                              const uint16_t *wrow, float out[BF16_COLS][BF16_ROW_TILE]) {
     __m256 acc[BF16_COLS][BF16_ROW_TILE];
     for (int c = 0; c < COLS; c++)
         for (int r = 0; r < TILE; r++) acc[c][r] = _mm256_setzero_ps();
     const int body = K / 8 * 8;
-    for (int k = 0; k < body; k += 8) {
+    for (int k = 0; k < ldx; k += 8) {
         __m256 wv[BF16_COLS];
         for (int c = 0; c < COLS; c++) {
             const uint16_t *wc = wrow + (size_t)c * K + k;
             if (k % 32 == 0) _mm_prefetch((const char *)wc + BF16_PREFETCH, _MM_HINT_T0);
-            wv[c] = bf16x8(wc);
+            wv[c] = k < body ? bf16x8(wc) : bf16x8_tail(wc, K - body);
         }
         for (int r = 0; r < TILE; r++) {
-            const __m256 xv = bf16x8(x + (size_t)(m0 + r) * K + k);
-            for (int c = 0; c < COLS; c++) acc[c][r] = _mm256_fmadd_ps(xv, wv[c], acc[c][r]);
-        }
-    }
-    if (body < K) {
-        __m256 wv[BF16_COLS];
-        for (int c = 0; c < COLS; c++) wv[c] = bf16x8_tail(wrow + (size_t)c * K + body, K - body);
-        for (int r = 0; r < TILE; r++) {
-            const __m256 xv = bf16x8_tail(x + (size_t)(m0 + r) * K + body, K - body);
+            const __m256 xv = _mm256_load_ps(x + (size_t)(m0 + r) * ldx + k);
             for (int c = 0; c < COLS; c++) acc[c][r] = _mm256_fmadd_ps(xv, wv[c], acc[c][r]);
         }
     }
@@ -255,9 +251,21 @@ static inline __attribute__((always_inline)) void bf16_tile(int TILE, int COLS, 
 }
 #endif
 
-int qd_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, const float *bias, uint16_t *y) {
+int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int N, const float *bias, uint16_t *y) {
     if (M < 0 || K <= 0 || N <= 0) return -2;
     const int ntasks = (N + BF16_COLS_PER_TASK - 1) / BF16_COLS_PER_TASK;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    const x_elem *x = x_bf16;
+    const int ldx = K;
+#else
+    /* AVX2: converting x once (not once per tile of weight rows) halves the instructions of a multi-row call */
+    const int ldx = (K + 7) / 8 * 8;
+    float *x = aligned_alloc(32, (size_t)(M > 0 ? M : 1) * ldx * sizeof(float));
+    if (!x) return -1;
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < ldx; k++) x[(size_t)m * ldx + k] = k < K ? ld(x_bf16, 1, (size_t)m * K + k) : 0.f;
+#endif
 #pragma omp parallel for schedule(static)
     for (int task = 0; task < ntasks; task++) {
         const int n0 = task * BF16_COLS_PER_TASK;
@@ -269,7 +277,7 @@ int qd_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, co
                 const int cols = n1 - n < step ? n1 - n : step;
                 float out[BF16_COLS][BF16_ROW_TILE] = {{0}};
                 const uint16_t *wrow = w + (size_t)n * K;
-#define BF16_CASE(T, C) case T: bf16_tile(T, C, x, K, m0, wrow, out); break;
+#define BF16_CASE(T, C) case T: bf16_tile(T, C, x, ldx, K, m0, wrow, out); break;
 #define BF16_ROWS(C) switch (rows) { BF16_CASE(6, C) BF16_CASE(5, C) BF16_CASE(4, C) BF16_CASE(3, C) BF16_CASE(2, C) \
                                      default: BF16_CASE(1, C) }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -282,10 +290,10 @@ int qd_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, co
 #else
                 if (rows == 1) {
                     switch (cols) {
-                        case 4: bf16_tile(1, 4, x, K, m0, wrow, out); break;
-                        case 3: bf16_tile(1, 3, x, K, m0, wrow, out); break;
-                        case 2: bf16_tile(1, 2, x, K, m0, wrow, out); break;
-                        default: bf16_tile(1, 1, x, K, m0, wrow, out); break;
+                        case 4: bf16_tile(1, 4, x, ldx, K, m0, wrow, out); break;
+                        case 3: bf16_tile(1, 3, x, ldx, K, m0, wrow, out); break;
+                        case 2: bf16_tile(1, 2, x, ldx, K, m0, wrow, out); break;
+                        default: bf16_tile(1, 1, x, ldx, K, m0, wrow, out); break;
                     }
                 } else if (cols == 2) {
                     BF16_ROWS(2)
@@ -300,5 +308,8 @@ int qd_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, co
             }
         }
     }
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+    free(x);
+#endif
     return 0;
 }
