@@ -38,31 +38,48 @@ def chat_ids(llm: LLM, text: str) -> list[int]:
     return llm.chat_prompt([{"role": "user", "content": text}])
 
 
-def run_ours(name: str, kwargs: dict, target: str, dtype: str, prompts, tokens: int, k) -> list[dict]:
+def load_ours(name: str, kwargs: dict, target: str, dtype: str, k) -> LLM:
     llm = LLM(target, dtype=dtype, num_speculative_tokens=k if name != "plain" else "auto", **kwargs)
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     llm.generate([chat_ids(llm, "hi")], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    return llm
+
+
+def run_ours(llm: LLM, name: str, category: str, text: str, tokens: int) -> dict:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    ids = chat_ids(llm, text)
+    llm.reset_prefix_cache()  # plain is reused across configs: it must compute every prompt again, as they do
+    t0 = time.perf_counter()
+    out = llm.generate([ids], params)[0]
+    seconds = time.perf_counter() - t0
+    spec = out.metrics.spec
+    row = {"config": name, "category": category, "tok_s": len(out.token_ids) / seconds,
+           "token_ids": out.token_ids, "rounds": spec.rounds, "draft_tokens": spec.draft_tokens,
+           "accepted_tokens": spec.accepted_tokens, "drafting_rounds": spec.drafting_rounds,
+           "run_ahead_rounds": spec.run_ahead_rounds, "generated": len(out.token_ids)}
+    ahead = (f"  run-ahead {spec.run_ahead_rounds / spec.drafting_rounds:5.1%} of rounds"
+             if name.endswith("-runahead") and spec.drafting_rounds else "")
+    print(f"  {name:<14} {category:<16} {row['tok_s']:6.2f} tok/s  acceptance "
+          f"{spec.acceptance_rate:5.1%}  mean accepted {spec.mean_accepted_length:4.2f}{ahead}", flush=True)
+    return row
+
+
+def run_paired(name: str, plain: LLM, run_one, prompts, tokens: int) -> list[dict]:
+    """Each prompt runs on plain decoding and then on ``name``, back to back.
+
+    This machine's memory bandwidth drifts by tens of percent over minutes, so a ratio is taken only between
+    runs seconds apart: every config gets its own plain runs (kept loaded for the whole benchmark)."""
     rows = []
-    for category, text in prompts:
-        ids = chat_ids(llm, text)
-        t0 = time.perf_counter()
-        out = llm.generate([ids], params)[0]
-        seconds = time.perf_counter() - t0
-        spec = out.metrics.spec
-        rows.append({"config": name, "category": category, "tok_s": len(out.token_ids) / seconds,
-                     "token_ids": out.token_ids, "rounds": spec.rounds, "draft_tokens": spec.draft_tokens,
-                     "accepted_tokens": spec.accepted_tokens, "drafting_rounds": spec.drafting_rounds,
-                     "run_ahead_rounds": spec.run_ahead_rounds, "generated": len(out.token_ids)})
-        ahead = (f"  run-ahead {spec.run_ahead_rounds / spec.drafting_rounds:5.1%} of rounds"
-                 if kwargs.get("run_ahead") and spec.drafting_rounds else "")
-        print(f"  {name:<14} {category:<16} {rows[-1]['tok_s']:6.2f} tok/s  acceptance "
-              f"{spec.acceptance_rate:5.1%}  mean accepted {spec.mean_accepted_length:4.2f}{ahead}", flush=True)
-    del llm
-    gc.collect()
+    for i, (category, text) in enumerate(prompts):
+        base = run_ours(plain, "plain", category, text, tokens)
+        row = run_one(category, text)
+        base["pair"], row["pair"], base["prompt"], row["prompt"] = name, name, i, i
+        row["plain_tok_s"], row["plain_ids"] = base["tok_s"], base["token_ids"]
+        rows += [base, row]
     return rows
 
 
-def run_hf(name: str, target: str, draft: str, dtype: str, prompts, tokens: int) -> list[dict]:
+def load_hf(name: str, target: str, draft: str, dtype: str, tokens: int):
+    """HF transformers on the same GGUF weights; returns a function that times one prompt."""
     import transformers
     tpath = resolve_model(target)
     torch_dtype = getattr(torch, dtype)
@@ -76,37 +93,38 @@ def run_hf(name: str, target: str, draft: str, dtype: str, prompts, tokens: int)
             dpath.parent, gguf_file=dpath.name, dtype=torch_dtype).eval()
     elif name == "hf-lookup":
         extra["prompt_lookup_num_tokens"] = 10
-    rows = []
-    with torch.inference_mode():
-        for category, text in prompts:
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)
+
+    def run_one(category: str, text: str) -> dict:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)
+        with torch.inference_mode():
             t0 = time.perf_counter()
             out = model.generate(**ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                                  pad_token_id=tok.eos_token_id, **extra)
             seconds = time.perf_counter() - t0
-            new = out[0, ids["input_ids"].shape[1]:].tolist()
-            rows.append({"config": name, "category": category, "tok_s": len(new) / seconds, "token_ids": new})
-            print(f"  {name:<9} {category:<16} {rows[-1]['tok_s']:6.2f} tok/s", flush=True)
-    del model, extra
-    gc.collect()
-    return rows
+        new = out[0, ids["input_ids"].shape[1]:].tolist()
+        print(f"  {name:<14} {category:<16} {len(new) / seconds:6.2f} tok/s", flush=True)
+        return {"config": name, "category": category, "tok_s": len(new) / seconds, "token_ids": new}
+
+    return run_one
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    plain = {(r["category"], i): r for i, r in enumerate(x for x in rows if x["config"] == "plain")}
-    plain_by_cat = defaultdict(list)
-    for r in rows:
-        if r["config"] == "plain":
-            plain_by_cat[r["category"]].append(r)
+    """Mean tok/s per (config, category); a config's speed-up is against its own paired plain runs."""
     groups = defaultdict(list)
     for r in rows:
         groups[(r["config"], r["category"])].append(r)
     out = []
     for (config, category), rs in groups.items():
         tok_s = sum(r["tok_s"] for r in rs) / len(rs)
-        base = sum(r["tok_s"] for r in plain_by_cat[category]) / len(plain_by_cat[category])
-        same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(rs, plain_by_cat[category]))
+        if config == "plain":
+            base = tok_s  # the same prompt's plain runs must agree with each other: plain decoding is deterministic
+            first = {}
+            same = sum(first.setdefault(r["prompt"], r["token_ids"]) == r["token_ids"] for r in rs)
+            same = f"{same}/{len(rs)}"
+        else:
+            base = sum(r["plain_tok_s"] for r in rs) / len(rs)
+            same = f"{sum(r['token_ids'] == r['plain_ids'] for r in rs)}/{len(rs)}"
         spec = SpecMetrics(rounds=sum(r.get("rounds", 0) for r in rs),
                            draft_tokens=sum(r.get("draft_tokens", 0) for r in rs),
                            accepted_tokens=sum(r.get("accepted_tokens", 0) for r in rs),
@@ -114,7 +132,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                            generated_tokens=sum(r.get("generated", 0) for r in rs),
                            run_ahead_rounds=sum(r.get("run_ahead_rounds", 0) for r in rs))
         out.append({"config": config, "category": category, "prompts": len(rs), "tok_s": tok_s,
-                    "speedup_vs_plain": tok_s / base, "identical_to_plain": f"{same}/{len(rs)}",
+                    "plain_tok_s": base, "speedup_vs_plain": tok_s / base, "identical_to_plain": same,
                     "acceptance": spec.acceptance_rate if spec.draft_tokens else None,
                     "mean_accepted": spec.mean_accepted_length if spec.draft_tokens else None,
                     "tokens_per_pass": spec.tokens_per_pass if spec.rounds else None,
@@ -162,20 +180,28 @@ def main() -> None:
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}; target {args.target}, "
           f"draft {args.draft} ({args.draft_weights}), {args.dtype}, {len(prompts)} prompts, {args.tokens} new tokens, k={args.k}")
+    plain = load_ours("plain", {}, args.target, args.dtype, k)
     rows = []
     for name in args.configs.split(","):
+        if name == "plain":
+            continue  # every other config runs with its own plain runs (run_paired)
         if name in OURS:
             kwargs = OURS[name] if OURS[name] is not None else {
                 "draft": args.draft, "run_ahead": name == "draft-runahead",
                 "draft_weights": args.dtype if name == "draft-float" else args.draft_weights}
-            rows += run_ours(name, kwargs, args.target, args.dtype, prompts, args.tokens, k)
+            llm = load_ours(name, kwargs, args.target, args.dtype, k)
+            rows += run_paired(name, plain, lambda c, t: run_ours(llm, name, c, t, args.tokens), prompts, args.tokens)
+            del llm
         else:
-            rows += run_hf(name, args.target, args.draft, args.dtype, prompts, args.tokens)
+            run_one = load_hf(name, args.target, args.draft, args.dtype, args.tokens)
+            rows += run_paired(name, plain, run_one, prompts, args.tokens)
+            del run_one
+        gc.collect()
     summary = summarize(rows)
-    print("\n" + table(summary, ["category", "config", "prompts", "tok_s", "speedup_vs_plain", "identical_to_plain",
+    print("\n" + table(summary, ["category", "config", "prompts", "tok_s", "plain_tok_s", "speedup_vs_plain", "identical_to_plain",
                                  "acceptance", "mean_accepted", "tokens_per_pass", "run_ahead"]))
     path = save("speculative", {"machine": info, "args": vars(args), "summary": summary,
-                                "runs": [{k2: v for k2, v in r.items() if k2 != "token_ids"} for r in rows]})
+                                "runs": [{k2: v for k2, v in r.items() if k2 not in ("token_ids", "plain_ids")} for r in rows]})
     chart(summary, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
 

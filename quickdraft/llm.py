@@ -224,6 +224,14 @@ class LLM:
         else:
             self.engine.cancel(request_id)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix no request is using (as vLLM's ``LLM.reset_prefix_cache``), in the target's
+        and the draft's pools: the next request with the same prompt computes it again. Benchmarks call it so that a
+        repeated prompt costs what a new one does."""
+        for runner in (self.target, getattr(self.drafter, "runner", None)):
+            if runner is not None:
+                runner.allocator.reset_prefix_cache()
+
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
              ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages

@@ -43,6 +43,22 @@ def test_batch_of_16_mixed_requests_equals_alone(target, tiny_dir, spec):
     assert llm.target.allocator.num_used == 0
 
 
+
+def test_reset_prefix_cache_recomputes_prompts_in_target_and_draft(target, tiny_dir):
+    llm = LLM(str(target), dtype="float32", block_size=8, draft=str(tiny_dir(arch="llama", vocab_size=64, seed=4)),
+              num_speculative_tokens=2)
+    shared = prompts(64, 1, seed=6)[0] * 2
+    first = llm.generate([shared], GREEDY)[0]
+    draft_pool = llm.drafter.runner.allocator
+    draft_hits = draft_pool.prefix_hit_blocks
+    llm.reset_prefix_cache()
+    again = llm.generate([shared], GREEDY)[0]
+    assert again.token_ids == first.token_ids
+    assert llm.engine.prefix_cache_hits == 0 and draft_pool.prefix_hit_blocks == draft_hits
+    assert llm.target.allocator.num_used == 0
+    llm.generate([shared], GREEDY)  # without a reset the cache serves the prompt again
+    assert llm.engine.prefix_cache_hits > 0
+
 def test_chunked_prefill_equals_one_pass(target):
     long_prompt = prompts(64, 1, seed=3)[0] * 6
     whole = LLM(str(target), dtype="float32", max_num_batched_tokens=4096).generate([long_prompt], GREEDY)[0]

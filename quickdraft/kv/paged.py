@@ -111,6 +111,12 @@ class BlockAllocator:
         if digest is not None and self._block_of.get(digest) == block:
             del self._block_of[digest]
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached content of every free block; blocks in use keep theirs (their sequences still share
+        them)."""
+        for block in [b for b in self._hash_of if self.ref_counts[b] == 0]:
+            self.forget(block)
+
 
 @dataclass
 class SequenceKV:
