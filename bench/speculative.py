@@ -6,6 +6,9 @@ Usage: python bench/speculative.py [--target qwen2.5-coder-1.5b] [--draft qwen2.
 Sample: the first --humaneval public HumanEval prompts and the first --per-category public Spec-Bench prompts
 of each category (first turn). Greedy; tokens/s is the whole generate call (prefill included) divided by
 new tokens, for ours and HF's alike. Every speculative run is checked token for token against plain.
+Each config runs prompt by prompt right after a plain run of the same prompt (one plain LLM stays loaded, its
+prefix cache reset before every run), and its speed-up is against those plain runs: this machine's memory
+bandwidth drifts by tens of percent over minutes, so only runs seconds apart are compared.
 draft-runahead / self-runahead are draft / self with run_ahead=True (the draft drafts the next round while the
 target verifies); `run_ahead` is the fraction of drafting rounds whose proposal began with run-ahead tokens.
 draft / draft-runahead run the draft in --draft-weights (default auto: int4 on CPU); draft-float runs it in
