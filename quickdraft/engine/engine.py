@@ -17,7 +17,7 @@ import torch
 
 from quickdraft.engine.outputs import SpecMetrics, StreamChunk
 from quickdraft.engine.scheduler import Scheduler, SchedulerConfig
-from quickdraft.engine.sequence import CarriedState, Sequence, Status
+from quickdraft.engine.sequence import CarriedState, Sequence, SpeculationState, Status
 from quickdraft.errors import InvalidParameterError, PromptTooLongError
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
 from quickdraft.sampling import LogitsProcessor, SamplingParams
@@ -72,6 +72,9 @@ class LLMEngine:
                                                 seeded_cost=CostModel.from_weight_bytes(
                                                     weight_bytes(target.model), drafter_bytes(drafter)))
         self.stats = SpecMetrics()
+        # the drafter's acceptance over recent rounds of every sequence: an unseeded request starts from it, so a
+        # drafter that rarely hits (self-speculation on an untrained model) is not paid a prompt catch-up per request
+        self.pooled = SpeculationState()
         self._ids = itertools.count()
         self._groups: dict[str, list[Sequence]] = {}
         self._forks: dict[str, list[Sequence]] = {}
@@ -114,6 +117,8 @@ class LLMEngine:
                            processor=LogitsProcessor(params, prompt_ids, self.target.vocab_size),
                            generator=make_generator(seed, "cpu"), max_model_len=self.config.max_model_len)
             seq.kv["target"] = SequenceKV()
+            if seed is None:  # a seeded request's plan may not depend on earlier requests: it keeps the fixed prior
+                seq.spec = self.pooled.as_prior()
             if carried is not None:
                 carried.apply(seq)
             seqs.append(seq)
@@ -288,6 +293,7 @@ class LLMEngine:
         seq.metrics.spec.add(round_stats)
         self.stats.add(round_stats)
         seq.spec.record(len(drafted), accepted)
+        self.pooled.record(len(drafted), accepted, decay=0.99)
         self.target.truncate(seq.kv["target"], seq.num_tokens - 1)
         if self.drafter is not None:
             self.drafter.rewind(seq)

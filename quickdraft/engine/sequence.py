@@ -37,6 +37,12 @@ class SpeculationState:
         self.accepted = self.accepted * decay + accepted
         self.rejected = self.rejected * decay + (1 if accepted < drafted else 0)
 
+    def as_prior(self, weight: float = 4.0) -> "SpeculationState":
+        """A new sequence's starting state with this state's acceptance and the weight of the default prior (so
+        a few rounds of its own outweigh it)."""
+        a = self.acceptance
+        return SpeculationState(accepted=weight * a, rejected=weight * (1.0 - a))
+
 
 @dataclass
 class CarriedState:

@@ -5,7 +5,9 @@ Expected tokens from a round with k drafts at per-token acceptance a is
 tokens per second of the whole step, using measured costs at the current
 batch size, so speculation switches itself off where verification costs more
 than it returns (quantized weights on CPU, big batches) and comes back, after
-a probe, when it pays again.
+a probe, when it pays again. A probe drafts one token and first makes the draft
+catch up on what was generated without it, so probes are made only while their
+cost stays within ``probe_budget`` of the sequence's decoding time.
 
 With a run-ahead drafter, a round that accepts all k drafts and whose bonus
 token the draft guessed (probability about a^(k+1)) starts its next proposal
@@ -48,6 +50,7 @@ class SpeculationController:
     max_k: int = 8
     fixed_k: int | None = None  # a fixed k disables adaptation
     probe_every: int = 16  # rounds a switched-off sequence waits before drafting one probe token
+    probe_budget: float = 0.02  # most a switched-off sequence's probes may cost, as a share of its decoding time
     draft_is_free: bool = False  # n-gram lookup: no draft model to pay for
     seeded_cost: CostModel | None = None  # deterministic plan for seeded requests (see CostModel.from_weight_bytes)
 
@@ -83,12 +86,27 @@ class SpeculationController:
         for i, s in enumerate(seqs):
             if own[i] == 0 and i not in held:
                 s.spec.rounds_off += 1
-                if s.spec.rounds_off >= self.probe_every:
+                cost = self.seeded_cost if seeded[i] else self.cost
+                lag = catch_up[i] if catch_up is not None else 0
+                if s.spec.rounds_off >= self.probe_every and self._probe_pays(cost, lag, s.spec.rounds_off):
                     s.spec.rounds_off = 0
                     best_ks[i] = 1
             else:
                 s.spec.rounds_off = 0
         return best_ks
+
+    def _probe_pays(self, cost: CostModel, catch_up: int, rounds_off: int) -> bool:
+        """A probe (one drafted token) costs a verify row, a draft step and the draft's catch-up on the tokens
+        generated since the sequence stopped drafting (priced as in ``_repays``); it is made only while that stays
+        within ``probe_budget`` of the time those ``rounds_off`` plain steps took, so probing a drafter that
+        rarely hits never costs a sequence more than that share."""
+        step = cost.target(1)
+        if step <= 0:
+            return True
+        price = cost.target(2) - step
+        if not self.draft_is_free:
+            price += cost.draft(1) + (cost.target(catch_up) * cost.draft(1) / step if catch_up > 1 else 0.0)
+        return price <= self.probe_budget * rounds_off * step
 
     def _repays(self, acceptance: float, k: int, catch_up: int, remaining: int) -> bool:
         """Drafting ``k`` per round saves more over ``remaining`` tokens than the draft's catch-up costs (priced

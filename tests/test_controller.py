@@ -1,0 +1,84 @@
+"""The adaptive controller's probes and the engine's acceptance prior: what exploration a drafter that rarely hits
+may cost."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.engine.sequence import SpeculationState
+from quickdraft.speculative.controller import SpeculationController
+from quickdraft.speculative.cost import CostModel
+
+
+@dataclass
+class Seq:
+    spec: SpeculationState = field(default_factory=lambda: SpeculationState(accepted=0.0, rejected=10.0))
+    params: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(seed=None))
+
+
+def costs(step: float = 0.1, per_token: float = 0.01, draft: float = 0.01) -> CostModel:
+    """A target pass of n tokens costs step + per_token * (n - 1); a draft step costs ``draft``."""
+    model = CostModel()
+    for n in range(1, 2049):
+        model.target.record(n, step + per_token * (n - 1))
+    model.draft.record(1, draft)
+    return model
+
+
+def first_probe(controller: SpeculationController, lag_before: int, rounds: int = 3000) -> int | None:
+    """Rounds a never-accepting sequence waits for its first probe; its draft cache lags ``lag_before`` tokens plus
+    one per round without drafting."""
+    seq = Seq()
+    for r in range(1, rounds + 1):
+        if controller.choose([seq], 1, catch_up=[lag_before + r], remaining=[10 ** 6])[0]:
+            return r
+    return None
+
+
+def test_cheap_probes_keep_their_schedule():
+    # a verify row, a draft step and a ~16-token catch-up at draft speed cost ~0.0066 s: within 2% of 16 steps
+    cheap = SpeculationController(costs(per_token=0.002, draft=0.002), probe_every=16)
+    assert first_probe(cheap, lag_before=0) == 16
+    ngram = SpeculationController(costs(), probe_every=16, draft_is_free=True)  # a probe costs one verify row
+    assert first_probe(ngram, lag_before=1000) == 16
+
+
+def test_a_probe_waits_until_its_catch_up_fits_the_budget():
+    # the draft cache lags a whole prompt (500 tokens): its catch-up (~0.53 s) is repaid by 2% of ~530 plain steps
+    waited = first_probe(SpeculationController(costs(), probe_every=16), lag_before=500)
+    assert waited is not None and 400 < waited < 700
+    # a catch-up that grows faster than the budget (each round adds more catch-up than 2% of a step): no probe
+    assert first_probe(SpeculationController(costs(per_token=0.05, draft=0.05), probe_every=16), lag_before=0) is None
+
+
+def test_seeded_probes_use_the_deterministic_cost():
+    # the measured cost would never let this sequence probe (previous test); a seeded one plans with the
+    # byte-count model, independent of timings, and probes on schedule
+    controller = SpeculationController(costs(per_token=0.05, draft=0.05), probe_every=16,
+                                       seeded_cost=CostModel.from_weight_bytes(100, 10))
+    seeded = Seq(params=SimpleNamespace(seed=7))
+    probes = [r for r in range(1, 50) if controller.choose([seeded], 1, catch_up=[r], remaining=[10 ** 6])[0]]
+    assert probes == [16, 32, 48]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir):
+    return tiny_dir(arch="qwen2", vocab_size=64, layers=3), tiny_dir(arch="llama", vocab_size=64, seed=4)
+
+
+def test_new_requests_start_from_the_drafters_measured_acceptance(pair):
+    target, poor_draft = pair
+    llm = LLM(str(target), dtype="float32", draft=str(poor_draft), num_speculative_tokens=3)
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    llm.generate([[1, 2, 3, 4, 5], [9, 8, 7, 6]], greedy)
+    pooled = llm.engine.pooled.acceptance
+    assert pooled < 0.5  # a random draft of another seed rarely matches
+    fresh = llm.engine.add_request([3, 4, 5], greedy)
+    assert llm.engine.sequences(fresh)[0].spec.acceptance == pytest.approx(pooled)
+    seeded = llm.engine.add_request([3, 4, 5], SamplingParams(max_tokens=4, temperature=0.8, seed=3))
+    assert llm.engine.sequences(seeded)[0].spec.acceptance == SpeculationState().acceptance
+    for rid in (fresh, seeded):
+        llm.engine.abort(rid)
