@@ -200,13 +200,20 @@ def main() -> None:
             rows += run_paired(name, plain, run_one, prompts, args.tokens)
             del run_one
         gc.collect()
+        report(rows, info, args, final=False)  # results so far survive a run stopped part-way
+    report(rows, info, args, final=True)
+
+
+def report(rows: list[dict], info: dict, args: argparse.Namespace, final: bool) -> None:
     summary = summarize(rows)
-    print("\n" + table(summary, ["category", "config", "prompts", "tok_s", "plain_tok_s", "speedup_vs_plain", "identical_to_plain",
-                                 "acceptance", "mean_accepted", "tokens_per_pass", "run_ahead"]))
-    path = save("speculative", {"machine": info, "args": vars(args), "summary": summary,
+    if final:
+        print("\n" + table(summary, ["category", "config", "prompts", "tok_s", "plain_tok_s", "speedup_vs_plain",
+                                     "identical_to_plain", "acceptance", "mean_accepted", "tokens_per_pass", "run_ahead"]))
+    path = save("speculative", {"machine": info, "args": vars(args), "complete": final, "summary": summary,
                                 "runs": [{k2: v for k2, v in r.items() if k2 not in ("token_ids", "plain_ids")} for r in rows]})
     chart(summary, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    if final:
+        print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
