@@ -167,15 +167,10 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     return x
 
 
-def has_bf16_linear() -> bool:
-    """``linear_bf16`` runs here (the library is built: AVX512-BF16 pair products where the CPU has them, else
-    AVX2 fma)."""
-    return available()
-
-
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K].T (+ bias float32 [N])``, all bfloat16 but the bias, float32 sums; each output row
-    computed on its own (bit-identical whatever M)."""
+    """``x [M, K] @ weight[N, K].T (+ bias float32 [N])``, all bfloat16 but the bias, float32 sums (of AVX512-BF16
+    pair products where the CPU has them, else of AVX2 fma); each output row computed on its own (bit-identical
+    whatever M)."""
     x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]

@@ -6,7 +6,8 @@ bfloat16).
   (of AVX512-BF16 pair products where the CPU has them, else of exact float32 products by AVX2 fma). On a 2-core
   Zen 4 Qwen2.5-Coder-1.5B decodes at 18.5 tok/s, 76% of the measured bandwidth limit, against 6.0 tok/s (36%)
   with oneDNN; verifying 5 tokens costs ~1.2x a one-token step. On a 2-core Zen 3 (AVX2 only, where oneDNN has
-  no bfloat16 at all) a 1-row call of the 151936x1536 LM head streams 18 GB/s of the 24 GB/s measured. oneDNN is ~1.5x faster for long prompt chunks (it is a tuned GEMM), but one kernel for every
+  no bfloat16 at all) a 1-row call of the 151936x1536 LM head streams 18 GB/s of the 24 GB/s measured. oneDNN is
+  ~1.5x faster for long prompt chunks (it is a tuned GEMM), but one kernel for every
   row keeps a token's result independent of what else is in the call.
 * Otherwise oneDNN (facts checked on torch 2.13, 2-core AVX512-BF16 EPYC, see tests/test_packed.py):
   ``mkldnn._linear_pointwise`` computes each output row independently of the other rows of the call as long
@@ -32,7 +33,7 @@ def packing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     supports bfloat16 on this CPU, float32 with oneDNN."""
     if torch.device(device).type != "cpu":
         return False
-    if dtype == torch.bfloat16 and native.has_bf16_linear():
+    if dtype == torch.bfloat16 and native.available():
         return True
     if not torch.backends.mkldnn.is_available():
         return False
@@ -54,7 +55,7 @@ class PackedLinear(nn.Module):
             raise ValueError(f"PackedLinear needs a 2-D float32/bfloat16 CPU weight with oneDNN available, "
                              f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
         self.out_features, self.in_features = weight.shape
-        self.backend = "native" if weight.dtype == torch.bfloat16 and native.has_bf16_linear() else "onednn"
+        self.backend = "native" if weight.dtype == torch.bfloat16 and native.available() else "onednn"
         if self.backend == "native":
             self.register_buffer("weight_packed", weight.detach().contiguous())
             self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())

@@ -97,7 +97,7 @@ class SpeculationController:
 
     def _probe_pays(self, cost: CostModel, catch_up: int, rounds_off: int) -> bool:
         """A probe (one drafted token) costs a verify row, a draft step and the draft's catch-up on the tokens
-        generated since the sequence stopped drafting (priced as in ``_repays``); it is made only while that stays
+        generated since the sequence stopped drafting; it is made only while that stays
         within ``probe_budget`` of the time those ``rounds_off`` plain steps took, so probing a drafter that
         rarely hits never costs a sequence more than that share."""
         step = cost.target(1)
@@ -105,19 +105,24 @@ class SpeculationController:
             return True
         price = cost.target(2) - step
         if not self.draft_is_free:
-            price += cost.draft(1) + (cost.target(catch_up) * cost.draft(1) / step if catch_up > 1 else 0.0)
+            price += cost.draft(1) + (self._catch_up_cost(cost, catch_up) if catch_up > 1 else 0.0)
         return price <= self.probe_budget * rounds_off * step
 
+    @staticmethod
+    def _catch_up_cost(cost: CostModel, catch_up: int) -> float:
+        """Seconds the draft takes to process ``catch_up`` tokens: a target pass of that many tokens, scaled by the
+        measured draft/target step ratio."""
+        return cost.target(catch_up) * cost.draft(1) / cost.target(1)
+
     def _repays(self, acceptance: float, k: int, catch_up: int, remaining: int) -> bool:
-        """Drafting ``k`` per round saves more over ``remaining`` tokens than the draft's catch-up costs (priced
-        as a target pass of that many tokens, scaled by the measured draft/target step ratio)."""
+        """Drafting ``k`` per round saves more over ``remaining`` tokens than the draft's catch-up costs."""
         if catch_up <= 1:
             return True
         plain = self.cost.target(1)
         if plain <= 0:
             return True
         spec = (self.cost.target(1 + k) + k * self.cost.draft(1)) / expected_tokens(acceptance, k)
-        return remaining * (plain - spec) > self.cost.target(catch_up) * self.cost.draft(1) / plain
+        return remaining * (plain - spec) > self._catch_up_cost(self.cost, catch_up)
 
     def _best_alone(self, acceptance: float, cost: CostModel) -> int:
         """The k this sequence would use on its own (batch of one)."""
