@@ -96,12 +96,23 @@ static inline __m256 exp8(__m256 x) {
 #define MAX_GROUP 16  /* query heads per key/value head */
 #define MAX_DIM 256   /* head_dim */
 
+/* A per-thread float buffer that only grows: kernels called for every token reuse it instead of allocating. */
 typedef struct {
-    float *scores;
+    float *data;
     size_t cap;
 } scratch;
 
-static __thread scratch sc;
+/* At least n floats, 32-byte aligned; NULL when out of memory. */
+static float *reserve_floats(scratch *s, size_t n) {
+    if (n > s->cap) {
+        free(s->data);
+        s->data = aligned_alloc(32, (n * 4 + 31) / 32 * 32);
+        s->cap = s->data ? n : 0;
+    }
+    return s->data;
+}
+
+static __thread scratch sc; /* attention scores */
 
 /* One token's attention per item: item r's query row rows[r] (q: [T][H][D] with row stride q_stride) attends
  * to its first lengths[r] cached positions, whose pool slots are slots[r][0 .. lengths[r]); the caches are
@@ -117,13 +128,8 @@ int qd_attend(const void *q, long q_stride, int bf16, int R, const int64_t *rows
         const int r = task / KVH, kvh = task % KVH;
         const int L = (int)lengths[r];
         if (L <= 0 || L > W) { failed |= 2; continue; } /* bad arguments */
-        const size_t need = (size_t)G * ((L + 7) / 8 * 8);
-        if (need > sc.cap) {
-            free(sc.scores);
-            sc.scores = aligned_alloc(32, need * 4);
-            sc.cap = sc.scores ? need : 0;
-            if (!sc.scores) { failed |= 1; continue; } /* out of memory */
-        }
+        float *scores = reserve_floats(&sc, (size_t)G * ((L + 7) / 8 * 8));
+        if (!scores) { failed |= 1; continue; } /* out of memory */
         const int Lp = (L + 7) / 8 * 8;
         float qf[MAX_GROUP][MAX_DIM] __attribute__((aligned(32)));
         const size_t qrow = (size_t)rows[r] * q_stride;
@@ -138,11 +144,11 @@ int qd_attend(const void *q, long q_stride, int bf16, int R, const int64_t *rows
                 __m256 kv = ld8(k_cache, bf16, kb + d);
                 for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_load_ps(&qf[g][d]), kv, acc[g]);
             }
-            for (int g = 0; g < G; g++) sc.scores[(size_t)g * Lp + j] = hsum(acc[g]);
+            for (int g = 0; g < G; g++) scores[(size_t)g * Lp + j] = hsum(acc[g]);
         }
         float inv_sum[MAX_GROUP];
         for (int g = 0; g < G; g++) {
-            float *s = sc.scores + (size_t)g * Lp;
+            float *s = scores + (size_t)g * Lp;
             for (int j = L; j < Lp; j++) s[j] = -INFINITY;
             __m256 mx = _mm256_set1_ps(-INFINITY);
             for (int j = 0; j < Lp; j += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(s + j));
@@ -158,7 +164,7 @@ int qd_attend(const void *q, long q_stride, int bf16, int R, const int64_t *rows
             inv_sum[g] = 1.f / hsum(sum);
         }
         for (int g = 0; g < G; g++) {
-            const float *p = sc.scores + (size_t)g * Lp;
+            const float *p = scores + (size_t)g * Lp;
             __m256 acc[MAX_DIM / 8];
             for (int d = 0; d < D / 8; d++) acc[d] = _mm256_setzero_ps();
             for (int j = 0; j < L; j++) {
@@ -259,8 +265,9 @@ int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int 
     const int ldx = K;
 #else
     /* AVX2: converting x once (not once per tile of weight rows) halves the instructions of a multi-row call */
+    static __thread scratch x_buf;
     const int ldx = (K + 7) / 8 * 8;
-    float *x = aligned_alloc(32, (size_t)(M > 0 ? M : 1) * ldx * sizeof(float));
+    float *x = reserve_floats(&x_buf, (size_t)(M > 0 ? M : 1) * ldx);
     if (!x) return -1;
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int m = 0; m < M; m++)
@@ -308,8 +315,5 @@ int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int 
             }
         }
     }
-#if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
-    free(x);
-#endif
     return 0;
 }
