@@ -3,6 +3,7 @@
 Usage: python bench/speculative.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b] [--dtype bfloat16]
          [--tokens 128] [--humaneval 3] [--per-category 1]
          [--draft-weights auto] [--configs plain,draft,draft-float,draft-runahead,ngram,self,self-runahead,hf,...]
+         [--categories rag,summarization,...] [--name speculative]
 Sample: the first --humaneval public HumanEval prompts and the first --per-category public Spec-Bench prompts
 of each category (first turn). Greedy; tokens/s is the whole generate call (prefill included) divided by
 new tokens, for ours and HF's alike. Every speculative run is checked token for token against plain.
@@ -176,6 +177,7 @@ def main() -> None:
     ap.add_argument("--k", default="auto")
     ap.add_argument("--draft-weights", default="auto", help="the draft's weight format for draft/draft-runahead")
     ap.add_argument("--configs", default="plain,draft,draft-runahead,ngram,self,self-runahead,hf,hf-assist,hf-lookup")
+    ap.add_argument("--name", default="speculative", help="results file name: bench/results/NAME.{json,png}")
     args = ap.parse_args()
     k = args.k if args.k == "auto" else int(args.k)
     cats = tuple(args.categories.split(",")) if args.categories else None
@@ -209,7 +211,7 @@ def report(rows: list[dict], info: dict, args: argparse.Namespace, final: bool) 
     if final:
         print("\n" + table(summary, ["category", "config", "prompts", "tok_s", "plain_tok_s", "speedup_vs_plain",
                                      "identical_to_plain", "acceptance", "mean_accepted", "tokens_per_pass", "run_ahead"]))
-    path = save("speculative", {"machine": info, "args": vars(args), "complete": final, "summary": summary,
+    path = save(args.name, {"machine": info, "args": vars(args), "complete": final, "summary": summary,
                                 "runs": [{k2: v for k2, v in r.items() if k2 not in ("token_ids", "plain_ids")} for r in rows]})
     chart(summary, path.with_suffix(".png"))
     if final:
