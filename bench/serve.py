@@ -8,7 +8,9 @@ Sample (fixed, stated): the first turn of Spec-Bench records (``spec_bench.publi
 over its six tasks (mt_bench, translation, summarization, qa, math_reasoning, rag; each task ordered by
 question_id): request i is record i // 6 of task i % 6. Every concurrency level sends the same ``--requests``
 requests, greedy (temperature 0), ``--max-tokens`` each, so both modes must produce the same text
-(speculation is exact); the JSON records how many outputs matched.
+(speculation is exact); the JSON records how many outputs matched. The server's prefix cache is reset
+(``POST /reset_prefix_cache``) before each level, so every level computes every prompt: without it, the levels
+after the first found all 16 prompts cached and measured decoding alone.
 
 Definitions (as vLLM's ``bench serve``): TTFT = request start to the first content chunk; TPOT = (latency -
 TTFT) / (output tokens - 1) per request; ITL = gap between consecutive content chunks (one chunk per engine
@@ -299,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             report["results"][mode] = {}
             texts[mode] = {}
             for c in levels:
+                httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
                 before = server.metrics()
                 results, wall = asyncio.run(run_level(server.url, sample, c, args.max_tokens))
                 summary = summarize(results, wall, before, server.metrics())

@@ -82,3 +82,24 @@ def test_new_requests_start_from_the_drafters_measured_acceptance(pair):
     assert llm.engine.sequences(seeded)[0].spec.acceptance == SpeculationState().acceptance
     for rid in (fresh, seeded):
         llm.engine.abort(rid)
+
+
+def test_a_catch_up_is_priced_by_the_drafts_measured_catch_ups():
+    # a sequence that accepts 75% but whose draft cache lags a 700-token prompt, 128 tokens to go
+    seq = Seq(spec=SpeculationState())
+    catch_up, remaining = [700], [128]
+    # priced as a target prefill scaled by the step ratio (0.1 * 7.09 s = 0.71 s), the savings of drafting repay it
+    estimated = SpeculationController(costs())
+    assert estimated.choose([seq], 1, catch_up=catch_up, remaining=remaining)[0] > 0
+    # a measured catch-up of 64 tokens in 0.8 s (a quantized draft's prefill runs far below its step's speed) prices
+    # the 700 tokens at ~8.8 s, more than drafting saves over 128 tokens (~5.2 s): the sequence decodes plainly
+    measured = costs()
+    measured.draft_catch_up.record(64, 0.8)
+    assert SpeculationController(measured).choose([seq], 1, catch_up=catch_up, remaining=remaining)[0] == 0
+
+
+def test_calibration_measures_the_drafts_catch_up(pair):
+    target, poor_draft = pair
+    llm = LLM(str(target), dtype="float32", draft=str(poor_draft))
+    (tokens, seconds), = llm.engine.cost.draft_catch_up.points.items()
+    assert tokens == 64 and seconds > 0

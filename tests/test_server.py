@@ -262,6 +262,22 @@ def test_models_health_metrics(plain):
     assert m["quickdraft_kv_blocks_free"] > 0
 
 
+def test_reset_prefix_cache(spec):
+    """A repeated prompt is served from the prefix cache; after POST /reset_prefix_cache it is computed again."""
+    prompt = words(random.Random(7), 40)
+
+    def hits_of_one_request() -> float:
+        before = spec.metrics()["quickdraft_prefix_cache_hits_total"]
+        spec.client().completions.create(model="tiny-spec", prompt=prompt, max_tokens=2, temperature=0)
+        return spec.wait_idle()["quickdraft_prefix_cache_hits_total"] - before
+
+    hits_of_one_request()
+    assert hits_of_one_request() >= 32  # two full 16-token blocks of the 40-token prompt
+    assert httpx.post(f"{spec.url}/reset_prefix_cache").json() == {"status": "ok"}
+    assert hits_of_one_request() == 0
+    assert spec.wait_idle()["quickdraft_kv_blocks_used"] == 0
+
+
 def test_spec_metrics_count_drafts(spec):
     spec.client().completions.create(model="tiny-spec", prompt="t1 t2 t1 t2 t1 t2", max_tokens=20, temperature=0,
                                      extra_body={"ignore_eos": True})

@@ -256,8 +256,11 @@ class LLMEngine:
         if not any(ks):
             return [Proposal([]) for _ in seqs]
         proposals = self.drafter.propose(seqs, ks)
-        for num_seqs, seconds in getattr(self.drafter, "last_step_costs", ()):  # model drafters' decode steps
-            self.cost.draft.record(num_seqs, seconds)
+        for num_seqs, fed, seconds in getattr(self.drafter, "last_forward_costs", ()):  # model drafters' forwards
+            if fed == num_seqs:
+                self.cost.draft.record(num_seqs, seconds)
+            else:
+                self.cost.draft_catch_up.record(fed, seconds)
         return proposals
 
     @contextlib.contextmanager
@@ -311,12 +314,21 @@ class LLMEngine:
 
     # ---- cost calibration -----------------------------------------------------------------------
     def calibrate(self, context: int = 64, repeats: int = 3) -> None:
-        """Time target passes of 1..k+1 tokens and one draft step, so the controller starts from measurements.
+        """Time target passes of 1..k+1 tokens, one draft step and the draft's catch-up on ``context`` tokens, so
+        the controller starts from measurements.
 
         Each time is the best of ``repeats`` after an untimed pass of the same kind: the first pass through
         weights memory-mapped from the cache pays page faults, and a draft step priced at twice its cost
         would keep speculation off for good (the controller only refines the draft cost while drafting)."""
         probe_params = SamplingParams(max_tokens=self.controller.max_k + 2, temperature=0.0)
+
+        def probe_sequence(ids: list[int]) -> Sequence:
+            seq = Sequence(request_id="calibration", index=0, prompt=None, prompt_ids=ids, params=probe_params,
+                           tokenizer=self.tokenizer, processor=LogitsProcessor(probe_params, ids, self.target.vocab_size),
+                           generator=make_generator(0, "cpu"), max_model_len=self.config.max_model_len)
+            seq.kv["target"] = SequenceKV()
+            return seq
+
         probe_ids = [i % self.target.vocab_size for i in range(1, context + 1)]
         kv = SequenceKV()
         self.target.forward([ForwardItem(kv, probe_ids, 0)])
@@ -328,11 +340,7 @@ class LLMEngine:
                 self.target.truncate(kv, context)
             self.cost.target.record(n, best)
         self.target.free(kv)
-        probe = Sequence(request_id="calibration", index=0, prompt=None, prompt_ids=probe_ids, params=probe_params,
-                         tokenizer=self.tokenizer,
-                         processor=LogitsProcessor(probe_params, probe_ids, self.target.vocab_size),
-                         generator=make_generator(0, "cpu"), max_model_len=self.config.max_model_len)
-        probe.kv["target"] = SequenceKV()
+        probe = probe_sequence(probe_ids)
         self.drafter.propose([probe], [1])  # warm-up, includes the draft's prefill
         probe.token_ids.append(1)
         self.drafter.propose([probe], [1])  # warm-up of the one-token step (the prefill may run other weights)
@@ -344,3 +352,12 @@ class LLMEngine:
             best = min(best, time.perf_counter() - t0)
         self.cost.draft.record(1, best)
         self.drafter.release(probe)
+        if not isinstance(self.drafter, ModelDrafter):
+            return
+        best = float("inf")
+        for r in range(repeats):  # catch-ups on prompts not in the draft's prefix cache
+            fresh = probe_sequence([(i + 1 + r) % self.target.vocab_size for i in probe_ids])
+            self.drafter.propose([fresh], [1])
+            best = min(best, next(s for _, fed, s in self.drafter.last_forward_costs if fed > 1))
+            self.drafter.release(fresh)
+        self.cost.draft_catch_up.record(context, best)

@@ -350,6 +350,13 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None) ->
         stats = await aengine.stats_async() if aengine.alive else aengine.stats()
         return PlainTextResponse(metrics.render(stats), media_type=CONTENT_TYPE)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """Forget cached prompt prefixes (vLLM's endpoint of the same name): benchmarks call it so that a prompt sent
+        again is computed again."""
+        await aengine.reset_prefix_cache()
+        return JSONResponse({"status": "ok"})
+
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "quickdraft",
                 "max_model_len": ctx}

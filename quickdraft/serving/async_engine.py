@@ -348,6 +348,14 @@ class AsyncEngine:
             self._deliver(req.loop, [(req.queue, error)])
 
     # ---- introspection ------------------------------------------------------------------------------
+    async def reset_prefix_cache(self) -> None:
+        """:meth:`LLM.reset_prefix_cache` between two engine steps (off the event loop); running requests keep their
+        blocks."""
+        def locked() -> None:
+            with self._locked():
+                self.llm.reset_prefix_cache()
+        await asyncio.get_running_loop().run_in_executor(None, locked)
+
     async def stats_async(self) -> dict[str, int]:
         """:meth:`stats` read under the engine lock (consistent; waits at most one step, off the event loop)."""
         def locked() -> dict[str, int]:

@@ -110,8 +110,10 @@ class SpeculationController:
 
     @staticmethod
     def _catch_up_cost(cost: CostModel, catch_up: int) -> float:
-        """Seconds the draft takes to process ``catch_up`` tokens: a target pass of that many tokens, scaled by the
-        measured draft/target step ratio."""
+        """Seconds the draft takes to process ``catch_up`` tokens: measured catch-up forwards where there are any,
+        else a target pass of that many tokens scaled by the draft/target step ratio."""
+        if cost.draft_catch_up.points:
+            return cost.draft_catch_up(catch_up)
         return cost.target(catch_up) * cost.draft(1) / cost.target(1)
 
     def _repays(self, acceptance: float, k: int, catch_up: int, remaining: int) -> bool:

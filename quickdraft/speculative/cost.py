@@ -42,6 +42,10 @@ class CostModel:
     def __init__(self) -> None:
         self.target = CostTable()  # seconds of one target forward, by tokens in the batch
         self.draft = CostTable()  # seconds of one draft step, by sequences in the batch
+        # seconds of a draft forward that catches caches up, by tokens fed: a prompt costs the draft what its
+        # prefill costs, which is not the step ratio times the target's prefill (a quantized draft's one-token
+        # step streams its weights at memory speed; a long prefill is bound by the kernel's arithmetic)
+        self.draft_catch_up = CostTable()
         # with a run-ahead drafter: draft tokens past the guess it gets ahead during a target pass (moving
         # average); None without run-ahead
         self.run_ahead_depth: float | None = None
@@ -69,4 +73,5 @@ class CostModel:
 
     def as_dict(self) -> dict[str, dict[int, float]]:
         return {"target_s_by_tokens": dict(sorted(self.target.points.items())),
-                "draft_s_by_seqs": dict(sorted(self.draft.points.items()))}
+                "draft_s_by_seqs": dict(sorted(self.draft.points.items())),
+                "draft_catch_up_s_by_tokens": dict(sorted(self.draft_catch_up.points.items()))}

@@ -117,10 +117,10 @@ class ModelDrafter:
         self.key = f"draft:{runner.name}"
         # set by the engine: a sequence whose request was cancelled gets no further draft forwards (any thread)
         self.cancelled: Callable[[DraftableSequence], bool] = lambda seq: False
-        # (sequences, seconds) of each draft step of the last propose() that fed every sequence one token:
-        # what the cost model learns from (a step that catches a lagging cache up costs more and says nothing
-        # about the next one)
-        self.last_step_costs: list[tuple[int, float]] = []
+        # (sequences, tokens fed, seconds) of each draft forward of the last propose(): what the cost model learns
+        # from, a forward that fed every sequence one token as a draft step, one that caught a cache up (its prompt,
+        # or tokens generated while speculation was off) as the price of a catch-up
+        self.last_forward_costs: list[tuple[int, int, float]] = []
 
     def _kv(self, seq: DraftableSequence) -> SequenceKV:
         return seq.kv.setdefault(self.key, SequenceKV())
@@ -141,16 +141,16 @@ class ModelDrafter:
         return len(seq.token_ids) - 1 - (kv.num_cached if kv is not None else 0)
 
     def propose(self, seqs: Sequence[DraftableSequence], ks: Sequence[int]) -> list[Proposal]:
-        self.last_step_costs = []
-        proposals, _ = self._draft(seqs, ks, timings=self.last_step_costs)
+        self.last_forward_costs = []
+        proposals, _ = self._draft(seqs, ks, timings=self.last_forward_costs)
         return proposals
 
     def _draft(self, seqs: Sequence[DraftableSequence], ks: Sequence[int], starts: Sequence[Proposal] | None = None,
-               stop: Callable[[int], bool] | None = None, timings: list[tuple[int, float]] | None = None
+               stop: Callable[[int], bool] | None = None, timings: list[tuple[int, int, float]] | None = None
                ) -> tuple[list[Proposal], int]:
         """Extend each sequence's draft (``starts``, default empty) to ``ks`` tokens with batched draft forwards,
         each feeding only the tokens the draft cache has not seen. ``stop(steps_done)`` ends drafting early;
-        ``timings`` gets (sequences, seconds) of every step that fed each sequence one token.
+        ``timings`` gets (sequences, tokens fed, seconds) of every forward.
         Returns the proposals (starts included) and the number of forwards run."""
         starts = starts or [Proposal([]) for _ in seqs]
         drafts: list[list[int]] = [list(p.tokens) for p in starts]
@@ -184,8 +184,8 @@ class ModelDrafter:
                     token = int(sample_with_uniforms(q, [u])[0])
                     qs[i].append(q[0])
                 drafts[i].append(token)
-            if timings is not None and all(len(item.tokens) == 1 for item in items):
-                timings.append((len(items), time.perf_counter() - t0))
+            if timings is not None:
+                timings.append((len(items), sum(len(item.tokens) for item in items), time.perf_counter() - t0))
         return [Proposal(d, torch.stack(q) if q else None, reused=start.reused)
                 for d, q, start in zip(drafts, qs, starts)], steps
 
@@ -322,8 +322,8 @@ class RunAheadDrafter(ModelDrafter):
             if kv is not None:  # give back what is not used (run-ahead beyond the proposal, or all of it)
                 self.runner.truncate(kv, min(kv.num_cached, length))
             starts.append(start)
-        self.last_step_costs = []
-        proposals, _ = self._draft(seqs, ks, starts, timings=self.last_step_costs)
+        self.last_forward_costs = []
+        proposals, _ = self._draft(seqs, ks, starts, timings=self.last_forward_costs)
         return proposals
 
     def rewind(self, seq: DraftableSequence) -> None:
