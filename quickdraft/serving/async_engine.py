@@ -20,13 +20,16 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from quickdraft.engine.outputs import StreamChunk
 from quickdraft.errors import InvalidParameterError, QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.serving.metrics import ServerMetrics
+
+T = TypeVar("T")
 
 log = logging.getLogger("quickdraft.serving")
 
@@ -348,20 +351,20 @@ class AsyncEngine:
             self._deliver(req.loop, [(req.queue, error)])
 
     # ---- introspection ------------------------------------------------------------------------------
-    async def reset_prefix_cache(self) -> None:
-        """:meth:`LLM.reset_prefix_cache` between two engine steps (off the event loop); running requests keep their
-        blocks."""
-        def locked() -> None:
+    async def _call_locked(self, fn: Callable[[], T]) -> T:
+        """``fn()`` under the engine lock, in a worker thread (waits at most one step, off the event loop)."""
+        def locked() -> T:
             with self._locked():
-                self.llm.reset_prefix_cache()
-        await asyncio.get_running_loop().run_in_executor(None, locked)
+                return fn()
+        return await asyncio.get_running_loop().run_in_executor(None, locked)
+
+    async def reset_prefix_cache(self) -> None:
+        """:meth:`LLM.reset_prefix_cache` between two engine steps; running requests keep their blocks."""
+        await self._call_locked(self.llm.reset_prefix_cache)
 
     async def stats_async(self) -> dict[str, int]:
-        """:meth:`stats` read under the engine lock (consistent; waits at most one step, off the event loop)."""
-        def locked() -> dict[str, int]:
-            with self._locked():
-                return self.stats()
-        return await asyncio.get_running_loop().run_in_executor(None, locked)
+        """:meth:`stats` read under the engine lock (consistent)."""
+        return await self._call_locked(self.stats)
 
     def stats(self) -> dict[str, int]:
         """Engine gauges and counters for /metrics. Lock-free (plain ints and list lengths), so a value may be
