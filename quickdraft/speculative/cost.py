@@ -43,8 +43,8 @@ class CostModel:
         self.target = CostTable()  # seconds of one target forward, by tokens in the batch
         self.draft = CostTable()  # seconds of one draft step, by sequences in the batch
         # seconds of a draft forward that catches caches up, by tokens fed: a prompt costs the draft what its
-        # prefill costs, which is not the step ratio times the target's prefill (a quantized draft's one-token
-        # step streams its weights at memory speed; a long prefill is bound by the kernel's arithmetic)
+        # prefill costs, which is not the step ratio times the target's prefill (an int4 draft's one-token step
+        # streams its int4 weights at memory speed; a catch-up runs its float model, bound by arithmetic)
         self.draft_catch_up = CostTable()
         # with a run-ahead drafter: draft tokens past the guess it gets ahead during a target pass (moving
         # average); None without run-ahead
