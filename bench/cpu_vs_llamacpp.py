@@ -9,7 +9,9 @@ llama.cpp enters through the PyPI package llama-cpp-python (`pip install llama-c
 llama.cpp for this CPU): plain decoding and its LlamaPromptLookupDecoding drafter. tokens/s = new tokens
 / wall time of the whole call (prefill included) for every configuration; plain configurations are also
 reported against the memory-bandwidth limit of the weights one decode step reads (measured bandwidth / bytes).
-Summaries are given over all prompts and for the HumanEval and Spec-Bench groups apart; JSON and a PNG chart go to
+Every configuration is loaded at start-up and the prompts run in turn through all of them (the first
+configuration rotating from prompt to prompt), so a drift in the machine's speed over minutes, which is tens of
+percent on shared cloud hosts, falls on every configuration alike. Summaries are given over all prompts and for the HumanEval and Spec-Bench groups apart; JSON and a PNG chart go to
 bench/results/cpu_vs_llamacpp.{json,png}.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import gc
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,29 +41,30 @@ def prompt_ids(target: str, texts: list[tuple[str, str]]) -> list[tuple[str, lis
     return out
 
 
-def run_quickdraft(target: str, draft: str, weights: str, mode: str, prompts, tokens: int) -> list[dict]:
+Runner = Callable[[str, list[int]], dict]
+
+
+def quickdraft_runner(target: str, draft: str, weights: str, mode: str, tokens: int) -> Runner:
     kwargs = {"draft": draft} if mode == "draft" else {"speculative": "ngram"} if mode == "ngram" else {}
     llm = LLM(target, weights=weights, **kwargs)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    llm.generate([prompts[0][1][:32]], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
-    nbytes = weight_bytes_per_token(llm.model)
-    rows = []
-    for cat, ids in prompts:
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    config, nbytes = f"{llm.weights}/{mode}", weight_bytes_per_token(llm.model)
+
+    def run(cat: str, ids: list[int]) -> dict:
+        llm.reset_prefix_cache()
         t0 = time.perf_counter()
         out = llm.generate([ids], params)[0]
         sec = time.perf_counter() - t0
         spec = out.metrics.spec
-        rows.append({"engine": "quickdraft", "config": f"{llm.weights}/{mode}", "category": cat,
-                     "tok_s": len(out.token_ids) / sec, "token_ids": out.token_ids, "weight_bytes": nbytes,
-                     "acceptance": spec.acceptance_rate if spec.draft_tokens else None,
-                     "tokens_per_pass": spec.tokens_per_pass})
-        print(f"  quickdraft {rows[-1]['config']:<16} {cat:<14} {rows[-1]['tok_s']:6.2f} tok/s", flush=True)
-    del llm
-    gc.collect()
-    return rows
+        return {"engine": "quickdraft", "config": config, "category": cat, "tok_s": len(out.token_ids) / sec,
+                "token_ids": out.token_ids, "weight_bytes": nbytes,
+                "acceptance": spec.acceptance_rate if spec.draft_tokens else None,
+                "tokens_per_pass": spec.tokens_per_pass}
+    return run
 
 
-def run_llamacpp(target: str, mode: str, prompts, tokens: int, threads: int) -> list[dict]:
+def llamacpp_runner(target: str, mode: str, tokens: int, threads: int) -> Runner:
     from llama_cpp import Llama
     kwargs = {}
     if mode == "lookup":
@@ -69,9 +73,9 @@ def run_llamacpp(target: str, mode: str, prompts, tokens: int, threads: int) -> 
         kwargs["logits_all"] = True  # verifying drafts reads every position's logits (else only n_batch rows fit)
     llm = Llama(str(resolve_model(target)), n_ctx=8192, n_threads=threads, n_threads_batch=threads,
                 verbose=False, **kwargs)
-    llm.create_completion(prompts[0][1][:32], max_tokens=8, temperature=0.0)  # warm-up
-    rows = []
-    for cat, ids in prompts:
+    llm.create_completion([1, 2, 3, 4], max_tokens=8, temperature=0.0)  # warm-up
+
+    def run(cat: str, ids: list[int]) -> dict:
         llm.reset()
         t0 = time.perf_counter()
         out_ids = []
@@ -80,13 +84,10 @@ def run_llamacpp(target: str, mode: str, prompts, tokens: int, threads: int) -> 
             if len(out_ids) >= tokens:
                 break
         sec = time.perf_counter() - t0
-        rows.append({"engine": "llama.cpp", "config": f"Q4_K_M/{mode}", "category": cat,
-                     "tok_s": len(out_ids) / sec, "token_ids": out_ids,
-                     "weight_bytes": resolve_model(target).stat().st_size})  # the whole GGUF: an upper bound
-        print(f"  llama.cpp  {rows[-1]['config']:<16} {cat:<14} {rows[-1]['tok_s']:6.2f} tok/s", flush=True)
-    del llm
-    gc.collect()
-    return rows
+        return {"engine": "llama.cpp", "config": f"Q4_K_M/{mode}", "category": cat, "tok_s": len(out_ids) / sec,
+                "token_ids": out_ids,
+                "weight_bytes": resolve_model(target).stat().st_size}  # the whole GGUF: an upper bound
+    return run
 
 
 def main() -> None:
@@ -108,16 +109,21 @@ def main() -> None:
     prompts = prompt_ids(args.target, texts)
     print(f"machine: {info['cpu']}, {info['cores']} cores, {args.threads} threads; {len(prompts)} prompts, "
           f"{args.tokens} new tokens, greedy; measured read bandwidth {bandwidth:.1f} GB/s")
-    rows = []
+    runners: list[Runner] = []
     try:
         import llama_cpp  # noqa: F401
-        for mode in ("plain", "lookup"):
-            rows += run_llamacpp(args.target, mode, prompts, args.tokens, args.threads)
+        runners += [llamacpp_runner(args.target, mode, args.tokens, args.threads) for mode in ("plain", "lookup")]
     except ImportError:
         print("llama-cpp-python is not installed (pip install llama-cpp-python); reporting quickdraft only")
     for weights in args.weights.split(","):
         for mode in args.modes.split(","):
-            rows += run_quickdraft(args.target, args.draft, weights, mode, prompts, args.tokens)
+            runners.append(quickdraft_runner(args.target, args.draft, weights, mode, args.tokens))
+    rows = []
+    for i, (cat, ids) in enumerate(prompts):  # every configuration on one prompt, then the next prompt
+        for run in runners[i % len(runners):] + runners[:i % len(runners)]:  # each prompt starts one further on
+            rows.append(run(cat, ids))
+            print(f"  {rows[-1]['engine']:<10} {rows[-1]['config']:<16} {cat:<14} {rows[-1]['tok_s']:6.2f} tok/s",
+                  flush=True)
     summary = []
     for group in ("all", "humaneval", "spec-bench"):
         summary += summarize([r for r in rows if group == "all" or (r["category"] == "humaneval") == (group == "humaneval")],

@@ -115,7 +115,7 @@ class LLM:
             draft_model = self._build(self.draft_checkpoint, self.draft_weights,
                                       DRAFT_INT4_OPTIONS if self.draft_weights == "int4" else {}, draft_vocab,
                                       release=not quantized)
-            # a quantized draft keeps float weights too, for prompts and catch-ups (see ModelRunner long_model)
+            # a quantized draft keeps float weights too, for long prompts (see ModelRunner long_model)
             long_model = self._build(self.draft_checkpoint, str(self.dtype).removeprefix("torch."), None,
                                      draft_vocab) if quantized else None
             model_drafter = RunAheadDrafter if run_ahead else ModelDrafter

@@ -38,6 +38,17 @@ def first_probe(controller: SpeculationController, lag_before: int, rounds: int 
     return None
 
 
+def test_speculation_needs_an_expected_gain_of_min_gain():
+    # target step 0.1 s (+0.01 s per extra token), draft step 0.02 s: one drafted token at acceptance a returns
+    # (1 + a) tokens in 0.13 s against 1 token in 0.1 s plainly, an expected speed-up of (1 + a) / 1.3
+    cost = costs(draft=0.02)
+    marginal = Seq(spec=SpeculationState(accepted=36.0, rejected=64.0))  # 1.046x: within the costs' noise
+    paying = Seq(spec=SpeculationState(accepted=45.0, rejected=55.0))  # 1.115x
+    assert SpeculationController(cost).choose([marginal], 1) == [0]
+    assert SpeculationController(cost, min_gain=1.0).choose([marginal], 1) == [1]
+    assert SpeculationController(cost).choose([paying], 1) == [1]
+
+
 def test_cheap_probes_keep_their_schedule():
     # a verify row, a draft step and a ~16-token catch-up at draft speed cost ~0.0066 s: within 2% of 16 steps
     cheap = SpeculationController(costs(per_token=0.002, draft=0.002), probe_every=16)

@@ -191,12 +191,12 @@ def test_bad_draft_options_rejected(tiny_dir, kwargs, message):
 
 
 def test_quantized_draft_runs_long_items_on_float_weights(tiny_dir):
-    """A quantized draft's runner sends items of 5+ new tokens (prompts, catch-ups) to its float model and
-    shorter ones to its int4 model, item by item, whatever else is in the batch."""
+    """A quantized draft's runner sends items of ``long_tokens`` or more new tokens (long prompts) to its float
+    model and shorter ones to its int4 model, item by item, whatever else is in the batch."""
     target = tiny_dir(arch="qwen2", vocab_size=64, layers=4)
     runner = LLM(str(target), draft=str(target), dtype="float32").drafter.runner
     assert runner.long_model is not None and runner.long_model is not runner.model
-    prompt = tiny_prompts(64, 1)[0]
+    prompt = (tiny_prompts(64, 1)[0] * runner.long_tokens)[:runner.long_tokens]
 
     def alone(prefix: list[int], tokens: list[int], long_tokens: int) -> torch.Tensor:
         """Last logits row of ``tokens`` after ``prefix``, each forward alone, with that long/short threshold."""
@@ -213,10 +213,10 @@ def test_quantized_draft_runs_long_items_on_float_weights(tiny_dir):
 
     kv_a, kv_b = SequenceKV(), SequenceKV()
     runner.forward([ForwardItem(kv_b, prompt, 0)])
-    # one batch: a 24-token prompt (long: float weights) beside a 1-token step (short: int4 weights)
+    # one batch: a long prompt (float weights) beside a 1-token step (int4 weights)
     long_rows, short_rows = runner.forward([ForwardItem(kv_a, prompt, 1), ForwardItem(kv_b, [7], 1)])
     runner.free(kv_a)
     runner.free(kv_b)
     assert torch.equal(long_rows, alone([], prompt, long_tokens=1))  # everything on float weights
-    assert torch.equal(short_rows, alone(prompt, [7], long_tokens=5))
+    assert torch.equal(short_rows, alone(prompt, [7], long_tokens=runner.long_tokens))
     assert not torch.equal(short_rows, alone(prompt, [7], long_tokens=1))  # the float model differs

@@ -4,10 +4,11 @@ Expected tokens from a round with k drafts at per-token acceptance a is
 (1 - a^(k+1)) / (1 - a). The controller picks the k that maximises expected
 tokens per second of the whole step, using measured costs at the current
 batch size, so speculation switches itself off where verification costs more
-than it returns (quantized weights on CPU, big batches) and comes back, after
-a probe, when it pays again. A probe drafts one token and first makes the draft
-catch up on what was generated without it, so probes are made only while their
-cost stays within ``probe_budget`` of the sequence's decoding time.
+than it returns (quantized weights on CPU, big batches) or returns less than
+``min_gain`` times plain decoding, and comes back, after a probe, when it pays
+again. A probe drafts one token and first makes the draft catch up on what was
+generated without it, so probes are made only while their cost stays within
+``probe_budget`` of the sequence's decoding time.
 
 With a run-ahead drafter, a round that accepts all k drafts and whose bonus
 token the draft guessed (probability about a^(k+1)) starts its next proposal
@@ -51,6 +52,9 @@ class SpeculationController:
     fixed_k: int | None = None  # a fixed k disables adaptation
     probe_every: int = 16  # rounds a switched-off sequence waits before drafting one probe token
     probe_budget: float = 0.02  # most a switched-off sequence's probes may cost, as a share of its decoding time
+    # expected speed-up below which a sequence (or the batch) decodes plainly: the measured costs drift by several
+    # percent over minutes, so a plan that expects to gain 2% loses as often as it wins (int4 weights on CPU)
+    min_gain: float = 1.05
     draft_is_free: bool = False  # n-gram lookup: no draft model to pay for
     seeded_cost: CostModel | None = None  # deterministic plan for seeded requests (see CostModel.from_weight_bytes)
 
@@ -74,12 +78,12 @@ class SpeculationController:
                 if own[i] and not seeded[i] and not self._repays(s.spec.acceptance, own[i], catch_up[i], remaining[i]):
                     own[i] = 0
                     held.add(i)
-        best_ks, best_rate = list(own), -1.0
+        best_ks, best_rate, best_cap = list(own), -1.0, 0
         for cap in range(max(own, default=0) + 1):  # one batch-wide cap: at high load verification gets dearer
             ks = [k if fixed else min(cap, k) for k, fixed in zip(own, seeded)]
             rate = self._throughput(seqs, ks, base_tokens)
-            if rate > best_rate * 1.0001:
-                best_ks, best_rate = ks, rate
+            if rate > best_rate * (self.min_gain if cap and not best_cap else 1.0001):
+                best_ks, best_rate, best_cap = ks, rate, cap
         # a sequence whose own acceptance switched speculation off probes now and then, so a better acceptance
         # can be noticed; one switched off by the load alone does not (its acceptance is not in question, and
         # the plan turns it back on as soon as the costs allow)
@@ -133,11 +137,11 @@ class SpeculationController:
             seconds = cost.target(1 + k) + (0.0 if self.draft_is_free else steps * cost.draft(1))
             return expected_tokens(acceptance, k) / seconds if seconds > 0 else 0.0
 
-        best, best_rate = 0, rate(0)
-        for k in range(1, self.max_k + 1):
+        best, best_rate = 1, rate(1)
+        for k in range(2, self.max_k + 1):
             if rate(k) > best_rate * 1.0001:
                 best, best_rate = k, rate(k)
-        return best
+        return best if best_rate > rate(0) * self.min_gain else 0
 
     def _throughput(self, seqs: Sequence[HasAcceptance], ks: list[int], base_tokens: int) -> float:
         tokens = sum(expected_tokens(s.spec.acceptance, k) for s, k in zip(seqs, ks))

@@ -44,7 +44,7 @@ class CostModel:
         self.draft = CostTable()  # seconds of one draft step, by sequences in the batch
         # seconds of a draft forward that catches caches up, by tokens fed: a prompt costs the draft what its
         # prefill costs, which is not the step ratio times the target's prefill (an int4 draft's one-token step
-        # streams its int4 weights at memory speed; a catch-up runs its float model, bound by arithmetic)
+        # streams its int4 weights at memory speed; a catch-up of many tokens is bound by arithmetic)
         self.draft_catch_up = CostTable()
         # with a run-ahead drafter: draft tokens past the guess it gets ahead during a target pass (moving
         # average); None without run-ahead
