@@ -114,3 +114,17 @@ def test_calibration_measures_the_drafts_catch_up(pair):
     llm = LLM(str(target), dtype="float32", draft=str(poor_draft))
     (tokens, seconds), = llm.engine.cost.draft_catch_up.points.items()
     assert tokens == 64 and seconds > 0
+
+
+def test_a_catch_up_is_priced_against_the_savings_at_the_current_batch():
+    # cheap verification (1 ms per extra token) and drafts: drafting pays at batch 1 and at batch 16
+    cost = costs(per_token=0.001, draft=0.001)
+    cost.draft_catch_up.record(64, 0.8)  # a 100-token catch-up: ~1.25 s
+    controller = SpeculationController(cost)
+    alone = Seq(spec=SpeculationState())
+    batch = [Seq(spec=SpeculationState()) for _ in range(16)]
+    assert all(controller.choose(batch, 16, catch_up=[0] * 16, remaining=[64] * 16))
+    # alone, a token costs the whole 0.1 s step and drafting saves ~3.9 s over 64 tokens: the catch-up is repaid
+    assert controller.choose([alone], 1, catch_up=[100], remaining=[64])[0] > 0
+    # in a batch of 16 a token costs 1/16 of a 0.115 s step and drafting saves ~0.15 s: it is not
+    assert not any(controller.choose(batch, 16, catch_up=[100] * 16, remaining=[64] * 16))

@@ -75,7 +75,8 @@ class SpeculationController:
         held = set()  # sequences kept from drafting by their catch-up: no probing either
         if catch_up is not None and remaining is not None and not self.draft_is_free:
             for i, s in enumerate(seqs):
-                if own[i] and not seeded[i] and not self._repays(s.spec.acceptance, own[i], catch_up[i], remaining[i]):
+                if own[i] and not seeded[i] and not self._repays(s.spec.acceptance, own[i], catch_up[i], remaining[i],
+                                                                 base_tokens):
                     own[i] = 0
                     held.add(i)
         best_ks, best_rate, best_cap = list(own), -1.0, 0
@@ -120,14 +121,20 @@ class SpeculationController:
             return cost.draft_catch_up(catch_up)
         return cost.target(catch_up) * cost.draft(1) / cost.target(1)
 
-    def _repays(self, acceptance: float, k: int, catch_up: int, remaining: int) -> bool:
-        """Drafting ``k`` per round saves more over ``remaining`` tokens than the draft's catch-up costs."""
+    def _repays(self, acceptance: float, k: int, catch_up: int, remaining: int, batch: int = 1) -> bool:
+        """Drafting ``k`` per round saves more over ``remaining`` tokens than the draft's catch-up costs.
+
+        In a decode batch of ``batch`` sequences a plain token costs the machine its share of the step,
+        target(batch) / batch; a round with drafts costs that share plus what the drafts add to the step, and
+        yields expected_tokens. The catch-up is a forward of its own, so it costs its whole time: under load a
+        prompt catch-up is rarely repaid."""
         if catch_up <= 1:
             return True
-        plain = self.cost.target(1)
-        if plain <= 0:
+        step = self.cost.target(batch)
+        if step <= 0:
             return True
-        spec = (self.cost.target(1 + k) + k * self.cost.draft(1)) / expected_tokens(acceptance, k)
+        plain = step / batch
+        spec = (plain + self.cost.target(batch + k) - step + k * self.cost.draft(1)) / expected_tokens(acceptance, k)
         return remaining * (plain - spec) > self._catch_up_cost(self.cost, catch_up)
 
     def _best_alone(self, acceptance: float, cost: CostModel) -> int:
