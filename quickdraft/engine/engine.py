@@ -334,8 +334,8 @@ class LLMEngine:
         self.target.forward([ForwardItem(kv, probe_ids, 0)])
         for n in range(1, self.controller.max_k + 2):
             best = float("inf")
-            for _ in range(repeats):
-                self.target.forward([ForwardItem(kv, probe_ids[:n], 1)])
+            for _ in range(repeats):  # a verify pass of n tokens computes n logits rows (the LM head is not free)
+                self.target.forward([ForwardItem(kv, probe_ids[:n], n)])
                 best = min(best, self.target.last_forward_s)
                 self.target.truncate(kv, context)
             self.cost.target.record(n, best)
