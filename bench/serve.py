@@ -15,6 +15,8 @@ after the first found all 16 prompts cached and measured decoding alone.
 Definitions (as vLLM's ``bench serve``): TTFT = request start to the first content chunk; TPOT = (latency -
 TTFT) / (output tokens - 1) per request; ITL = gap between consecutive content chunks (one chunk per engine
 step, so with speculation a chunk can hold several tokens). Output tokens/s = all output tokens / wall time.
+On CPU the report adds the prefill ceiling: the sum of TTFTs at concurrency 1 is prompt compute that batching
+does not make cheaper, so wall(c1) / that sum bounds the throughput gain of any concurrency.
 
     python bench/serve.py                                   # qwen2.5-coder-1.5b, draft qwen2.5-coder-0.5b, bf16
     python bench/serve.py --model smollm2-135m --speculative ngram --dtype float32 --device cpu \\
@@ -184,6 +186,7 @@ def summarize(results: list[dict], wall: float, before: dict, after: dict) -> di
     return {
         "requests": len(results), "wall_s": round(wall, 3), "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(results) / wall, 3),
+        "ttft_s_sum": round(sum(r["ttft"] for r in results), 3),
         "ttft_ms_p50": ms(pct([r["ttft"] for r in results], 50)),
         "ttft_ms_p99": ms(pct([r["ttft"] for r in results], 99)),
         "tpot_ms_p50": ms(pct([r["tpot"] for r in results], 50)),
@@ -240,6 +243,11 @@ def print_table(report: dict) -> None:
                 f(r["tpot_ms_p50"]), f(r["tpot_ms_p99"]), f(r["itl_ms_p50"]), f(r["itl_ms_p99"]),
                 "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"))
     print("latencies in ms; TPOT = (latency - TTFT) / (tokens - 1); ITL = gap between streamed chunks")
+    ceiling = report.get("plain_prefill_ceiling")
+    if ceiling:
+        print(f"prefill ceiling: at concurrency 1, {ceiling['prefill_share']:.0%} of the wall time was time to first "
+              f"token; on a CPU a prompt's compute does not shrink when batched, so no concurrency can exceed "
+              f"{ceiling['max_speedup_vs_c1']:.2f}x the throughput of concurrency 1 on this sample")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"TTFT p50 {summary['ttft_ms_p50']} ms, TPOT p50 {summary['tpot_ms_p50']} ms", file=sys.stderr)
         finally:
             server.stop()
+    first = report["results"].get("plain", {}).get("1")
+    if first and args.device == "cpu":
+        # each request's TTFT at concurrency 1 is its prefill (plus one step): compute-bound work that batching
+        # cannot share, so the wall time at any concurrency is at least their sum
+        report["plain_prefill_ceiling"] = {"prefill_share": round(first["ttft_s_sum"] / first["wall_s"], 3),
+                                           "max_speedup_vs_c1": round(first["wall_s"] / first["ttft_s_sum"], 2)}
     if "plain" in texts:
         for mode in texts:
             if mode != "plain":
