@@ -2,7 +2,7 @@
 
 Usage: python bench/cpu_vs_llamacpp.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b]
          [--tokens 128] [--humaneval 3] [--spec-bench 3] [--weights auto,int4,int8,bfloat16]
-         [--modes plain,draft,ngram] [--threads 2]
+         [--modes plain,draft,ngram] [--threads 2] [--repeats 1]
 Sample: the first --humaneval public HumanEval prompts and the first public Spec-Bench prompt of the
 first --spec-bench categories, each wrapped in the chat template; both engines get the same token ids.
 llama.cpp enters through the PyPI package llama-cpp-python (`pip install llama-cpp-python`, it compiles
@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--weights", default="auto,int4,int8,bfloat16")
     ap.add_argument("--modes", default="plain,draft,ngram")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="passes over the sample; with 2 or more the table gives each configuration's run-to-run spread")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     info = machine()
@@ -119,16 +121,18 @@ def main() -> None:
         for mode in args.modes.split(","):
             runners.append(quickdraft_runner(args.target, args.draft, weights, mode, args.tokens))
     rows = []
-    for i, (cat, ids) in enumerate(prompts):  # every configuration on one prompt, then the next prompt
-        for run in runners[i % len(runners):] + runners[:i % len(runners)]:  # each prompt starts one further on
-            rows.append(run(cat, ids))
-            print(f"  {rows[-1]['engine']:<10} {rows[-1]['config']:<16} {cat:<14} {rows[-1]['tok_s']:6.2f} tok/s",
-                  flush=True)
+    for rep in range(args.repeats):
+        for i, (cat, ids) in enumerate(prompts):  # every configuration on one prompt, then the next prompt
+            turn = (rep * len(prompts) + i) % len(runners)  # each prompt starts one configuration further on
+            for run in runners[turn:] + runners[:turn]:
+                rows.append({**run(cat, ids), "prompt": i, "repeat": rep})
+                print(f"  {rows[-1]['engine']:<10} {rows[-1]['config']:<16} {cat:<14} {rows[-1]['tok_s']:6.2f} tok/s",
+                      flush=True)
     summary = []
     for group in ("all", "humaneval", "spec-bench"):
         summary += summarize([r for r in rows if group == "all" or (r["category"] == "humaneval") == (group == "humaneval")],
                              group, bandwidth)
-    cols = ["group", "engine", "config", "tok_s", "vs_own_plain", "identical_to_own_plain", "acceptance",
+    cols = ["group", "engine", "config", "tok_s", "vs_own_plain", "spread", "identical_to_own_plain", "acceptance",
             "tokens_per_pass", "vs_best_llamacpp", "pct_of_bandwidth_limit"]
     print("\n" + table(summary, cols))
     path = save("cpu_vs_llamacpp", {"machine": info, "bandwidth_GB_s": bandwidth, "args": vars(args),
@@ -139,7 +143,8 @@ def main() -> None:
 
 
 def summarize(rows: list[dict], group: str, bandwidth: float) -> list[dict]:
-    """One line per (engine, config): mean tok/s, ratio to the same engine and weights without speculation, how
+    """One line per (engine, config): mean tok/s, ratio to the same engine and weights without speculation, the
+    median run-to-run spread of one prompt's tok/s (max - min over repeats, relative; with --repeats 2 or more), how
     many outputs equal that plain run's, and (plain only) tok/s as a share of the bandwidth limit."""
     out = []
     for key in dict.fromkeys((r["engine"], r["config"]) for r in rows):
@@ -150,7 +155,12 @@ def summarize(rows: list[dict], group: str, bandwidth: float) -> list[dict]:
         tok_s = sum(r["tok_s"] for r in rs) / len(rs)
         base = sum(r["tok_s"] for r in plain) / len(plain) if plain else tok_s
         limit = bandwidth * 1e9 / rs[0]["weight_bytes"]
+        by_prompt: dict[int, list[float]] = {}
+        for r in rs:
+            by_prompt.setdefault(r["prompt"], []).append(r["tok_s"])
+        spreads = sorted((max(v) - min(v)) / (sum(v) / len(v)) for v in by_prompt.values() if len(v) > 1)
         out.append({"group": group, "engine": key[0], "config": key[1], "tok_s": tok_s, "vs_own_plain": tok_s / base,
+                    "spread": spreads[len(spreads) // 2] if spreads else None,
                     "identical_to_own_plain": f"{same}/{len(rs)}",
                     "acceptance": _mean([r.get("acceptance") for r in rs]),
                     "tokens_per_pass": _mean([r.get("tokens_per_pass") for r in rs]),
