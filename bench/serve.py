@@ -1,8 +1,10 @@
 """Serving benchmark: `quickdraft serve` under concurrent load, with and without speculative decoding.
 
-Starts the server as a subprocess once per mode (plain, speculative), drives /v1/chat/completions with
-streaming requests built from Spec-Bench public prompts at several concurrency levels, and reports output
-tokens/s, time to first token (TTFT), time per output token (TPOT) and inter-token latency (ITL) p50/p99.
+Starts one server subprocess per mode (plain, speculative), both up for the whole run, drives
+/v1/chat/completions with streaming requests built from Spec-Bench public prompts at several concurrency
+levels, each level on one server and then the other (the machine's speed drifts by 10-25% over minutes on
+shared hosts, so the modes are compared at the same moment), and reports output tokens/s, time to first token
+(TTFT), time per output token (TPOT) and inter-token latency (ITL) p50/p99.
 
 Sample (fixed, stated): the first turn of Spec-Bench records (``spec_bench.public.jsonl``), taken round-robin
 over its six tasks (mt_bench, translation, summarization, qa, math_reasoning, rag; each task ordered by
@@ -296,19 +298,19 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "results": {}, "outputs_identical_to_plain": {},
     }
-    texts: dict[str, dict[int, list[str]]] = {}
+    texts: dict[str, dict[int, list[str]]] = {mode: {} for mode in modes}
     logs = Path(tempfile.mkdtemp(prefix="quickdraft-bench-"))
-    for mode in modes:
-        server = Server(args, spec_args if mode == "spec" else [], logs / f"{mode}.log")
-        print(f"[{mode}] {' '.join(server.cmd[2:])}", file=sys.stderr)
-        try:
+    servers = {mode: Server(args, spec_args if mode == "spec" else [], logs / f"{mode}.log") for mode in modes}
+    try:
+        for mode, server in servers.items():
+            print(f"[{mode}] {' '.join(server.cmd[2:])}", file=sys.stderr)
             t0 = time.perf_counter()
             server.wait_ready(args.startup_timeout)
             print(f"[{mode}] ready in {time.perf_counter() - t0:.0f}s; warming up", file=sys.stderr)
             asyncio.run(run_level(server.url, warmup, 2, min(16, args.max_tokens)))
             report["results"][mode] = {}
-            texts[mode] = {}
-            for c in levels:
+        for c in levels:  # both servers stay up; each level runs on one, then the other, so drift hits both
+            for mode, server in servers.items():
                 httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
                 before = server.metrics()
                 results, wall = asyncio.run(run_level(server.url, sample, c, args.max_tokens))
@@ -317,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                 texts[mode][c] = [r["text"] for r in results]
                 print(f"[{mode}] concurrency {c}: {summary['output_tokens_per_s']:.1f} tok/s, "
                       f"TTFT p50 {summary['ttft_ms_p50']} ms, TPOT p50 {summary['tpot_ms_p50']} ms", file=sys.stderr)
-        finally:
+    finally:
+        for server in servers.values():
             server.stop()
     first = report["results"].get("plain", {}).get("1")
     if first and args.device == "cpu":
