@@ -11,8 +11,8 @@ llama.cpp for this CPU): plain decoding and its LlamaPromptLookupDecoding drafte
 reported against the memory-bandwidth limit of the weights one decode step reads (measured bandwidth / bytes).
 Every configuration is loaded at start-up and the prompts run in turn through all of them (the first
 configuration rotating from prompt to prompt), so a drift in the machine's speed over minutes, which is tens of
-percent on shared cloud hosts, falls on every configuration alike. Summaries are given over all prompts and for the HumanEval and Spec-Bench groups apart; JSON and a PNG chart go to
-bench/results/cpu_vs_llamacpp.{json,png}.
+percent on shared cloud hosts, falls on every configuration alike. Summaries are given over all prompts and for
+the HumanEval and Spec-Bench groups apart; JSON and a PNG chart go to bench/results/cpu_vs_llamacpp.{json,png}.
 """
 from __future__ import annotations
 

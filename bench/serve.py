@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "sample": {"file": str(args.data.name), "selection": "first turn, round-robin over the 6 Spec-Bench tasks "
                    "(each ordered by question_id)", "question_ids": [s["question_id"] for s in sample]},
         "machine": machine_info(),
-        "results": {}, "outputs_identical_to_plain": {},
+        "results": {mode: {} for mode in modes}, "outputs_identical_to_plain": {},
     }
     texts: dict[str, dict[int, list[str]]] = {mode: {} for mode in modes}
     logs = Path(tempfile.mkdtemp(prefix="quickdraft-bench-"))
@@ -308,7 +308,6 @@ def main(argv: list[str] | None = None) -> int:
             server.wait_ready(args.startup_timeout)
             print(f"[{mode}] ready in {time.perf_counter() - t0:.0f}s; warming up", file=sys.stderr)
             asyncio.run(run_level(server.url, warmup, 2, min(16, args.max_tokens)))
-            report["results"][mode] = {}
         for c in levels:  # both servers stay up; each level runs on one, then the other, so drift hits both
             for mode, server in servers.items():
                 httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()

@@ -121,7 +121,7 @@ class SpeculationController:
             return cost.draft_catch_up(catch_up)
         return cost.target(catch_up) * cost.draft(1) / cost.target(1)
 
-    def _repays(self, acceptance: float, k: int, catch_up: int, remaining: int, batch: int = 1) -> bool:
+    def _repays(self, acceptance: float, k: int, catch_up: int, remaining: int, batch: int) -> bool:
         """Drafting ``k`` per round saves more over ``remaining`` tokens than the draft's catch-up costs.
 
         In a decode batch of ``batch`` sequences a plain token costs the machine its share of the step,

@@ -70,8 +70,3 @@ class CostModel:
     @property
     def calibrated(self) -> bool:
         return bool(self.target.points)
-
-    def as_dict(self) -> dict[str, dict[int, float]]:
-        return {"target_s_by_tokens": dict(sorted(self.target.points.items())),
-                "draft_s_by_seqs": dict(sorted(self.draft.points.items())),
-                "draft_catch_up_s_by_tokens": dict(sorted(self.draft_catch_up.points.items()))}
