@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.models import native
+from quickdraft.models.fused import SingleTokens
 
 
 class OutOfBlocks(RuntimeError):
@@ -312,6 +313,14 @@ class AttentionBatch:
             key_slots = slots[seq_of_row[bucket_rows], :bucket].masked_fill(~mask, 0)  # padding reads slot 0
             out.append((bucket_rows.to(device), key_slots.to(device), mask[:, None, None, :].to(device)))
         return out
+
+    def single_tokens(self, layer: int) -> SingleTokens | None:
+        """Every new token attends alone on quickdraft's kernel (a decode, verify or draft step): what a fused
+        decoder layer needs (``models/fused.py``); None when a prompt piece is in the batch or the kernel does not run."""
+        if not self.native or self.pieces or not len(self.single_rows):
+            return None
+        return SingleTokens(self.positions, self.slot_mapping, self.single_rows, self.single_slots, self.single_lengths,
+                            self.pool.k[layer], self.pool.v[layer])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]."""

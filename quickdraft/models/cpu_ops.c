@@ -76,6 +76,18 @@ int qd_rope(void *x, int bf16, int T, int heads, int D, long row_stride, const i
     return 0;
 }
 
+/* y [M][N] = silu(gate) * up from gate_up [M][2N] = [gate | up] per row, in float32, rounded once (the SwiGLU of an
+ * MLP whose gate and up projections ran as one; qmatmul applies the same formula inside its kernel). */
+int qd_swiglu(const void *gate_up, int bf16, int M, int N, void *y) {
+    if (M < 0 || N <= 0) return -2;
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            const float g = ld(gate_up, bf16, (size_t)m * 2 * N + n), u = ld(gate_up, bf16, (size_t)m * 2 * N + N + n);
+            st(y, bf16, (size_t)m * N + n, g / (1.f + expf(-g)) * u);
+        }
+    return 0;
+}
+
 /* exp for x <= 0 (Cephes polynomial, ~1 ulp): softmax of scores minus their max. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));

@@ -32,7 +32,7 @@ from quickdraft.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("qmatmul.c"), Path(__file__).with_name("cpu_ops.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "cpu_ops.c", "layer.c"))
 HEADERS = (Path(__file__).with_name("floats.h"),)
 DISABLE_ENV = "QUICKDRAFT_KERNELS"
 # -ffp-contract=off: an auto-vectorized loop and its scalar prologue (whose length depends on the address) then
@@ -52,6 +52,8 @@ _SIGNATURES = {
     "qd_rope": [_P, _I, _I, _I, _I, _L, _P, _P, _P],
     "qd_attend": [_P, _L, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P],
     "qd_linear_bf16": [_P, _I, _I, _P, _I, _P, _P],
+    "qd_swiglu": [_P, _I, _I, _I, _P],
+    "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P],
 }
 
 
@@ -177,6 +179,21 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y = torch.empty(m, n, dtype=torch.bfloat16)
     _check(lib().qd_linear_bf16(x.data_ptr(), m, k, weight.data_ptr(), n, None if bias is None else bias.data_ptr(),
                                 y.data_ptr()), "qd_linear_bf16")
+    return y
+
+
+def runs_swiglu(gate_up: torch.Tensor) -> bool:
+    return _float_kind(gate_up) and gate_up.shape[-1] % 2 == 0 and available()
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [..., 2N] = [gate | up]`` (float32 or bfloat16 on CPU), in float32 and rounded
+    once; the fused decoder layer (``layer.c``) applies the same kernel."""
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[-1] // 2
+    y = gate_up.new_empty(*gate_up.shape[:-1], n)
+    _check(lib().qd_swiglu(gate_up.data_ptr(), int(gate_up.dtype == torch.bfloat16), gate_up.numel() // (2 * n), n,
+                           y.data_ptr()), "qd_swiglu")
     return y
 
 

@@ -14,12 +14,16 @@ import torch.nn.functional as F
 
 from quickdraft.config import ModelConfig
 from quickdraft.models import native
+from quickdraft.models.fused import FusedLayer, SingleTokens
 
 
 class Attention(Protocol):
     positions: torch.Tensor
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    def single_tokens(self, layer: int) -> SingleTokens | None:
+        """Where every new token attends alone on quickdraft's CPU kernel: what a fused layer needs; else None."""
 
 
 class RMSNorm(nn.Module):
@@ -103,7 +107,10 @@ class MLP(nn.Module):
         if self.activated:
             return self.down_proj(self.gate_up_proj(x))
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if native.runs_swiglu(gate_up):  # one kernel, the one the fused layer applies (see fused.py)
+                return self.down_proj(native.swiglu(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -116,8 +123,25 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self._fused: FusedLayer | None = None
+        self._fused_key: tuple | None = None
+
+    def fused(self, rope: RotaryEmbedding) -> FusedLayer | None:
+        """This layer as one C call (see fused.py), built on first use and again whenever its modules or weights
+        were replaced since."""
+        attn, mlp = self.self_attn, self.mlp
+        key = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.input_layernorm.weight.data_ptr(),
+               self.post_attention_layernorm.weight.data_ptr(), rope.cos.data_ptr())
+        if key != self._fused_key:
+            self._fused, self._fused_key = FusedLayer.build(self, rope), key
+        return self._fused
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
+        tokens = attn.single_tokens(self.self_attn.layer)
+        if tokens is not None:
+            fused = self.fused(rope)
+            if fused is not None and fused.runs(x, tokens):
+                return fused(x, tokens)
         x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -1,0 +1,125 @@
+/* One whole decoder layer in one call, for a batch in which every new token attends alone: decode steps,
+ * verify passes and draft steps, where each token reads its own context from the paged cache.
+ *
+ * Why: a decode step of a 1.5B model spends ~5 ms (15%) of its ~32 ms in Python and torch dispatch around the
+ * kernels (28 layers x ~20 small torch ops and 7 kernel calls). This runs the same kernels (qd_rmsnorm,
+ * qd_linear or qd_linear_bf16, qd_rope, qd_attend, qd_swiglu) in the same order on the same buffers, rounding to
+ * the activation dtype where the module path does, so a token's hidden state is bit-identical whichever path
+ * computed it (models/fused.py chooses; the module path still runs prompt chunks and everything off CPU).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "floats.h"
+
+int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, const uint8_t *const *w,
+              const uint16_t *const *scales_zeros, const int *bits, const int *N, const float *const *bias,
+              int swiglu, void *y, int y_bf16);
+int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int N, const float *bias, uint16_t *y);
+int qd_rmsnorm(const void *x, int x_bf16, const void *w, int w_bf16, int M, int D, float eps, void *y);
+int qd_rope(void *x, int bf16, int T, int heads, int D, long row_stride, const int64_t *positions,
+            const float *cos_table, const float *sin_table);
+int qd_attend(const void *q, long q_stride, int bf16, int R, const int64_t *rows, int H, int KVH, int D,
+              const void *k_cache, const void *v_cache, const int64_t *slots, int W, const int64_t *lengths,
+              float scale, void *out);
+int qd_swiglu(const void *gate_up, int bf16, int M, int N, void *y);
+
+enum { QD_QUANTIZED = 1, QD_BF16 = 2 };
+
+/* A linear layer as one of the two kernels takes it. QD_QUANTIZED: the arguments of qd_linear (several parts
+ * read the same input; swiglu = 1 gives silu(part 0) * part 1). QD_BF16: qd_linear_bf16's weight and bias. */
+typedef struct {
+    int kind, in_features, padded_in, nparts, swiglu, out_features;
+    const uint8_t *const *weights;
+    const uint16_t *const *scales_zeros;
+    const int *bits, *part_rows;
+    const float *const *biases;
+    const uint16_t *dense;
+    const float *dense_bias;
+} qd_linear_desc;
+
+/* A decoder layer (pre-norm attention + SwiGLU MLP). gate_up either applies SwiGLU itself (gate_up.swiglu) or
+ * returns [gate | up] for qd_swiglu. */
+typedef struct {
+    const void *input_norm, *post_norm;
+    int norm_bf16;
+    float eps, attn_scale; /* attn_scale: head_dim ** -0.5 as the module path passes it */
+    int hidden, heads, kv_heads, head_dim, intermediate;
+    qd_linear_desc qkv, o, gate_up, down;
+    const float *cos, *sin;
+} qd_layer_desc;
+
+static int run_linear(const qd_linear_desc *d, const void *x, int bf16, int M, void *y) {
+    if (d->kind == QD_QUANTIZED)
+        return qd_linear(x, bf16, M, d->in_features, d->padded_in, d->nparts, d->weights, d->scales_zeros, d->bits,
+                         d->part_rows, d->biases, d->swiglu, y, bf16);
+    if (d->kind == QD_BF16 && bf16) return qd_linear_bf16(x, M, d->in_features, d->dense, d->out_features, d->dense_bias, y);
+    return -2;
+}
+
+/* x += y elementwise, rounded once to x's dtype (what torch's x + y gives) */
+static void add_into(void *x, const void *y, int bf16, size_t n) {
+    for (size_t i = 0; i < n; i++) st(x, bf16, i, ld(x, bf16, i) + ld(y, bf16, i));
+}
+
+static __thread struct {
+    char *data;
+    size_t cap;
+} buffers; /* the layer's intermediate activations, grown as needed and reused */
+
+#define CHECK(call) do { int rc_ = (call); if (rc_) return rc_; } while (0)
+
+/* x [T][hidden] (float32 or bfloat16, updated in place) through one layer. Token t is at positions[t], its key
+ * and value go to cache slot slot_mapping[t], and it attends (query row rows[r] = t) to the lengths[r] slots
+ * slots[r][0 ..) of k_cache / v_cache ([slots][kv_heads][head_dim], x's dtype). Returns 0, -1 (out of memory) or
+ * -2 (bad arguments). */
+int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int64_t *positions,
+                     const int64_t *slot_mapping, void *k_cache, void *v_cache, const int64_t *rows,
+                     const int64_t *slots, int W, const int64_t *lengths) {
+    if (T < 0 || L->heads % L->kv_heads) return -2;
+    if (T == 0) return 0;
+    const size_t es = bf16 ? 2 : 4, D = (size_t)L->head_dim;
+    const size_t q_width = (size_t)L->heads * D, kv_width = (size_t)L->kv_heads * D, qkv_width = q_width + 2 * kv_width;
+    const size_t act_width = L->gate_up.swiglu ? (size_t)L->intermediate : 2 * (size_t)L->intermediate;
+    const size_t n_h = (size_t)T * L->hidden, n_qkv = (size_t)T * qkv_width, n_att = (size_t)T * q_width;
+    const size_t n_gu = (size_t)T * act_width, n_act = (size_t)T * L->intermediate;
+    const size_t need = (2 * n_h + n_qkv + n_att + n_gu + n_act) * es + 6 * 64;
+    if (need > buffers.cap) {
+        free(buffers.data);
+        buffers.data = aligned_alloc(64, (need + 63) / 64 * 64);
+        buffers.cap = buffers.data ? need : 0;
+        if (!buffers.data) return -1;
+    }
+    char *next = buffers.data;
+#define TAKE(n) (next += ((n) * es + 63) / 64 * 64, next - ((n) * es + 63) / 64 * 64)
+    char *h = TAKE(n_h), *tmp = TAKE(n_h), *qkv = TAKE(n_qkv), *att = TAKE(n_att), *gu = TAKE(n_gu), *act = TAKE(n_act);
+#undef TAKE
+
+    /* attention block */
+    CHECK(qd_rmsnorm(x, bf16, L->input_norm, L->norm_bf16, T, L->hidden, L->eps, h));
+    CHECK(run_linear(&L->qkv, h, bf16, T, qkv));
+    CHECK(qd_rope(qkv, bf16, T, L->heads, L->head_dim, (long)qkv_width, positions, L->cos, L->sin));
+    CHECK(qd_rope(qkv + q_width * es, bf16, T, L->kv_heads, L->head_dim, (long)qkv_width, positions, L->cos, L->sin));
+    for (int t = 0; t < T; t++) { /* every new key/value is in the cache before any token attends */
+        const char *row = qkv + (size_t)t * qkv_width * es;
+        memcpy((char *)k_cache + (size_t)slot_mapping[t] * kv_width * es, row + q_width * es, kv_width * es);
+        memcpy((char *)v_cache + (size_t)slot_mapping[t] * kv_width * es, row + (q_width + kv_width) * es, kv_width * es);
+    }
+    CHECK(qd_attend(qkv, (long)qkv_width, bf16, T, rows, L->heads, L->kv_heads, L->head_dim, k_cache, v_cache, slots, W,
+                    lengths, L->attn_scale, att));
+    CHECK(run_linear(&L->o, att, bf16, T, tmp));
+    add_into(x, tmp, bf16, n_h);
+
+    /* MLP block */
+    CHECK(qd_rmsnorm(x, bf16, L->post_norm, L->norm_bf16, T, L->hidden, L->eps, h));
+    if (L->gate_up.swiglu) {
+        CHECK(run_linear(&L->gate_up, h, bf16, T, act));
+    } else {
+        CHECK(run_linear(&L->gate_up, h, bf16, T, gu));
+        CHECK(qd_swiglu(gu, bf16, T, L->intermediate, act));
+    }
+    CHECK(run_linear(&L->down, act, bf16, T, tmp));
+    add_into(x, tmp, bf16, n_h);
+    return 0;
+}
