@@ -40,9 +40,23 @@ static const int CHUNK_AT[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* stored position of c
 #define BLOCK 256
 #define GROUP 32
 #define ROWS_PER_TASK 8 /* output rows one thread takes at a time */
-/* How far ahead a one- or two-row call asks for its weights: +8-10% read bandwidth on the 2-core Zen 4
- * (4096 measured best of 0 / 1024 / 2048 / 4096 / 8192, interleaved runs). */
+/* How far ahead the AVX512 tiles ask for their weights: +8-10% read bandwidth for one-row calls on the 2-core Zen 4
+ * (4096 measured best of 0 / 1024 / 2048 / 4096 / 8192, interleaved runs); asked in calls of every row count, not only
+ * of 1-2 rows, 16-row calls of a whole int4 step took 96 instead of 119 ms on a Zen 5. */
 #define PREFETCH_BYTES 4096
+/* A tile of rows streams each weight row whole, with prefetch, when it has at most STREAM_ROWS rows or its quantized
+ * x rows take at most STREAM_X_BYTES (they stay in L1 while every output column reads them); others go through K
+ * chunks of x (see qd_linear). Measured on a 2-core Zen 5 with the calls of an int4 Qwen2.5-Coder-1.5B step (int8
+ * lm_head), best of 3 interleaved runs, ms for 1 / 3 / 5 / 8 rows: streaming only 1-2 rows 19.5 / 39.7 / 54.7 / 73.8,
+ * these limits 19.1 / 28.8 / 41.1 / 57.4 (int8 weights at 8 rows: 98.7 -> 61.1); a 256-row prompt chunk 1471 ->
+ * 1412 (run-to-run noise ~5%). */
+#ifdef WIDE
+#define STREAM_ROWS 4
+#define STREAM_X_BYTES 32768
+#else
+#define STREAM_ROWS 2 /* as tuned on a Zen 3 (AVX2), where this was not re-measured */
+#define STREAM_X_BYTES 0
+#endif
 #define K_CHUNK 8 /* blocks (of 256 columns) per pass over a task's output columns, when x has several rows */
 #define ROW_TILE 8      /* rows of x that share one unpacked weight block (a verify pass of up to 8 tokens) */
 
@@ -165,11 +179,9 @@ static inline __attribute__((always_inline)) void tile(int TILE, int bits, const
     }
     for (int b = b0; b < b1; b++) {
         __m512i w[4]; /* chunk pairs (0, 2), (1, 3), (4, 6), (5, 7) */
-        if (TILE <= 2) { /* streaming from memory: ask for the weights a few blocks ahead (rows are contiguous) */
-            const uint8_t *ahead = wrow + (size_t)b * BLOCK * bits / 8 + PREFETCH_BYTES;
-            for (int c = 0; c < BLOCK * bits / 8; c += 64) _mm_prefetch((const char *)ahead + c, _MM_HINT_T0);
-            _mm_prefetch((const char *)(szrow + 16 * b) + PREFETCH_BYTES / 4, _MM_HINT_T0);
-        }
+        const uint8_t *ahead = wrow + (size_t)b * BLOCK * bits / 8 + PREFETCH_BYTES; /* weight rows are contiguous */
+        for (int c = 0; c < BLOCK * bits / 8; c += 64) _mm_prefetch((const char *)ahead + c, _MM_HINT_T0);
+        _mm_prefetch((const char *)(szrow + 16 * b) + PREFETCH_BYTES / 4, _MM_HINT_T0);
         if (bits == 4) {
             const uint8_t *wb = wrow + (size_t)b * (BLOCK / 2);
             for (int h = 0; h < 2; h++) {
@@ -268,10 +280,10 @@ int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, con
         for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
             const int rows = M - m0 < ROW_TILE ? M - m0 : ROW_TILE;
             tile_sums sums[2][ROWS_PER_TASK]; /* set by the first chunk (b0 = 0) */
-            /* several rows: blocks in chunks, so the chunk of x rows stays in L1 while every output column of the
-             * task reads it; one or two rows: each weight row streamed whole (what the prefetcher likes). The
+            /* a tile whose x rows are large: blocks in chunks, so the chunk of x rows stays in L1 while every output
+             * column of the task reads it; otherwise each weight row streamed whole (what the prefetcher likes). The
              * sums are carried exactly between chunks: the chunking never changes a result. */
-            const int chunk = rows <= 2 ? nblk : K_CHUNK;
+            const int chunk = rows <= STREAM_ROWS || (size_t)rows * Kpad <= STREAM_X_BYTES ? nblk : K_CHUNK;
             for (int b0 = 0; b0 < nblk; b0 += chunk) {
                 const int b1 = b0 + chunk < nblk ? b0 + chunk : nblk;
                 for (int n = n0; n < n1; n++) {
