@@ -109,6 +109,18 @@ def test_a_catch_up_is_priced_by_the_drafts_measured_catch_ups():
     assert SpeculationController(measured).choose([seq], 1, catch_up=catch_up, remaining=remaining)[0] == 0
 
 
+def test_one_slow_measurement_does_not_set_the_price_of_a_long_catch_up():
+    # catch-ups measured on a Zen 5 (int4 0.5B draft, ms): ~1.9 ms a token, and one first catch-up of 147 tokens at
+    # 767 ms; a 700-token prompt is priced from the typical rate (~1.3 s), not from the slope 138 -> 147 (~30 s)
+    cost = costs()
+    for tokens, ms in {19: 43.2, 56: 120.2, 64: 120.2, 108: 204.2, 138: 260.7, 147: 767.6}.items():
+        cost.draft_catch_up.record(tokens, ms / 1000)
+    assert 1.2 < cost.draft_catch_up(700) < 1.4
+    assert cost.draft_catch_up(100) == pytest.approx(0.2042 - (0.2042 - 0.1202) * 8 / 44)  # inside: interpolated
+    seq = Seq(spec=SpeculationState())  # acceptance 0.75, 128 tokens to go: drafting saves ~5 s, repaying 1.3 s
+    assert SpeculationController(cost).choose([seq], 1, catch_up=[700], remaining=[128])[0] > 0
+
+
 def test_calibration_measures_the_drafts_catch_up(pair):
     target, poor_draft = pair
     llm = LLM(str(target), dtype="float32", draft=str(poor_draft))

@@ -8,6 +8,7 @@ refines them, so the plan follows the machine, the weight format and the load.
 from __future__ import annotations
 
 import bisect
+import statistics
 
 
 class CostTable:
@@ -30,10 +31,12 @@ class CostTable:
         i = bisect.bisect_left(sizes, size)
         if i == 0:
             return self.points[sizes[0]] * size / sizes[0]
-        if i == len(sizes):  # beyond the largest measurement: grow linearly from the last two points
-            lo, hi = (sizes[-2], sizes[-1]) if len(sizes) > 1 else (0, sizes[-1])
-        else:
-            lo, hi = sizes[i - 1], sizes[i]
+        if i == len(sizes):
+            # beyond the largest measurement: in proportion to size, at the median seconds per unit of the sizes of
+            # at least half the largest. The slope of the last two points would let one slow measurement (a first
+            # catch-up paying page faults) price a 700-token prompt catch-up at 30 s instead of 1.4 s
+            return size * statistics.median(self.points[s] / s for s in sizes if 2 * s >= sizes[-1])
+        lo, hi = sizes[i - 1], sizes[i]
         y_lo, y_hi = self.points.get(lo, 0.0), self.points[hi]
         return y_lo + (y_hi - y_lo) * (size - lo) / (hi - lo)
 
