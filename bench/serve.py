@@ -84,7 +84,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "quickdraft.cli", "serve", args.model, "--port", str(self.port),
                "--dtype", args.dtype, "--device", args.device, "--served-model-name", SERVED_NAME,
-               "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", args.kv_cache_memory,
+               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+               "--kv-cache-memory", args.kv_cache_memory,
                "--log-level", "warning", *spec_args]
         if args.max_model_len:
             cmd += ["--max-model-len", str(args.max_model_len)]
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--modes", default="plain,spec", help="plain, spec or both")
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the server's token budget per step")
     p.add_argument("--kv-cache-memory", default="4GiB")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--port", type=int, default=0, help="0: a free port")
@@ -292,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"model": args.model, "speculation": " ".join(spec_args), "dtype": args.dtype,
                    "device": args.device, "concurrency": levels, "requests": args.requests,
                    "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,
+                   "max_num_batched_tokens": args.max_num_batched_tokens,
                    "kv_cache_memory": args.kv_cache_memory, "temperature": 0.0, "endpoint": "/v1/chat/completions"},
         "sample": {"file": str(args.data.name), "selection": "first turn, round-robin over the 6 Spec-Bench tasks "
                    "(each ordered by question_id)", "question_ids": [s["question_id"] for s in sample]},
