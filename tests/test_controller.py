@@ -121,6 +121,17 @@ def test_one_slow_measurement_does_not_set_the_price_of_a_long_catch_up():
     assert SpeculationController(cost).choose([seq], 1, catch_up=[700], remaining=[128])[0] > 0
 
 
+def test_a_catch_up_must_be_repaid_twice_over():
+    # acceptance 0.75 (the prior), k=3: a token costs ~0.0585 s against 0.1 s plainly, ~4.15 s saved over 100 tokens
+    seq = Seq(spec=SpeculationState())
+    for price, drafts_by_margin in ((1.5, {1.0: True, 2.0: True}), (3.0, {1.0: True, 2.0: False})):
+        cost = costs()
+        cost.draft_catch_up.record(64, price)
+        for margin, drafts in drafts_by_margin.items():
+            k = SpeculationController(cost, catch_up_margin=margin).choose([seq], 1, catch_up=[64], remaining=[100])[0]
+            assert (k > 0) == drafts, (price, margin, k)
+
+
 def test_calibration_measures_the_drafts_catch_up(pair):
     target, poor_draft = pair
     llm = LLM(str(target), dtype="float32", draft=str(poor_draft))
