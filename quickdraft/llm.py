@@ -10,7 +10,7 @@ import torch
 from quickdraft.engine.engine import EngineConfig, LLMEngine
 from quickdraft.engine.outputs import RequestOutput, StreamChunk
 from quickdraft.engine.scheduler import SchedulerConfig
-from quickdraft.errors import InvalidParameterError, ModelLoadError
+from quickdraft.errors import InvalidParameterError, ModelLoadError, RequestFailedError
 from quickdraft.kv import ModelRunner
 from quickdraft.loading import Checkpoint, load_checkpoint
 from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, FLOAT_FORMATS, QUANT_FORMATS, quantize_checkpoint,
@@ -172,7 +172,7 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         for p in all_params:  # every request is checked before any is queued
             p.validate()
-            p.check_vocab(self.model.config.vocab_size)
+            p.check_vocab(self.engine.vocab_size)
         ids = []
         try:
             for (prompt_ids, text), p in zip(encoded, all_params):
@@ -200,6 +200,11 @@ class LLM:
             seqs = self.engine.sequences(rid)
             outputs.append(RequestOutput(rid, seqs[0].prompt, seqs[0].prompt_ids, [s.to_output() for s in seqs], True))
             self.engine.release(rid)
+        failed = [(o.request_id, c.error) for o in outputs for c in o.outputs if c.finish_reason == "error"]
+        if failed:
+            rid, error = failed[0]
+            raise RequestFailedError(f"{len(failed)} of {len(outputs)} requests failed ({rid}: {error}); "
+                                     f"the others finished (RequestFailedError.outputs has every output)", outputs)
         return outputs
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
@@ -210,6 +215,8 @@ class LLM:
             while not done:
                 for chunk in self.engine.step():
                     if chunk.request_id == rid:
+                        if chunk.error is not None:
+                            raise RequestFailedError(f"request {rid} failed: {chunk.error}")
                         yield chunk
                 done = all(s.finished for s in self.engine.sequences(rid))
         finally:

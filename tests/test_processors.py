@@ -179,20 +179,23 @@ def test_probs_is_softmax_of_process():
 
 def test_tiny_temperature_is_finite():
     x = T([10.0, 9.0, -5.0])
-    pr = proc(temperature=1e-9).probs(x)
+    pr = proc(temperature=1e-6).probs(x)  # the smallest temperature SamplingParams allows
     assert torch.isfinite(pr).all() and torch.allclose(pr, T([1.0, 0.0, 0.0]))
-    pr = proc(temperature=1e-300, top_p=0.5).probs(x)
-    assert torch.allclose(pr, T([1.0, 0.0, 0.0]))
+    pr = proc(temperature=1e-6, top_p=0.5, repetition_penalty=1e-3, outputs=[0]).probs(x * 1e3)
+    assert torch.isfinite(pr).all() and torch.allclose(pr, T([1.0, 0.0, 0.0]))
 
 
 def test_padded_and_narrow_logits():
     lp = proc(prompt=[1], outputs=[5], repetition_penalty=2.0, frequency_penalty=1.0, logit_bias={3: 1.0},
               vocab=4)
-    out = lp.process(torch.full((2, 6), 2.0), drafted=[4])  # wider than vocab, token 5 is a padding id
-    assert torch.allclose(out, T([2.0, 1.0, 2.0, 3.0, 2.0, 0.0], [2.0, 1.0, 2.0, 3.0, 0.0, 0.0]))
-    # row 1 sees draft 4 (a padding id): 2 / 2 - 1 = 0
+    out = lp.process(torch.full((2, 6), 2.0), drafted=[4])  # wider than vocab: ids 4 and 5 are padding rows
+    ninf = float("-inf")
+    assert torch.equal(out, T([2.0, 1.0, 2.0, 3.0, ninf, ninf], [2.0, 1.0, 2.0, 3.0, ninf, ninf]))
     lp2 = proc(outputs=[5], top_k=2, vocab=4)
-    assert kept(lp2.process(T([1.0, 2.0, 3.0, 0.0, 0.0, 5.0]))) == {2, 5}  # padding columns compete normally
+    assert kept(lp2.process(T([1.0, 2.0, 3.0, 0.0, 0.0, 50.0]))) == {1, 2}  # a padding row is never kept
+    greedy = proc(vocab=4, logit_bias={3: 1.0}, temperature=0.0)
+    assert int(greedy.process(T([1.0, 2.0, 3.0, 0.0, 0.0, 50.0])).argmax()) == 2  # nor the argmax
+    assert torch.equal(greedy.probs(T([0.0, 0.0, 0.0, 0.0, 9.0])), T([0.0, 0.0, 0.0, 1.0, 0.0]))
     narrow = lp.process(torch.full((2, 3), 2.0), drafted=[4])  # narrower: ids >= 3 ignored
     assert narrow.shape == (2, 3) and torch.allclose(narrow[:, 1], torch.full((2,), 1.0))
 
@@ -262,13 +265,14 @@ def test_top_logprobs():
 
 
 # -------------------------------------------------- randomised cross-check
-def reference_process(params, prompt, outputs, drafted, offset, logits):
+def reference_process(params, prompt, outputs, drafted, offset, logits, vocab):
     """Naive per-row, per-token float64 implementation of the documented transform."""
     n, width = logits.shape
     rows = []
     for i in range(n):
         hist = list(outputs) + list(drafted[: offset + i])
         x = logits[i].double().clone()
+        x[vocab:] = float("-inf")  # padding rows are never sampled
         for t, b in (params.logit_bias or {}).items():
             if t < width:
                 x[t] += b
@@ -336,7 +340,7 @@ def test_matches_naive_reference_on_random_cases():
         lp.process(logits, drafted, offset)  # build the caches before more tokens are committed
         lp.accept(outputs[2:])
         got = lp.process(logits, drafted, offset)
-        ref = reference_process(params, prompt, outputs, drafted, offset, logits).float()
+        ref = reference_process(params, prompt, outputs, drafted, offset, logits, vocab).float()
         assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), (case, kw, got, ref)
         fin = torch.isfinite(ref)
         assert torch.allclose(got[fin], ref[fin], atol=1e-4, rtol=1e-4), (case, kw)

@@ -14,11 +14,14 @@ INVALID = [
     ("max_tokens", "16"), ("max_tokens", None),
     ("temperature", -0.5), ("temperature", -1e-9), ("temperature", NAN), ("temperature", INF),
     ("temperature", True), ("temperature", "1"), ("temperature", None),
+    # a logit divided by these could leave float32's range (1e-30 and 1e38 once made every request of a step fail)
+    ("temperature", 1e-30), ("temperature", 1e-7), ("temperature", 100.5), ("temperature", 1e38),
     ("top_p", 0.0), ("top_p", -0.1), ("top_p", 1.0001), ("top_p", NAN), ("top_p", False), ("top_p", None),
     ("top_k", -2), ("top_k", 1.5), ("top_k", True), ("top_k", "5"), ("top_k", None),
     ("min_p", -0.01), ("min_p", 1.01), ("min_p", NAN), ("min_p", INF), ("min_p", True),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", NAN),
-    ("repetition_penalty", INF), ("repetition_penalty", True),
+    ("repetition_penalty", INF), ("repetition_penalty", True), ("repetition_penalty", 1e-300),
+    ("repetition_penalty", 9.9e-4), ("repetition_penalty", 1e38),
     ("presence_penalty", 2.01), ("presence_penalty", -2.01), ("presence_penalty", NAN),
     ("presence_penalty", -INF), ("presence_penalty", True),
     ("frequency_penalty", 2.5), ("frequency_penalty", -3), ("frequency_penalty", NAN),
@@ -26,12 +29,13 @@ INVALID = [
     ("logit_bias", {1: 100.5}), ("logit_bias", {1: -101}), ("logit_bias", {1: NAN}), ("logit_bias", {1: INF}),
     ("logit_bias", {-1: 1.0}), ("logit_bias", {"abc": 1.0}), ("logit_bias", {"-3": 1.0}),
     ("logit_bias", {"1.5": 1.0}), ("logit_bias", {1.0: 1.0}), ("logit_bias", {True: 1.0}),
-    ("logit_bias", {1: "x"}), ("logit_bias", [(1, 1.0)]), ("logit_bias", "1:2"),
+    ("logit_bias", {1: "x"}), ("logit_bias", [(1, 1.0)]), ("logit_bias", "1:2"), ("logit_bias", {1: 1e30}),
+    ("logit_bias", {i: 1.0 for i in range(1025)}),
     ("seed", 1.0), ("seed", "42"), ("seed", True),
     ("stop", ""), ("stop", [""]), ("stop", ["ok", ""]), ("stop", [1]), ("stop", ["s"] * 17), ("stop", 5),
-    ("stop", {"a"}),
+    ("stop", {"a"}), ("stop", "x" * 1025), ("stop", ["ok", "\ud800"]),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]), ("stop_token_ids", 5),
-    ("stop_token_ids", "12"),
+    ("stop_token_ids", "12"), ("stop_token_ids", list(range(1025))),
     ("ignore_eos", 1), ("ignore_eos", "yes"), ("ignore_eos", None),
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True),
     ("include_stop_str_in_output", 0), ("skip_special_tokens", "true"),
@@ -52,7 +56,8 @@ def test_invalid_value_raises_naming_field(field, value):
 
 
 def test_message_format_example():
-    with pytest.raises(InvalidParameterError, match=r"^temperature must be >= 0 \(0 means greedy\), got -0.5$"):
+    with pytest.raises(InvalidParameterError,
+                       match=r"^temperature must be 0 \(greedy\) or a number in \[1e-06, 100\], got -0.5$"):
         SamplingParams(temperature=-0.5)
     with pytest.raises(InvalidParameterError, match=r"top_p must be in \(0, 1\], got 1.5"):
         SamplingParams(top_p=1.5)
@@ -60,12 +65,13 @@ def test_message_format_example():
 
 VALID = [
     ("n", 1), ("n", 128), ("max_tokens", 1), ("max_tokens", 10**6),
-    ("temperature", 0), ("temperature", 0.0), ("temperature", 1e-8), ("temperature", 5),
+    ("temperature", 0), ("temperature", 0.0), ("temperature", 1e-6), ("temperature", 5), ("temperature", 100),
     ("top_p", 1e-6), ("top_p", 1), ("top_k", 0), ("top_k", -1), ("top_k", 1), ("top_k", 10**6),
-    ("min_p", 0), ("min_p", 1), ("repetition_penalty", 1e-3), ("repetition_penalty", 10),
+    ("min_p", 0), ("min_p", 1), ("repetition_penalty", 1e-3), ("repetition_penalty", 1e3),
     ("presence_penalty", -2), ("presence_penalty", 2), ("frequency_penalty", -2.0), ("frequency_penalty", 2.0),
     ("logit_bias", {}), ("logit_bias", {0: -100, 5: 100}), ("seed", 0), ("seed", -1), ("seed", 2**70),
     ("stop", "x"), ("stop", ["a"] * 16), ("stop", []), ("stop_token_ids", []), ("stop_token_ids", [0, 7]),
+    ("stop", "x" * 1024), ("stop_token_ids", list(range(1024))), ("logit_bias", {i: 1.0 for i in range(1024)}),
     ("logprobs", 0), ("logprobs", 20), ("priority", -3), ("deadline_s", 0.001), ("deadline_s", 30),
     ("ignore_eos", True), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
 ]
@@ -104,7 +110,7 @@ def test_normalisation():
 
 def test_greedy_and_flags():
     assert SamplingParams(temperature=0).greedy
-    assert not SamplingParams(temperature=1e-9).greedy
+    assert not SamplingParams(temperature=1e-6).greedy
     assert SamplingParams(repetition_penalty=1.1).has_penalties
     assert SamplingParams(presence_penalty=0.1).has_penalties
     assert SamplingParams(top_k=5).has_truncation and not SamplingParams(top_k=-1).has_truncation

@@ -317,7 +317,7 @@ BAD_REQUESTS = [
     ({"prompt": "t1", "logit_bias": {"64": 1}}, 400, "logit_bias", "[0, 64)"),
     ({"prompt": "t1", "logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
     ({"prompt": "t1", "logit_bias": {"abc": 1}}, 400, "logit_bias", "token id"),
-    ({"prompt": "t1", "temperature": -0.5}, 400, "temperature", ">= 0"),
+    ({"prompt": "t1", "temperature": -0.5}, 400, "temperature", "0 (greedy) or a number in"),
     ({"prompt": "t1", "n": 0}, 400, "n", "n must be an int in [1, 128], got 0"),
     ({"prompt": "t1", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ({"prompt": "t1", "logprobs": 50}, 400, "logprobs", "[0, 20]"),
@@ -413,32 +413,35 @@ def test_outputs_identical_alone_and_in_a_batch(any_server):
 
 
 # ---- failures and disconnects ----------------------------------------------------------------------------
-def test_engine_failure_fails_only_its_step(plain):
-    engine = plain.app.state.llm.engine
-    real_step = engine.step
-    calls = {"n": 0}
+def test_engine_wide_failure_turns_health_503_and_fails_everything_at_once(tiny_model):
+    """A failure of the engine as a whole (here its target pass) is not one request's: every request in flight and
+    every new one gets 503 at once, and /health says so, instead of anything hanging."""
+    with serve(tiny_model, "tiny") as server:
+        llm = server.app.state.llm
+        real = llm.target.forward
+        started = threading.Event()
 
-    def flaky_step():
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected failure")
-        return real_step()
-
-    client = plain.client()
-    engine.step = flaky_step
-    try:
-        with pytest.raises(openai.InternalServerError, match="injected failure"):
+        def failing_forward(items):
+            if started.is_set():
+                raise MemoryError("injected: out of memory")
+            return real(items)
+        llm.target.forward = failing_forward
+        client = server.client()
+        with httpx.stream("POST", f"{server.url}/v1/completions",
+                          json={"prompt": "t1 t2", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+            started.set()
+            rest = [line for line in lines if line]
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["type"] == "service_unavailable_error" and "out of memory" in error["message"]
+        assert rest[-1] == "data: [DONE]"
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and "MemoryError" in health.json()["error"]["message"]
+        with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model="tiny", prompt="t1 t2", max_tokens=5)
-        calls["n"] = 0
-        with httpx.stream("POST", f"{plain.url}/v1/completions",
-                          json={"prompt": "t1", "max_tokens": 5, "stream": True}) as r:
-            lines = [line for line in r.iter_lines() if line]
-        assert "injected failure" in json.loads(lines[0][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
-    finally:
-        del engine.step
-    after = client.completions.create(model="tiny", prompt="t1 t2", max_tokens=5, extra_body={"ignore_eos": True})
-    assert after.usage.completion_tokens == 5 and after.choices[0].finish_reason == "length"
-    assert plain.wait_idle()["quickdraft_kv_blocks_used"] == 0
+        assert info.value.status_code == 503
+        assert server.metrics()["quickdraft_num_requests_running"] == 0
 
 
 def test_non_streaming_disconnect_aborts(plain):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,8 @@ from quickdraft.speculative.cost import CostModel
 from quickdraft.speculative.drafters import Drafter, ModelDrafter, Proposal, RunAheadDrafter
 from quickdraft.speculative.verify import verify_greedy, verify_sampled
 from quickdraft.tokenizer import Tokenizer
+
+log = logging.getLogger("quickdraft.engine")
 
 
 @dataclass
@@ -64,6 +67,9 @@ class LLMEngine:
     def __init__(self, target: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
                  drafter: Drafter | None = None) -> None:
         self.target, self.tokenizer, self.config, self.drafter = target, tokenizer, config, drafter
+        # the ids that can be prompted, biased and sampled: checkpoints often pad their embedding beyond the
+        # tokenizer's vocabulary, and a padding row has no text
+        self.vocab_size = min(tokenizer.vocab_size, target.vocab_size)
         self.scheduler = Scheduler(config.scheduler, target, on_preempt=self._drop_kv)
         self.cost = CostModel()
         fixed = None if config.num_speculative_tokens == "auto" else config.num_speculative_tokens
@@ -95,15 +101,15 @@ class LLMEngine:
         ``keep_kv``: the engine then never frees those KV blocks when the request finishes or is aborted
         (preemption may still drop them; they are recomputed)."""
         params.validate()
-        params.check_vocab(self.target.vocab_size)
+        params.check_vocab(self.vocab_size)
         if not prompt_ids:
             raise InvalidParameterError("prompt must contain at least one token")
         if len(prompt_ids) >= self.config.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(prompt_ids)} tokens; the context window is {self.config.max_model_len} tokens "
                 f"and at least one must be left for generation")
-        if max(prompt_ids) >= self.target.vocab_size or min(prompt_ids) < 0:
-            raise InvalidParameterError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        if max(prompt_ids) >= self.vocab_size or min(prompt_ids) < 0:
+            raise InvalidParameterError(f"prompt token ids must be in [0, {self.vocab_size}): the tokenizer's ids")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._groups:
             raise InvalidParameterError(f"request id {request_id!r} is already in use")
@@ -114,8 +120,10 @@ class LLMEngine:
             seed = None if params.seed is None else params.seed + index
             seq = Sequence(request_id=request_id, index=index, prompt=prompt, prompt_ids=list(prompt_ids),
                            params=params, tokenizer=self.tokenizer,
-                           processor=LogitsProcessor(params, prompt_ids, self.target.vocab_size),
+                           processor=LogitsProcessor(params, prompt_ids, self.vocab_size),
                            generator=make_generator(seed, "cpu"), max_model_len=self.config.max_model_len)
+            if seed is not None:
+                seq.draft_nonce = seed % 2**64
             seq.kv["target"] = SequenceKV()
             if seed is None:  # a seeded request's plan may not depend on earlier requests: it keeps the fixed prior
                 seq.spec = self.pooled.as_prior()
@@ -216,21 +224,40 @@ class LLMEngine:
         self.cost.target.record(sum(len(it.tokens) for it in items), self.target.last_forward_s)
         for (seq, _), rows in zip(scheduled, logits):
             if id(seq) in drafts:
-                self._commit(seq, rows, drafts[id(seq)])
+                self._isolated(seq, self._commit, seq, rows, drafts[id(seq)])
         for seq, _ in scheduled:
             kv = seq.kv["target"]
-            self.target.publish(kv, seq.token_ids)
+            if not seq.finished or seq.finish_reason != "error":
+                self.target.publish(kv, seq.token_ids)
             if seq.request_id in self._forks and kv.num_cached >= len(seq.prompt_ids) - 1:
                 self._fork_samples(seq)
         chunks = cancelled
         for seq, _ in scheduled:
+            chunk = self._isolated(seq, seq.take_chunk)
             if seq.finished:
                 self.scheduler.remove(seq)
                 self._drop_kv(seq)
-            chunk = seq.take_chunk()
+                if chunk is None and seq.finish_reason == "error":
+                    chunk = seq.take_chunk()
             if chunk is not None:
                 chunks.append(chunk)
         return chunks
+
+    def _isolated(self, seq: Sequence, fn, *args):
+        """Run one sequence's part of the step; an error there ends that sequence's request alone (finish_reason
+        "error" with the message on its last chunk), and every other sequence of the step goes on unchanged."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - reported to that request's caller
+            log.exception("request %s failed in its own part of the step", seq.request_id)
+            self._forks.pop(seq.request_id, None)
+            for sibling in self._groups.get(seq.request_id, [seq]):
+                if not sibling.finished:
+                    sibling.fail(f"{type(exc).__name__}: {exc}")
+                    if sibling is not seq:
+                        self.scheduler.remove(sibling)
+                        self._drop_kv(sibling)
+            return None
 
     def _fork_samples(self, parent: Sequence) -> None:
         """Start the other samples of a request on the parent's prompt blocks; each recomputes only the last
@@ -252,16 +279,43 @@ class LLMEngine:
                                     remaining=[s.params.max_tokens - len(s.output_ids) for s in seqs])
         ks = [min(k, s.max_model_len - s.num_tokens - 1, s.params.max_tokens - len(s.output_ids) - 1)
               for s, k in zip(seqs, ks)]
-        ks = [max(0, k) for k in ks]
+        ks = [0 if s.spec.draft_failed else max(0, k) for s, k in zip(seqs, ks)]
         if not any(ks):
             return [Proposal([]) for _ in seqs]
-        proposals = self.drafter.propose(seqs, ks)
+        try:
+            proposals = self._checked(seqs, self.drafter.propose(seqs, ks))
+        except Exception:  # noqa: BLE001 - drafting is an optimisation: find the sequence, it decodes plainly
+            log.exception("the drafter failed on a batch of %d sequences; drafting for each alone", len(seqs))
+            return [self._draft_alone(s, k) for s, k in zip(seqs, ks)]
         for num_seqs, fed, seconds in getattr(self.drafter, "last_forward_costs", ()):  # model drafters' forwards
             if fed == num_seqs:
                 self.cost.draft.record(num_seqs, seconds)
             else:
                 self.cost.draft_catch_up.record(fed, seconds)
         return proposals
+
+    def _checked(self, seqs: list[Sequence], proposals: list[Proposal]) -> list[Proposal]:
+        """A proposal must be one per sequence, of ids the target can embed."""
+        if len(proposals) != len(seqs):
+            raise RuntimeError(f"the drafter returned {len(proposals)} proposals for {len(seqs)} sequences")
+        for p in proposals:
+            if any(not 0 <= t < self.vocab_size for t in p.tokens):
+                raise ValueError(f"the drafter proposed ids outside [0, {self.vocab_size}): {p.tokens}")
+        return proposals
+
+    def _draft_alone(self, seq: Sequence, k: int) -> Proposal:
+        """Draft for one sequence after a batched proposal failed; if it fails alone, it decodes plainly from now
+        on (its output is the same: speculation is exact), and its draft state is released."""
+        if k <= 0 or seq.spec.draft_failed:
+            return Proposal([])
+        self.drafter.rewind(seq)  # the failed batch may have fed part of a round into the draft cache
+        try:
+            return self._checked([seq], self.drafter.propose([seq], [k]))[0]
+        except Exception:  # noqa: BLE001
+            log.exception("the drafter failed for request %s; it decodes without speculation", seq.request_id)
+            seq.spec.draft_failed = True
+            self.drafter.release(seq)
+            return Proposal([])
 
     @contextlib.contextmanager
     def _run_ahead(self, seqs: list[Sequence], proposals: list[Proposal]) -> Iterator[None]:
@@ -286,7 +340,7 @@ class LLMEngine:
         new_tokens = drafted[:accepted] + [next_token]
         logprobs = None
         if seq.params.logprobs is not None:
-            logprobs = top_logprobs(rows[:len(new_tokens)], torch.tensor(new_tokens), seq.params.logprobs)
+            logprobs = top_logprobs(rows[:len(new_tokens), :self.vocab_size], torch.tensor(new_tokens), seq.params.logprobs)
         before = len(seq.output_ids)
         seq.append(new_tokens, [True] * accepted + [False], logprobs)
         produced = len(seq.output_ids) - before
@@ -324,12 +378,12 @@ class LLMEngine:
 
         def probe_sequence(ids: list[int]) -> Sequence:
             seq = Sequence(request_id="calibration", index=0, prompt=None, prompt_ids=ids, params=probe_params,
-                           tokenizer=self.tokenizer, processor=LogitsProcessor(probe_params, ids, self.target.vocab_size),
+                           tokenizer=self.tokenizer, processor=LogitsProcessor(probe_params, ids, self.vocab_size),
                            generator=make_generator(0, "cpu"), max_model_len=self.config.max_model_len)
             seq.kv["target"] = SequenceKV()
             return seq
 
-        probe_ids = [i % self.target.vocab_size for i in range(1, context + 1)]
+        probe_ids = [i % self.vocab_size for i in range(1, context + 1)]
         kv = SequenceKV()
         self.target.forward([ForwardItem(kv, probe_ids, 0)])
         for n in range(1, self.controller.max_k + 2):
@@ -356,7 +410,7 @@ class LLMEngine:
             return
         best = float("inf")
         for r in range(repeats):  # catch-ups on prompts not in the draft's prefix cache
-            fresh = probe_sequence([(i + 1 + r) % self.target.vocab_size for i in probe_ids])
+            fresh = probe_sequence([(i + 1 + r) % self.vocab_size for i in probe_ids])
             self.drafter.propose([fresh], [1])
             best = min(best, next(s for _, fed, s in self.drafter.last_forward_costs if fed > 1))
             self.drafter.release(fresh)

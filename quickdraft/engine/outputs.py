@@ -64,9 +64,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     logprobs: list[dict] | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    error: str | None = None  # with finish_reason "error": what went wrong
 
 
 @dataclass
@@ -109,3 +110,4 @@ class StreamChunk:
     finish_reason: str | None = None
     logprobs: list[dict] | None = None
     metrics: RequestMetrics | None = None  # set on the final chunk
+    error: str | None = None  # with finish_reason "error" (the request failed alone): what went wrong

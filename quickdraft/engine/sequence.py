@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class SpeculationState:
     accepted: float = 3.0  # prior: acceptance 0.75 until measured
     rejected: float = 1.0
     rounds_off: int = 0  # rounds since speculation was switched off for this sequence
+    draft_failed: bool = False  # the drafter raised for this sequence: it decodes plainly from then on
 
     @property
     def acceptance(self) -> float:
@@ -75,6 +77,9 @@ class Sequence:
     processor: LogitsProcessor
     generator: torch.Generator
     max_model_len: int
+    # keys the draft model's uniforms (see draft_uniform): the seed for a seeded request, so its tokens repeat; else
+    # random per request (and per session turn), so no two requests share draft randomness
+    draft_nonce: int = field(default_factory=lambda: int.from_bytes(os.urandom(8), "little"))
     arrival_s: float = field(default_factory=time.perf_counter)
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -86,6 +91,7 @@ class Sequence:
     swapped: tuple | None = None  # host copy of the target KV while preempted with preemption="swap"
     keep_kv: bool = False  # the KV handles belong to a Session: not freed when finished or aborted
     text: str = ""
+    error: str | None = None  # why the sequence failed (finish_reason "error")
     _emitted_tokens: int = 0
     _emitted_chars: int = 0
     _from_draft: list[bool] = field(default_factory=list)
@@ -175,6 +181,16 @@ class Sequence:
         self.metrics.generated_tokens = len(self.output_ids) - self._base_tokens
         self.metrics.total_s = time.perf_counter() - self.arrival_s
 
+    def fail(self, error: str) -> None:
+        """End this sequence because processing it raised: it keeps the text delivered so far, nothing after."""
+        self.error = error
+        self.text = self.text[:self._emitted_chars]
+        del self.token_ids[len(self.prompt_ids) + self._emitted_tokens:]
+        del self._from_draft[self._emitted_tokens:]
+        if self.params.logprobs is not None:
+            del self.logprobs[self._emitted_tokens:]
+        self.finish("error", flush=False)
+
     def take_chunk(self) -> StreamChunk | None:
         """New tokens and text since the last call; text that may still become a stop string is held back."""
         n_out = len(self.output_ids)
@@ -188,7 +204,7 @@ class Sequence:
             from_draft=self._from_draft[self._emitted_tokens:],
             finished=self.finished, finish_reason=self.finish_reason,
             logprobs=self.logprobs[self._emitted_tokens:] if self.params.logprobs is not None else None,
-            metrics=self.metrics if self.finished else None,
+            metrics=self.metrics if self.finished else None, error=self.error,
         )
         self._emitted_tokens, self._emitted_chars = n_out, limit
         return chunk
@@ -200,5 +216,5 @@ class Sequence:
         return CompletionOutput(
             index=self.index, text=self.text[self._base_chars:], token_ids=new_ids, finish_reason=self.finish_reason,
             logprobs=self.logprobs[self._base_tokens:] if self.params.logprobs is not None else None,
-            metrics=self.metrics,
+            metrics=self.metrics, error=self.error,
         )

@@ -12,13 +12,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from quickdraft.errors import InvalidParameterError
+from quickdraft.errors import InvalidParameterError, require_unicode
 
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
-LOGIT_BIAS_LIMIT = 100.0
-PENALTY_LIMIT = 2.0
+MAX_STOP_STRING_CHARS = 1024  # every step searches the recent text for each stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range
+PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
+# Temperature and repetition penalty divide (or multiply) logits: outside these ranges a logit could leave float32's
+# range, and nothing is ever clamped silently, so the request is refused instead.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-3, 1e3
 
 
 def _fail(name: str, allowed: str, value: Any, *, raw: bool = False) -> InvalidParameterError:
@@ -95,9 +102,10 @@ class SamplingParams:
             raise _fail("max_tokens", "an int >= 1", self.max_tokens)
         self.max_tokens = mt
 
-        t = _as_float("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
-        if t < 0:
-            raise _fail("temperature", ">= 0 (0 means greedy)", self.temperature)
+        allowed = f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+        t = _as_float("temperature", self.temperature, allowed)
+        if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+            raise _fail("temperature", allowed, self.temperature)
         self.temperature = t
 
         tp = _as_float("top_p", self.top_p, "a number in (0, 1]")
@@ -115,9 +123,10 @@ class SamplingParams:
             raise _fail("min_p", "in [0, 1]", self.min_p)
         self.min_p = mp
 
-        rp = _as_float("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 disables)")
-        if rp <= 0:
-            raise _fail("repetition_penalty", "> 0 (1 disables)", self.repetition_penalty)
+        allowed = f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)"
+        rp = _as_float("repetition_penalty", self.repetition_penalty, allowed)
+        if not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+            raise _fail("repetition_penalty", allowed, self.repetition_penalty)
         self.repetition_penalty = rp
 
         for name in ("presence_penalty", "frequency_penalty"):
@@ -160,6 +169,8 @@ class SamplingParams:
             return None
         if not isinstance(bias, Mapping):
             raise _fail("logit_bias", "a dict mapping token ids to biases in [-100, 100]", bias)
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise _fail("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries", f"{len(bias)} entries", raw=True)
         out: dict[int, float] = {}
         for key, value in bias.items():
             if isinstance(key, str):
@@ -190,6 +201,10 @@ class SamplingParams:
         for s in items:
             if not isinstance(s, str) or not s:
                 raise _fail("stop", "made of non-empty strings", s)
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise _fail("stop", f"made of strings of at most {MAX_STOP_STRING_CHARS} characters",
+                            f"one of {len(s)} characters", raw=True)
+            require_unicode("stop", s)
         return list(items)
 
     @staticmethod
@@ -198,6 +213,9 @@ class SamplingParams:
             return []
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
             raise _fail("stop_token_ids", "a list of token ids (ints >= 0)", ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise _fail("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids", f"{len(ids)} ids",
+                        raw=True)
         out = []
         for t in ids:
             v = _as_int("stop_token_ids entry", t, "a token id (an int >= 0)")

@@ -22,10 +22,9 @@ from torch import Tensor
 
 from quickdraft.sampling.params import SamplingParams
 
-# Below this temperature the logits are shifted by their row max before the
-# division (no overflow to inf) and the divisor is clamped at _MIN_TEMPERATURE.
+# Below this temperature the logits are shifted by their row max before the division, so a large logit over a
+# small temperature cannot overflow to inf (softmax is shift invariant). SamplingParams bounds the temperature.
 _SMALL_TEMPERATURE = 1e-3
-_MIN_TEMPERATURE = 1e-6
 # top-p first looks for its cut among this many most probable tokens (full sort if not found).
 _TOP_P_CANDIDATES = 1024
 
@@ -52,9 +51,9 @@ def _ids(tokens: Sequence[int] | Tensor) -> list[int]:
 class LogitsProcessor:
     """Applies one sequence's sampling parameters to its logits.
 
-    ``vocab_size`` is the tokenizer / model vocabulary; logits may be wider
-    (padded embedding rows) or narrower: extra columns are treated like any
-    other token, token ids beyond the logits width are ignored.
+    ``vocab_size`` is the number of ids the tokenizer knows. Logits may be wider (checkpoints pad their
+    embedding rows, e.g. to a multiple of 64): those columns are masked out of every distribution, so a padding
+    row is never sampled, drafted or verified. Token ids beyond the logits width are ignored.
     """
 
     def __init__(
@@ -158,6 +157,9 @@ class LogitsProcessor:
         x = x.float()
         n, width = x.shape
         p = self.params
+        if width > self.vocab_size:
+            x = x.clone() if x is logits or x.data_ptr() == logits.data_ptr() else x
+            x[:, self.vocab_size:] = float("-inf")
 
         if self._use_bias or self._use_rep or self._use_counts:
             if self._use_bias:
@@ -231,7 +233,7 @@ class LogitsProcessor:
             return x
         if t < _SMALL_TEMPERATURE:
             # Shift first so huge ratios cannot overflow to inf (softmax is shift invariant).
-            return (x - x.amax(dim=-1, keepdim=True)) / max(t, _MIN_TEMPERATURE)
+            return (x - x.amax(dim=-1, keepdim=True)) / t
         return x / t
 
     def _apply_truncation(self, x: Tensor) -> Tensor:

@@ -27,7 +27,9 @@ from quickdraft.engine.outputs import SpecMetrics, StreamChunk
 from quickdraft.errors import InvalidParameterError, PromptTooLongError, QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.sampling.params import MAX_LOGPROBS
-from quickdraft.serving.async_engine import AsyncEngine, EngineError, EngineStoppedError, RequestStream
+from quickdraft.serving.async_engine import (AsyncEngine, EngineError, EngineStoppedError, QueueFullError,
+                                             RequestStream, RequestTimeoutError)
+from quickdraft.serving.guard import GuardMiddleware, ServerLimits, error_body
 from quickdraft.serving.metrics import CONTENT_TYPE, ServerMetrics
 from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError,
                                          _SamplingFields, param_of)
@@ -45,14 +47,9 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> Inv
     return err
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content=error_body(message, type_, param, code))
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(message, type_, param, code), headers=headers)
 
 
 def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
@@ -81,6 +78,24 @@ def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
     if len(errors) > 1:
         message += f" ({len(errors) - 1} more error{'s' if len(errors) > 2 else ''} in the request)"
     return message, loc[0]
+
+
+def describe_error(exc: BaseException) -> tuple[int, dict]:
+    """The HTTP status and OpenAI-shaped body of an error, for a response or a stream's error event."""
+    if isinstance(exc, ModelNotFoundError):
+        return 404, error_body(str(exc), param="model", code="model_not_found")
+    if isinstance(exc, EngineStoppedError):
+        return 503, error_body(str(exc), type_="service_unavailable_error")
+    if isinstance(exc, QueueFullError):
+        return 429, error_body(str(exc), type_="rate_limit_error", code="queue_full")
+    if isinstance(exc, RequestTimeoutError):
+        return 504, error_body(str(exc), type_="timeout_error", code="request_timeout")
+    if isinstance(exc, QuickdraftError) and not isinstance(exc, EngineError):
+        param = getattr(exc, "param", None) or param_of(str(exc))
+        code = getattr(exc, "code", None) or (
+            "context_length_exceeded" if isinstance(exc, PromptTooLongError) else None)
+        return 400, error_body(str(exc), param=param, code=code)
+    return 500, error_body(str(exc) or type(exc).__name__, type_="internal_server_error")
 
 
 def _clean(lp: float) -> float:
@@ -152,9 +167,13 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Stre
             s.close()
 
 
-def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None) -> FastAPI:
+def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
+               limits: ServerLimits | None = None) -> FastAPI:
     """The app serving ``llm`` as ``model_name``; its engine thread runs until the app shuts down."""
-    aengine = AsyncEngine(llm, metrics=metrics).start()
+    limits = limits or ServerLimits()
+    aengine = AsyncEngine(llm, metrics=metrics, max_waiting_requests=limits.max_waiting_requests,
+                          request_timeout_s=limits.request_timeout_s,
+                          max_queued_chunks=limits.max_queued_chunks).start()
     metrics = aengine.metrics
     tokenizer = llm.tokenizer
     ctx = llm.max_model_len
@@ -170,6 +189,8 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None) ->
     app.state.engine = aengine
     app.state.llm = llm
     app.state.model_name = model_name
+    app.state.limits = limits
+    app.add_middleware(GuardMiddleware, limits=limits, on_refused=lambda status: metrics.count_request("error"))
 
     # ---- errors ------------------------------------------------------------------------------------
     @app.exception_handler(RequestValidationError)
@@ -182,16 +203,9 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None) ->
     async def _on_quickdraft(request: Request, exc: QuickdraftError) -> JSONResponse:
         if not getattr(exc, "counted", False):
             metrics.count_request("error")
-        if isinstance(exc, ModelNotFoundError):
-            return error_response(404, str(exc), param="model", code="model_not_found")
-        if isinstance(exc, EngineStoppedError):
-            return error_response(503, str(exc), type_="service_unavailable_error")
-        if isinstance(exc, EngineError):
-            return error_response(500, str(exc), type_="internal_server_error")
-        param = getattr(exc, "param", None) or param_of(str(exc))
-        code = getattr(exc, "code", None) or (
-            "context_length_exceeded" if isinstance(exc, PromptTooLongError) else None)
-        return error_response(400, str(exc), param=param, code=code)
+        status, body = describe_error(exc)
+        headers = {"Retry-After": str(limits.retry_after_s)} if status == 429 else None
+        return JSONResponse(status_code=status, content=body, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -229,7 +243,7 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None) ->
                        f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the {prompt_param}, "
                        f"{params.max_tokens} in the completion). Please reduce the length of the {prompt_param} "
                        f"or completion.", "max_tokens", "context_length_exceeded")
-        params.check_vocab(llm.model.config.vocab_size)
+        params.check_vocab(llm.engine.vocab_size)
         return params
 
     async def start(job: _Job) -> None:
@@ -331,18 +345,17 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None) ->
         return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
 
     def stream_error(exc: BaseException) -> str:
-        if isinstance(exc, QuickdraftError) and not isinstance(exc, EngineError):
-            body = error_body(str(exc), param=getattr(exc, "param", None) or param_of(str(exc)))
-        else:
+        status, body = describe_error(exc)
+        if status >= 500:
             log.error("request failed mid-stream: %s", exc)
-            body = error_body(str(exc) or type(exc).__name__, type_="internal_server_error")
         return sse(body)
 
     # ---- routes ----------------------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
         if not aengine.alive:
-            return error_response(503, "the engine thread is not running", type_="service_unavailable_error")
+            return error_response(503, aengine.failure or "the server is shutting down",
+                                  type_="service_unavailable_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -379,10 +392,13 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None) ->
             raise _bad(f"best_of is not supported (it must equal n), got {body.best_of}", "best_of")
         if body.echo and body.logprobs is not None:
             raise _bad("echo together with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        if len(body.prompts()) > limits.max_prompts_per_request:
+            raise _bad(f"prompt must be a list of at most {limits.max_prompts_per_request} prompts per request, got "
+                       f"{len(body.prompts())}", "prompt")
         prompts = []
         for p in body.prompts():
             if isinstance(p, str):
-                ids = tokenizer.encode(p)
+                ids = await asyncio.to_thread(tokenizer.encode, p)  # a long prompt must not stall other streams
                 if not ids:
                     raise _bad("prompt must not be empty", "prompt")
                 prompts.append((ids, p))
@@ -469,7 +485,7 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None) ->
         if body.logprobs:
             logprobs = body.top_logprobs or 0
         try:
-            ids = llm.chat_prompt([m.for_template() for m in body.messages])
+            ids = await asyncio.to_thread(llm.chat_prompt, [m.for_template() for m in body.messages])
         except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
             raise _bad(f"messages could not be rendered with the model's chat template: {exc}", "messages") from exc
         params = sampling_params(body, len(ids), body.requested_max_tokens, logprobs, "messages")

@@ -10,13 +10,14 @@ its current step, waits on the condition until every announced caller has had it
 ``add_request`` runs in a worker thread (``run_in_executor``), so the event loop keeps streaming while it
 waits for that step; validation errors still reach the caller of :meth:`AsyncEngine.generate` before
 any model work. Chunks go back to the event loop through ``loop.call_soon_threadsafe`` into a per-request
-``asyncio.Queue``. Aborts never block the event loop: they are applied at once when the engine is idle,
+``ChunkQueue`` (bounded by merging chunks, so the engine thread never waits for a slow reader). Aborts never block the event loop: they are applied at once when the engine is idle,
 otherwise right after the running step.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -44,11 +45,23 @@ class EngineStoppedError(EngineError):
     """The server is shutting down."""
 
 
+class EngineDeadError(EngineStoppedError):
+    """The engine failed as a whole (not one request): it accepts no more requests and /health says so."""
+
+
+class QueueFullError(QuickdraftError):
+    """The server's queue of waiting requests is full: the client should retry later."""
+
+
+class RequestTimeoutError(QuickdraftError):
+    """The request ran longer than the server's per-request timeout and was aborted."""
+
+
 @dataclass
 class _Request:
     request_id: str
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: "ChunkQueue"
     num_samples: int
     arrival_s: float
     finished_samples: int = 0
@@ -63,7 +76,7 @@ class RequestStream:
     request, which frees its KV blocks.
     """
 
-    def __init__(self, owner: "AsyncEngine", request_id: str, queue: asyncio.Queue) -> None:
+    def __init__(self, owner: "AsyncEngine", request_id: str, queue: "ChunkQueue") -> None:
         self._owner, self.request_id, self._queue = owner, request_id, queue
         self._done = False
 
@@ -111,9 +124,14 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, llm, metrics: ServerMetrics | None = None, idle_poll_s: float = 0.1,
-                 stall_timeout_s: float = 60.0) -> None:
+                 stall_timeout_s: float = 60.0, max_waiting_requests: int | None = None,
+                 request_timeout_s: float | None = None, max_queued_chunks: int = 64) -> None:
         """``stall_timeout_s``: fail the queued requests when the engine has had work but scheduled nothing for
-        this long (a scheduler that can never admit them would otherwise leave their clients hanging)."""
+        this long (a scheduler that can never admit them would otherwise leave their clients hanging).
+        ``max_waiting_requests``: refuse new requests (QueueFullError) while this many sequences wait to start.
+        ``request_timeout_s``: abort a request (RequestTimeoutError) that has run this long.
+        ``max_queued_chunks``: chunks a request's consumer may leave unread before new ones are merged into the
+        last (the engine thread never waits for a reader, and a slow reader's backlog stays this long)."""
         self.llm = llm
         self.engine = llm.engine
         self.metrics = metrics or ServerMetrics()
@@ -126,6 +144,10 @@ class AsyncEngine:
         self._stall_timeout_s = stall_timeout_s
         self._stalled_since: float | None = None
         self._stopping = False
+        self._dead: BaseException | None = None  # the engine-wide failure that stopped the engine thread
+        self._max_waiting = max_waiting_requests
+        self._request_timeout_s = request_timeout_s
+        self._max_queued_chunks = max_queued_chunks
         self._ids = 0
         self._thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
         self._started = False
@@ -149,7 +171,23 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and self._dead is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped serving, when it did."""
+        if self._dead is not None:
+            return f"the engine failed: {type(self._dead).__name__}: {self._dead}"
+        if self._started and not self._thread.is_alive() and not self._stopping:
+            return "the engine thread is not running"
+        return None
+
+    def _check_accepting(self) -> None:
+        if self._stopping:
+            raise EngineStoppedError("the server is shutting down")
+        failure = self.failure
+        if failure is not None:
+            raise EngineDeadError(f"{failure}; this server accepts no more requests and must be restarted")
 
     # ---- the lock --------------------------------------------------------------------------------
     class _Turn:
@@ -182,10 +220,9 @@ class AsyncEngine:
         """
         if not self._started:
             self.start()
-        if self._stopping:
-            raise EngineStoppedError("the server is shutting down")
+        self._check_accepting()
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = ChunkQueue(self._max_queued_chunks)
         fut = loop.run_in_executor(None, self._add, loop, queue, list(prompt_ids), params, prompt_text, request_id)
         try:
             rid = await asyncio.shield(fut)
@@ -200,8 +237,10 @@ class AsyncEngine:
 
     def _add(self, loop, queue, prompt_ids, params, prompt_text, request_id) -> str:
         with self._locked():
-            if self._stopping:
-                raise EngineStoppedError("the server is shutting down")
+            self._check_accepting()
+            if self._max_waiting is not None and len(self.engine.scheduler.waiting) >= self._max_waiting:
+                raise QueueFullError(f"the server has {len(self.engine.scheduler.waiting)} requests waiting to start "
+                                     f"(--max-waiting-requests {self._max_waiting}); retry later")
             self._check_fits(len(prompt_ids), params)
             if request_id is None:
                 self._ids += 1
@@ -246,6 +285,31 @@ class AsyncEngine:
         return bool(self._pending_aborts) or self.engine.has_unfinished()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the thread is ending: nobody may be left waiting
+            self._die(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            if not self._stopping and self._dead is None:
+                self._die(RuntimeError("the engine thread ended"))
+
+    def _die(self, exc: BaseException) -> None:
+        """An engine-wide failure: fail every request in flight at once; new ones are refused (503)."""
+        self._dead = exc
+        log.error("the engine failed as a whole (%s: %s): failing every request; /health reports 503",
+                  type(exc).__name__, exc)
+        error = EngineDeadError(f"the engine failed while generating: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        if self._cond.acquire(timeout=5.0):  # the engine thread holds it when it fails inside a step
+            try:
+                for rid in list(self._requests):
+                    self._fail(rid, error)
+            finally:
+                self._cond.release()
+
+    def _serve(self) -> None:
         cond = self._cond
         while True:
             with cond:
@@ -259,17 +323,23 @@ class AsyncEngine:
                     continue
                 try:
                     chunks = self.engine.step()
-                    now = time.perf_counter()
-                    deliveries: dict[asyncio.AbstractEventLoop, list] = {}
-                    for chunk in chunks:
-                        self._route(chunk, now, deliveries)
-                    for loop, items in deliveries.items():
-                        self._deliver(loop, items)
-                except Exception as exc:  # a bug: fail the requests of this step, keep serving the others
+                except Exception as exc:  # not one request's fault (that is isolated inside the step): the engine's
                     self.step_errors += 1
-                    log.exception("engine step failed; failing the requests it was running")
-                    self._fail_step(exc)
-                    continue
+                    log.exception("engine step failed")
+                    cond.release()  # _die takes the lock itself
+                    try:
+                        self._die(exc)
+                    finally:
+                        cond.acquire()
+                    return
+                now = time.perf_counter()
+                deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+                for chunk in chunks:
+                    self._route(chunk, now, deliveries)
+                for loop, items in deliveries.items():
+                    self._deliver(loop, items)
+                if self._request_timeout_s is not None:
+                    self._expire(now)
                 if chunks or self.engine.scheduler.running:
                     self._stalled_since = None
                 else:  # nothing could be scheduled (waiting for KV blocks): don't spin, and don't wait forever
@@ -293,9 +363,23 @@ class AsyncEngine:
             self._fail(rid, error)
         self._stalled_since = None
 
+    def _expire(self, now: float) -> None:
+        limit = self._request_timeout_s
+        for rid, req in list(self._requests.items()):
+            if now - req.arrival_s > limit:
+                self._fail(rid, RequestTimeoutError(f"the request ran longer than this server's per-request timeout "
+                                                    f"of {limit:g} s and was aborted"), status="aborted")
+
     def _route(self, chunk: StreamChunk, now: float, deliveries: dict) -> None:
         req = self._requests.get(chunk.request_id)
         if req is None:  # aborted meanwhile
+            return
+        if chunk.error is not None:  # it failed alone: its consumer gets the error, its other samples stop
+            self._requests.pop(req.request_id, None)
+            self.engine.abort(req.request_id)
+            self.metrics.count_request("error")
+            error = EngineError(f"internal error while generating this request: {chunk.error}")
+            deliveries.setdefault(req.loop, []).append((req.queue, error))
             return
         n_tokens = len(chunk.token_ids)
         if n_tokens:
@@ -326,18 +410,6 @@ class AsyncEngine:
                         self._requests.pop(rid, None)
                         self.engine.abort(rid)
                         self.metrics.count_request("aborted")
-
-    def _fail_step(self, exc: Exception) -> None:
-        sched = self.engine.scheduler
-        victims = {s.request_id for s in sched.running}
-        if not victims:  # the failure happened before anything was admitted: fail what was queued
-            victims = {s.request_id for s in sched.waiting}
-        if not victims:
-            victims = set(self._requests)
-        error = EngineError(f"internal error while generating: {type(exc).__name__}: {exc}")
-        error.__cause__ = exc
-        for rid in victims:
-            self._fail(rid, error)
 
     def _fail(self, rid: str, error: BaseException, status: str = "error") -> None:
         """Abort ``rid`` in the engine and hand ``error`` to its consumer (lock held)."""
@@ -390,6 +462,44 @@ class AsyncEngine:
         if draft_runner is not None and draft_runner is not self.llm.target:
             out["draft_kv_blocks_used"] = draft_runner.allocator.num_used
         return out
+
+
+class ChunkQueue:
+    """A request's chunks on their way to its consumer, bounded by merging: past ``limit`` unread items, a new
+    chunk joins the last one of its sample, so a slow reader costs memory for its text only, never a chunk
+    per step, and the engine thread never waits for it."""
+
+    def __init__(self, limit: int) -> None:
+        self._items: collections.deque = collections.deque()
+        self._limit = max(1, limit)
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item) -> None:
+        if isinstance(item, StreamChunk) and len(self._items) >= self._limit:
+            for i in range(len(self._items) - 1, -1, -1):
+                last = self._items[i]
+                if isinstance(last, StreamChunk) and last.index == item.index and not last.finished:
+                    self._items[i] = _merge(last, item)
+                    self._ready.set()
+                    return
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self):
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+
+def _merge(a: StreamChunk, b: StreamChunk) -> StreamChunk:
+    """One chunk with ``a``'s content followed by ``b``'s."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+                               from_draft=a.from_draft + b.from_draft, logprobs=logprobs)
 
 
 def _put_all(items: list) -> None:

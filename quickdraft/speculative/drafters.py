@@ -36,6 +36,7 @@ class DraftableSequence(Protocol):
     params: SamplingParams
     processor: LogitsProcessor
     generator: torch.Generator
+    draft_nonce: int  # keys the draft's uniforms: the seed for seeded requests, else random per request
 
 
 @dataclass
@@ -51,7 +52,7 @@ _DRAFT_KEY = b"quickdraft.draft"
 def draft_uniform(seed: int, position: int) -> float:
     """The uniform in [0, 1) a model drafter samples the draft token at ``position`` with.
 
-    Draft randomness is keyed by (the sequence's seed, position) instead of drawn from the verifier's
+    Draft randomness is keyed by (the sequence's nonce, position) instead of drawn from the verifier's
     generator: a draft is then the same function of its prefix whichever thread computes it, in which round,
     and however far the run-ahead got, so seeded requests give the same tokens with and without run-ahead and
     whatever the timing. It stays exact: the uniform of a position only ever decides the draft at that
@@ -180,7 +181,7 @@ class ModelDrafter:
                     token = int(logits[0].argmax())
                 else:
                     q = torch.softmax(logits, dim=-1)
-                    u = draft_uniform(seq.generator.initial_seed(), len(seq.token_ids) + len(drafts[i]))
+                    u = draft_uniform(seq.draft_nonce, len(seq.token_ids) + len(drafts[i]))
                     token = int(sample_with_uniforms(q, [u])[0])
                     qs[i].append(q[0])
                 drafts[i].append(token)

@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
-from quickdraft.errors import ModelLoadError
+from quickdraft.errors import ModelLoadError, require_unicode
 from quickdraft.tokenizer.chat import render_chat_template
 from quickdraft.tokenizer.gguf_vocab import build_from_gguf_metadata
 
@@ -186,6 +186,7 @@ class Tokenizer:
         their ids, as in HF. `add_special_tokens` adds BOS (and EOS) when the model asks for it."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        require_unicode("text to tokenize", text)
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._prepend_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]

@@ -1,0 +1,119 @@
+"""What the server lets in: its limits, the API key and the request-body cap (pure ASGI, before any route runs).
+
+Every refusal is an OpenAI-shaped error body, so clients report it as they report any API error.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from dataclasses import dataclass
+
+API_KEY_ENV = "QUICKDRAFT_API_KEY"
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key (as vLLM)
+
+
+@dataclass
+class ServerLimits:
+    """How much one client may ask of the server (flag names follow vLLM's where it has them)."""
+
+    api_key: str | None = None  # Bearer key every route but OPEN_PATHS requires; None: no key
+    max_body_bytes: int = 16 << 20  # 413 past this: a body is read into memory before it is parsed
+    max_waiting_requests: int | None = 256  # 429 while this many sequences wait to start
+    request_timeout_s: float | None = 600.0  # a request running longer is aborted (504 or an error event)
+    max_prompts_per_request: int = 64  # /v1/completions with a list of prompts
+    max_queued_chunks: int = 64  # unread chunks per request before new ones are merged into them
+    retry_after_s: int = 1  # the Retry-After of a 429
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset for no key)")
+        for name in ("max_body_bytes", "max_prompts_per_request", "max_queued_chunks", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1 or None, got {self.max_waiting_requests}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 or None, got {self.request_timeout_s}")
+
+    @classmethod
+    def with_env_key(cls, api_key: str | None = None, **kwargs) -> "ServerLimits":
+        """``api_key``, else $QUICKDRAFT_API_KEY when set."""
+        return cls(api_key=api_key or os.environ.get(API_KEY_ENV) or None, **kwargs)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+async def _send_error(send, status: int, message: str, type_: str, code: str | None,
+                      headers: list[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps(error_body(message, type_, code=code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardMiddleware:
+    """Checks the API key, then reads the body up to the cap (413 beyond it, before the app parses anything)."""
+
+    def __init__(self, app, limits: ServerLimits, on_refused=None) -> None:
+        self.app, self.limits = app, limits
+        self.on_refused = on_refused or (lambda status: None)
+        self._key = limits.api_key.encode() if limits.api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self._key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            self.on_refused(401)
+            await _send_error(send, 401, "Incorrect or missing API key: send it as the header "
+                              "'Authorization: Bearer <key>'", "authentication_error", "invalid_api_key",
+                              [(b"www-authenticate", b"Bearer")])
+            return
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            receive = await self._buffered(scope, receive, send)
+            if receive is None:
+                return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        return False
+
+    async def _buffered(self, scope, receive, send):
+        """The whole body (at most the cap), replayed to the app; then the client's own messages (disconnects)."""
+        cap = self.limits.max_body_bytes
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > cap:
+                await self._too_large(send, cap)
+                return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > cap:
+                await self._too_large(send, cap)
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+        return replayed
+
+    async def _too_large(self, send, cap: int) -> None:
+        self.on_refused(413)
+        await _send_error(send, 413, f"the request body is larger than this server accepts ({cap:,} bytes, "
+                          f"--max-request-body-bytes)", "invalid_request_error", "request_too_large")
