@@ -17,6 +17,8 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +28,7 @@ import torch
 
 from quickdraft.engine.outputs import RequestOutput, StreamChunk
 from quickdraft.engine.sequence import CarriedState, Sequence, SpeculationState
-from quickdraft.errors import InvalidParameterError, PromptTooLongError, SessionError
+from quickdraft.errors import InvalidParameterError, PromptTooLongError, RequestFailedError, SessionError
 from quickdraft.kv import ModelRunner, SequenceKV
 from quickdraft.loading.weight_cache import write_atomic
 from quickdraft.sampling import SamplingParams
@@ -38,6 +40,13 @@ if TYPE_CHECKING:  # llm.py imports this module; the LLM is only ever passed in
 FORMAT = "quickdraft-session"
 FORMAT_VERSION = 1
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+_GENERATOR_BYTES = torch.Generator(device="cpu").get_state().numel()  # the CPU generator's state, in bytes
+_MAX_COUNT = (1 << 63) - 1  # counters (turns, delivered characters) fit an int64
+_MAX_WEIGHT = 1e9  # speculation's decayed acceptance counts stay below ~1e3 (at most k tokens a round, decay 0.9)
+FILE_MODE = 0o600  # a snapshot holds the conversation: readable by its owner only
+# the session record's fields (version 1); a snapshot with more or fewer is not one this release wrote
+FIELDS = frozenset({"format", "version", "identity", "history", "cached", "turns", "interrupted", "spec", "messages"})
+TURN_FIELDS = frozenset({"params", "start", "chat", "delivered_chars"})
 
 Message = dict[str, Any]
 
@@ -56,8 +65,26 @@ class Turn:
                 "delivered_chars": self.delivered_chars}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Turn":
-        return cls(SamplingParams(**d["params"]), int(d["start"]), bool(d["chat"]), int(d["delivered_chars"]))
+    def from_json(cls, d: Any, history_len: int, vocab_size: int) -> "Turn":
+        """The interrupted turn of a snapshot's record, every value checked; raises ValueError saying what is wrong."""
+        if not isinstance(d, dict):
+            raise ValueError(f"interrupted is {_show(d)}; it must be null or an object with "
+                             f"{', '.join(sorted(TURN_FIELDS))}")
+        _check_keys(d, TURN_FIELDS, "interrupted")
+        params = d["params"]
+        if not isinstance(params, dict):
+            raise ValueError(f"interrupted.params is {_show(params)}; it must be an object of sampling parameters")
+        try:
+            sampling = SamplingParams(**params)
+            sampling.check_vocab(vocab_size)
+        except (TypeError, ValueError) as exc:  # an unknown name, a value that fails validation
+            raise ValueError(f"interrupted.params are invalid ({exc})") from None
+        if sampling.n != 1:
+            raise ValueError(f"interrupted.params has n={sampling.n}; a session turn has n=1")
+        start = _int(d["start"], "interrupted.start", 1, history_len)
+        if not isinstance(d["chat"], bool):
+            raise ValueError(f"interrupted.chat is {_show(d['chat'])}; it must be true or false")
+        return cls(sampling, start, d["chat"], _int(d["delivered_chars"], "interrupted.delivered_chars", 0, _MAX_COUNT))
 
 
 class Session:
@@ -117,7 +144,7 @@ class Session:
         tensors, metadata = self._snapshot()
         path = Path(path)
         try:
-            write_atomic(path, tensors, metadata, "session snapshot", strict=True)
+            write_atomic(path, tensors, metadata, "session snapshot", strict=True, mode=FILE_MODE)
         except Exception as exc:
             raise SessionError(f"could not save the session to {path}: {type(exc).__name__}: {exc}") from exc
         return path
@@ -126,12 +153,7 @@ class Session:
     def load(cls, llm: "LLM", path: str | Path) -> "Session":
         """Read and check a snapshot completely, then allocate KV blocks and fill them with the saved keys/values."""
         path = Path(path)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise SessionError(f"no session snapshot at {path}; check the path, or start a new session") from None
-        except OSError as exc:
-            raise SessionError(f"cannot read the session snapshot {path}: {exc}") from exc
+        data = _read(path, max_snapshot_bytes(llm))
         meta, tensors = _parse(data, path)
         _check_identity(meta["identity"], identity(llm), path)
         session = cls(llm)
@@ -184,11 +206,7 @@ class Session:
         return params
 
     def _runners(self) -> dict[str, ModelRunner]:
-        runners = {"target": self.llm.target}
-        drafter = self.llm.drafter
-        if getattr(drafter, "runner", None) is not None:
-            runners[drafter.key] = drafter.runner
-        return runners
+        return _runners(self.llm)
 
     def _begin_text(self, prompt, params):
         params = self._check_params(params)
@@ -270,6 +288,9 @@ class Session:
             while not seq.finished:
                 for chunk in self.llm.engine.step():
                     if chunk.request_id == rid:
+                        if chunk.error is not None:
+                            raise RequestFailedError(f"this turn failed: {chunk.error}; the session keeps what was "
+                                                     f"delivered, and the next turn continues from there")
                         yield chunk
         finally:
             self._end(seq, rid, turn)
@@ -284,7 +305,7 @@ class Session:
         if self._closed or self._active != rid:
             return
         self._active = None
-        completed = seq.finished and seq.finish_reason != "abort"
+        completed = seq.finished and seq.finish_reason not in ("abort", "error")
         if seq.finished:
             self.llm.engine.release(rid)
         else:
@@ -335,66 +356,91 @@ class Session:
         def bad(what: str) -> SessionError:
             return SessionError(f"session snapshot {path} is inconsistent: {what}; it cannot be resumed")
 
-        try:
-            history = [int(t) for t in meta["history"]]
-            cached = {str(k): int(v) for k, v in meta["cached"].items()}
-            spec = SpeculationState(**meta["spec"])
-            interrupted = None if meta["interrupted"] is None else Turn.from_json(meta["interrupted"])
-            messages = list(meta["messages"])
-            turns = int(meta["turns"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise bad(f"bad field ({type(exc).__name__}: {exc})") from exc
         vocab = llm.target.vocab_size
-        if any(not 0 <= t < vocab for t in history):
-            raise bad(f"token ids outside this model's vocabulary of {vocab}")
+        history = meta["history"]
+        if not isinstance(history, list):
+            raise bad(f"history is {_show(history)}; it must be a list of token ids")
         if len(history) >= llm.max_model_len:
             raise SessionError(f"session snapshot {path} holds {len(history)} tokens but this LLM's context window is "
                                f"{llm.max_model_len}; build the LLM with a larger max_model_len")
-        if interrupted is not None and not 0 < interrupted.start <= len(history):
-            raise bad(f"interrupted turn starts at {interrupted.start} of {len(history)} tokens")
-        generator = torch.Generator(device="cpu")
+        for i, t in enumerate(history):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise bad(f"history[{i}] is {_show(t)}: token ids are integers in [0, {vocab}), this model's "
+                          f"vocabulary")
         try:
-            generator.set_state(tensors["generator"])
-        except (KeyError, RuntimeError, TypeError) as exc:
-            raise bad(f"no valid generator state ({exc})") from exc
+            cached = meta["cached"]
+            if not isinstance(cached, dict):
+                raise ValueError(f"cached is {_show(cached)}; it must be an object {{cache: tokens cached}}")
+            for key, n in cached.items():
+                _int(n, f"cached[{_short(repr(key))}]", 0, max(0, len(history) - 1))
+            turns = _int(meta["turns"], "turns", 0, _MAX_COUNT)
+            spec = _speculation_state(meta["spec"])
+            turn = meta["interrupted"]
+            interrupted = None if turn is None else Turn.from_json(turn, len(history), vocab)
+            messages = _messages(meta["messages"])
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+        generator = _generator(tensors, bad)
         runners = self._runners()
         if set(cached) != set(runners):
-            raise bad(f"caches for {sorted(cached)}, this LLM has {sorted(runners)}")
+            raise bad(f"caches for {_short(sorted(cached))}, this LLM has {sorted(runners)}")
+        expected = {"generator"} | {f"kv.{key}.{kv}" for key, n in cached.items() if n for kv in "kv"}
+        if set(tensors) != expected:
+            raise bad(f"tensors {_short(sorted(tensors))}, expected {sorted(expected)}")
         plan = {}
         for key, runner in runners.items():
             n = cached[key]
-            if not 0 <= n <= max(0, len(history) - 1):
-                raise bad(f"{n} cached {key} tokens for a history of {len(history)}")
             k = v = None
             if n:
                 pool = runner.pool
                 shape = (runner.num_layers, n, pool.k.shape[2], pool.k.shape[3])
-                k, v = tensors.get(f"kv.{key}.k"), tensors.get(f"kv.{key}.v")
+                k, v = tensors[f"kv.{key}.k"], tensors[f"kv.{key}.v"]
                 for t in (k, v):
-                    if t is None or tuple(t.shape) != shape or t.dtype != pool.k.dtype:
-                        got = None if t is None else (tuple(t.shape), str(t.dtype))
-                        raise bad(f"{key} keys/values are {got}, expected {shape} {pool.k.dtype}")
-                need = -(-n // runner.block_size)
-                if need > runner.allocator.num_free:
-                    raise SessionError(
-                        f"resuming {path} needs {need} free KV blocks in the {key} cache, {runner.allocator.num_free} "
-                        f"are free; close other sessions or raise kv_cache_memory")
+                    if tuple(t.shape) != shape or t.dtype != pool.k.dtype:
+                        raise bad(f"{key} keys/values are {(tuple(t.shape), str(t.dtype))}, expected {shape} "
+                                  f"{pool.k.dtype}")
+                    if not bool(torch.isfinite(t).all()):
+                        raise bad(f"{key} keys/values hold NaN or infinite numbers")
             plan[key] = (runner, k, v, n)
+        for key, (runner, _, _, n) in plan.items():
+            need = -(-n // runner.block_size)
+            if need > runner.allocator.num_free:
+                raise SessionError(
+                    f"resuming {path} needs {need} free KV blocks in the {key} cache, {runner.allocator.num_free} "
+                    f"are free; close other sessions or raise kv_cache_memory")
         self.history, self.spec, self.generator = history, spec, generator
         self.interrupted, self.messages, self.turns = interrupted, messages, turns
         return plan
 
 
 # ---- identity, format -------------------------------------------------------------------------
+def _runners(llm: "LLM") -> dict[str, ModelRunner]:
+    """The KV caches a session of ``llm`` holds: the target's and the drafter's (draft model / self-draft), if any."""
+    runners = {"target": llm.target}
+    drafter = llm.drafter
+    if getattr(drafter, "runner", None) is not None:
+        runners[drafter.key] = drafter.runner
+    return runners
+
+
+def max_snapshot_bytes(llm: "LLM") -> int:
+    """The largest snapshot an LLM can have written: a header of at most ``_MAX_HEADER`` bytes (safetensors' limit),
+    the generator state and, per cache, keys and values for a full context window. A larger file is refused before
+    it is read."""
+    total = 8 + _MAX_HEADER + _GENERATOR_BYTES
+    for runner in _runners(llm).values():
+        k = runner.pool.k
+        total += 2 * runner.num_layers * llm.max_model_len * k.shape[2] * k.shape[3] * k.element_size()
+    return total
+
+
 def identity(llm: "LLM") -> dict:
     """What a snapshot must have been made with: models by content, drafter, weight format, dtypes, KV layout."""
     def model(ckpt) -> dict:
         return {"fingerprint": ckpt.content_fingerprint(), "name": ckpt.source.name}
 
     drafter = llm.drafter
-    runners = {"target": llm.target}
-    if getattr(drafter, "runner", None) is not None:
-        runners[drafter.key] = drafter.runner
+    runners = _runners(llm)
     return {
         "target": model(llm.checkpoint),
         "draft": model(llm.draft_checkpoint) if llm.draft_checkpoint is not None else None,
@@ -407,30 +453,164 @@ def identity(llm: "LLM") -> dict:
     }
 
 
-def _describe(ident: dict, which: str) -> str:
-    m = ident.get(which) or {}
-    return f"{m.get('fingerprint')} ({m.get('name')}, {ident.get('weights')})"
+def _get(d: Any, *keys: str) -> Any:
+    """``d[k1][k2]...`` where every level is a dict, else None (a damaged record never raises here)."""
+    for key in keys:
+        d = d.get(key) if isinstance(d, dict) else None
+    return d
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _show(value: Any) -> str:
+    """A value from a damaged record for an error message: its JSON type and (the start of) its text."""
+    if value is None:
+        return "null"
+    kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number"}.get(type(value), type(value).__name__)
+    try:
+        text = repr(value) if isinstance(value, float) else json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    return f"{kind} ({_short(text, 60)})"
+
+
+def _describe(ident: Any, which: str) -> str:
+    return f"{_short(_get(ident, which, 'fingerprint'))} ({_short(_get(ident, which, 'name'))}, " \
+           f"{_short(_get(ident, 'weights'))})"
 
 
 def _check_identity(theirs: Any, ours: dict, path: Path) -> None:
     if not isinstance(theirs, dict):
         raise SessionError(f"session snapshot {path} does not record the models it was made with; it cannot be resumed")
     fix = "load it into an LLM built with the same model files (copies are fine) and options, or start a new session"
-    if (theirs.get("target") or {}).get("fingerprint") != ours["target"]["fingerprint"]:
+    if _get(theirs, "target", "fingerprint") != ours["target"]["fingerprint"]:
         raise SessionError(f"session snapshot {path} was made with target model fingerprint {_describe(theirs, 'target')}; "
                            f"this LLM has {_describe(ours, 'target')}; {fix}")
     if theirs.get("drafter") != ours["drafter"]:
-        raise SessionError(f"session snapshot {path} was made with speculation={theirs.get('drafter') or 'off'}; "
+        raise SessionError(f"session snapshot {path} was made with speculation="
+                           f"{_short(theirs.get('drafter') or 'off')}; "
                            f"this LLM has speculation={ours['drafter'] or 'off'} (draft= / speculative= must match); "
                            f"{fix}")
-    if (theirs.get("draft") or {}).get("fingerprint") != (ours["draft"] or {}).get("fingerprint"):
+    if _get(theirs, "draft", "fingerprint") != _get(ours, "draft", "fingerprint"):
         raise SessionError(f"session snapshot {path} was made with draft model fingerprint {_describe(theirs, 'draft')}; "
                            f"this LLM has {_describe(ours, 'draft')}; {fix}")
     for field, what in (("weights", "weight format"), ("draft_weights", "draft weight format"), ("dtype", "dtype"),
                         ("kv", "KV cache layout")):
         if theirs.get(field) != ours[field]:
-            raise SessionError(f"session snapshot {path} was made with {what} {theirs.get(field)}; "
+            raise SessionError(f"session snapshot {path} was made with {what} {_short(theirs.get(field))}; "
                                f"this LLM has {ours[field]}; {fix}")
+
+
+# ---- checking a snapshot's record ---------------------------------------------------------------------------
+def _check_keys(d: dict, expected: frozenset[str], what: str) -> None:
+    missing, extra = sorted(expected - set(d)), sorted(set(d) - expected)
+    if missing:
+        raise ValueError(f"{what} lacks {', '.join(missing)}")
+    if extra:
+        raise ValueError(f"{what} has unexpected {', '.join(map(_short, extra))} "
+                         f"(it holds {', '.join(sorted(expected))})")
+
+
+def _int(value: Any, what: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{what} is {_show(value)}; it must be an integer in [{low}, {high}]")
+    return value
+
+
+def _speculation_state(d: Any) -> SpeculationState:
+    """The record's speculation state; fields it lacks keep their defaults (older snapshots lack newer fields)."""
+    fields = {f.name: f.default for f in dataclasses.fields(SpeculationState)}
+    if not isinstance(d, dict):
+        raise ValueError(f"spec is {_show(d)}; it must be an object with {', '.join(fields)}")
+    extra = sorted(set(d) - set(fields))
+    if extra:
+        raise ValueError(f"spec has unexpected {', '.join(map(_short, extra))} (it holds {', '.join(fields)})")
+    for name, value in d.items():
+        default = fields[name]
+        if isinstance(default, bool):
+            ok, allowed = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, allowed = not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= _MAX_COUNT, \
+                f"an integer in [0, {_MAX_COUNT}]"
+        else:
+            ok, allowed = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) \
+                and 0 <= value <= _MAX_WEIGHT, f"a number in [0, {_MAX_WEIGHT:g}]"
+        if not ok:
+            raise ValueError(f"spec.{name} is {_show(value)}; it must be {allowed}")
+    state = SpeculationState(**d)
+    if not state.accepted + state.rejected > 0:
+        raise ValueError(f"spec.accepted + spec.rejected is 0; the acceptance rate accepted / (accepted + rejected) "
+                         f"needs a positive sum")
+    return state
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} is {_show(value)}; it must be a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode (a lone surrogate at character {exc.start})") from None
+    return value
+
+
+def _messages(messages: Any) -> list[Message]:
+    """Chat messages: objects with a string ``role`` and (when present) string ``content``."""
+    if not isinstance(messages, list):
+        raise ValueError(f"messages is {_show(messages)}; it must be a list of chat messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] is {_show(m)}; a chat message is an object {{role, content}}")
+        if "role" not in m:
+            raise ValueError(f"messages[{i}] has no role")
+        _text(m["role"], f"messages[{i}].role")
+        if "content" in m:
+            _text(m["content"], f"messages[{i}].content")
+    return list(messages)
+
+
+def _generator(tensors: dict[str, torch.Tensor], bad) -> torch.Generator:
+    state = tensors.get("generator")
+    if state is None or state.dtype != torch.uint8 or tuple(state.shape) != (_GENERATOR_BYTES,):
+        got = None if state is None else (tuple(state.shape), str(state.dtype))
+        raise bad(f"the generator state is {got}, expected ({_GENERATOR_BYTES},) torch.uint8")
+    generator = torch.Generator(device="cpu")
+    try:
+        generator.set_state(state)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise bad(f"the generator state is invalid ({exc})") from exc
+    return generator
+
+
+# ---- reading the file ---------------------------------------------------------------------------------------
+def _read(path: Path, cap: int) -> bytes:
+    """The file's bytes, refused unread when it is not a regular file or larger than ``cap``."""
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise SessionError(f"{path} is not a regular file, so not a quickdraft session snapshot")
+        if st.st_size > cap:
+            raise SessionError(f"session snapshot {path} is {st.st_size:,} bytes, more than the {cap:,} a snapshot of "
+                               f"this LLM can hold (its header plus keys/values for a full context window); it is not "
+                               f"a snapshot of this LLM's sessions")
+        with open(path, "rb") as f:
+            data = f.read(cap + 1)  # the file may have grown since stat
+    except FileNotFoundError:
+        raise SessionError(f"no session snapshot at {path}; check the path, or start a new session") from None
+    except OSError as exc:
+        raise SessionError(f"cannot read the session snapshot {path}: {exc}") from exc
+    if len(data) > cap:
+        raise SessionError(f"session snapshot {path} grew past {cap:,} bytes while it was read; it is not a snapshot "
+                           f"of this LLM's sessions")
+    return data
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _checksum(meta_json: str, tensors: dict[str, torch.Tensor]) -> str:
@@ -445,8 +625,14 @@ def _checksum(meta_json: str, tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _parse(data: bytes, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Header, integrity and checksum checks; returns the session metadata and the tensors."""
+    """Header, integrity and checksum checks; returns the session record (a dict with exactly ``FIELDS``, of a
+    supported version) and the tensors. Values are checked by ``_restore_plan``: a hostile file can recompute the
+    checksum, so the checksum only detects damage."""
     not_snapshot = SessionError(f"{path} is not a quickdraft session snapshot (saved with Session.save)")
+
+    def corrupt(what: str) -> SessionError:
+        return SessionError(f"session snapshot {path} is corrupt ({what})")
+
     if len(data) < 8:
         raise not_snapshot
     n = int.from_bytes(data[:8], "little")
@@ -456,29 +642,40 @@ def _parse(data: bytes, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             raise SessionError(f"session snapshot {path} is truncated ({len(data)} bytes, its header alone needs "
                                f"{n + 8}); the last save did not complete: use an older copy or start a new session")
         raise not_snapshot
+    if n > _MAX_HEADER:
+        if looks_like_header:
+            raise corrupt(f"a header of {n:,} bytes, more than the {_MAX_HEADER:,} allowed")
+        raise not_snapshot
     try:
         header = json.loads(data[8:8 + n])
-        meta_raw = header.get("__metadata__") or {}
-    except (ValueError, AttributeError):
+    except (ValueError, RecursionError):
         if looks_like_header:
-            raise SessionError(f"session snapshot {path} is corrupt (unreadable header)") from None
+            raise corrupt("unreadable header") from None
         raise not_snapshot from None
-    if meta_raw.get("format") != FORMAT:
+    meta_raw = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta_raw, dict) or meta_raw.get("format") != FORMAT:
         raise not_snapshot
     try:
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     except (KeyError, TypeError, ValueError, IndexError):
-        raise SessionError(f"session snapshot {path} is corrupt (bad tensor table)") from None
+        raise corrupt("bad tensor table") from None
     if 8 + n + end > len(data):
         raise SessionError(f"session snapshot {path} is truncated ({len(data)} of {8 + n + end} bytes); the save "
                            f"did not complete: use an older copy or start a new session")
     if 8 + n + end < len(data):
-        raise SessionError(f"session snapshot {path} is corrupt ({len(data) - 8 - n - end} unexpected trailing bytes)")
+        raise corrupt(f"{len(data) - 8 - n - end} unexpected trailing bytes")
+    record = meta_raw.get("session")
     try:
-        meta = json.loads(meta_raw["session"])
-        version = meta["version"]
-    except (KeyError, TypeError, ValueError):
-        raise SessionError(f"session snapshot {path} is corrupt (unreadable session record)") from None
+        if not isinstance(record, str):
+            raise TypeError("no session record")
+        meta = json.loads(record, parse_constant=_reject_constant)
+    except (TypeError, ValueError, RecursionError) as exc:  # also numbers of thousands of digits, deep nesting
+        raise corrupt(f"unreadable session record: {type(exc).__name__}: {_short(exc)}") from None
+    if not isinstance(meta, dict):
+        raise corrupt(f"the session record is {_show(meta)}, not an object")
+    version = meta.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise corrupt(f"its format version is {_show(version)}, not an integer")
     if version != FORMAT_VERSION:
         raise SessionError(f"session snapshot {path} has format version {version}; this quickdraft reads version "
                            f"{FORMAT_VERSION}; resume it with the quickdraft release that saved it")
@@ -486,8 +683,15 @@ def _parse(data: bytes, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         from safetensors.torch import load as load_tensors
         tensors = load_tensors(data)
     except Exception as exc:
-        raise SessionError(f"session snapshot {path} is corrupt ({type(exc).__name__}: {exc})") from None
-    if _checksum(meta_raw["session"], tensors) != meta_raw.get("checksum"):
+        raise corrupt(f"{type(exc).__name__}: {_short(exc)}") from None
+    if _checksum(record, tensors) != meta_raw.get("checksum"):
         raise SessionError(f"session snapshot {path} is corrupt (checksum mismatch: the file was changed or damaged "
                            f"after it was saved); use an older copy or start a new session")
+    try:
+        _check_keys(meta, FIELDS, "the session record")
+    except ValueError as exc:
+        raise SessionError(f"session snapshot {path} is inconsistent: {exc}; it cannot be resumed") from None
+    if meta["format"] != FORMAT:
+        raise SessionError(f"session snapshot {path} is inconsistent: its record's format is {_show(meta['format'])}, "
+                           f"expected {FORMAT!r}; it cannot be resumed")
     return meta, tensors

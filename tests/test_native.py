@@ -3,6 +3,14 @@ agree with torch's operations, and every row's result is bit-identical whatever 
 and wherever its buffer lies (speculative verification and batching rely on this)."""
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,3 +116,90 @@ def test_bf16_linear_matches_torch_and_rows_are_independent():
     for rows in range(1, 9):
         part = native.linear_bf16(_offset_copy(x[rows - 1:rows - 1 + rows], 1), w, bias)
         assert torch.equal(part, y[rows - 1:rows - 1 + rows])
+
+
+# ---- the build cache: damaged libraries, the temporary build path, a compiler that hangs -------------------------
+@pytest.fixture
+def fresh_loader(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """The loader as in a new process with an empty private cache; returns the cache and the library in use."""
+    in_use = Path(native.lib()._name)
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_error", None)
+    return tmp_path / "cache", in_use
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+DAMAGE = {  # the cached file, the checksum beside it (of the good library, none, or of the file), the warning
+    "truncated": (lambda good: good[:len(good) // 2], "good", "does not match the checksum recorded when it was built"),
+    "bit flip": (lambda good: good[:5000] + bytes([good[5000] ^ 1]) + good[5001:], "good",
+                 "does not match the checksum"),
+    "no checksum": (lambda good: good, None, "has no recorded checksum"),
+    "not a library, checksum recomputed": (lambda good: random.Random(0).randbytes(4096), "file", "does not load"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_cached_library_is_rebuilt_once(fresh_loader, monkeypatch, caplog, damage):
+    """A truncated library would crash the process in dlopen (SIGBUS), so the recorded checksum is checked first."""
+    cache, in_use = fresh_loader
+    target = native._library_path(_compiler())
+    assert target.parent == cache / "kernels"
+    target.parent.mkdir(parents=True)
+    make, checksum_of, message = DAMAGE[damage]
+    good = in_use.read_bytes()
+    target.write_bytes(make(good))
+    if checksum_of is not None:
+        summed = good if checksum_of == "good" else target.read_bytes()
+        native._checksum_path(target).write_text(hashlib.sha256(summed).hexdigest())
+    outputs = []
+    run = native._run
+    monkeypatch.setattr(native, "_run", lambda cmd: (outputs.append(Path(cmd[cmd.index("-o") + 1]))
+                                                     if "-o" in cmd else None) or run(cmd))
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.available(), native.unavailable_reason()
+    assert f"{target} {message}" in caplog.text and "rebuilding it" in caplog.text
+    assert native.lib()._name == str(target)
+    assert native._checksum_path(target).read_text() == hashlib.sha256(target.read_bytes()).hexdigest()
+    # built under a fresh private directory with a random name beside the target, then renamed over it
+    (built,) = outputs
+    assert built.name == target.name and built.parent.parent == target.parent
+    assert built.parent.name.startswith(".build-") and built.parent.name != ".build-"
+    assert not built.parent.exists()
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted([target.name, f"{target.stem}.sha256"])
+    x, w = torch.randn(3, 64), torch.randn(64)
+    assert torch.allclose(native.rms_norm(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiler_that_hangs_is_killed_and_torch_ops_are_used(fresh_loader, tmp_path, monkeypatch, caplog):
+    """The fake compiler answers --version, then hangs in a child process (as cc1 or ld would): the whole process
+    group is killed at the time limit and the kernels are reported unavailable with a warning."""
+    cache, _ = fresh_loader
+    pid_file = tmp_path / "child.pid"
+    cc = tmp_path / "slow-cc"
+    cc.write_text(f'#!/bin/sh\ncase "$1" in --version) echo "slow-cc 1.0";; *) sleep 120 & echo $! > {pid_file}; '
+                  f'wait;; esac\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(native, "COMPILE_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert not native.available()
+    assert time.monotonic() - start < 30
+    assert native.unavailable_reason() == f"{cc} did not finish within 1 s (COMPILE_TIMEOUT_S)"
+    assert "using torch's operations" in caplog.text
+    assert not native.runs_rms_norm(torch.randn(2, 64), torch.randn(64))  # the model takes torch's path
+    assert list((cache / "kernels").iterdir()) == []  # the build directory was removed
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the compiler's child was killed too (and reaped by init)
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the compiler's child process {child} is still running")

@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load as safetensors_load, save as safetensors_save
 
 from quickdraft import LLM, SamplingParams, SessionError
+from quickdraft import session as session_module
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -345,3 +348,259 @@ def test_cli_chat_saves_and_restores(paths, tmp_path, monkeypatch, capsys):
     assert main(args) == 0
     second = capsys.readouterr()
     assert "restored 2 turns" in second.err
+
+
+# ---- hostile snapshots: malformed records under a correct checksum, the size cap, the file mode -------------------
+def read_snapshot(data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(json.loads(data[8:8 + n])["__metadata__"]["session"]), safetensors_load(data)
+
+
+def write_snapshot(path: Path, record: dict | str, tensors: dict[str, torch.Tensor]) -> Path:
+    """A snapshot holding this record (or raw JSON text) and these tensors, under the checksum they should have: what
+    a hostile writer makes, so only checking the values can refuse it."""
+    text = record if isinstance(record, str) else json.dumps(record)
+    meta = {"format": session_module.FORMAT, "session": text, "checksum": session_module._checksum(text, tensors)}
+    path.write_bytes(safetensors_save(tensors, metadata=meta))
+    return path
+
+
+RAW = "\0raw\0"  # a value replaced by raw JSON text after dumping
+
+
+def _at(record: dict, where: str) -> tuple[dict | list, str | int]:
+    *parents, last = where.split(".")
+    for key in parents:
+        record = record[int(key)] if isinstance(record, list) else record[key]
+    return record, int(last) if isinstance(record, list) else last
+
+
+def setting(where: str, value) -> callable:
+    def mutate(record: dict, tensors: dict) -> None:
+        parent, key = _at(record, where)
+        parent[key] = value(record) if callable(value) else value
+    return mutate
+
+
+def deleting(where: str) -> callable:
+    def mutate(record: dict, tensors: dict) -> None:
+        parent, key = _at(record, where)
+        del parent[key]
+    return mutate
+
+
+def raw(where: str, text: str) -> callable:
+    def mutate(record: dict, tensors: dict) -> str:
+        setting(where, RAW)(record, tensors)
+        return json.dumps(record).replace(json.dumps(RAW), text)
+    return mutate
+
+
+def tensor(name: str, value) -> callable:
+    def mutate(record: dict, tensors: dict) -> None:
+        if value is None:
+            del tensors[name]
+        else:
+            tensors[name] = value(tensors[name]) if callable(value) else value
+    return mutate
+
+
+def _poisoned(t: torch.Tensor, value: float) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[t.numel() // 2] = value
+    return t
+
+
+MALFORMED = {  # name: (rewrite of the valid snapshot's record / tensors, what the SessionError says)
+    # the record as a whole
+    "record a list": (lambda r, t: "[1, 2]", r"corrupt \(the session record is a list \(\[1, 2\]\), not an object"),
+    "record with NaN": (raw("turns", "NaN"), r"unreadable session record: ValueError: NaN is not a JSON number"),
+    "record with -Infinity": (raw("spec.accepted", "-Infinity"), r"-Infinity is not a JSON number"),
+    "record nested 100000 deep": (raw("messages", "[" * 100_000 + "]" * 100_000), r"unreadable session record: "
+                                                                                   r"RecursionError"),
+    "integer of 5000 digits": (raw("turns", "9" * 5000), r"unreadable session record: ValueError: Exceeds the limit"),
+    "version a string": (setting("version", "1"), r"its format version is a string \(\"1\"\), not an integer"),
+    "version true": (setting("version", True), r"its format version is a boolean \(true\), not an integer"),
+    "history missing": (deleting("history"), r"inconsistent: the session record lacks history"),
+    "identity missing": (deleting("identity"), r"the session record lacks identity"),
+    "field added": (setting("evil", 1), r"the session record has unexpected evil \(it holds cached, format, history"),
+    "format other": (setting("format", "other"), r"its record's format is a string \(\"other\"\), expected "
+                                                 r"'quickdraft-session'"),
+    # identity
+    "identity a list": (setting("identity", [1]), r"does not record the models it was made with"),
+    "identity.target a list": (setting("identity.target", [1]), r"made with target model fingerprint None \(None, "),
+    "identity.kv 1000 chars": (setting("identity.kv", "x" * 1000), r"KV cache layout x{100}\.\.\.; this LLM has"),
+    # history
+    "history an object": (setting("history", {"0": 5}), r"history is an object \(\{\"0\": 5\}\); it must be a list"),
+    "history a string": (setting("history", "t5 t6"), r"history is a string \(\"t5 t6\"\); it must be a list"),
+    "token a string": (setting("history.0", "5"), r"history\[0\] is a string \(\"5\"\): token ids are integers in "
+                                                  r"\[0, 64\), this model's vocabulary"),
+    "token negative": (setting("history.3", -1), r"history\[3\] is an integer \(-1\): token ids are integers"),
+    "token a float": (setting("history.0", 5.0), r"history\[0\] is a number \(5.0\)"),
+    "token true": (setting("history.0", True), r"history\[0\] is a boolean \(true\)"),
+    "token = vocabulary size": (setting("history.1", 64), r"history\[1\] is an integer \(64\): token ids are integers "
+                                                          r"in \[0, 64\)"),
+    "token 2^80": (setting("history.1", 1 << 80), r"history\[1\] is an integer \(1208925819614629174706176\)"),
+    "history past the context": (setting("history", lambda r: [5] * 512),
+                                 r"holds 512 tokens but this LLM's context window is 512; build the LLM with a larger"),
+    # cached
+    "cached a list": (setting("cached", [3]), r"cached is a list \(\[3\]\); it must be an object \{cache: tokens"),
+    "cached negative": (setting("cached.target", -1), r"cached\['target'\] is an integer \(-1\); it must be an "
+                                                      r"integer in \[0, \d+\]"),
+    "cached = history": (setting("cached.target", lambda r: len(r["history"])), r"cached\['target'\] is an integer "
+                                                                                r"\(\d+\); it must be an integer in"),
+    "cached a string": (setting("cached.target", "3"), r"cached\['target'\] is a string \(\"3\"\)"),
+    "cached a float": (setting("cached.target", 3.0), r"cached\['target'\] is a number \(3.0\)"),
+    "cache missing": (deleting("cached.draft:draft"), r"caches for \['target'\], this LLM has \['draft:draft', "
+                                                      r"'target'\]"),
+    "cache added": (setting("cached.draft:self", 0), r"caches for \['draft:draft', 'draft:self', 'target'\]"),
+    "cached one less than stored": (setting("cached.target", lambda r: r["cached"]["target"] - 1),
+                                    r"target keys/values are \(\(3, (\d+), 2, 16\), 'torch.float32'\), expected "
+                                    r"\(3, \d+, 2, 16\) torch.float32"),
+    # turns, spec
+    "turns negative": (setting("turns", -1), r"turns is an integer \(-1\); it must be an integer in "
+                                             r"\[0, 9223372036854775807\]"),
+    "turns 2^63": (setting("turns", 1 << 63), r"turns is an integer \(9223372036854775808\)"),
+    "turns a string": (setting("turns", "2"), r"turns is a string"),
+    "spec a list": (setting("spec", []), r"spec is a list \(\[\]\); it must be an object with accepted, rejected"),
+    "spec field added": (setting("spec.evil", 1), r"spec has unexpected evil \(it holds accepted, rejected"),
+    "spec negative": (setting("spec.accepted", -1.0), r"spec.accepted is a number \(-1.0\); it must be a number in "
+                                                      r"\[0, 1e\+09\]"),
+    "spec 1e400": (raw("spec.rejected", "1e400"), r"spec.rejected is a number \(inf\); it must be a number in"),
+    "spec 1e300": (setting("spec.rejected", 1e300), r"spec.rejected is a number \(1e\+300\); it must be a number in"),
+    "spec zero sum": (lambda r, t: r["spec"].update(accepted=0, rejected=0.0),
+                      r"spec.accepted \+ spec.rejected is 0; the acceptance rate .* needs a positive sum"),
+    "spec count a float": (setting("spec.rounds_off", 1.5), r"spec.rounds_off is a number \(1.5\); it must be an "
+                                                            r"integer in \[0, "),
+    # the interrupted turn
+    "interrupted a list": (setting("interrupted", []), r"interrupted is a list \(\[\]\); it must be null or an "
+                                                       r"object with chat, delivered_chars, params, start"),
+    "interrupted start missing": (deleting("interrupted.start"), r"interrupted lacks start"),
+    "interrupted field added": (setting("interrupted.evil", 1), r"interrupted has unexpected evil"),
+    "start 0": (setting("interrupted.start", 0), r"interrupted.start is an integer \(0\); it must be an integer in "
+                                                 r"\[1, \d+\]"),
+    "start past the history": (setting("interrupted.start", lambda r: len(r["history"]) + 1),
+                               r"interrupted.start is an integer \(\d+\); it must be an integer in \[1, \d+\]"),
+    "start a string": (setting("interrupted.start", "3"), r"interrupted.start is a string"),
+    "chat a string": (setting("interrupted.chat", "yes"), r"interrupted.chat is a string \(\"yes\"\); it must be "
+                                                          r"true or false"),
+    "delivered_chars negative": (setting("interrupted.delivered_chars", -5), r"interrupted.delivered_chars is an "
+                                                                             r"integer \(-5\)"),
+    "params a string": (setting("interrupted.params", "greedy"), r"interrupted.params is a string \(\"greedy\"\); it "
+                                                                 r"must be an object of sampling parameters"),
+    "params unknown name": (setting("interrupted.params.evil", 1), r"interrupted.params are invalid \(.*unexpected "
+                                                                   r"keyword argument 'evil'\)"),
+    "temperature negative": (setting("interrupted.params.temperature", -1.0),
+                             r"interrupted.params are invalid \(temperature must be"),
+    "temperature 1e400": (raw("interrupted.params.temperature", "1e400"), r"interrupted.params are invalid "
+                                                                          r"\(temperature must be"),
+    "max_tokens a string": (setting("interrupted.params.max_tokens", "24"), r"invalid \(max_tokens must be an int"),
+    "n 2": (setting("interrupted.params.n", 2), r"interrupted.params has n=2; a session turn has n=1"),
+    "stop token outside the vocabulary": (setting("interrupted.params.stop_token_ids", [64]),
+                                          r"invalid \(stop_token_ids entry must be a token id in \[0, 64\)"),
+    "logit bias outside the vocabulary": (setting("interrupted.params.logit_bias", {"1000": 1.0}),
+                                          r"invalid \(logit_bias key must be a token id in \[0, 64\)"),
+    # messages
+    "messages an object": (setting("messages", {}), r"messages is an object \(\{\}\); it must be a list of chat"),
+    "message a string": (setting("messages", ["hi"]), r"messages\[0\] is a string \(\"hi\"\); a chat message is an "
+                                                      r"object \{role, content\}"),
+    "message without a role": (setting("messages", [{"content": "t5"}]), r"messages\[0\] has no role"),
+    "role null": (setting("messages", [{"role": None, "content": "t5"}]), r"messages\[0\].role is null; it must be "
+                                                                          r"a string"),
+    "role a number": (setting("messages", [{"role": 1, "content": "t5"}]), r"messages\[0\].role is an integer"),
+    "content a list": (setting("messages", [{"role": "user", "content": ["t5"]}]), r"messages\[0\].content is a list"),
+    "content a lone surrogate": (raw("messages", '[{"role": "user", "content": "t5 \\ud800"}]'),
+                                 r"messages\[0\].content is not valid Unicode \(a lone surrogate at character 3\)"),
+    # tensors
+    "generator missing": (tensor("generator", None), r"the generator state is None, expected \(5056,\) "
+                                                     r"torch.uint8"),
+    "generator float32": (tensor("generator", lambda g: g.float()), r"the generator state is \(\(5056,\), "
+                                                                     r"'torch.float32'\)"),
+    "generator cut": (tensor("generator", lambda g: g[:100].clone()), r"the generator state is \(\(100,\), "),
+    "generator garbage": (tensor("generator", lambda g: torch.full_like(g, 255)), r"the generator state is invalid "
+                                                                                  r"\(Invalid mt19937 state\)"),
+    "values missing": (tensor("kv.target.v", None), r"tensors \['generator', 'kv.draft:draft.k', 'kv.draft:draft.v', "
+                                                    r"'kv.target.k'\], expected \['generator', .*'kv.target.v'\]"),
+    "tensor added": (tensor("evil", torch.zeros(1)), r"tensors \['evil', 'generator', .*\], expected \['generator'"),
+    "keys one token short": (tensor("kv.target.k", lambda k: k[:, :-1].clone()),
+                             r"target keys/values are \(\(3, \d+, 2, 16\), 'torch.float32'\), expected"),
+    "keys float64": (tensor("kv.target.k", lambda k: k.double()), r"'torch.float64'\), expected \(3, \d+, 2, 16\) "
+                                                                  r"torch.float32"),
+    "keys NaN": (tensor("kv.target.k", lambda k: _poisoned(k, float("nan"))), r"target keys/values hold NaN or "
+                                                                              r"infinite numbers"),
+    "draft values inf": (tensor("kv.draft:draft.v", lambda v: _poisoned(v, float("inf"))),
+                         r"draft:draft keys/values hold NaN or infinite numbers"),
+}
+
+
+@pytest.fixture(scope="module")
+def valid_snapshot(llms, tmp_path_factory) -> bytes:
+    """An interrupted turn of the draft-model LLM: both caches hold keys/values."""
+    path = tmp_path_factory.mktemp("snapshot") / "valid.qds"
+    interrupt(llms["draft"], PROMPT, SAMPLED, 5, path)
+    return path.read_bytes()
+
+
+def test_the_rewritten_valid_snapshot_resumes(llms, valid_snapshot, tmp_path):
+    """The rewriter the malformed cases use makes loadable snapshots, so each case fails for its one change."""
+    record, tensors = read_snapshot(valid_snapshot)
+    assert record["interrupted"] is not None and record["cached"]["draft:draft"] > 0 and record["turns"] == 0
+    record["messages"] = [{"role": "user", "content": "t5 t6"}]
+    llm = llms["draft"]
+    with llm.load_session(write_snapshot(tmp_path / "same.qds", record, tensors)) as s:
+        assert s.history == record["history"] and s.messages == record["messages"] and s.interrupted is not None
+    assert used(llm) == (0, 0)
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_snapshot_under_a_valid_checksum_is_refused(llms, valid_snapshot, tmp_path, case):
+    mutate, message = MALFORMED[case]
+    record, tensors = read_snapshot(valid_snapshot)
+    rewritten = mutate(record, tensors)
+    path = write_snapshot(tmp_path / "bad.qds", record if rewritten is None else rewritten, tensors)
+    llm = llms["draft"]
+    before = used(llm)
+    with pytest.raises(SessionError, match=message) as err:
+        llm.load_session(path)
+    assert type(err.value) is SessionError and str(path) in str(err.value)
+    assert used(llm) == before
+
+
+def test_a_snapshot_larger_than_the_cap_is_refused_unread(llms, tmp_path, monkeypatch):
+    llm = llms["plain"]
+    path = tmp_path / "s.qds"
+    with llm.session() as s:
+        s.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        s.save(path)
+    size = path.stat().st_size
+    # the cap: a 100 MiB header, the generator state and a full context window of keys and values per cache
+    runner = llm.target
+    kv_bytes = 2 * runner.num_layers * llm.max_model_len * runner.pool.k[0, 0].numel() * runner.pool.k.element_size()
+    cap = session_module.max_snapshot_bytes(llm)
+    assert cap == 8 + (100 << 20) + 5056 + kv_bytes and size < cap
+    monkeypatch.setattr(session_module, "max_snapshot_bytes", lambda _: size - 1)
+    monkeypatch.setattr(session_module, "open", lambda *a: pytest.fail("read a file over the cap"), raising=False)
+    before = used(llm)
+    with pytest.raises(SessionError, match=rf"{path} is {size:,} bytes, more than the {size - 1:,} a snapshot of this "
+                                           rf"LLM can hold"):
+        llm.load_session(path)
+    with pytest.raises(SessionError, match=rf"{tmp_path} is not a regular file"):
+        llm.load_session(tmp_path)
+    assert used(llm) == before
+    monkeypatch.undo()
+    monkeypatch.setattr(session_module, "max_snapshot_bytes", lambda _: size)
+    llm.load_session(path).close()
+
+
+def test_a_snapshot_is_readable_by_its_owner_only(llms, tmp_path):
+    path = tmp_path / "s.qds"
+    path.write_bytes(b"an older file, readable by all")
+    os.chmod(path, 0o644)
+    with llms["plain"].session() as s:
+        s.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        s.save(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    # caches written by the same function keep their mode
+    from quickdraft.loading.weight_cache import write_atomic
+    cache = write_atomic(tmp_path / "cache.safetensors", {"x": torch.zeros(2)}, {}, "test cache")
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o644

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
+import reprlib
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -76,8 +78,8 @@ def single_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _token_id(tokens: list[str] | None, text: str) -> int | None:
-    if not tokens:
+def _token_id(tokens: Any, text: str) -> int | None:
+    if not isinstance(tokens, list):
         return None
     try:
         return tokens.index(text)
@@ -85,13 +87,14 @@ def _token_id(tokens: list[str] | None, text: str) -> int | None:
         return None
 
 
-def eos_token_ids(metadata: dict[str, Any], arch: str) -> tuple[int, ...]:
+def eos_token_ids(metadata: dict[str, Any], arch: str, vocab_size: int | None = None) -> tuple[int, ...]:
     """EOS ids: the declared eos (and eot/eom) ids, plus the ChatML end-of-turn token
-    ``<|im_end|>`` when the vocab has it, and for qwen2 also ``<|endoftext|>``."""
+    ``<|im_end|>`` when the vocab has it, and for qwen2 also ``<|endoftext|>``; ids outside
+    ``vocab_size`` (when given) are dropped."""
     ids: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         value = metadata.get(key)
-        if isinstance(value, int) and value >= 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             ids.append(value)
     tokens = metadata.get("tokenizer.ggml.tokens")
     extra = ["<|im_end|>"] + (["<|endoftext|>"] if arch == "qwen2" else [])
@@ -99,6 +102,8 @@ def eos_token_ids(metadata: dict[str, Any], arch: str) -> tuple[int, ...]:
         tid = _token_id(tokens, text)
         if tid is not None:
             ids.append(tid)
+    if vocab_size is not None:
+        ids = [i for i in ids if i < vocab_size]
     return tuple(dict.fromkeys(ids))
 
 
@@ -109,39 +114,89 @@ def _required(metadata: dict[str, Any], key: str, path: Path) -> Any:
     return value
 
 
+def _int(metadata: dict[str, Any], key: str, path: Path, low: int, high: int, default: int | None = None) -> int:
+    """An integer metadata value in ``[low, high]`` (required unless it has a default)."""
+    value = _required(metadata, key, path) if default is None else metadata.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {_show(value)}; it must be an integer")
+    if not low <= value <= high:
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {value:,}; allowed: {low:,} to {high:,}")
+    return value
+
+
+def _positive_float(metadata: dict[str, Any], key: str, path: Path, default: float) -> float:
+    value = metadata.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {_show(value)}; it must be a positive finite number")
+    return float(value)
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+# Bounds on the config's sizes, far above any real model (widths of ~16k, contexts of up to ~10M tokens): a
+# damaged value is refused here rather than sizing a loop or an allocation (the rotary table has a row per position).
+MAX_WIDTH = 1 << 20
+MAX_CONTEXT = 1 << 24
+
+
 def config_from_metadata(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path) -> ModelConfig:
-    """ModelConfig from GGUF key/values and the tensors' shapes (torch order, keyed by GGUF name)."""
+    """ModelConfig from GGUF key/values and the tensors' shapes (torch order, keyed by GGUF name);
+    every value is type- and range-checked (a ModelLoadError names the key, its value and what is allowed)."""
     arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     if "token_embd.weight" not in shapes:
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor (corrupt or incomplete file?)")
-    hidden = int(_required(metadata, f"{arch}.embedding_length", path))
-    heads = int(_required(metadata, f"{arch}.attention.head_count", path))
-    kv_heads = metadata.get(f"{arch}.attention.head_count_kv", heads)
-    head_dim = metadata.get(f"{arch}.attention.key_length") or hidden // heads
+    if len(shapes["token_embd.weight"]) != 2:
+        raise ModelLoadError(f"{path}: token_embd.weight has shape {shapes['token_embd.weight']}; it must be 2-D "
+                             f"(vocabulary x hidden size)")
+    hidden = _int(metadata, f"{arch}.embedding_length", path, 1, MAX_WIDTH)
+    heads = _int(metadata, f"{arch}.attention.head_count", path, 1, MAX_WIDTH)
+    kv_heads = _int(metadata, f"{arch}.attention.head_count_kv", path, 1, heads, default=heads)
+    head_dim = _int(metadata, f"{arch}.attention.key_length", path, 0, MAX_WIDTH, default=0) or hidden // heads
+    if head_dim < 2 or head_dim % 2:
+        raise ModelLoadError(f"{path}: the head dimension is {head_dim}; rotary embeddings need an even one "
+                             f"(check {arch}.attention.key_length, {arch}.embedding_length and head_count)")
+    # each layer has at least 9 tensors: more layers than tensors is a damaged count
+    num_layers = _int(metadata, f"{arch}.block_count", path, 1, max(1, len(shapes)))
     scaling = metadata.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         log.warning("%s: rope scaling %r is not supported; using plain RoPE", path, scaling)
+    vocab = int(shapes["token_embd.weight"][0])
+    bos = metadata.get("tokenizer.ggml.bos_token_id")
+    if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool) or not 0 <= bos < vocab):
+        log.warning("%s: ignoring tokenizer.ggml.bos_token_id %s, not a token id below the vocabulary size %d",
+                    path, _show(bos), vocab)
+        bos = None
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ModelLoadError(f"{path}: GGUF metadata 'tokenizer.chat_template' is {_show(template)}; "
+                             f"it must be a string")
+    intermediate = _int(metadata, f"{arch}.feed_forward_length", path, 1, MAX_WIDTH)
+    context = _int(metadata, f"{arch}.context_length", path, 1, MAX_CONTEXT, default=4096)
+    rope_theta = _positive_float(metadata, f"{arch}.rope.freq_base", path, 10000.0)
+    eps = _positive_float(metadata, f"{arch}.attention.layer_norm_rms_epsilon", path, 1e-6)
     try:
         return ModelConfig(
             architecture=arch,
-            vocab_size=int(shapes["token_embd.weight"][0]),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(_required(metadata, f"{arch}.feed_forward_length", path)),
-            num_layers=int(_required(metadata, f"{arch}.block_count", path)),
+            intermediate_size=intermediate,
+            num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=int(kv_heads),
-            head_dim=int(head_dim),
-            max_position_embeddings=int(metadata.get(f"{arch}.context_length", 4096)),
-            rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
-            rms_norm_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=context,
+            rope_theta=rope_theta,
+            rms_norm_eps=eps,
             attention_bias="blk.0.attn_q.bias" in shapes,
             tie_word_embeddings="output.weight" not in shapes,
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=eos_token_ids(metadata, arch),
+            bos_token_id=bos,
+            eos_token_ids=eos_token_ids(metadata, arch, vocab),
         )
     except (ValueError, ZeroDivisionError) as exc:
         raise ModelLoadError(f"{path}: inconsistent GGUF metadata: {exc}") from exc
@@ -214,25 +269,22 @@ def load_gguf(
         hit = weight_cache.load_cached(fp, dtype)
         if hit is not None:
             tensors, info = hit
-            cfg_dict = info["config"]
-            cfg_dict["eos_token_ids"] = tuple(cfg_dict["eos_token_ids"])
-            metadata = info["metadata"]
-            log.info("loaded %s from the weight cache", path.name)
-            return Checkpoint(
-                config=ModelConfig(**cfg_dict), tensors=tensors, source=path, fingerprint=fp,
-                chat_template=metadata.get("tokenizer.chat_template"), gguf_metadata=metadata, hf_dir=None,
-                quantization=info["quantization"],
-            )
+            try:  # a cache entry whose record does not make a config is damaged: rebuild it from the GGUF
+                cfg_dict = dict(info["config"])
+                cfg_dict["eos_token_ids"] = tuple(cfg_dict["eos_token_ids"])
+                cfg, metadata, quant = ModelConfig(**cfg_dict), dict(info["metadata"]), str(info["quantization"])
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("ignoring damaged weight cache record for %s (%s: %s); rebuilding", path.name,
+                            type(exc).__name__, exc)
+            else:
+                log.info("loaded %s from the weight cache", path.name)
+                return Checkpoint(
+                    config=cfg, tensors=tensors, source=path, fingerprint=fp,
+                    chat_template=metadata.get("tokenizer.chat_template"), gguf_metadata=metadata, hf_dir=None,
+                    quantization=quant,
+                )
 
-    reader = open_gguf(path)
-    file_size = path.stat().st_size
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > file_size:
-            raise ModelLoadError(
-                f"{path} is truncated or corrupt: tensor {t.name} needs bytes up to {end:,} "
-                f"but the file has {file_size:,} bytes"
-            )
+    reader = open_gguf(path)  # every count, length, type and offset of the header checked
     if reader.byte_order != "I":
         raise ModelLoadError(f"{path} is a big-endian GGUF; only little-endian files are supported")
     try:

@@ -1,24 +1,209 @@
-"""Read GGUF key/value metadata into plain Python values."""
+"""Read GGUF key/value metadata into plain Python values.
+
+``open_gguf`` walks the whole header itself (bounds-checked reads from a read-only memory map) before
+gguf's ``GGUFReader`` parses it: the reader trusts every count, length and offset in the file, so a
+hostile or damaged header could make it loop over 2**64 items, allocate without bound, or fail with an
+IndexError deep inside. Every field is checked against the file's size and the limits below first,
+and each failure is a ModelLoadError naming the field, its value and what is allowed.
+"""
 from __future__ import annotations
 
+import math
+import mmap
+import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from quickdraft.errors import ModelLoadError
 
+SUPPORTED_VERSIONS = (2, 3)  # what GGUFReader parses (v1 used 32-bit counts)
+# Limits far above any real model's header, so a hostile count is refused before anything is read:
+# a 70B llama has ~720 tensors, a vocabulary holds at most ~262k tokens (Gemma), merges as many.
+MAX_TENSORS = 1 << 16
+MAX_KV = 1 << 16
+MAX_ARRAY_LEN = 1 << 20  # items in one array (~4x the largest vocabulary)
+MAX_ARRAY_ITEMS = 1 << 21  # items in all arrays together (GGUFReader keeps a numpy view per item)
+MAX_KEY_LEN = 1 << 16  # the GGUF spec's limit on a key
+MAX_NAME_LEN = 1 << 12  # llama.cpp allows 64 bytes in a tensor name
+MAX_DIMS = 4  # GGML_MAX_DIMS
+DEFAULT_ALIGNMENT = 32
+
+_SCALAR_SIZES = {
+    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
+    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+}
+_VALUE_TYPES = frozenset(int(t) for t in GGUFValueType)
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
+_MIN_TENSOR_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dimension, type, offset
+
+
+def _value_types() -> str:
+    return ", ".join(f"{t.name}={int(t)}" for t in GGUFValueType)
+
+
+class _Header:
+    """A bounds-checked cursor over a GGUF header (little-endian)."""
+
+    def __init__(self, buf: mmap.mmap | bytes, path: Path) -> None:
+        self.buf, self.path, self.size, self.pos = buf, path, len(buf), 0
+        self.array_items = 0
+
+    def error(self, what: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.path} is a corrupt or truncated GGUF file: {what}")
+
+    def take(self, n: int, what: str) -> int:
+        """Skip ``n`` bytes holding ``what``; returns where they start."""
+        start, end = self.pos, self.pos + n
+        if end > self.size:
+            raise self.error(f"{what} at byte {start:,} needs bytes up to {end:,} but the file has {self.size:,} bytes")
+        self.pos = end
+        return start
+
+    def unpack(self, fmt: str, what: str) -> int | float:
+        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str, limit: int | None = None) -> tuple[int, int]:
+        """Skip a length-prefixed string (of at most ``limit`` bytes); returns where it starts and its length."""
+        n = self.unpack("<Q", f"the length of {what}")
+        if limit is not None and n > limit:
+            raise self.error(f"{what} has length {n:,}, more than the {limit:,} bytes allowed")
+        return self.take(n, what), n
+
+    def text(self, what: str, limit: int) -> str:
+        start, n = self.string(what, limit)
+        raw = bytes(self.buf[start:start + n])
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.error(f"{what} is not valid UTF-8 ({raw[:40]!r})") from None
+
+    def value(self, raw_type: int, key: str, in_array: bool = False) -> None:
+        """Skip one value of type ``raw_type`` (checking its type, lengths and item counts)."""
+        try:
+            vtype = GGUFValueType(raw_type)
+        except ValueError:
+            raise self.error(f"the value type of key {key!r} is {raw_type}, not a GGUF value type "
+                             f"({_value_types()})") from None
+        size = _SCALAR_SIZES.get(vtype)
+        if size is not None:
+            self.take(size, f"the value of {key!r}")
+        elif vtype == GGUFValueType.STRING:
+            self.string(f"the string value of {key!r}")
+        elif in_array:
+            raise self.error(f"key {key!r} is an array of arrays; nested arrays are not supported")
+        else:
+            item_type = self.unpack("<I", f"the item type of {key!r}")
+            if item_type not in _VALUE_TYPES:
+                raise self.error(f"the item type of array {key!r} is {item_type}, not a GGUF value type "
+                                 f"({_value_types()})")
+            n = self.unpack("<Q", f"the length of {key!r}")
+            if n > MAX_ARRAY_LEN:
+                raise self.error(f"array {key!r} has {n:,} items, more than the {MAX_ARRAY_LEN:,} allowed")
+            self.array_items += n
+            if self.array_items > MAX_ARRAY_ITEMS:
+                raise self.error(f"the arrays up to {key!r} hold {self.array_items:,} items together, more than "
+                                 f"the {MAX_ARRAY_ITEMS:,} allowed")
+            item_size = _SCALAR_SIZES.get(GGUFValueType(item_type))
+            if item_size is not None:
+                self.take(n * item_size, f"the {n:,} items of {key!r}")
+            else:
+                if n * 8 > self.size - self.pos:  # each item is at least its 8-byte length
+                    raise self.error(f"array {key!r} has {n:,} items, more than the {self.size - self.pos:,} bytes "
+                                     f"left can hold (the file has {self.size:,} bytes)")
+                for _ in range(n):
+                    self.value(item_type, key, in_array=True)
+
+
+def check_header(path: Path, buf: mmap.mmap | bytes) -> None:
+    """Walk a GGUF header and check every count, length, type, dimension and offset (see the module doc)."""
+    h = _Header(buf, path)
+    h.take(4, "the magic")
+    version = h.unpack("<I", "the version")
+    if version and not version & 0xFFFF:  # read in the wrong byte order
+        raise ModelLoadError(f"{path} is a big-endian GGUF; only little-endian files are supported")
+    if version not in SUPPORTED_VERSIONS:
+        raise h.error(f"version {version}, this reader supports versions "
+                      f"{', '.join(map(str, SUPPORTED_VERSIONS))}")
+    n_tensors = h.unpack("<Q", "the tensor count")
+    n_kv = h.unpack("<Q", "the key/value count")
+    for count, what, limit in ((n_tensors, "tensor count", MAX_TENSORS), (n_kv, "key/value count", MAX_KV)):
+        if count > limit:
+            raise h.error(f"{what} {count:,} is more than the {limit:,} allowed")
+    if n_tensors * _MIN_TENSOR_BYTES + n_kv * _MIN_KV_BYTES > h.size - h.pos:
+        raise h.error(f"{n_tensors:,} tensors and {n_kv:,} key/values cannot fit in the {h.size - h.pos:,} bytes "
+                      f"after the header's counts (the file has {h.size:,} bytes)")
+
+    alignment = DEFAULT_ALIGNMENT
+    keys: set[str] = set()
+    for i in range(n_kv):
+        key = h.text(f"key {i}", MAX_KEY_LEN)
+        if key.startswith("GGUF."):
+            raise h.error(f"key {key!r}: names starting with 'GGUF.' are reserved for the header's own fields")
+        if key in keys:
+            raise h.error(f"key {key!r} appears twice")
+        keys.add(key)
+        raw_type = h.unpack("<I", f"the value type of {key!r}")
+        start = h.pos
+        h.value(raw_type, key)
+        if key == "general.alignment":
+            if raw_type != GGUFValueType.UINT32:
+                raise h.error(f"general.alignment has value type {raw_type}, it must be UINT32 "
+                              f"({int(GGUFValueType.UINT32)})")
+            alignment = struct.unpack_from("<I", buf, start)[0]
+            if alignment == 0 or alignment & (alignment - 1):
+                raise h.error(f"general.alignment is {alignment}; it must be a power of two (1, 2, 4, ..., 32, ...)")
+
+    infos, names = [], set()
+    for i in range(n_tensors):
+        name = h.text(f"the name of tensor {i}", MAX_NAME_LEN)
+        if name in names:
+            raise h.error(f"tensor {name!r} appears twice")
+        names.add(name)
+        n_dims = h.unpack("<I", f"the number of dimensions of tensor {name!r}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise h.error(f"tensor {name!r} has {n_dims:,} dimensions; 1 to {MAX_DIMS} are allowed")
+        dims = [h.unpack("<Q", f"dimension {d} of tensor {name!r}") for d in range(n_dims)]
+        raw_type = h.unpack("<I", f"the type of tensor {name!r}")
+        offset = h.unpack("<Q", f"the data offset of tensor {name!r}")
+        infos.append((name, dims, raw_type, offset))
+
+    data_start = -(-h.pos // alignment) * alignment
+    for name, dims, raw_type, offset in infos:
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
+        except (ValueError, KeyError):
+            known = ", ".join(f"{t.name}={int(t)}" for t in GGML_QUANT_SIZES)
+            raise h.error(f"tensor {name!r} has unknown type {raw_type}; known GGML types: {known}") from None
+        if 0 in dims:
+            raise h.error(f"tensor {name!r} has shape {dims}; every dimension must be at least 1")
+        if dims[0] % block:
+            raise h.error(f"tensor {name!r} has shape {dims} of type {GGMLQuantizationType(raw_type).name}, whose "
+                          f"row length (the first dimension) must be a multiple of its block size {block}")
+        n_bytes = math.prod(dims) // block * type_size
+        if offset % alignment:
+            raise h.error(f"tensor {name!r} has data offset {offset:,}, not a multiple of the alignment {alignment}")
+        end = data_start + offset + n_bytes
+        if end > h.size:
+            raise h.error(f"tensor {name!r} (shape {dims}, {n_bytes:,} bytes at offset {offset:,}) needs bytes up "
+                          f"to {end:,} but the file has {h.size:,} bytes")
+
 
 def open_gguf(path: str | Path) -> GGUFReader:
-    """Open a GGUF file, turning the reader's low-level failures into a clear error."""
+    """Open a GGUF file whose header ``check_header`` accepted, turning any remaining failure into a clear error."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            check_header(path, buf)
     try:
         return GGUFReader(path, "r")
     except Exception as exc:  # the reader raises ValueError/IndexError/... on damaged files

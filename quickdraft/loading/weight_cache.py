@@ -92,21 +92,22 @@ def store(
 
 
 def write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], what: str,
-                 *, strict: bool = False) -> Path | None:
+                 *, strict: bool = False, mode: int = 0o644) -> Path | None:
     """Write a safetensors file via a temporary file and rename, so a reader never sees half a file.
 
     The temporary file is fsynced before ``os.replace`` and the directory after it, so after a crash
     (even a power loss) the path holds the old file or the new one, whole. A temporary file left by a
     killed writer is named ``<name>.<random>.tmp`` and is never read as ``path``.
     ``strict=False`` (caches): a read-only or full disk is not an error, loading still works, just
-    uncached (None). ``strict=True`` (session snapshots): any failure raises (OSError and friends)."""
+    uncached (None). ``strict=True`` (session snapshots): any failure raises (OSError and friends).
+    ``mode``: the file's permissions (0o600 for session snapshots, which hold a conversation)."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         os.close(fd)
         save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private
+        os.chmod(tmp, mode)  # mkstemp makes it private
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -11,16 +11,20 @@ into ``cache_root()/kernels/`` and linked against the OpenMP runtime torch alrea
 torch's threads and ``torch.set_num_threads``. It needs AVX2 and FMA (every x86-64 server CPU since 2013-2015)
 and uses AVX512, AVX512-VNNI / AVX-VNNI and AVX512-BF16 where the CPU has them; the integer dot products of the
 quantized kernel give the same sums on every ISA. Where it cannot be built (no compiler, no AVX2, not x86-64)
-``available()`` is False and the model runs torch's operations; ``QUICKDRAFT_KERNELS=0`` turns it off.
+``available()`` is False and the model runs torch's operations; ``QUICKDRAFT_KERNELS=0`` turns it off. A
+compiler that runs longer than ``COMPILE_TIMEOUT_S`` is killed (the same fallback, with a warning), and a cached
+library that no longer matches the checksum recorded beside it (``.sha256``), or does not load, is rebuilt once.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -38,6 +42,7 @@ DISABLE_ENV = "QUICKDRAFT_KERNELS"
 # -ffp-contract=off: an auto-vectorized loop and its scalar prologue (whose length depends on the address) then
 # round alike, so a row's result never depends on where its buffer lies
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+COMPILE_TIMEOUT_S = 300.0  # a compiler that hangs must not hang the first model load with it
 MAX_HEAD_DIM = 256
 MAX_QUERY_GROUP = 16
 
@@ -67,24 +72,94 @@ def _cpu_identity() -> str:
         return platform.processor()
 
 
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = "\n".join([*(s.read_text() for s in SOURCES + HEADERS), compiler, version, " ".join(FLAGS), _cpu_identity()])
-    target = cache_root() / "kernels" / f"quickdraft-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run the compiler in its own process group with a time limit; on timeout (or interrupt) the whole group is
+    killed (the driver's cc1/as/ld children too, which would otherwise keep its pipes open)."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                if hasattr(os, "killpg"):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _library_path(compiler: str) -> Path:
+    """Where the library built from these sources, by this compiler, for this CPU type is cached."""
+    version = _run([compiler, "--version"])
+    if version.returncode != 0:
+        raise RuntimeError(f"{compiler} --version failed: {version.stderr.strip()[-400:]}")
+    key = "\n".join([*(s.read_text() for s in SOURCES + HEADERS), compiler, version.stdout, " ".join(FLAGS),
+                     _cpu_identity()])
+    return cache_root() / "kernels" / f"quickdraft-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def _checksum_path(target: Path) -> Path:
+    return target.with_name(target.stem + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _compile(compiler: str, target: Path) -> None:
+    """Build into a fresh private directory beside ``target`` (mode 0700, random name: nobody can plant or read a
+    file there), record the library's checksum, and rename both into place: concurrent builders and loaders never
+    see half a file, and a library damaged later on disk is recognised before it is mapped."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    build_dir = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
-        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True)
+        out = build_dir / target.name
+        proc = _run([compiler, *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"])
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-400:]}")
-        os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
+        checksum = build_dir / "checksum"
+        checksum.write_text(_sha256(out))
+        os.replace(checksum, _checksum_path(target))
+        os.replace(out, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+        shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def _damage(target: Path) -> str | None:
+    """Why the cached library must not be mapped (dlopen of a truncated file can crash the process), or None."""
+    try:
+        recorded = _checksum_path(target).read_text().strip()
+    except OSError:
+        return "has no recorded checksum"
+    if _sha256(target) != recorded:
+        return "does not match the checksum recorded when it was built (truncated or damaged)"
+    return None
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return lib
+
+
+def _build_and_open(compiler: str) -> ctypes.CDLL:
+    """The cached library, built first if missing; a cached file that is damaged or does not load (or lacks a
+    kernel) is rebuilt once."""
+    target = _library_path(compiler)
+    if target.is_file():
+        problem = _damage(target)
+        if problem is None:
+            try:
+                return _open(target)
+            except (OSError, AttributeError) as exc:
+                problem = f"does not load ({exc})"
+        log.warning("the cached quickdraft CPU kernel library %s %s; rebuilding it", target, problem)
+    _compile(compiler, target)
+    return _open(target)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -102,15 +177,13 @@ def _load() -> ctypes.CDLL | None:
             _error = "needs an x86-64 CPU and a C compiler"
             return None
         try:
-            lib = ctypes.CDLL(str(_build(compiler)))
+            _lib = _build_and_open(compiler)
+        except subprocess.TimeoutExpired:
+            _error = f"{compiler} did not finish within {COMPILE_TIMEOUT_S:g} s (COMPILE_TIMEOUT_S)"
+            log.warning("quickdraft CPU kernels unavailable, using torch's operations (%s)", _error)
         except Exception as exc:  # no AVX2 (#error in the source), compiler missing headers, ...
             _error = f"{type(exc).__name__}: {exc}"
             log.info("quickdraft CPU kernels unavailable, using torch's operations (%s)", _error)
-            return None
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = ctypes.c_int, argtypes
-        _lib = lib
         return _lib
 
 
