@@ -158,7 +158,7 @@ def test_hostile_request_beside_two_greedy_ones(server, alone, name):
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert texts == alone
     assert in_flight  # the hostile request was answered while the two were still generating
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
     assert server.wait_idle(timeout=30)["quickdraft_kv_blocks_used"] == 0
 
 
@@ -178,7 +178,7 @@ def test_a_request_that_fails_in_the_engine_fails_alone(server, alone, monkeypat
     assert response.status_code == 500 and "injected failure" in response.json()["error"]["message"]
     assert response.json()["error"]["type"] == "internal_server_error"
     assert texts == alone
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
 
 
 # ---- access and limits -----------------------------------------------------------------------------------------
@@ -186,10 +186,11 @@ def test_api_key(padded_model, monkeypatch):
     monkeypatch.setenv("QUICKDRAFT_API_KEY", "sekrit")
     with start(padded_model, ServerLimits.with_env_key()) as s:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
-            r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "t1"}, headers=headers)
+            r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "t1"}, headers=headers, timeout=60)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        assert httpx.get(f"{s.url}/v1/models").status_code == 401
-        assert httpx.get(f"{s.url}/health").status_code == 200 and httpx.get(f"{s.url}/metrics").status_code == 200
+        assert httpx.get(f"{s.url}/v1/models", timeout=60).status_code == 401
+        assert httpx.get(f"{s.url}/health", timeout=60).status_code == 200
+        assert httpx.get(f"{s.url}/metrics", timeout=60).status_code == 200
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sekrit", max_retries=0, timeout=60)
         assert client.completions.create(model="tiny", prompt="t1", max_tokens=2).choices[0].text
         with pytest.raises(openai.AuthenticationError):
@@ -225,7 +226,8 @@ def test_request_timeout(padded_model):
         with httpx.stream("POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             lines = [line for line in r.iter_lines() if line]
         assert json.loads(lines[-2][6:])["error"]["code"] == "request_timeout" and lines[-1] == "data: [DONE]"
-        assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "t1", "max_tokens": 2}).status_code == 200
+        ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": "t1", "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200
         assert s.wait_idle()["quickdraft_kv_blocks_used"] == 0
 
 

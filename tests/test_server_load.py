@@ -62,7 +62,8 @@ def test_200_streams_with_random_disconnects(tiny_dir):
         assert ok + aborted == 200 and aborted > 0 and m['quickdraft_requests_total{status="error"}'] == 0
         assert server.engine.stats()["num_tracked_requests"] == 0
         assert m["quickdraft_spec_decode_num_draft_tokens_total"] > 0
-        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "t1 t2", "max_tokens": 8, "ignore_eos": True})
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "t1 t2", "max_tokens": 8, "ignore_eos": True},
+                       timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         print(f"200 streaming requests with disconnects in {elapsed:.1f}s")
 

@@ -24,15 +24,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quickdraft.engine.outputs import SpecMetrics, StreamChunk
-from quickdraft.errors import InvalidParameterError, PromptTooLongError, QuickdraftError
+from quickdraft.errors import InvalidParameterError, PromptTooLongError, QuickdraftError, require_unicode
 from quickdraft.sampling import SamplingParams
 from quickdraft.sampling.params import MAX_LOGPROBS
 from quickdraft.serving.async_engine import (AsyncEngine, EngineError, EngineStoppedError, QueueFullError,
                                              RequestStream, RequestTimeoutError)
 from quickdraft.serving.guard import GuardMiddleware, ServerLimits, error_body
 from quickdraft.serving.metrics import CONTENT_TYPE, ServerMetrics
-from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError,
-                                         _SamplingFields, param_of)
+from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
+                                         ModelNotFoundError, _SamplingFields, param_of)
 
 log = logging.getLogger("quickdraft.serving")
 
@@ -78,6 +78,19 @@ def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
     if len(errors) > 1:
         message += f" ({len(errors) - 1} more error{'s' if len(errors) > 2 else ''} in the request)"
     return message, loc[0]
+
+
+_ERROR = {"model": ErrorResponse}
+ERROR_RESPONSES = {
+    400: {**_ERROR, "description": "a bad parameter, malformed JSON, or a prompt that does not fit the context"},
+    401: {**_ERROR, "description": "missing or wrong API key (when the server requires one)"},
+    404: {**_ERROR, "description": "unknown model"},
+    413: {**_ERROR, "description": "the request body is larger than the server accepts"},
+    429: {**_ERROR, "description": "the queue of waiting requests is full: retry after Retry-After seconds"},
+    500: {**_ERROR, "description": "this request failed inside the engine (the others were not affected)"},
+    503: {**_ERROR, "description": "the server is shutting down, or its engine failed"},
+    504: {**_ERROR, "description": "the request ran longer than the server's per-request timeout"},
+}
 
 
 def describe_error(exc: BaseException) -> tuple[int, dict]:
@@ -383,7 +396,7 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
         check_model(name)
         return model_card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         if body.suffix:
@@ -398,6 +411,7 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
         prompts = []
         for p in body.prompts():
             if isinstance(p, str):
+                require_unicode("prompt", p)
                 ids = await asyncio.to_thread(tokenizer.encode, p)  # a long prompt must not stall other streams
                 if not ids:
                     raise _bad("prompt must not be empty", "prompt")
@@ -469,7 +483,7 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         if body.response_format and body.response_format.get("type", "text") != "text":
@@ -539,4 +553,18 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    app.openapi = lambda: openapi_without_422(app)
     return app
+
+
+def openapi_without_422(app: FastAPI) -> dict:
+    """The schema as clients see the server: bad requests are 400 with OpenAI's error body, never FastAPI's 422."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
