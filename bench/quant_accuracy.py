@@ -36,7 +36,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from quickdraft.engine.engine import weight_bytes  # noqa: E402
+from quickdraft.models import weight_bytes  # noqa: E402
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV  # noqa: E402
 from quickdraft.llm import tokenizer_for  # noqa: E402
 from quickdraft.loading import load_checkpoint, resolve_model  # noqa: E402

@@ -235,7 +235,7 @@ class LLM:
         """Forget every cached prompt prefix no request is using (as vLLM's ``LLM.reset_prefix_cache``), in the target's
         and the draft's pools: the next request with the same prompt computes it again. Benchmarks call it so that a
         repeated prompt costs what a new one does."""
-        for runner in (self.target, getattr(self.drafter, "runner", None)):
+        for runner in (self.target, self.drafter.runner if self.drafter is not None else None):
             if runner is not None:
                 runner.allocator.reset_prefix_cache()
 

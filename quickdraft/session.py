@@ -418,7 +418,7 @@ def _runners(llm: "LLM") -> dict[str, ModelRunner]:
     """The KV caches a session of ``llm`` holds: the target's and the drafter's (draft model / self-draft), if any."""
     runners = {"target": llm.target}
     drafter = llm.drafter
-    if getattr(drafter, "runner", None) is not None:
+    if drafter is not None and drafter.runner is not None:
         runners[drafter.key] = drafter.runner
     return runners
 

@@ -25,7 +25,8 @@ from quickdraft.sampling import LogitsProcessor, SamplingParams
 from quickdraft.sampling.sampler import make_generator, top_logprobs
 from quickdraft.speculative.controller import SpeculationController
 from quickdraft.speculative.cost import CostModel
-from quickdraft.speculative.drafters import Drafter, ModelDrafter, Proposal, RunAheadDrafter
+from quickdraft.models import weight_bytes
+from quickdraft.speculative.drafters import Drafter, Proposal
 from quickdraft.speculative.verify import verify_greedy, verify_sampled
 from quickdraft.tokenizer import Tokenizer
 
@@ -47,22 +48,6 @@ class EngineConfig:
             self.max_speculative_tokens = k
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters and weight buffers (packed and quantized layers keep weights as buffers)."""
-    tensors = list(model.parameters()) + [b for name, b in model.named_buffers() if not name.startswith("rope.")]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def drafter_bytes(drafter: Drafter | None) -> int:
-    """Weight bytes one draft step reads (0 for lookup drafters)."""
-    runner = getattr(drafter, "runner", None)
-    if runner is None:
-        return 0
-    cfg = runner.model.config
-    per_layer = weight_bytes(runner.model.model.layers[0])
-    return per_layer * runner.num_layers + weight_bytes(runner.model.lm_head)
-
-
 class LLMEngine:
     def __init__(self, target: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
                  drafter: Drafter | None = None) -> None:
@@ -74,9 +59,10 @@ class LLMEngine:
         self.cost = CostModel()
         fixed = None if config.num_speculative_tokens == "auto" else config.num_speculative_tokens
         self.controller = SpeculationController(self.cost, max_k=config.max_speculative_tokens, fixed_k=fixed,
-                                                draft_is_free=drafter is not None and drafter.name == "ngram",
+                                                draft_is_free=drafter is not None and drafter.is_free,
                                                 seeded_cost=CostModel.from_weight_bytes(
-                                                    weight_bytes(target.model), drafter_bytes(drafter)))
+                                                    weight_bytes(target.model),
+                                                    drafter.step_bytes() if drafter is not None else 0))
         self.stats = SpecMetrics()
         # the drafter's acceptance over recent rounds of every sequence: an unseeded request starts from it, so a
         # drafter that rarely hits (self-speculation on an untrained model) is not paid a prompt catch-up per request
@@ -86,8 +72,8 @@ class LLMEngine:
         self._forks: dict[str, list[Sequence]] = {}
         self._cancel_lock = threading.Lock()
         self._cancelled: set[str] = set()  # request ids cancel() was called for, applied at the next step's start
-        if isinstance(drafter, ModelDrafter):
-            drafter.cancelled = self.is_cancelled
+        if drafter is not None:
+            drafter.bind_cancelled(self.is_cancelled)
         if drafter is not None and fixed is None:
             self.calibrate()
 
@@ -274,8 +260,7 @@ class LLMEngine:
     def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Proposal]:
         if self.drafter is None or not seqs:
             return [Proposal([]) for _ in seqs]
-        lag = getattr(self.drafter, "lag", None)
-        ks = self.controller.choose(seqs, base_tokens, catch_up=[lag(s) for s in seqs] if lag else None,
+        ks = self.controller.choose(seqs, base_tokens, catch_up=[self.drafter.lag(s) for s in seqs],
                                     remaining=[s.params.max_tokens - len(s.output_ids) for s in seqs])
         ks = [min(k, s.max_model_len - s.num_tokens - 1, s.params.max_tokens - len(s.output_ids) - 1)
               for s, k in zip(seqs, ks)]
@@ -287,7 +272,7 @@ class LLMEngine:
         except Exception:  # noqa: BLE001 - drafting is an optimisation: find the sequence, it decodes plainly
             log.exception("the drafter failed on a batch of %d sequences; drafting for each alone", len(seqs))
             return [self._draft_alone(s, k) for s, k in zip(seqs, ks)]
-        for num_seqs, fed, seconds in getattr(self.drafter, "last_forward_costs", ()):  # model drafters' forwards
+        for num_seqs, fed, seconds in self.drafter.forward_costs():
             if fed == num_seqs:
                 self.cost.draft.record(num_seqs, seconds)
             else:
@@ -321,13 +306,14 @@ class LLMEngine:
     def _run_ahead(self, seqs: list[Sequence], proposals: list[Proposal]) -> Iterator[None]:
         """A run-ahead drafter drafts round t+1 in the background while the body (the target pass of round t)
         runs, and is waited for before anything is committed (see RunAheadDrafter)."""
-        if not isinstance(self.drafter, RunAheadDrafter) or not any(p.tokens for p in proposals):
+        if self.drafter is None or not any(p.tokens for p in proposals):
             yield
             return
         with self.drafter.running(seqs, proposals):
             yield
-        if self.drafter.last_depth is not None:
-            self.cost.record_run_ahead(self.drafter.last_depth)
+        depth = self.drafter.run_ahead_depth()
+        if depth is not None:
+            self.cost.record_run_ahead(depth)
 
     def _commit(self, seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> None:
         drafted = proposal.tokens
@@ -406,12 +392,12 @@ class LLMEngine:
             best = min(best, time.perf_counter() - t0)
         self.cost.draft.record(1, best)
         self.drafter.release(probe)
-        if not isinstance(self.drafter, ModelDrafter):
+        if self.drafter.runner is None:  # no model: no catch-up to price
             return
         best = float("inf")
         for r in range(repeats):  # catch-ups on prompts not in the draft's prefix cache
             fresh = probe_sequence([(i + 1 + r) % self.vocab_size for i in probe_ids])
             self.drafter.propose([fresh], [1])
-            best = min(best, next(s for _, fed, s in self.drafter.last_forward_costs if fed > 1))
+            best = min(best, next(s for _, fed, s in self.drafter.forward_costs() if fed > 1))
             self.drafter.release(fresh)
         self.cost.draft_catch_up.record(context, best)

@@ -164,6 +164,17 @@ class SequenceKV:
     def free(self, allocator: BlockAllocator) -> None:
         self.truncate(0, allocator, 1)
 
+    def hide(self, length: int) -> None:
+        """Report only the first ``length`` cached tokens but keep the blocks (and contents) of the rest, so that
+        whoever reads the cache sees committed tokens only until ``reveal`` takes the rest back."""
+        self.num_cached = min(self.num_cached, length)
+
+    def reveal(self, length: int, block_size: int) -> None:
+        """Report ``length`` cached tokens again after ``hide``: the slots up to it still hold what was computed."""
+        if length > len(self.block_table) * block_size:
+            raise ValueError(f"cannot reveal {length} tokens: only {len(self.block_table)} blocks are held")
+        self.num_cached = length
+
     def fork(self, length: int, allocator: BlockAllocator, block_size: int) -> "SequenceKV":
         """A child sharing this sequence's first ``length`` cached tokens (n > 1 samples of one prompt)."""
         length = min(length, self.num_cached)

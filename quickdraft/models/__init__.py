@@ -1,3 +1,3 @@
-from quickdraft.models.transformer import Transformer, build_model
+from quickdraft.models.transformer import Transformer, build_model, weight_bytes
 
-__all__ = ["Transformer", "build_model"]
+__all__ = ["Transformer", "build_model", "weight_bytes"]

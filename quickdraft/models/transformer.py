@@ -192,3 +192,9 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: str 
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
     return model.eval().requires_grad_(False)
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of parameters and weight buffers (packed and quantized layers keep weights as buffers)."""
+    tensors = list(module.parameters()) + [b for name, b in module.named_buffers() if not name.startswith("rope.")]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -451,14 +451,14 @@ class AsyncEngine:
             "kv_blocks_used": alloc.num_used,
             "kv_blocks_free": alloc.num_free,
             "num_preemptions": sched.num_preemptions,
-            "prefix_cache_hits": getattr(engine, "prefix_cache_hits", 0),
+            "prefix_cache_hits": engine.prefix_cache_hits,
             "spec_num_rounds": spec.rounds,
             "spec_num_drafts": spec.drafting_rounds,
             "spec_num_draft_tokens": spec.draft_tokens,
             "spec_num_accepted_tokens": spec.accepted_tokens,
             "num_tracked_requests": len(self._requests),
         }
-        draft_runner = getattr(engine.drafter, "runner", None)
+        draft_runner = engine.drafter.runner if engine.drafter is not None else None
         if draft_runner is not None and draft_runner is not self.llm.target:
             out["draft_kv_blocks_used"] = draft_runner.allocator.num_used
         return out

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from quickdraft.kv import ForwardItem, ModelRunner, OutOfBlocks, SequenceKV
+from quickdraft.models import weight_bytes
 from quickdraft.sampling import LogitsProcessor, SamplingParams
 from quickdraft.sampling.sampler import sample_with_uniforms
 
@@ -37,6 +38,7 @@ class DraftableSequence(Protocol):
     processor: LogitsProcessor
     generator: torch.Generator
     draft_nonce: int  # keys the draft's uniforms: the seed for seeded requests, else random per request
+    finished: bool
 
 
 @dataclass
@@ -62,17 +64,57 @@ def draft_uniform(seed: int, position: int) -> float:
     return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
 
 
-class Drafter(Protocol):
-    name: str
+class Drafter:
+    """Everything the engine asks of a drafter, with the answers of one that runs no model (n-gram lookup).
 
-    def propose(self, seqs: Sequence[DraftableSequence], ks: Sequence[int]) -> list[Proposal]: ...
+    The engine never asks what kind of drafter it holds: a new drafter overrides ``propose`` and whichever of
+    these it needs, and the engine, controller and sessions work with it unchanged."""
 
-    def rewind(self, seq: DraftableSequence) -> None: ...
+    name = "drafter"
+    runner: ModelRunner | None = None  # the draft model's runner and KV pool; None: drafting runs no model
+    key: str | None = None  # the drafter's entry in ``Sequence.kv`` when it keeps a cache per sequence
 
-    def release(self, seq: DraftableSequence) -> None: ...
+    def propose(self, seqs: Sequence[DraftableSequence], ks: Sequence[int]) -> list[Proposal]:
+        """Up to ``ks[i]`` tokens for ``seqs[i]`` (one proposal per sequence)."""
+        raise NotImplementedError
+
+    def rewind(self, seq: DraftableSequence) -> None:
+        """After a commit: drop what the drafter holds beyond the committed tokens."""
+
+    def release(self, seq: DraftableSequence) -> None:
+        """The sequence is done (or decodes without drafts from now on): free what the drafter holds for it."""
+
+    def lag(self, seq: DraftableSequence) -> int:
+        """Tokens the drafter must take in before it can draft for ``seq`` (its catch-up)."""
+        return 0
+
+    @property
+    def is_free(self) -> bool:
+        """Drafting costs no model pass, so only verification is priced."""
+        return self.runner is None
+
+    def step_bytes(self) -> int:
+        """Weight bytes one draft step reads: what a draft costs beside a target step, by bytes."""
+        return 0
+
+    def forward_costs(self) -> list[tuple[int, int, float]]:
+        """(sequences, tokens fed, seconds) of each model forward of the last ``propose``, for the cost model."""
+        return []
+
+    def bind_cancelled(self, cancelled: Callable[[DraftableSequence], bool]) -> None:
+        """Learn which sequences were cancelled (from any thread), so no more draft work is spent on them."""
+
+    @contextlib.contextmanager
+    def running(self, seqs: Sequence[DraftableSequence], proposals: Sequence[Proposal]) -> Iterator[None]:
+        """Wraps the target pass: a drafter that can work during it (run-ahead) does so here."""
+        yield
+
+    def run_ahead_depth(self) -> int | None:
+        """Tokens past the bonus guess the last ``running`` drafted, if it ran."""
+        return None
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the last n tokens and propose what followed."""
 
     name = "ngram"
@@ -98,14 +140,8 @@ class NgramDrafter:
     def propose(self, seqs: Sequence[DraftableSequence], ks: Sequence[int]) -> list[Proposal]:
         return [Proposal(self.lookup(s.token_ids, k)) for s, k in zip(seqs, ks)]
 
-    def rewind(self, seq: DraftableSequence) -> None:
-        pass
 
-    def release(self, seq: DraftableSequence) -> None:
-        pass
-
-
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """A smaller model (or the target's first layers) with its own paged KV cache.
 
     The draft cache keeps every committed token it has seen; after a round it is
@@ -122,6 +158,16 @@ class ModelDrafter:
         # from, a forward that fed every sequence one token as a draft step, one that caught a cache up (its prompt,
         # or tokens generated while speculation was off) as the price of a catch-up
         self.last_forward_costs: list[tuple[int, int, float]] = []
+
+    def bind_cancelled(self, cancelled: Callable[[DraftableSequence], bool]) -> None:
+        self.cancelled = cancelled
+
+    def forward_costs(self) -> list[tuple[int, int, float]]:
+        return self.last_forward_costs
+
+    def step_bytes(self) -> int:
+        runner = self.runner
+        return weight_bytes(runner.model.model.layers[0]) * runner.num_layers + weight_bytes(runner.model.lm_head)
 
     def _kv(self, seq: DraftableSequence) -> SequenceKV:
         return seq.kv.setdefault(self.key, SequenceKV())
@@ -246,6 +292,9 @@ class RunAheadDrafter(ModelDrafter):
         self.last_depth: int | None = None  # tokens past the guess the last run-ahead drafted (None: none ran)
         self.rounds_ahead = self.rounds_kept = self.tokens_reused = 0
 
+    def run_ahead_depth(self) -> int | None:
+        return self.last_depth
+
     # ---- the overlap -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def running(self, seqs: Sequence[DraftableSequence], proposals: Sequence[Proposal]) -> Iterator[None]:
@@ -317,7 +366,7 @@ class RunAheadDrafter(ModelDrafter):
                 n = min(k, len(ready.tokens))
                 start = Proposal(ready.tokens[:n], None if ready.q is None else ready.q[:n], reused=n)
                 length = min(ready.cached, committed + n - 1)
-                kv.num_cached = length  # the run-ahead tokens, hidden since the commit, are in the cache
+                kv.reveal(length, self.runner.block_size)  # the run-ahead tokens, hidden since the commit
                 self.rounds_kept += 1
                 self.tokens_reused += n
             if kv is not None:  # give back what is not used (run-ahead beyond the proposal, or all of it)
@@ -333,7 +382,7 @@ class RunAheadDrafter(ModelDrafter):
         _, ahead = self._ahead.pop(id(seq), (None, None))
         kv = seq.kv.get(self.key)
         committed = len(seq.token_ids)
-        if (ahead is not None and kv is not None and not getattr(seq, "finished", False) and len(ahead.tokens) > 1
+        if (ahead is not None and kv is not None and not seq.finished and len(ahead.tokens) > 1
                 and committed == ahead.base + ahead.drafted + 1 and seq.token_ids[-1] == ahead.tokens[0]
                 and kv.num_cached == ahead.cached):
             # everything drafted was accepted and the target's token is the guess: keep the rest. Until the
@@ -341,7 +390,7 @@ class RunAheadDrafter(ModelDrafter):
             # whoever looks at it meanwhile (a session snapshot, the prefix cache) sees committed tokens only.
             self._ready[seq] = _Ahead(committed, 0, ahead.tokens[1:], None if ahead.q is None else ahead.q[1:],
                                       ahead.cached)
-            kv.num_cached = committed - 1
+            kv.hide(committed - 1)
             self.runner.publish(kv, seq.token_ids)
             return
         super().rewind(seq)
