@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from quickdraft.models import weight_bytes  # noqa: E402
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV  # noqa: E402
-from quickdraft.llm import tokenizer_for  # noqa: E402
+from quickdraft.engine.build import tokenizer_for  # noqa: E402
 from quickdraft.loading import load_checkpoint, resolve_model  # noqa: E402
 from quickdraft.loading.quantize import quantize_checkpoint  # noqa: E402
 from quickdraft.models import build_model  # noqa: E402

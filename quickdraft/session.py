@@ -22,10 +22,11 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from quickdraft.engine.build import LoadedEngine
 from quickdraft.engine.outputs import RequestOutput, StreamChunk
 from quickdraft.engine.sequence import CarriedState, Sequence, SpeculationState
 from quickdraft.errors import InvalidParameterError, PromptTooLongError, RequestFailedError, SessionError
@@ -34,8 +35,6 @@ from quickdraft.loading.weight_cache import write_atomic
 from quickdraft.sampling import SamplingParams
 from quickdraft.sampling.sampler import make_generator
 
-if TYPE_CHECKING:  # llm.py imports this module; the LLM is only ever passed in
-    from quickdraft.llm import LLM
 
 FORMAT = "quickdraft-session"
 FORMAT_VERSION = 1
@@ -90,8 +89,8 @@ class Turn:
 class Session:
     """One conversation with its KV caches kept between turns; see ``LLM.session`` / ``LLM.load_session``."""
 
-    def __init__(self, llm: "LLM") -> None:
-        self.llm = llm
+    def __init__(self, loaded: LoadedEngine) -> None:
+        self.loaded = loaded
         self.history: list[int] = []
         self.kv: dict[str, SequenceKV] = {"target": SequenceKV()}
         self.spec = SpeculationState()
@@ -150,13 +149,13 @@ class Session:
         return path
 
     @classmethod
-    def load(cls, llm: "LLM", path: str | Path) -> "Session":
+    def load(cls, loaded: LoadedEngine, path: str | Path) -> "Session":
         """Read and check a snapshot completely, then allocate KV blocks and fill them with the saved keys/values."""
         path = Path(path)
-        data = _read(path, max_snapshot_bytes(llm))
+        data = _read(path, max_snapshot_bytes(loaded))
         meta, tensors = _parse(data, path)
-        _check_identity(meta["identity"], identity(llm), path)
-        session = cls(llm)
+        _check_identity(meta["identity"], identity(loaded), path)
+        session = cls(loaded)
         plan = session._restore_plan(meta, tensors, path)  # everything checked; nothing allocated yet
         for key, (runner, k, v, n) in plan.items():
             kv = SequenceKV()
@@ -171,7 +170,7 @@ class Session:
         if self._closed:
             return
         if self._active is not None:
-            self.llm.engine.abort(self._active)
+            self.loaded.engine.abort(self._active)
             self._active = None
         runners = self._runners()
         for key, kv in self.kv.items():
@@ -206,7 +205,7 @@ class Session:
         return params
 
     def _runners(self) -> dict[str, ModelRunner]:
-        return _runners(self.llm)
+        return _runners(self.loaded)
 
     def _begin_text(self, prompt, params):
         params = self._check_params(params)
@@ -217,7 +216,7 @@ class Session:
                 raise InvalidParameterError("the session is empty: pass a prompt for its first turn")
             return self._start(self.history, params, chat=False, keep=len(self.history))
         if isinstance(prompt, str):
-            ids = self.llm.tokenizer.encode(prompt, add_special_tokens=not self.history)
+            ids = self.loaded.tokenizer.encode(prompt, add_special_tokens=not self.history)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         else:
@@ -233,10 +232,10 @@ class Session:
             raise InvalidParameterError("chat takes a message {'role': ..., 'content': ...} or a list of them")
         messages = list(self.messages)
         if self.interrupted is not None and self.interrupted.chat:  # the partial reply stays in the conversation
-            partial = self.llm.tokenizer.decode(self.history[self.interrupted.start:], skip_special_tokens=True)
+            partial = self.loaded.tokenizer.decode(self.history[self.interrupted.start:], skip_special_tokens=True)
             messages.append({"role": "assistant", "content": partial})
         messages += new
-        tok = self.llm.tokenizer
+        tok = self.loaded.tokenizer
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
         keep = 0
         for a, b in zip(self.history, ids):
@@ -253,7 +252,7 @@ class Session:
         generator = make_generator(params.seed) if params.seed is not None else self.generator
         spec = SpeculationState()  # a new request's prior, so a seeded turn equals LLM.generate over the same ids
         carried = CarriedState(self.kv, spec, generator)
-        rid = self.llm.engine.add_request(list(prompt_ids), params, prompt=text, carried=carried)
+        rid = self.loaded.engine.add_request(list(prompt_ids), params, prompt=text, carried=carried)
         # accepted: from here on the session changes
         limit = min(keep, len(prompt_ids) - 1)
         for key, runner in self._runners().items():
@@ -264,7 +263,7 @@ class Session:
         self.generator, self.spec = generator, spec
         self.interrupted = None
         self._active = rid
-        return self.llm.engine.sequences(rid)[0], rid, Turn(params, len(prompt_ids), chat)
+        return self.loaded.engine.sequences(rid)[0], rid, Turn(params, len(prompt_ids), chat)
 
     def _start_resumed(self, params: SamplingParams) -> tuple[Sequence, str, Turn]:
         turn = self.interrupted
@@ -273,20 +272,20 @@ class Session:
             raise InvalidParameterError(
                 f"max_tokens={params.max_tokens} counts from the start of the interrupted turn, which already "
                 f"generated {len(done)} tokens; pass a larger max_tokens to continue it")
-        if len(self.history) >= self.llm.max_model_len:
+        if len(self.history) >= self.loaded.max_model_len:
             raise PromptTooLongError(f"the session holds {len(self.history)} tokens, the context window is "
-                                     f"{self.llm.max_model_len}; nothing more can be generated")
+                                     f"{self.loaded.max_model_len}; nothing more can be generated")
         carried = CarriedState(self.kv, self.spec, self.generator, output_ids=list(done),
                                delivered_chars=turn.delivered_chars)
-        rid = self.llm.engine.add_request(self.history[:turn.start], params, carried=carried)
+        rid = self.loaded.engine.add_request(self.history[:turn.start], params, carried=carried)
         self.interrupted = None
         self._active = rid
-        return self.llm.engine.sequences(rid)[0], rid, Turn(params, turn.start, turn.chat)
+        return self.loaded.engine.sequences(rid)[0], rid, Turn(params, turn.start, turn.chat)
 
     def _drive(self, seq: Sequence, rid: str, turn: Turn) -> Iterator[StreamChunk]:
         try:
             while not seq.finished:
-                for chunk in self.llm.engine.step():
+                for chunk in self.loaded.engine.step():
                     if chunk.request_id == rid:
                         if chunk.error is not None:
                             raise RequestFailedError(f"this turn failed: {chunk.error}; the session keeps what was "
@@ -307,9 +306,9 @@ class Session:
         self._active = None
         completed = seq.finished and seq.finish_reason not in ("abort", "error")
         if seq.finished:
-            self.llm.engine.release(rid)
+            self.loaded.engine.release(rid)
         else:
-            self.llm.engine.abort(rid)  # keep_kv: the blocks stay with the session
+            self.loaded.engine.abort(rid)  # keep_kv: the blocks stay with the session
         self.history = list(seq.token_ids)
         # the invariant snapshots rely on: every cache holds at most all but the last (pending) token; this
         # also gives back blocks a drafter holds beyond its committed tokens (run-ahead)
@@ -338,7 +337,7 @@ class Session:
                 tensors[f"kv.{key}.k"], tensors[f"kv.{key}.v"] = runner.gather(kv)
         meta = {
             "format": FORMAT, "version": FORMAT_VERSION,
-            "identity": identity(self.llm),
+            "identity": identity(self.loaded),
             "history": self.history, "cached": cached, "turns": self.turns,
             "interrupted": None if self.interrupted is None else self.interrupted.to_json(),
             "spec": dataclasses.asdict(self.spec),
@@ -351,18 +350,18 @@ class Session:
                       ) -> dict[str, tuple[ModelRunner, torch.Tensor | None, torch.Tensor | None, int]]:
         """Check the snapshot's content against this LLM and fill in the host-side state; raises
         SessionError before anything is allocated."""
-        llm = self.llm
+        loaded = self.loaded
 
         def bad(what: str) -> SessionError:
             return SessionError(f"session snapshot {path} is inconsistent: {what}; it cannot be resumed")
 
-        vocab = llm.target.vocab_size
+        vocab = loaded.target.vocab_size
         history = meta["history"]
         if not isinstance(history, list):
             raise bad(f"history is {_show(history)}; it must be a list of token ids")
-        if len(history) >= llm.max_model_len:
+        if len(history) >= loaded.max_model_len:
             raise SessionError(f"session snapshot {path} holds {len(history)} tokens but this LLM's context window is "
-                               f"{llm.max_model_len}; build the LLM with a larger max_model_len")
+                               f"{loaded.max_model_len}; build the LLM with a larger max_model_len")
         for i, t in enumerate(history):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise bad(f"history[{i}] is {_show(t)}: token ids are integers in [0, {vocab}), this model's "
@@ -414,40 +413,40 @@ class Session:
 
 
 # ---- identity, format -------------------------------------------------------------------------
-def _runners(llm: "LLM") -> dict[str, ModelRunner]:
-    """The KV caches a session of ``llm`` holds: the target's and the drafter's (draft model / self-draft), if any."""
-    runners = {"target": llm.target}
-    drafter = llm.drafter
+def _runners(loaded: LoadedEngine) -> dict[str, ModelRunner]:
+    """The KV caches a session of ``loaded`` holds: the target's and the drafter's (draft model / self-draft), if any."""
+    runners = {"target": loaded.target}
+    drafter = loaded.drafter
     if drafter is not None and drafter.runner is not None:
         runners[drafter.key] = drafter.runner
     return runners
 
 
-def max_snapshot_bytes(llm: "LLM") -> int:
+def max_snapshot_bytes(loaded: LoadedEngine) -> int:
     """The largest snapshot an LLM can have written: a header of at most ``_MAX_HEADER`` bytes (safetensors' limit),
     the generator state and, per cache, keys and values for a full context window. A larger file is refused before
     it is read."""
     total = 8 + _MAX_HEADER + _GENERATOR_BYTES
-    for runner in _runners(llm).values():
+    for runner in _runners(loaded).values():
         k = runner.pool.k
-        total += 2 * runner.num_layers * llm.max_model_len * k.shape[2] * k.shape[3] * k.element_size()
+        total += 2 * runner.num_layers * loaded.max_model_len * k.shape[2] * k.shape[3] * k.element_size()
     return total
 
 
-def identity(llm: "LLM") -> dict:
+def identity(loaded: LoadedEngine) -> dict:
     """What a snapshot must have been made with: models by content, drafter, weight format, dtypes, KV layout."""
     def model(ckpt) -> dict:
         return {"fingerprint": ckpt.content_fingerprint(), "name": ckpt.source.name}
 
-    drafter = llm.drafter
-    runners = _runners(llm)
+    drafter = loaded.drafter
+    runners = _runners(loaded)
     return {
-        "target": model(llm.checkpoint),
-        "draft": model(llm.draft_checkpoint) if llm.draft_checkpoint is not None else None,
+        "target": model(loaded.checkpoint),
+        "draft": model(loaded.draft_checkpoint) if loaded.draft_checkpoint is not None else None,
         "drafter": None if drafter is None else drafter.name,
-        "weights": llm.weights,
-        "draft_weights": llm.draft_weights,
-        "dtype": str(llm.dtype).removeprefix("torch."),
+        "weights": loaded.weights,
+        "draft_weights": loaded.draft_weights,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
         "kv": {key: {"dtype": str(r.pool.k.dtype).removeprefix("torch."), "layers": r.num_layers,
                      "kv_heads": r.pool.k.shape[2], "head_dim": r.pool.k.shape[3]} for key, r in runners.items()},
     }

@@ -257,7 +257,7 @@ def _logits(model, ids):
 
 @pytest.fixture(scope="module")
 def smollm2_reference(smollm2_bf16):
-    from quickdraft.llm import tokenizer_for
+    from quickdraft.engine.build import tokenizer_for
 
     text = ("The quick brown fox jumps over the lazy dog. Speculative decoding drafts several tokens and the "
             "target model verifies them in one forward pass, so the output is exactly what it would have been.")

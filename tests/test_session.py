@@ -45,7 +45,7 @@ def llms(paths):
 
 
 def used(llm: LLM) -> tuple[int, ...]:
-    runners = [llm.target] + ([llm.drafter.runner] if hasattr(llm.drafter, "runner") else [])
+    runners = [llm.target] + ([llm.drafter.runner] if llm.drafter is not None and llm.drafter.runner else [])
     return tuple(r.allocator.num_used for r in runners)
 
 

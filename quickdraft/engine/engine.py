@@ -152,14 +152,7 @@ class LLMEngine:
 
     def cancel_all(self) -> None:
         """``cancel`` every request in flight now (requests added later are not affected)."""
-        for _ in range(8):
-            try:
-                ids = tuple(self._groups)  # a snapshot; the engine thread may add a request meanwhile
-                break
-            except RuntimeError:
-                continue
-        else:
-            ids = ()
+        ids = tuple(self._groups.copy())  # dict.copy holds the GIL throughout: a snapshot even mid-step
         with self._cancel_lock:
             self._cancelled.update(ids)
 

@@ -153,7 +153,7 @@ class Sequence:
                 self.logprobs.append(logprobs[i])
             n_out = len(self.token_ids) - len(self.prompt_ids)
             if not params.ignore_eos and token in self.tokenizer.eos_token_ids or token in (params.stop_token_ids or ()):
-                self.finish("stop", hide_token=True)
+                self.finish("stop")
                 return
             self.text += self.detokenizer.add(token)
             if self._stop_strings and self._check_stop_strings():
@@ -173,7 +173,7 @@ class Sequence:
         self.finish("stop", flush=False)
         return True
 
-    def finish(self, reason: str, hide_token: bool = False, flush: bool = True) -> None:
+    def finish(self, reason: str, flush: bool = True) -> None:
         if flush:
             self.text += self.detokenizer.flush()
         self.status = Status.FINISHED
