@@ -1,6 +1,8 @@
 """OpenAI-compatible serving: an asyncio front for the engine (``AsyncEngine``) and the HTTP app."""
-from quickdraft.serving.async_engine import AsyncEngine, EngineError, RequestStream
+from quickdraft.serving.async_engine import AsyncEngine
+from quickdraft.serving.errors import EngineError
 from quickdraft.serving.metrics import ServerMetrics
+from quickdraft.serving.streams import RequestStream
 
 
 def create_app(llm, model_name: str, **kwargs):

@@ -10,58 +10,41 @@ its current step, waits on the condition until every announced caller has had it
 ``add_request`` runs in a worker thread (``run_in_executor``), so the event loop keeps streaming while it
 waits for that step; validation errors still reach the caller of :meth:`AsyncEngine.generate` before
 any model work. Chunks go back to the event loop through ``loop.call_soon_threadsafe`` into a per-request
-``ChunkQueue`` (bounded by merging chunks, so the engine thread never waits for a slow reader). Aborts never block the event loop: they are applied at once when the engine is idle,
-otherwise right after the running step.
+``ChunkQueue`` (``streams.py``: bounded by merging chunks, so the engine thread never waits for a slow reader).
+Aborts never block the event loop: they are applied at once when the engine is idle, otherwise right after the
+running step.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from quickdraft.engine.outputs import StreamChunk
 from quickdraft.errors import InvalidParameterError, QuickdraftError
 from quickdraft.sampling import SamplingParams
+from quickdraft.serving.errors import (EngineDeadError, EngineError, EngineStoppedError, QueueFullError,
+                                       RequestTimeoutError)
 from quickdraft.serving.metrics import ServerMetrics
+from quickdraft.serving.streams import END_OF_STREAM, ChunkQueue, RequestStream, put_all
 
 T = TypeVar("T")
 
 log = logging.getLogger("quickdraft.serving")
 
-_END = object()  # queue sentinel: every sample of the request has finished
-
-
-class EngineError(QuickdraftError, RuntimeError):
-    """The engine failed while generating this request (an internal bug, not the request's fault)."""
-
-
-class EngineStoppedError(EngineError):
-    """The server is shutting down."""
-
-
-class EngineDeadError(EngineStoppedError):
-    """The engine failed as a whole (not one request): it accepts no more requests and /health says so."""
-
-
-class QueueFullError(QuickdraftError):
-    """The server's queue of waiting requests is full: the client should retry later."""
-
-
-class RequestTimeoutError(QuickdraftError):
-    """The request ran longer than the server's per-request timeout and was aborted."""
-
 
 @dataclass
 class _Request:
+    """What the engine thread keeps about a request in flight: where its chunks go and its token timings."""
+
     request_id: str
     loop: asyncio.AbstractEventLoop
-    queue: "ChunkQueue"
+    queue: ChunkQueue
     num_samples: int
     arrival_s: float
     finished_samples: int = 0
@@ -69,60 +52,9 @@ class _Request:
     last_token_s: dict[int, float] = field(default_factory=dict)  # per sample index
 
 
-class RequestStream:
-    """Async iterator over one request's :class:`StreamChunk` s (all samples interleaved).
-
-    Stopping early -- ``aclose()``, cancellation while waiting, or dropping the object -- aborts the
-    request, which frees its KV blocks.
-    """
-
-    def __init__(self, owner: "AsyncEngine", request_id: str, queue: "ChunkQueue") -> None:
-        self._owner, self.request_id, self._queue = owner, request_id, queue
-        self._done = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> StreamChunk:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:  # cancelled: the consumer is gone
-            self._abandon()
-            raise
-        if item is _END:
-            self._done = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        return item
-
-    async def aclose(self) -> None:
-        self._abandon()
-
-    def close(self) -> None:
-        """Synchronous ``aclose`` (safe inside cancelled scopes, where awaiting is not)."""
-        self._abandon()
-
-    @property
-    def finished(self) -> bool:
-        return self._done
-
-    def _abandon(self) -> None:
-        if not self._done:
-            self._done = True
-            self._owner.abort(self.request_id)
-
-    def __del__(self) -> None:
-        try:
-            self._abandon()
-        except Exception:  # interpreter shutdown
-            pass
-
-
 class AsyncEngine:
+    """The engine on its own thread, so the event loop stays free to stream while the model computes."""
+
     def __init__(self, llm, metrics: ServerMetrics | None = None, idle_poll_s: float = 0.1,
                  stall_timeout_s: float = 60.0, max_waiting_requests: int | None = None,
                  request_timeout_s: float | None = None, max_queued_chunks: int = 64) -> None:
@@ -233,7 +165,7 @@ class AsyncEngine:
         except QuickdraftError:
             self.metrics.count_request("error")
             raise
-        return RequestStream(self, rid, queue)
+        return RequestStream(rid, queue, self.abort)
 
     def _add(self, loop, queue, prompt_ids, params, prompt_text, request_id) -> str:
         with self._locked():
@@ -398,11 +330,11 @@ class AsyncEngine:
                 self._requests.pop(req.request_id, None)
                 self.engine.release(req.request_id)
                 self.metrics.count_request("ok")
-                items.append((req.queue, _END))
+                items.append((req.queue, END_OF_STREAM))
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
         try:
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(put_all, items)
         except RuntimeError:  # that event loop is closed: nobody will read these requests
             for queue, _ in items:
                 for rid, req in list(self._requests.items()):
@@ -462,51 +394,3 @@ class AsyncEngine:
         if draft_runner is not None and draft_runner is not self.llm.target:
             out["draft_kv_blocks_used"] = draft_runner.allocator.num_used
         return out
-
-
-class ChunkQueue:
-    """A request's chunks on their way to its consumer, bounded by merging: past ``limit`` unread items, a new
-    chunk joins the last one of its sample, so a slow reader costs memory for its text only, never a chunk
-    per step, and the engine thread never waits for it."""
-
-    def __init__(self, limit: int) -> None:
-        self._items: collections.deque = collections.deque()
-        self._limit = max(1, limit)
-        self._ready = asyncio.Event()
-
-    def put_nowait(self, item) -> None:
-        if isinstance(item, StreamChunk) and len(self._items) >= self._limit:
-            for i in range(len(self._items) - 1, -1, -1):
-                last = self._items[i]
-                if isinstance(last, StreamChunk) and last.index == item.index and not last.finished:
-                    self._items[i] = _merge(last, item)
-                    self._ready.set()
-                    return
-        self._items.append(item)
-        self._ready.set()
-
-    async def get(self):
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popleft()
-
-    def qsize(self) -> int:
-        return len(self._items)
-
-
-def _merge(a: StreamChunk, b: StreamChunk) -> StreamChunk:
-    """One chunk with ``a``'s content followed by ``b``'s."""
-    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
-                               from_draft=a.from_draft + b.from_draft, logprobs=logprobs)
-
-
-def _put_all(items: list) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
-
-
-async def collect(stream: AsyncIterator[StreamChunk]) -> list[StreamChunk]:
-    """Every chunk of a stream (tests and simple callers)."""
-    return [chunk async for chunk in stream]

@@ -1,0 +1,32 @@
+"""The server's own errors: why a request could not run or finish, each mapped to one HTTP status by
+:func:`quickdraft.serving.openai_format.describe_error`."""
+from __future__ import annotations
+
+from quickdraft.errors import InvalidParameterError, QuickdraftError
+
+
+class EngineError(QuickdraftError, RuntimeError):
+    """The engine failed while generating this request (an internal bug, not the request's fault)."""
+
+
+class EngineStoppedError(EngineError):
+    """The server is shutting down."""
+
+
+class EngineDeadError(EngineStoppedError):
+    """The engine failed as a whole (not one request): it accepts no more requests and /health says so."""
+
+
+class QueueFullError(QuickdraftError):
+    """The server's queue of waiting requests is full: the client should retry later."""
+
+
+class RequestTimeoutError(QuickdraftError):
+    """The request ran longer than the server's per-request timeout and was aborted."""
+
+
+def invalid_parameter(message: str, param: str | None = None, code: str | None = None) -> InvalidParameterError:
+    """A 400 error that names the offending field (``param``) and, where OpenAI has one, its ``code``."""
+    err = InvalidParameterError(message)
+    err.param, err.code = param, code
+    return err

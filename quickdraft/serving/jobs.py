@@ -1,0 +1,100 @@
+"""One HTTP generation request as the engine sees it: one engine request per prompt, each with ``n`` samples."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from quickdraft.engine.outputs import StreamChunk
+from quickdraft.errors import QuickdraftError
+from quickdraft.sampling import SamplingParams
+from quickdraft.serving.async_engine import AsyncEngine
+from quickdraft.serving.openai_format import Choice
+from quickdraft.serving.streams import RequestStream, merge_streams
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streaming) response was ready."""
+
+
+@dataclass
+class Job:
+    """One HTTP generation request: its engine requests (one per prompt) and their streams."""
+
+    id: str
+    created: int
+    prompts: list[tuple[list[int], str | None]]  # token ids, and the text when the prompt was sent as text
+    params: list[SamplingParams]
+    n: int
+    streams: list[RequestStream] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, id_prefix: str, prompts: list[tuple[list[int], str | None]],
+            params: list[SamplingParams]) -> "Job":
+        return cls(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), prompts, params, params[0].n)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids, _ in self.prompts)
+
+    def choice_index(self, prompt_index: int, chunk: StreamChunk) -> int:
+        """Choices are numbered prompt by prompt, ``n`` per prompt, as OpenAI numbers them."""
+        return prompt_index * self.n + chunk.index
+
+    def prompt_text(self, prompt_index: int, tokenizer) -> str:
+        """The prompt as text (for echo): as sent, or decoded when it was sent as token ids."""
+        ids, text = self.prompts[prompt_index]
+        return text if text is not None else tokenizer.decode(ids)
+
+    async def start(self, engine: AsyncEngine) -> None:
+        """Queue every prompt; if one is refused, abort those already queued."""
+        try:
+            for p, ((ids, text), params) in enumerate(zip(self.prompts, self.params)):
+                self.streams.append(await engine.generate(ids, params, text, request_id=f"{self.id}-{p}"))
+        except BaseException as exc:
+            if isinstance(exc, QuickdraftError):
+                exc.counted = True  # AsyncEngine.generate counted it in the metrics already
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Abort whatever has not finished (frees its KV blocks); a no-op for finished streams."""
+        for s in self.streams:
+            s.close()
+
+    async def gather(self) -> list[Choice]:
+        """Every choice, whole, in index order."""
+        choices: dict[int, Choice] = {}
+        async for p, chunk in merge_streams(self.streams):
+            idx = self.choice_index(p, chunk)
+            c = choices.setdefault(idx, Choice(idx))
+            c.text.append(chunk.text)
+            if chunk.logprobs:
+                c.logprobs.extend(chunk.logprobs)
+            c.count(chunk)
+        return [choices[i] for i in sorted(choices)]
+
+    async def gather_or_abort(self, request: Request) -> list[Choice]:
+        """Wait for the outputs, aborting the engine requests if the client goes away first (ClientGone)."""
+        work = asyncio.ensure_future(self.gather())
+        watcher = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+                self.close()
+            watcher.cancel()
+        if not work.done() or work.cancelled():
+            raise ClientGone()
+        return work.result()
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,230 @@
+"""Engine output and errors in the shapes of OpenAI's API: usage, logprobs, choices, response bodies, errors.
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for bad parameters,
+malformed JSON, wrong types and prompts that do not fit the context; 404 for an unknown model; 500 only
+for internal bugs.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fastapi.responses import JSONResponse
+
+from quickdraft.engine.outputs import SpecMetrics, StreamChunk
+from quickdraft.errors import PromptTooLongError, QuickdraftError
+from quickdraft.serving.errors import EngineError, EngineStoppedError, QueueFullError, RequestTimeoutError
+from quickdraft.serving.guard import error_body
+from quickdraft.serving.protocol import ErrorResponse, ModelNotFoundError, param_of
+
+TokenText = Callable[[int], str]
+ChoiceFields = Callable[[int, int, StreamChunk], dict | None]
+"""(prompt index, choice index, chunk) -> the choice's fields between ``index`` and ``finish_reason`` in its stream
+event, or None when the chunk has nothing to send."""
+
+_ERROR = {"model": ErrorResponse}  # ERROR_RESPONSES: what the generation routes document in the OpenAPI schema
+ERROR_RESPONSES = {
+    400: {**_ERROR, "description": "a bad parameter, malformed JSON, or a prompt that does not fit the context"},
+    401: {**_ERROR, "description": "missing or wrong API key (when the server requires one)"},
+    404: {**_ERROR, "description": "unknown model"},
+    413: {**_ERROR, "description": "the request body is larger than the server accepts"},
+    429: {**_ERROR, "description": "the queue of waiting requests is full: retry after Retry-After seconds"},
+    500: {**_ERROR, "description": "this request failed inside the engine (the others were not affected)"},
+    503: {**_ERROR, "description": "the server is shutting down, or its engine failed"},
+    504: {**_ERROR, "description": "the request ran longer than the server's per-request timeout"},
+}
+
+
+# ---- errors ----------------------------------------------------------------------------------------------
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(message, type_, param, code), headers=headers)
+
+
+def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
+    """One clear sentence (and the field) from pydantic's error list."""
+    if not errors:
+        return "invalid request body", None
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    if e.get("type") == "json_invalid":
+        detail = (e.get("ctx") or {}).get("error") or e.get("msg", "")
+        where = f" at position {loc[0]}" if loc else ""
+        return f"malformed JSON in the request body: {detail}{where}", None
+    if not loc:
+        return "the request body must be a JSON object", None
+    name = ".".join(loc)
+    msg = e.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if e.get("type") == "missing":
+        message = f"{name} is required"
+    elif msg.startswith(loc[0]):
+        message = msg
+    else:
+        got = repr(e.get("input"))
+        message = f"{name}: {msg[:1].lower() + msg[1:]}, got {got[:100]}"
+    if len(errors) > 1:
+        message += f" ({len(errors) - 1} more error{'s' if len(errors) > 2 else ''} in the request)"
+    return message, loc[0]
+
+
+def describe_error(exc: BaseException) -> tuple[int, dict]:
+    """The HTTP status and OpenAI-shaped body of an error, for a response or a stream's error event."""
+    if isinstance(exc, ModelNotFoundError):
+        return 404, error_body(str(exc), param="model", code="model_not_found")
+    if isinstance(exc, EngineStoppedError):
+        return 503, error_body(str(exc), type_="service_unavailable_error")
+    if isinstance(exc, QueueFullError):
+        return 429, error_body(str(exc), type_="rate_limit_error", code="queue_full")
+    if isinstance(exc, RequestTimeoutError):
+        return 504, error_body(str(exc), type_="timeout_error", code="request_timeout")
+    if isinstance(exc, QuickdraftError) and not isinstance(exc, EngineError):
+        param = getattr(exc, "param", None) or param_of(str(exc))
+        code = getattr(exc, "code", None) or (
+            "context_length_exceeded" if isinstance(exc, PromptTooLongError) else None)
+        return 400, error_body(str(exc), param=param, code=code)
+    return 500, error_body(str(exc) or type(exc).__name__, type_="internal_server_error")
+
+
+# ---- choices and usage -----------------------------------------------------------------------------------
+@dataclass
+class Choice:
+    """One sample's output as it accumulates (``text`` and ``logprobs`` only when the whole response is sent
+    at once; a stream sends them as they come)."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    spec: SpecMetrics = field(default_factory=SpecMetrics)
+
+    def count(self, chunk: StreamChunk) -> None:
+        """Note the chunk's tokens and how the sample finished: what usage and finish_reason need."""
+        self.num_tokens += len(chunk.token_ids)
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
+            if chunk.metrics is not None:
+                self.spec = chunk.metrics.spec
+
+
+def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
+    spec = SpecMetrics()
+    for c in choices:
+        spec.add(c.spec)
+    completion = sum(c.num_tokens for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "speculative": {"rounds": spec.rounds, "draft_tokens": spec.draft_tokens,
+                            "accepted_tokens": spec.accepted_tokens,
+                            "acceptance_rate": round(spec.acceptance_rate, 4)}}
+
+
+def response_head(id_: str, object_: str, created: int, model_name: str) -> dict:
+    """The fields every response body and stream event starts with."""
+    return {"id": id_, "object": object_, "created": created, "model": model_name}
+
+
+# ---- logprobs --------------------------------------------------------------------------------------------
+class TokenTexts:
+    """Token id -> its text, cached: logprobs name every top token, and decoding each one again is slow."""
+
+    MAX_CACHED = 200_000
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id])
+            if len(self._cache) < self.MAX_CACHED:
+                self._cache[token_id] = text
+        return text
+
+
+def _clean(lp: float) -> float:
+    """JSON has no -inf: a token the sampler excluded gets a very low finite logprob instead."""
+    return lp if math.isfinite(lp) else -9999.0
+
+
+def completion_logprobs(entries: list[dict], offset: int, token_text: TokenText) -> dict:
+    """/v1/completions' logprobs; ``offset`` is where the entries' text starts in the choice's text."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for e in entries:
+        tok = token_text(e["token_id"])
+        tokens.append(tok)
+        token_lps.append(_clean(e["logprob"]))
+        top = {}
+        for tid, lp in e["top"]:
+            top.setdefault(token_text(tid), _clean(lp))
+        top.setdefault(tok, _clean(e["logprob"]))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[dict], token_text: TokenText) -> dict:
+    """/v1/chat/completions' logprobs."""
+    def item(tid: int, lp: float) -> dict:
+        tok = token_text(tid)
+        return {"token": tok, "logprob": _clean(lp), "bytes": list(tok.encode("utf-8"))}
+
+    return {"content": [{**item(e["token_id"], e["logprob"]),
+                         "top_logprobs": [item(tid, lp) for tid, lp in e["top"]]} for e in entries]}
+
+
+# ---- choices in responses and stream events ---------------------------------------------------------------
+def completion_choice(c: Choice, prefix: str, logprobs: bool, token_text: TokenText) -> dict:
+    """A whole /v1/completions choice; ``prefix``: the echoed prompt, or ""."""
+    lp = completion_logprobs(c.logprobs, 0, token_text) if logprobs else None
+    return {"index": c.index, "text": prefix + "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason}
+
+
+def chat_choice(c: Choice, logprobs: bool, token_text: TokenText) -> dict:
+    """A whole /v1/chat/completions choice."""
+    return {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+            "logprobs": chat_logprobs(c.logprobs, token_text) if logprobs else None,
+            "finish_reason": c.finish_reason}
+
+
+class CompletionChunkFields:
+    """What a chunk becomes in a /v1/completions stream event: its text (the prompt before a choice's first
+    text when echoing) and logprobs whose offsets count on from that choice's earlier events."""
+
+    def __init__(self, echo: Callable[[int], str] | None, logprobs: bool, token_text: TokenText) -> None:
+        self._echo, self._logprobs, self._token_text = echo, logprobs, token_text
+        self._offsets: dict[int, int] = {}  # per choice: the length of the text sent so far
+
+    def __call__(self, prompt_index: int, idx: int, chunk: StreamChunk) -> dict | None:
+        text = chunk.text
+        if self._echo is not None and idx not in self._offsets:
+            text = self._echo(prompt_index) + text
+        lp = None
+        if self._logprobs:
+            lp = completion_logprobs(chunk.logprobs or [], self._offsets.get(idx, 0), self._token_text)
+        self._offsets[idx] = self._offsets.get(idx, 0) + len(text)
+        if not text and not chunk.finished and not (lp and lp["tokens"]):
+            return None
+        return {"text": text, "logprobs": lp}
+
+
+def chat_opening(n: int) -> list[dict]:
+    """The first event of each chat choice: the assistant's role, before any content."""
+    return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(n)]
+
+
+def chat_chunk_fields(logprobs: bool, token_text: TokenText) -> ChoiceFields:
+    """What a chunk becomes in a /v1/chat/completions stream event: a content delta and chat logprobs."""
+    def fields(prompt_index: int, idx: int, chunk: StreamChunk) -> dict | None:
+        lp = chat_logprobs(chunk.logprobs or [], token_text) if logprobs else None
+        if not chunk.text and not chunk.finished and not (lp and lp["content"]):
+            return None
+        return {"delta": {"content": chunk.text} if chunk.text else {}, "logprobs": lp}
+
+    return fields

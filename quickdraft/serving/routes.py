@@ -1,0 +1,218 @@
+"""The HTTP routes: each checks its request, turns it into engine requests (a :class:`Job`) and answers with
+one JSON body or a stream of events. A bad request is rejected here, before it reaches the engine."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import jinja2
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from quickdraft.errors import require_unicode
+from quickdraft.sampling import SamplingParams
+from quickdraft.sampling.params import MAX_LOGPROBS
+from quickdraft.serving.async_engine import AsyncEngine
+from quickdraft.serving.errors import invalid_parameter
+from quickdraft.serving.guard import ServerLimits
+from quickdraft.serving.jobs import ClientGone, Job
+from quickdraft.serving.metrics import CONTENT_TYPE, ServerMetrics
+from quickdraft.serving.openai_format import (ERROR_RESPONSES, Choice, CompletionChunkFields, TokenTexts,
+                                              chat_choice, chat_chunk_fields, chat_opening, completion_choice,
+                                              error_response, response_head, usage)
+from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError,
+                                         _SamplingFields)
+from quickdraft.serving.sse import stream_response
+
+if TYPE_CHECKING:
+    from quickdraft.llm import LLM
+
+
+@dataclass
+class ServerContext:
+    """What the routes and error handlers need of the server (``app.state.context``)."""
+
+    engine: AsyncEngine
+    llm: LLM
+    model_name: str
+    limits: ServerLimits
+    token_text: TokenTexts
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        return self.engine.metrics
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ModelNotFoundError(f"The model `{name}` does not exist. This server serves `{self.model_name}`.")
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "quickdraft",
+                "max_model_len": self.llm.max_model_len}
+
+
+def context_of(request: Request) -> ServerContext:
+    return request.app.state.context
+
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    engine = context_of(request).engine
+    if not engine.alive:
+        return error_response(503, engine.failure or "the server is shutting down", type_="service_unavailable_error")
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    ctx = context_of(request)
+    stats = await ctx.engine.stats_async() if ctx.engine.alive else ctx.engine.stats()
+    return PlainTextResponse(ctx.metrics.render(stats), media_type=CONTENT_TYPE)
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> Response:
+    """Forget cached prompt prefixes (vLLM's endpoint of the same name): benchmarks call it so that a prompt sent
+    again is computed again."""
+    await context_of(request).engine.reset_prefix_cache()
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    return {"object": "list", "data": [context_of(request).model_card()]}
+
+
+@router.get("/v1/models/{name:path}")
+async def model(name: str, request: Request) -> dict:
+    ctx = context_of(request)
+    ctx.check_model(name)
+    return ctx.model_card()
+
+
+@router.post("/v1/completions", responses=ERROR_RESPONSES)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    ctx = context_of(request)
+    ctx.check_model(body.model)
+    prompts = await _completion_prompts(ctx, body)
+    params = [_sampling_params(ctx, body, len(ids), body.max_tokens, body.logprobs, "prompt") for ids, _ in prompts]
+    job = Job.new("cmpl", prompts, params)
+    await job.start(ctx.engine)
+    echo = (lambda p: job.prompt_text(p, ctx.llm.tokenizer)) if body.echo else None
+    logprobs = body.logprobs is not None
+    head = response_head(job.id, "text_completion", job.created, ctx.model_name)
+    if body.stream:
+        return stream_response(job, head, body.include_usage, CompletionChunkFields(echo, logprobs, ctx.token_text))
+
+    def whole_choice(c: Choice) -> dict:
+        prefix = echo(c.index // job.n) if echo else ""
+        return completion_choice(c, prefix, logprobs, ctx.token_text)
+
+    return await _whole_response(request, job, head, whole_choice)
+
+
+@router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    ctx = context_of(request)
+    ctx.check_model(body.model)
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise invalid_parameter(f"response_format {body.response_format.get('type')!r} is not supported (only "
+                                f"'text')", "response_format")
+    top_logprobs = _chat_top_logprobs(body)
+    try:
+        ids = await asyncio.to_thread(ctx.llm.chat_prompt, [m.for_template() for m in body.messages])
+    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
+        raise invalid_parameter(f"messages could not be rendered with the model's chat template: {exc}",
+                                "messages") from exc
+    params = _sampling_params(ctx, body, len(ids), body.requested_max_tokens, top_logprobs, "messages")
+    job = Job.new("chatcmpl", [(ids, None)], [params])
+    await job.start(ctx.engine)
+    logprobs = bool(body.logprobs)
+    if body.stream:
+        head = response_head(job.id, "chat.completion.chunk", job.created, ctx.model_name)
+        return stream_response(job, head, body.include_usage, chat_chunk_fields(logprobs, ctx.token_text),
+                               chat_opening(job.n))
+    head = response_head(job.id, "chat.completion", job.created, ctx.model_name)
+    return await _whole_response(request, job, head, lambda c: chat_choice(c, logprobs, ctx.token_text))
+
+
+async def _whole_response(request: Request, job: Job, head: dict, choice_json: Callable[[Choice], dict]) -> Response:
+    """The response of a request that did not ask to stream; 499 (nobody reads it) when the client left."""
+    try:
+        choices = await job.gather_or_abort(request)
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse({**head, "choices": [choice_json(c) for c in choices],
+                         "usage": usage(job.prompt_tokens, choices)})
+
+
+async def _completion_prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[list[int], str | None]]:
+    """The request's prompts as token ids (with their text when sent as text), once its options are checked."""
+    if body.suffix:
+        raise invalid_parameter("suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise invalid_parameter(f"best_of is not supported (it must equal n), got {body.best_of}", "best_of")
+    if body.echo and body.logprobs is not None:
+        raise invalid_parameter("echo together with logprobs is not supported (prompt logprobs are not computed)",
+                                "echo")
+    limit = ctx.limits.max_prompts_per_request
+    if len(body.prompts()) > limit:
+        raise invalid_parameter(f"prompt must be a list of at most {limit} prompts per request, got "
+                                f"{len(body.prompts())}", "prompt")
+    prompts = []
+    for p in body.prompts():
+        if isinstance(p, str):
+            require_unicode("prompt", p)
+            ids = await asyncio.to_thread(ctx.llm.tokenizer.encode, p)  # a long prompt must not stall other streams
+            if not ids:
+                raise invalid_parameter("prompt must not be empty", "prompt")
+            prompts.append((ids, p))
+        else:
+            prompts.append((list(p), None))
+    return prompts
+
+
+def _chat_top_logprobs(body: ChatCompletionRequest) -> int | None:
+    """How many top logprobs each token gets (None: no logprobs), once the two fields are checked together."""
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise invalid_parameter("top_logprobs requires logprobs to be true", "top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise invalid_parameter(f"top_logprobs must be an int in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+                                    "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def _sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
+                     logprobs: int | None, prompt_param: str) -> SamplingParams:
+    """The engine's parameters for one prompt; the prompt and the completion must fit the context together."""
+    limit = ctx.llm.max_model_len
+    if prompt_len >= limit:
+        raise invalid_parameter(
+            f"the prompt has {prompt_len} tokens but this model's maximum context length is {limit} tokens, and at "
+            f"least one token must be left for the completion; shorten the {prompt_param}", prompt_param,
+            "context_length_exceeded")
+    fields = dict(
+        n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias, seed=req.seed, stop=req.stop,
+        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, priority=req.priority,
+        deadline_s=req.deadline_s, include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+        max_tokens=limit - prompt_len if max_tokens is None else max_tokens)
+    params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    if prompt_len + params.max_tokens > limit:
+        raise invalid_parameter(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the {prompt_param}, {params.max_tokens} in "
+            f"the completion). Please reduce the length of the {prompt_param} or completion.", "max_tokens",
+            "context_length_exceeded")
+    params.check_vocab(ctx.llm.engine.vocab_size)
+    return params

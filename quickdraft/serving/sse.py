@@ -1,0 +1,69 @@
+"""The one server-sent-event writer of both streaming endpoints (/v1/completions and /v1/chat/completions).
+
+The endpoints differ only in what a chunk becomes inside its choice (text and completion logprobs, or a chat
+delta and chat logprobs) and in the chat's opening events (one per choice, announcing the assistant's role);
+each passes those as ``choice_fields`` (see ``openai_format.ChoiceFields``) and ``opening``. Usage, errors,
+``[DONE]`` and aborting a stream whose client left are the same for both.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from quickdraft.serving.jobs import Job
+from quickdraft.serving.openai_format import Choice, ChoiceFields, describe_error, usage
+from quickdraft.serving.streams import merge_streams
+
+log = logging.getLogger("quickdraft.serving")
+
+_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def stream_response(job: Job, head: dict, include_usage: bool, choice_fields: ChoiceFields,
+                    opening: list[dict] | None = None) -> StreamingResponse:
+    """``job``'s chunks as events that start with ``head``; ``opening``: choices sent before any chunk."""
+    events = _events(job, head, include_usage, choice_fields, opening or [])
+    return StreamingResponse(events, media_type="text/event-stream", headers=_HEADERS)
+
+
+async def _events(job: Job, head: dict, include_usage: bool, choice_fields: ChoiceFields,
+                  opening: list[dict]) -> AsyncIterator[str]:
+    extra = {"usage": None} if include_usage else {}
+    choices: dict[int, Choice] = {}
+    try:
+        for choice in opening:
+            yield sse({**head, "choices": [choice], **extra})
+        async for p, chunk in merge_streams(job.streams):
+            idx = job.choice_index(p, chunk)
+            c = choices.setdefault(idx, Choice(idx))
+            c.count(chunk)
+            fields = choice_fields(p, idx, chunk)
+            if fields is None:
+                continue
+            yield sse({**head, "choices": [{"index": idx, **fields, "finish_reason": c.finish_reason}], **extra})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(job.prompt_tokens, list(choices.values()))})
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported in the stream
+        yield _error_event(exc)
+    finally:  # closed or cancelled early (client gone): abort what is unfinished
+        job.close()
+    yield sse("[DONE]")
+
+
+def sse(obj: dict | str) -> str:
+    """One server-sent event: a JSON object (compact) or a bare string such as ``[DONE]``."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _error_event(exc: BaseException) -> str:
+    """A failure after the 200 went out can only be told in the stream, as an OpenAI error body."""
+    status, body = describe_error(exc)
+    if status >= 500:
+        log.error("request failed mid-stream: %s", exc)
+    return sse(body)
