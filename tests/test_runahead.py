@@ -18,7 +18,7 @@ import torch
 from quickdraft import LLM, SamplingParams
 from quickdraft.speculative.controller import SpeculationController
 from quickdraft.speculative.cost import CostModel
-from quickdraft.speculative.drafters import RunAheadDrafter
+from quickdraft.speculative.run_ahead import RunAheadDrafter
 from test_distribution import SAMPLES, chi_square_pvalue, exact_distribution, make_llm, models, sample_engine  # noqa: F401
 from test_speculative import assert_cache_matches_fresh_prefill, bench_prompts, tiny_prompts
 

@@ -21,6 +21,7 @@ from safetensors.torch import load as safetensors_load, save as safetensors_save
 
 from quickdraft import LLM, SamplingParams, SessionError
 from quickdraft import session as session_module
+from quickdraft import snapshot as snapshot_module
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -360,7 +361,7 @@ def write_snapshot(path: Path, record: dict | str, tensors: dict[str, torch.Tens
     """A snapshot holding this record (or raw JSON text) and these tensors, under the checksum they should have: what
     a hostile writer makes, so only checking the values can refuse it."""
     text = record if isinstance(record, str) else json.dumps(record)
-    meta = {"format": session_module.FORMAT, "session": text, "checksum": session_module._checksum(text, tensors)}
+    meta = {"format": session_module.FORMAT, "session": text, "checksum": snapshot_module.checksum(text, tensors)}
     path.write_bytes(safetensors_save(tensors, metadata=meta))
     return path
 
@@ -579,7 +580,7 @@ def test_a_snapshot_larger_than_the_cap_is_refused_unread(llms, tmp_path, monkey
     cap = session_module.max_snapshot_bytes(llm)
     assert cap == 8 + (100 << 20) + 5056 + kv_bytes and size < cap
     monkeypatch.setattr(session_module, "max_snapshot_bytes", lambda _: size - 1)
-    monkeypatch.setattr(session_module, "open", lambda *a: pytest.fail("read a file over the cap"), raising=False)
+    monkeypatch.setattr(snapshot_module, "open", lambda *a: pytest.fail("read a file over the cap"), raising=False)
     before = used(llm)
     with pytest.raises(SessionError, match=rf"{path} is {size:,} bytes, more than the {size - 1:,} a snapshot of this "
                                            rf"LLM can hold"):

@@ -19,7 +19,8 @@ from quickdraft.loading import Checkpoint, load_checkpoint
 from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, FLOAT_FORMATS, QUANT_FORMATS, quantize_checkpoint,
                                         resolve_draft_weights, resolve_weights, restrict_lm_head)
 from quickdraft.models import Transformer, build_model
-from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter, RunAheadDrafter
+from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
+from quickdraft.speculative.run_ahead import RunAheadDrafter
 from quickdraft.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

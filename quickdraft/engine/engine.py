@@ -18,7 +18,7 @@ import torch
 
 from quickdraft.engine.outputs import SpecMetrics, StreamChunk
 from quickdraft.engine.scheduler import Scheduler, SchedulerConfig
-from quickdraft.engine.sequence import CarriedState, Sequence, SpeculationState, Status
+from quickdraft.engine.sequence import CarriedState, Sequence, SpeculationState
 from quickdraft.errors import InvalidParameterError, PromptTooLongError
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
 from quickdraft.sampling import LogitsProcessor, SamplingParams

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from quickdraft.config import ModelConfig
-from quickdraft.errors import ModelLoadError
 
 _EDGE_BYTES = 1 << 20
 
