@@ -131,7 +131,7 @@ class Scheduler:
 
     def _chunk(self, cached: int, pending: int, budget: int) -> int:
         """Prompt chunks end at cell boundaries so each token is computed the same way in any batch
-        (see quickdraft.kv.paged.PREFILL_CELL); a step with its whole budget free always makes progress."""
+        (see quickdraft.kv.attention.PREFILL_CELL); a step with its whole budget free always makes progress."""
         chunk = prefill_chunk(cached, pending, budget)
         return chunk or (min(pending, budget) if budget == self.config.max_num_batched_tokens else 0)
 

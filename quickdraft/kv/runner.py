@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.kv import AttentionBatch, BlockAllocator, KVPool, SequenceKV
+from quickdraft.kv.attention import AttentionBatch
+from quickdraft.kv.blocks import BlockAllocator, KVPool, SequenceKV
 from quickdraft.models import Transformer
 
 

@@ -1,0 +1,210 @@
+"""Block bookkeeping of the paged KV cache: one preallocated pool of fixed-size blocks per model.
+
+A sequence owns a list of block ids (its block table). Token ``i`` of a
+sequence lives in slot ``block_table[i // block_size] * block_size + i % block_size``
+of the flattened pool. Truncating a sequence (speculative rewind) only moves its
+length back and returns whole blocks it no longer needs; nothing is recomputed.
+What the model computes over the pool lives in ``attention.py``.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from quickdraft.kv.attention import PREFILL_CELL
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has no free block left; the scheduler must wait or preempt."""
+
+
+class KVPool:
+    """Key and value storage for every layer of one model: ``[layers, blocks * block_size, kv_heads, head_dim]``."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV pool needs at least one block of at least one slot, got {num_blocks}x{block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        bs = self.block_size
+        self.k[:, dst * bs:(dst + 1) * bs] = self.k[:, src * bs:(src + 1) * bs]
+        self.v[:, dst * bs:(dst + 1) * bs] = self.v[:, src * bs:(src + 1) * bs]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """Content hash of a full block, chained to its predecessor so equal blocks at different offsets differ."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class BlockAllocator:
+    """Reference-counted blocks with a prefix cache of full blocks by content hash.
+
+    A released block keeps its content and hash until it is handed out again, so
+    a later request with the same prefix can take it back (least recently freed
+    blocks are reused first).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.prefix_hit_blocks = 0
+        self.prefix_query_blocks = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
+        block, _ = self._free.popitem(last=False)
+        digest = self._hash_of.pop(block, None)
+        if digest is not None and self._block_of.get(digest) == block:
+            del self._block_of[digest]
+        self.ref_counts[block] = 1
+        return block
+
+    def share(self, block: int) -> int:
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
+        return block
+
+    def release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self._free[block] = None
+
+    def register(self, block: int, digest: bytes) -> None:
+        if digest not in self._block_of:
+            self._block_of[digest] = block
+            self._hash_of[block] = digest
+
+    def lookup(self, digest: bytes) -> int | None:
+        return self._block_of.get(digest)
+
+    def forget(self, block: int) -> None:
+        """Take a block out of the prefix cache: its content is about to change."""
+        digest = self._hash_of.pop(block, None)
+        if digest is not None and self._block_of.get(digest) == block:
+            del self._block_of[digest]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached content of every free block; blocks in use keep theirs (their sequences still share
+        them)."""
+        for block in [b for b in self._hash_of if self.ref_counts[b] == 0]:
+            self.forget(block)
+
+
+@dataclass
+class SequenceKV:
+    """What one sequence holds in one model's pool: its block table and how many tokens are cached."""
+
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    hashes: list[bytes] = field(default_factory=list)  # content hashes of the leading full, committed blocks
+
+    def blocks_needed(self, new_length: int, block_size: int) -> int:
+        return max(0, -(-new_length // block_size) - len(self.block_table))
+
+    def reserve(self, new_length: int, allocator: BlockAllocator, block_size: int) -> None:
+        """Make room for ``new_length`` tokens; all-or-nothing so a failure leaves the table unchanged."""
+        needed = self.blocks_needed(new_length, block_size)
+        if needed > allocator.num_free:
+            raise OutOfBlocks(f"need {needed} KV blocks, {allocator.num_free} free")
+        self.block_table.extend(allocator.allocate() for _ in range(needed))
+
+    def make_writable(self, start: int, end: int, allocator: BlockAllocator, pool: KVPool) -> None:
+        """Copy-on-write: give this sequence its own copy of any shared block that slots start..end-1 touch."""
+        bs = pool.block_size
+        for i in range(start // bs, min(-(-end // bs), len(self.block_table))):
+            old = self.block_table[i]
+            if allocator.ref_counts[old] > 1:
+                new = allocator.allocate()
+                pool.copy_block(old, new)
+                allocator.release(old)
+                self.block_table[i] = new
+
+    def truncate(self, length: int, allocator: BlockAllocator, block_size: int) -> None:
+        """Forget every token from ``length`` on and give back blocks that held only those."""
+        self.num_cached = min(self.num_cached, length)
+        full = length // block_size
+        if full < len(self.hashes) and length % block_size:
+            # a published block stays but will be rewritten from ``length`` on (a session's history edited
+            # below committed tokens): the prefix cache must not hand it out for its old content any more
+            allocator.forget(self.block_table[full])
+        del self.hashes[full:]
+        keep = -(-length // block_size)
+        while len(self.block_table) > keep:
+            allocator.release(self.block_table.pop())
+
+    def free(self, allocator: BlockAllocator) -> None:
+        self.truncate(0, allocator, 1)
+
+    def hide(self, length: int) -> None:
+        """Report only the first ``length`` cached tokens but keep the blocks (and contents) of the rest, so that
+        whoever reads the cache sees committed tokens only until ``reveal`` takes the rest back."""
+        self.num_cached = min(self.num_cached, length)
+
+    def reveal(self, length: int, block_size: int) -> None:
+        """Report ``length`` cached tokens again after ``hide``: the slots up to it still hold what was computed."""
+        if length > len(self.block_table) * block_size:
+            raise ValueError(f"cannot reveal {length} tokens: only {len(self.block_table)} blocks are held")
+        self.num_cached = length
+
+    def fork(self, length: int, allocator: BlockAllocator, block_size: int) -> SequenceKV:
+        """A child sharing this sequence's first ``length`` cached tokens (n > 1 samples of one prompt)."""
+        length = min(length, self.num_cached)
+        table = [allocator.share(b) for b in self.block_table[: -(-length // block_size)]]
+        return SequenceKV(table, length, self.hashes[: length // block_size])
+
+    def match_prefix(self, tokens: list[int], allocator: BlockAllocator, block_size: int) -> int:
+        """Take cached full blocks that hold a prefix of ``tokens``; at least one token is left to compute."""
+        if self.block_table:
+            return 0
+        parent = b""
+        for i in range((len(tokens) - 1) // block_size):
+            allocator.prefix_query_blocks += 1
+            digest = block_hash(parent, tokens[i * block_size:(i + 1) * block_size])
+            block = allocator.lookup(digest)
+            if block is None:
+                break
+            allocator.prefix_hit_blocks += 1
+            self.block_table.append(allocator.share(block))
+            self.hashes.append(digest)
+            parent = digest
+        # start computing at a cell boundary, as a run without the cache would have (see PREFILL_CELL)
+        while PREFILL_CELL % block_size == 0 and len(self.block_table) * block_size % PREFILL_CELL:
+            allocator.release(self.block_table.pop())
+            self.hashes.pop()
+        self.num_cached = len(self.block_table) * block_size
+        return self.num_cached
+
+    def publish(self, tokens: list[int], allocator: BlockAllocator, block_size: int) -> None:
+        """Register blocks that are now full of committed tokens so later prompts can reuse them."""
+        full = min(self.num_cached, len(tokens)) // block_size
+        while len(self.hashes) < full:
+            i = len(self.hashes)
+            digest = block_hash(self.hashes[-1] if self.hashes else b"", tokens[i * block_size:(i + 1) * block_size])
+            allocator.register(self.block_table[i], digest)
+            self.hashes.append(digest)
