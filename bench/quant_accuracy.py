@@ -42,7 +42,7 @@ from quickdraft.engine.build import tokenizer_for  # noqa: E402
 from quickdraft.loading import load_checkpoint, resolve_model  # noqa: E402
 from quickdraft.loading.quantize import quantize_checkpoint  # noqa: E402
 from quickdraft.models import build_model  # noqa: E402
-from quickdraft.models.quant import cpu_capability  # noqa: E402
+from quickdraft.models.quant_backends import cpu_capability  # noqa: E402
 
 DATA = Path("/work/shared/bench-data/spec_bench.public.jsonl")
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")

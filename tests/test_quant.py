@@ -14,21 +14,15 @@ from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
 from quickdraft.loading import load_checkpoint
 from quickdraft.loading import quantize as qz
+from quickdraft.loading.quant_convert import gguf_int4_params
 from quickdraft.loading.dequant import dequantize
 from quickdraft.loading.gguf import unpermute_rows
 from quickdraft.models import build_model
 from quickdraft.models import qmatmul
 from quickdraft.models.packed import PackedLinear
-from quickdraft.models.quant import (
-    BACKENDS,
-    Int4Linear,
-    Int8Linear,
-    dequantize_int4,
-    pack_nibbles,
-    quantize_int4,
-    quantize_int8,
-    unpack_nibbles,
-)
+from quickdraft.models.quant import Int4Linear, Int8Linear
+from quickdraft.models.quant_backends import BACKENDS
+from quickdraft.models.quant_formats import dequantize_int4, pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles
 
 BF16_EPS = 2.0 ** -8  # unit roundoff of bfloat16 (8-bit significand): |bf16(v) - v| <= BF16_EPS * |v|
 
@@ -200,12 +194,12 @@ def test_gguf_int4_mapping_is_exact(qtype):
     shape = (16, 512)
     block = GGML_QUANT_SIZES[qtype][0]
     raw = _random_blocks(qtype, shape[0] * shape[1] // block)
-    q, s, z = qz.gguf_int4_params(raw, qtype, shape)
+    q, s, z = gguf_int4_params(raw, qtype, shape)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15 and s.shape == (16, 16)
     ref = dequantize(raw, qtype, shape)
     # (q - 8) * scale + zero with float32 scale/zero: one float32 rounding away from the GGUF dequantization
     assert torch.allclose(dequantize_int4(q, s, z, 32), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
-    assert qz.gguf_int4_params(raw, T.Q5_0, shape) is None  # wider types are not mapped
+    assert gguf_int4_params(raw, T.Q5_0, shape) is None  # wider types are not mapped
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +224,7 @@ def test_smollm2_q4_1_maps_exactly(smollm2_bf16, smollm2_sources):
         shape = shape or ((cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size) if "k_proj" in name
                           else (cfg.hidden_size, cfg.intermediate_size))
         ref = dequantize(src[name], types[name], shape)
-        q, s, z = qz.gguf_int4_params(src[name], types[name], shape)
+        q, s, z = gguf_int4_params(src[name], types[name], shape)
         if heads:
             ref = unpermute_rows(ref, heads)
             q, s, z = (unpermute_rows(t, heads) for t in (q, s, z))
@@ -369,7 +363,8 @@ def test_resolve_weights():
 def test_without_qmatmul_layers_use_torch_kernels(tmp_path):
     """Where the kernel cannot be built (here: turned off; likewise no compiler or no VNNI) the layers fall back to
     torch's kernels, with the reason on record, in a fresh process."""
-    code = ("from quickdraft.models import qmatmul; from quickdraft.models.quant import Int4Linear, default_backend; "
+    code = ("from quickdraft.models import qmatmul; from quickdraft.models.quant import Int4Linear; "
+            "from quickdraft.models.quant_backends import default_backend; "
             "import torch; m = Int4Linear.from_float(torch.randn(16, 64)); "
             "print(default_backend('cpu'), m.backend, qmatmul.unavailable_reason())")
     env = {**os.environ, "QUICKDRAFT_KERNELS": "0", "QUICKDRAFT_CACHE_DIR": str(tmp_path)}

@@ -1,9 +1,9 @@
 """Weight-only quantized linear layers on CPU with quickdraft's own kernel (``qmatmul.c``): layout and call.
 
 Why a kernel of our own: torch's packed CPU kernels (``_weight_int4pack_mm_for_cpu``,
-``_weight_int8pack_mm``) stream a decode step's weights at well under half the memory bandwidth of a
-2-core AVX512 machine, and their cost grows ~3x from 1 to 5 rows, which is what makes speculative
-verification expensive with quantized weights. ``qmatmul.c`` quantizes the activations to int8 per group of
+``_weight_int8pack_mm``) stream a decode step's weights far below the memory bandwidth, and their cost
+grows steeply from 1 to 5 rows (docs/MEASUREMENTS.md), which is what makes speculative verification
+expensive with quantized weights. ``qmatmul.c`` quantizes the activations to int8 per group of
 32 and multiplies with int8 dot products (as llama.cpp does: VNNI where the CPU has it, else AVX2
 vpmaddubsw on 4-bit values, with the same exact integer sums), one weight block unpacked once for up to
 8 rows, and computes every row independently of the others (bit-identical whatever the batch). Several

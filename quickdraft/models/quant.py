@@ -1,37 +1,9 @@
 """Weight-only quantized linear layers: int8 per output channel, int4 per group of input columns.
 
-Weights stay quantized in memory. Each layer has one backend, chosen when it is built:
-
-* ``"qmatmul"`` (CPU, default where it builds): quickdraft's own kernel (``qmatmul.py``/``qmatmul.c``; AVX2, VNNI where present):
-  activations quantized to int8 per group of 32, int8 dot products; 2-3x faster decode steps than torch's
-  kernels and a verify pass of 5 rows that costs far less than 5 steps.
-* ``"torch"`` (CPU without the kernel): torch's packed kernels ``aten._weight_int8pack_mm`` and
-  ``aten._weight_int4pack_mm_for_cpu``.
-* ``"reference"`` (other devices): dequantize, then matmul; only meant to be correct.
-
-Every backend computes each output row independently of the other rows of the call.
-
-Facts about torch's kernels (checked on torch 2.13 CPU, see tests/test_quant.py):
-
-* Both kernels need the scales in the activation dtype; float32, bfloat16 and float16
-  activations are accepted. With float32 activations both kernels are 15-40x slower
-  than with bfloat16 (no vectorized float32 path), so float32 inputs are rounded to
-  bfloat16 for the matmul and the result is returned as float32.
-* int4: ``w[n, k] = (q[n, k] - 8) * scale[k // G, n] + zero[k // G, n]`` with ``q`` in
-  0..15 and ``scales_and_zeros`` of shape ``[K // G, N, 2]`` (``[..., 0]`` scale,
-  ``[..., 1]`` zero). The packed layout made by ``_convert_weight_to_int4pack_for_cpu``
-  depends on the CPU ISA torch dispatches to (AVX512 vs AVX2 vs default), so packed
-  weights are only valid on the machine type that packed them.
-* int8: ``w[n, k] = q[n, k] * scale[n]`` with ``q`` int8.
-* ``_convert_weight_to_int4pack_for_cpu`` needs N % 16 == 0: other row counts are padded.
-* ``_weight_int8pack_mm`` segfaults when its activation or weight is not 64-byte aligned (a weight
-  memory-mapped from safetensors, a sliced activation); such operands are copied (``_aligned``).
-  The int4 kernel takes unaligned operands.
-* Both kernels compute every output row independently of the other rows: a row's result is bit-identical
-  whether the batch has 1 or 200 rows (dense bfloat16 ``F.linear`` differs between 1 row and several).
-* Speed (one 8960x1536 projection, 1 thread, busy 2-core AVX512 machine, ms for 1 / 5 / 128 rows):
-  bfloat16 dense 4.1 / 3.1 / 21, int8 2.6 / 5.2 / 113, int4 0.9 / 2.3 / 53. int4 wins for decode
-  and short verify steps, dense bfloat16 for long prefills.
+Weights stay quantized in memory, in the layout of the backend each layer runs on (``quant_backends.py``:
+quickdraft's ``qmatmul`` kernel, torch's packed CPU kernels, or dequantize-then-matmul elsewhere); the number
+formats themselves are in ``quant_formats.py``. Every backend computes each output row independently of the
+other rows of the call.
 """
 from __future__ import annotations
 
@@ -40,125 +12,28 @@ from torch import nn
 import torch.nn.functional as F
 
 from quickdraft.models import qmatmul
-
-INT4_GROUP_SIZES = (32, 64, 128)
-# Scales/zeros are kept in this dtype: the CPU kernels run fast with bfloat16 activations only.
-SCALE_DTYPE = torch.bfloat16
-_ALIGN = 64
-_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
-_BF16_ROUND_UP = 1.0 + 2.0 ** -7  # v * this, rounded to nearest bfloat16, is >= v
-
-
-def cpu_capability() -> str:
-    """The ISA torch's CPU kernels dispatch to (e.g. 'AVX512', 'AVX2', 'DEFAULT'): packed int4 layouts depend on it."""
-    try:
-        return str(torch.backends.cpu.get_cpu_capability())
-    except Exception:  # pragma: no cover - very old torch
-        return "unknown"
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous and 64-byte aligned. ``_weight_int8pack_mm`` crashes (SIGSEGV, torch 2.13, AVX512) when its
-    activation or weight is not 64-byte aligned, e.g. a weight memory-mapped from a safetensors file or a
-    sliced activation; torch's CPU allocator aligns new tensors to 64 bytes, so a copy fixes it."""
-    t = t.contiguous()
-    return t if t.data_ptr() % _ALIGN == 0 else t.clone()
-
-
-def _kernel_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float16 if x.dtype == torch.float16 else torch.bfloat16
-
-
-# ---- quantizers (pure functions, float32 in) ---------------------------------------------------------------
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: ``(q int8 [N, K], scale bfloat16 [N])`` with ``w ~= q * scale``.
-
-    The scale is rounded *up* to bfloat16, so ``|w / scale| <= 127`` and the error is at most
-    ``scale / 2`` per element (no clipping)."""
-    w = w.float()
-    amax = w.abs().amax(dim=1)
-    scale = (amax / 127.0 * _BF16_ROUND_UP).clamp(min=1e-30).to(SCALE_DTYPE)
-    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def quantize_int4(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric groupwise int4, round to nearest with each group's min/max:
-    ``(q uint8 [N, K] in 0..15, scale [N, K // G], zero [N, K // G])`` (both bfloat16)
-    with ``w ~= (q - 8) * scale + zero``.
-
-    ``q`` is computed against the bfloat16-rounded scale and zero, so the error per element is
-    at most ``scale / 2`` plus the bfloat16 rounding of ``zero`` (``<= |zero| * 2**-8``)."""
-    n, k = w.shape
-    if group_size not in INT4_GROUP_SIZES or k % group_size:
-        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES} and divide in_features={k}, "
-                         f"got {group_size}")
-    g = w.float().reshape(n, k // group_size, group_size)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scale = ((hi - lo) / 15.0 * _BF16_ROUND_UP).to(SCALE_DTYPE)
-    tiny = scale.float() <= 0  # constant group: any positive scale works, q becomes 8
-    scale = torch.where(tiny, torch.ones_like(scale), scale)
-    zero = (lo + 8.0 * scale.float()).to(SCALE_DTYPE)
-    zero = torch.where(tiny, lo.to(SCALE_DTYPE), zero)
-    q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None] + 8.0).clamp_(0, 15)
-    return q.to(torch.uint8).reshape(n, k), scale, zero
-
-
-def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Float32 ``[N, K]`` from ``q`` (uint8 0..15) and per-group ``scale``/``zero`` ``[N, K // G]``."""
-    n, k = q.shape
-    g = q.float().reshape(n, k // group_size, group_size)
-    return ((g - 8.0) * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Portable int4 storage: ``[N, K]`` values 0..15 -> ``[N, K // 2]`` uint8, even column in the low nibble."""
-    q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
-    n, half = p.shape
-    out = torch.empty(n, half, 2, dtype=torch.uint8, device=p.device)
-    out[..., 0] = p & 0x0F
-    out[..., 1] = p >> 4
-    return out.reshape(n, 2 * half)
-
-
-def int4pack_for_cpu(q: torch.Tensor) -> torch.Tensor:
-    """Pack ``[N, K]`` 0..15 values into the CPU kernel's (ISA-dependent) ``[N, K // 2]`` uint8 layout."""
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-
-
-# ---- modules -----------------------------------------------------------------------------------------------
-
-BACKENDS = ("qmatmul", "torch", "reference")
-
-
-def default_backend(device: torch.device | str) -> str:
-    """``qmatmul`` on CPU where the kernel builds, else torch's kernels on CPU, else the reference path."""
-    if torch.device(device).type != "cpu":
-        return "reference"
-    return "qmatmul" if qmatmul.available() else "torch"
-
-
-def _resolve_backend(kernel: bool | str | None, device: torch.device) -> str:
-    """``kernel``: None or True = the device's default kernel, False = ``reference``, or a name of ``BACKENDS``."""
-    if kernel is None or kernel is True:
-        return default_backend(device)
-    backend = "reference" if kernel is False else kernel
-    if backend not in BACKENDS:
-        raise ValueError(f"quantized layer backend must be one of {BACKENDS}, got {kernel!r}")
-    if backend != "reference" and device.type != "cpu":
-        raise ValueError(f"the {backend} backend needs CPU tensors")
-    if backend == "qmatmul" and not qmatmul.available():
-        raise ValueError(f"the qmatmul kernel is unavailable here: {qmatmul.unavailable_reason()}")
-    return backend
+from quickdraft.models.quant_backends import (
+    aligned,
+    check_kernel_tensors,
+    int4pack_for_cpu,
+    kernel_dtype,
+    padded_rows,
+    resolve_backend,
+)
+from quickdraft.models.quant_formats import (
+    INT4_GROUP_SIZES,
+    SCALE_DTYPE,
+    dequantize_int4,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8,
+    unpack_nibbles,
+)
 
 
 class _QuantLinearBase(nn.Module):
+    """What Int8Linear and Int4Linear share: the bias (added after the matmul), the qmatmul call, the output."""
+
     in_features: int
     out_features: int
     backend: str
@@ -203,14 +78,14 @@ class Int8Linear(_QuantLinearBase):
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *,
                  kernel: bool | str | None = None) -> None:
-        """``kernel``: see ``_resolve_backend`` (default: the device's fastest kernel)."""
+        """``kernel``: see ``resolve_backend`` (default: the device's fastest kernel)."""
         super().__init__()
         if qweight.dtype != torch.int8 or qweight.dim() != 2:
             raise ValueError(f"Int8Linear needs an int8 [out, in] weight, got {qweight.dtype} {tuple(qweight.shape)}")
         self.out_features, self.in_features = qweight.shape
         if scales.shape != (self.out_features,):
             raise ValueError(f"Int8Linear scales must have shape ({self.out_features},), got {tuple(scales.shape)}")
-        self.backend = _resolve_backend(kernel, qweight.device)
+        self.backend = resolve_backend(kernel, qweight.device)
         if self.backend == "qmatmul" and self.in_features % qmatmul.GROUP:
             self.backend = "torch"  # the kernel works on groups of 32 input columns
         if self.backend == "qmatmul":
@@ -220,8 +95,8 @@ class Int8Linear(_QuantLinearBase):
             self.register_buffer("kweight", kw)
             self.register_buffer("kscales", ks)
         else:
-            self.register_buffer("qweight", _aligned(qweight))
-            self.register_buffer("scales", _aligned(scales.to(SCALE_DTYPE)))
+            self.register_buffer("qweight", aligned(qweight))
+            self.register_buffer("scales", aligned(scales.to(SCALE_DTYPE)))
         self._init_bias(bias)
         self._scales_f16: torch.Tensor | None = None
 
@@ -232,7 +107,7 @@ class Int8Linear(_QuantLinearBase):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.out_features, self.in_features, self.backend = kweight.shape[0], int(in_features), "qmatmul"
-        _check_kernel_tensors(kweight, kscales, 8, in_features)
+        check_kernel_tensors(kweight, kscales, 8, in_features)
         self.register_buffer("kweight", kweight)
         self.register_buffer("kscales", kscales)
         self._init_bias(bias)
@@ -271,30 +146,17 @@ class Int8Linear(_QuantLinearBase):
         if self.backend == "qmatmul":
             return self._qmatmul(x2).reshape(*lead, self.out_features)
         if self.backend == "torch":
-            kd = _kernel_dtype(x2)
+            kd = kernel_dtype(x2)
             scales = self.scales
             if kd == torch.float16:
                 if self._scales_f16 is None:
                     self._scales_f16 = self.scales.to(torch.float16)
                 scales = self._scales_f16
-            y = torch.ops.aten._weight_int8pack_mm(_aligned(x2.to(kd)), self.qweight, scales)
+            y = torch.ops.aten._weight_int8pack_mm(aligned(x2.to(kd)), self.qweight, scales)
         else:
             w = self.qweight.to(x2.dtype) * self.scales.to(x2.dtype)[:, None]
             y = F.linear(x2, w)
         return self._finish(y, x, lead)
-
-
-def _check_kernel_tensors(kweight: torch.Tensor, kscales: torch.Tensor, bits: int, in_features: int) -> None:
-    kpad = qmatmul.padded_width(in_features)
-    n = kweight.shape[0]
-    if kweight.dtype != torch.uint8 or tuple(kweight.shape) != (n, kpad * bits // 8):
-        raise ValueError(f"qmatmul weight must be uint8 [{n}, {kpad * bits // 8}], "
-                         f"got {kweight.dtype} {tuple(kweight.shape)}")
-    if kscales.dtype != torch.bfloat16 or tuple(kscales.shape) != (n, kpad // qmatmul.BLOCK, 16):
-        raise ValueError(f"qmatmul scales must be bfloat16 [{n}, {kpad // qmatmul.BLOCK}, 16], "
-                         f"got {kscales.dtype} {tuple(kscales.shape)}")
-    if kweight.device.type != "cpu" or not qmatmul.available():
-        raise ValueError("qmatmul weights need CPU tensors and the qmatmul kernel")
 
 
 class Int4Linear(_QuantLinearBase):
@@ -310,7 +172,7 @@ class Int4Linear(_QuantLinearBase):
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 32,
                  bias: torch.Tensor | None = None, *, kernel: bool | str | None = None) -> None:
         """``q``: ``[N, K]`` values 0..15 (any integer dtype); ``scales``/``zeros``: ``[N, K // G]`` (rounded to
-        bfloat16); ``kernel``: see ``_resolve_backend`` (default: the device's fastest kernel)."""
+        bfloat16); ``kernel``: see ``resolve_backend`` (default: the device's fastest kernel)."""
         super().__init__()
         n, k = q.shape
         self._init_shape(n, k, group_size)
@@ -318,7 +180,7 @@ class Int4Linear(_QuantLinearBase):
             raise ValueError(f"Int4Linear scales/zeros must have shape ({n}, {k // group_size}), "
                              f"got {tuple(scales.shape)} / {tuple(zeros.shape)}")
         device = q.device
-        self.backend = _resolve_backend(kernel, device)
+        self.backend = resolve_backend(kernel, device)
         if self.backend == "qmatmul":
             r = group_size // qmatmul.GROUP
             kw, ks = qmatmul.pack(q, scales.to(SCALE_DTYPE).repeat_interleave(r, 1),
@@ -332,7 +194,7 @@ class Int4Linear(_QuantLinearBase):
         sz = torch.stack((scales.to(SCALE_DTYPE), zeros.to(SCALE_DTYPE)), dim=-1).transpose(0, 1)  # [K // G, N, 2]
         if self.backend == "torch":
             # the CPU kernel needs N % 16 == 0: pad rows (q = 8, scale 0, zero 0: output 0) and slice the output
-            self.padded_out = -(-n // _N_MULTIPLE) * _N_MULTIPLE
+            self.padded_out = padded_rows(n)
             pad = self.padded_out - n
             self.register_buffer("packed", int4pack_for_cpu(F.pad(q.to(torch.int32), (0, 0, 0, pad), value=8)))
             self.register_buffer("scales_and_zeros", F.pad(sz, (0, 0, 0, pad)).contiguous().to(device))
@@ -361,7 +223,7 @@ class Int4Linear(_QuantLinearBase):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._init_shape(out_features, in_features, group_size)
-        self.padded_out = -(-self.out_features // _N_MULTIPLE) * _N_MULTIPLE
+        self.padded_out = padded_rows(self.out_features)
         groups = self.in_features // group_size
         if packed.dtype != torch.uint8 or tuple(packed.shape) != (self.padded_out, self.in_features // 2):
             raise ValueError(f"packed int4 weight must be uint8 [{self.padded_out}, {self.in_features // 2}], "
@@ -386,7 +248,7 @@ class Int4Linear(_QuantLinearBase):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._init_shape(kweight.shape[0], in_features, qmatmul.GROUP)
-        _check_kernel_tensors(kweight, kscales, 4, in_features)
+        check_kernel_tensors(kweight, kscales, 4, in_features)
         self.backend = "qmatmul"
         self.packed = self.qweight = None
         self.register_buffer("kweight", kweight)
@@ -447,13 +309,13 @@ class Int4Linear(_QuantLinearBase):
         if self.backend == "qmatmul":
             return self._qmatmul(x2).reshape(*lead, self.out_features)
         if self.backend == "torch":
-            kd = _kernel_dtype(x2)
+            kd = kernel_dtype(x2)
             sz = self.scales_and_zeros
             if kd == torch.float16:
                 if self._sz_f16 is None:
                     self._sz_f16 = sz.to(torch.float16)
                 sz = self._sz_f16
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(_aligned(x2.to(kd)), self.packed, self.group_size, sz)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(aligned(x2.to(kd)), self.packed, self.group_size, sz)
             if self.padded_out != self.out_features:
                 y = y[:, :self.out_features]
         else:

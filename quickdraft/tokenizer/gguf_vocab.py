@@ -248,7 +248,8 @@ def build_from_gguf_metadata(metadata: dict[str, Any]) -> GGUFVocab:
     return _build_byte_level_bpe(metadata)
 
 
-def _build_byte_level_bpe(metadata: dict[str, Any]) -> GGUFVocab:
+def _read_tokens(metadata: dict[str, Any]) -> tuple[list[str], list[int]]:
+    """The token strings and their llama.cpp types (all normal when the file has none), checked."""
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise ModelLoadError("GGUF field tokenizer.ggml.tokens must be a non-empty list of strings")
@@ -261,8 +262,11 @@ def _build_byte_level_bpe(metadata: dict[str, Any]) -> GGUFVocab:
             f"GGUF field tokenizer.ggml.token_type has {len(token_types) if isinstance(token_types, list) else '?'} "
             f"entries but tokenizer.ggml.tokens has {n}"
         )
-    token_types = [int(t) for t in token_types]
+    return tokens, [int(t) for t in token_types]
 
+
+def _read_merges(metadata: dict[str, Any]) -> list[tuple[str, str]]:
+    """The BPE merges, each stored as two tokens separated by a space."""
     merges_field = metadata.get("tokenizer.ggml.merges")
     if not isinstance(merges_field, list):
         raise ModelLoadError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges list")
@@ -272,7 +276,11 @@ def _build_byte_level_bpe(metadata: dict[str, Any]) -> GGUFVocab:
         if len(parts) != 2:
             raise ModelLoadError(f"GGUF tokenizer.ggml.merges[{i}] = {merge!r} is not two tokens separated by a space")
         merges.append((parts[0], parts[1]))
+    return merges
 
+
+def _pre_tokenizer_spec(metadata: dict[str, Any]) -> tuple[str, PreTokenizerSpec]:
+    """The file's pre-tokenizer name and how it cuts text; unknown names are refused, not guessed."""
     pre_name = _get(metadata, "tokenizer.ggml.pre", "default")
     spec = PRE_TOKENIZERS.get(pre_name)
     if spec is None:
@@ -280,59 +288,74 @@ def _build_byte_level_bpe(metadata: dict[str, Any]) -> GGUFVocab:
             f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre_name!r}; "
             f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
         )
+    return pre_name, spec
 
-    # Vocabulary. Byte-level tokens are spelled in GPT-2's byte alphabet; a token using any other
-    # character (rare: some added tokens are stored as plain text) is re-spelled from its UTF-8
-    # bytes so that the BPE model and the ByteLevel decoder agree on it. Duplicate spellings keep
-    # their first id.
-    alphabet = set(bytes_to_unicode().values())
+
+def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
+    """Token spelling -> id, every spelling in GPT-2's byte alphabet.
+
+    A token using any other character (rare: some added tokens are stored as plain text) is re-spelled from its
+    UTF-8 bytes so that the BPE model and the ByteLevel decoder agree on it. Duplicate spellings keep their
+    first id."""
     byte_map = bytes_to_unicode()
+    alphabet = set(byte_map.values())
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         if not token:  # llama.cpp renames empty entries "[EMPTY_i]"; here they simply decode to ""
             continue
         spelled = token if set(token) <= alphabet else "".join(byte_map[b] for b in token.encode("utf-8"))
         vocab.setdefault(spelled, index)
+    return vocab
 
-    backend = BackendTokenizer(
-        BPE(
-            vocab=vocab,
-            merges=merges,
-            dropout=None,
-            unk_token=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=spec.ignore_merges,
-        )
-    )
+
+def _bpe_backend(vocab: dict[str, int], merges: list[tuple[str, str]], spec: PreTokenizerSpec) -> BackendTokenizer:
+    """The byte-level BPE tokenizer itself, before added tokens and the post-processor."""
+    bpe = BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, continuing_subword_prefix="",
+              end_of_word_suffix="", fuse_unk=False, byte_fallback=False, ignore_merges=spec.ignore_merges)
+    backend = BackendTokenizer(bpe)
     backend.normalizer = None
     backend.pre_tokenizer = _pre_tokenizer(spec)
     backend.decoder = decoders.ByteLevel()
+    return backend
 
-    # CONTROL tokens (<|im_start|>, <|endoftext|>, ...) become special added tokens and
-    # USER_DEFINED ones (<tool_call>, <think>, ...) non-special added tokens: both are matched
-    # whole in the text, like llama.cpp's tokenizer_st_partition and HF's added tokens. A token
-    # marked CONTROL that is not spelled in the byte alphabet is a converter mislabel and is
-    # left alone (as transformers does).
+
+def _register_added_tokens(backend: BackendTokenizer, tokens: list[str], token_types: list[int],
+                        vocab: dict[str, int]) -> set[int]:
+    """Register CONTROL and USER_DEFINED tokens as added tokens; returns the ids made special.
+
+    CONTROL tokens (<|im_start|>, <|endoftext|>, ...) become special added tokens and USER_DEFINED ones
+    (<tool_call>, <think>, ...) non-special added tokens: both are matched whole in the text, like llama.cpp's
+    tokenizer_st_partition and HF's added tokens. A token marked CONTROL that is not spelled in the byte alphabet
+    is a converter mislabel and is left alone (as transformers does). Added tokens already in the vocabulary keep
+    the id the file gives them."""
+    alphabet = set(bytes_to_unicode().values())
+    whole = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
     control: list[AddedToken] = []
     user_defined: list[AddedToken] = []
     special_ids: set[int] = set()
     for index, (token, ttype) in enumerate(zip(tokens, token_types)):
         if ttype == TOKEN_CONTROL and token and set(token) <= alphabet:
-            control.append(AddedToken(token, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True))
+            control.append(AddedToken(token, **whole, special=True))
             special_ids.add(index)
         elif ttype == TOKEN_USER_DEFINED and token and token in vocab:
-            user_defined.append(
-                AddedToken(token, single_word=False, lstrip=False, rstrip=False, normalized=False, special=False)
-            )
-    # (added tokens already in the vocabulary keep the id the file gives them)
+            user_defined.append(AddedToken(token, **whole, special=False))
     if control:
         backend.add_special_tokens(control)
     if user_defined:
         backend.add_tokens(user_defined)
+    return special_ids
 
+
+def _build_byte_level_bpe(metadata: dict[str, Any]) -> GGUFVocab:
+    """The tokenizer of a byte-level BPE (``gpt2``) vocabulary, with the BOS/EOS handling the file asks for."""
+    tokens, token_types = _read_tokens(metadata)
+    merges = _read_merges(metadata)
+    pre_name, spec = _pre_tokenizer_spec(metadata)
+    vocab = _byte_level_vocab(tokens)
+    backend = _bpe_backend(vocab, merges, spec)
+    special_ids = _register_added_tokens(backend, tokens, token_types, vocab)
+
+    n = len(tokens)
     bos = _token_id(metadata, "tokenizer.ggml.bos_token_id", n)
     eos = _token_id(metadata, "tokenizer.ggml.eos_token_id", n)
     unk = _token_id(metadata, "tokenizer.ggml.unknown_token_id", n)
