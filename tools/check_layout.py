@@ -1,4 +1,5 @@
-"""Checks the package's layering: no import circle, no module over 400 lines, no function over 100 lines.
+"""Checks the package's layering: imports go downward only, no import circle, no module over 400 lines, no
+function over 100 lines.
 
 Run by the test suite (tests/test_layout.py) and by hand: ``python tools/check_layout.py`` prints each problem and
 exits 1 if there is one. Every import counts, also one inside a function (a lazy import still ties the modules
@@ -13,6 +14,38 @@ from pathlib import Path
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 100
 PACKAGE = "quickdraft"
+# the layers, lowest first: a module may import its own layer and the ones before it (docs/ARCHITECTURE.md)
+LAYERS = (
+    ("config", "errors", "paths"),
+    ("models",),
+    ("tokenizer", "sampling"),
+    ("loading",),
+    ("kv",),
+    ("speculative",),
+    ("engine",),
+    ("snapshot_checks", "snapshot", "session"),
+    ("llm",),
+    ("serving",),
+    ("cli",),
+)
+RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
+
+
+def layer_problems(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a higher layer (the package's own __init__, its front door, may import anything)."""
+    found = []
+    for name, targets in sorted(graph.items()):
+        part = name.split(".")[1] if "." in name else None
+        if part is None:
+            continue
+        if part not in RANK:
+            found.append(f"{name}: its layer is not in LAYERS (tools/check_layout.py)")
+            continue
+        for target in sorted(targets):
+            other = target.split(".")[1] if "." in target else None
+            if other is not None and RANK.get(other, -1) > RANK[part]:
+                found.append(f"{name} imports {target}, a layer above it")
+    return found
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -111,7 +144,7 @@ def problems(root: Path) -> list[str]:
         graph[name] = {t for t in graph[name] if not (name + ".").startswith(t + ".")}
     for cycle in find_cycles(graph):
         found.append("import circle: " + " <-> ".join(cycle))
-    return found
+    return found + layer_problems(graph)
 
 
 def main() -> int:
@@ -119,8 +152,8 @@ def main() -> int:
     found = problems(root)
     for line in found:
         print(line)
-    print(f"{len(found)} layout problem(s)" if found else "layout ok: no import circle, no module over "
-          f"{MAX_MODULE_LINES} lines, no function over {MAX_FUNCTION_LINES} lines")
+    print(f"{len(found)} layout problem(s)" if found else "layout ok: imports go downward, no import circle, no "
+          f"module over {MAX_MODULE_LINES} lines, no function over {MAX_FUNCTION_LINES} lines")
     return 1 if found else 0
 
 

@@ -28,9 +28,8 @@ class ModelRunner:
 
         ``long_model``: the same network with other weights (a draft's float weights beside its int4 ones) that
         runs every item of at least ``long_tokens`` new tokens (a long prompt): quickdraft's int4 kernel beats
-        the bfloat16 one up to about 128 rows and loses beyond (Qwen2.5-Coder-0.5B on a 2-core Zen 3, one
-        forward: 16 tokens 105 vs 222 ms, 64: 371 vs 505, 128: 838 vs 843, 256: 1702 vs 1479), so catch-ups
-        after a stretch without drafting stay on the int4 weights. The choice is per item, by its own length,
+        the bfloat16 one up to about 128 rows and loses beyond (docs/MEASUREMENTS.md), so catch-ups after a
+        stretch without drafting stay on the int4 weights. The choice is per item, by its own length,
         so it never depends on what else is in the batch."""
         self.name = name
         self.model = model

@@ -68,8 +68,8 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def single_thread() -> Iterator[None]:
-    """Run torch ops on one thread: dequantizing and quantizing are many small memory-bound ops,
-    and on a busy machine intra-op thread sync made them 10-30x slower than one thread."""
+    """Run torch ops on one thread: dequantizing and quantizing are many small memory-bound ops, and on a busy
+    machine intra-op thread sync made them many times slower than one thread (docs/MEASUREMENTS.md)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -3,7 +3,7 @@
 Decode steps, verify passes and draft steps are such batches (prompt chunks attend in pieces through torch and
 take the module path). The call runs the kernels the modules call, in the same order and with the same
 roundings, so both paths give bit-identical hidden states (``tests/test_fused.py``); it only saves the Python
-and torch dispatch around them, about 5 ms of a 32 ms int4 decode step of Qwen2.5-Coder-1.5B on a 2-core Zen 5.
+and torch dispatch around them, a sizeable share of a quantized decode step (docs/MEASUREMENTS.md).
 
 A layer is fused where all of its linear layers run on quickdraft's kernels (int4/int8 on ``qmatmul``, or
 bfloat16 ``PackedLinear`` on the native kernel), with q/k/v and gate/up as one projection each, and its head layout

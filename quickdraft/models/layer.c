@@ -1,8 +1,8 @@
 /* One whole decoder layer in one call, for a batch in which every new token attends alone: decode steps,
  * verify passes and draft steps, where each token reads its own context from the paged cache.
  *
- * Why: a decode step of a 1.5B model spends ~5 ms (15%) of its ~32 ms in Python and torch dispatch around the
- * kernels (28 layers x ~20 small torch ops and 7 kernel calls). This runs the same kernels (qd_rmsnorm,
+ * Why: a quantized decode step spends a sizeable share of its time in Python and torch dispatch around the
+ * kernels (per layer ~20 small torch ops and 7 kernel calls; figures in docs/MEASUREMENTS.md). This runs the same kernels (qd_rmsnorm,
  * qd_linear or qd_linear_bf16, qd_rope, qd_attend, qd_swiglu) in the same order on the same buffers, rounding to
  * the activation dtype where the module path does, so a token's hidden state is bit-identical whichever path
  * computed it (models/fused.py chooses; the module path still runs prompt chunks and everything off CPU).

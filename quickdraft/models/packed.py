@@ -3,17 +3,16 @@ bfloat16).
 
 * bfloat16 where quickdraft's kernels build (``native.linear_bf16``, in ``cpu_ops.c``; any AVX2 CPU): the weight
   is kept as is and streamed once per tile of up to 6 rows, with float32 sums in a fixed order per output element
-  (of AVX512-BF16 pair products where the CPU has them, else of exact float32 products by AVX2 fma). On a 2-core
-  Zen 4 Qwen2.5-Coder-1.5B decodes at 18.5 tok/s, 76% of the measured bandwidth limit, against 6.0 tok/s (36%)
-  with oneDNN; verifying 5 tokens costs ~1.2x a one-token step. On a 2-core Zen 3 (AVX2 only, where oneDNN has
-  no bfloat16 at all) a 1-row call of the 151936x1536 LM head streams 18 GB/s of the 24 GB/s measured. oneDNN is
-  ~1.5x faster for long prompt chunks (it is a tuned GEMM), but one kernel for every
-  row keeps a token's result independent of what else is in the call.
+  (of AVX512-BF16 pair products where the CPU has them, else of exact float32 products by AVX2 fma). Decode then
+  runs near the memory-bandwidth limit, where oneDNN reaches well under half of it and has no bfloat16 at all on
+  AVX2 CPUs, and verifying a few tokens costs little more than one step (figures: docs/MEASUREMENTS.md). oneDNN
+  is faster for long prompt chunks (it is a tuned GEMM), but one kernel for every row keeps a token's result
+  independent of what else is in the call.
 * Otherwise oneDNN (facts checked on torch 2.13, 2-core AVX512-BF16 EPYC, see tests/test_packed.py):
   ``mkldnn._linear_pointwise`` computes each output row independently of the other rows of the call as long
   as the call has at least 2 rows; a 1-row call takes another path that rounds differently, and so does
-  ``F.linear`` between 1 and several rows. Calls are therefore padded to ``MIN_ROWS`` rows (also faster:
-  the packed kernel streamed 17-20 GB/s with 1-4 rows and 24-26 GB/s with 5 or 6).
+  ``F.linear`` between 1 and several rows. Calls are therefore padded to ``MIN_ROWS`` rows (which the packed
+  kernel also streams faster than 1-4 rows).
 
 Either way a token's logits are bit-identical whether it is decoded alone, verified among k drafts or batched
 beside other sequences (as with the int4/int8 kernels in ``quant.py``).

@@ -40,21 +40,18 @@ static const int CHUNK_AT[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* stored position of c
 #define BLOCK 256
 #define GROUP 32
 #define ROWS_PER_TASK 8 /* output rows one thread takes at a time */
-/* How far ahead the AVX512 tiles ask for their weights: +8-10% read bandwidth for one-row calls on the 2-core Zen 4
- * (4096 measured best of 0 / 1024 / 2048 / 4096 / 8192, interleaved runs); asked in calls of every row count, not only
- * of 1-2 rows, 16-row calls of a whole int4 step took 96 instead of 119 ms on a Zen 5. */
+/* How far ahead the AVX512 tiles ask for their weights, in calls of every row count: the best of the distances
+ * measured (docs/MEASUREMENTS.md). */
 #define PREFETCH_BYTES 4096
 /* A tile of rows streams each weight row whole, with prefetch, when it has at most STREAM_ROWS rows or its quantized
  * x rows take at most STREAM_X_BYTES (they stay in L1 while every output column reads them); others go through K
- * chunks of x (see qd_linear). Measured on a 2-core Zen 5 with the calls of an int4 Qwen2.5-Coder-1.5B step (int8
- * lm_head), best of 3 interleaved runs, ms for 1 / 3 / 5 / 8 rows: streaming only 1-2 rows 19.5 / 39.7 / 54.7 / 73.8,
- * these limits 19.1 / 28.8 / 41.1 / 57.4 (int8 weights at 8 rows: 98.7 -> 61.1); a 256-row prompt chunk 1471 ->
- * 1412 (run-to-run noise ~5%). */
+ * chunks of x (see qd_linear). The limits were chosen by timing the calls of a quantized decode step at several row
+ * counts (docs/MEASUREMENTS.md). */
 #ifdef WIDE
 #define STREAM_ROWS 4
 #define STREAM_X_BYTES 32768
 #else
-#define STREAM_ROWS 2 /* as tuned on a Zen 3 (AVX2), where this was not re-measured */
+#define STREAM_ROWS 2 /* as tuned on AVX2 (docs/MEASUREMENTS.md) */
 #define STREAM_X_BYTES 0
 #endif
 #define K_CHUNK 8 /* blocks (of 256 columns) per pass over a task's output columns, when x has several rows */
@@ -293,7 +290,7 @@ int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, con
                         const uint16_t *szrow = scales_zeros[part] + (size_t)n * nblk * 16;
                         tile_sums *st = &sums[part - p][n - n0];
 /* bits as a constant: with it known, each tile keeps its weight chunks and sums in registers (a run-time bits
- * spilled them to the stack): +32% read speed for one row, +38% for four (Zen 3, weights streamed from memory) */
+ * spilled them to the stack and read markedly slower) */
 #define TILE_CASE(T) case T: if (bits[part] == 4) tile(T, 4, wrow, szrow, b0, b1, xq, xs, xsum, Kpad, m0, st); \
                                     else tile(T, 8, wrow, szrow, b0, b1, xq, xs, xsum, Kpad, m0, st); break;
                         switch (rows) {

@@ -56,8 +56,8 @@ class SpeculationController:
     # percent over minutes, so a plan that expects to gain 2% loses as often as it wins (int4 weights on CPU)
     min_gain: float = 1.05
     # a catch-up is paid only if drafting is expected to save this many times its price: before its first rounds a
-    # sequence's acceptance is the pool's (other requests, other tasks). On a Zen 5 with int4 weights, two ~700-token
-    # Spec-Bench prompt catch-ups paid at a pooled 0.9 met 0.40 and 0.54 and ran 0.84x and 0.86x of plain
+    # sequence's acceptance is the pool's (other requests, other tasks), which a given prompt may fall far short of
+    # (docs/MEASUREMENTS.md)
     catch_up_margin: float = 2.0
     draft_is_free: bool = False  # n-gram lookup: no draft model to pay for
     seeded_cost: CostModel | None = None  # deterministic plan for seeded requests (see CostModel.from_weight_bytes)

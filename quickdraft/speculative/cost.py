@@ -34,7 +34,8 @@ class CostTable:
         if i == len(sizes):
             # beyond the largest measurement: in proportion to size, at the median seconds per unit of the sizes of
             # at least half the largest. The slope of the last two points would let one slow measurement (a first
-            # catch-up paying page faults) price a 700-token prompt catch-up at 30 s instead of 1.4 s
+            # catch-up paying page faults) price a long prompt's catch-up at many times its cost
+            # (tests/test_controller.py has the case)
             return size * statistics.median(self.points[s] / s for s in sizes if 2 * s >= sizes[-1])
         lo, hi = sizes[i - 1], sizes[i]
         y_lo, y_hi = self.points.get(lo, 0.0), self.points[hi]
