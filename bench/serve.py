@@ -31,8 +31,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +38,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_process import ServerProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "bench-data" / "spec_bench.public.jsonl"
@@ -72,59 +73,13 @@ def machine_info() -> dict:
         return {"python": platform.python_version(), "platform": platform.platform(), "cores": os.cpu_count()}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, args: argparse.Namespace, spec_args: list[str], log_path: Path) -> None:
-        self.port = args.port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "quickdraft.cli", "serve", args.model, "--port", str(self.port),
-               "--dtype", args.dtype, "--device", args.device, "--served-model-name", SERVED_NAME,
-               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-               "--kv-cache-memory", args.kv_cache_memory,
-               "--log-level", "warning", *spec_args]
-        if args.max_model_len:
-            cmd += ["--max-model-len", str(args.max_model_len)]
-        self.cmd = cmd
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready after {timeout:.0f}s:\n{self.log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
-
-    def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+def start_server(args: argparse.Namespace, spec_args: list[str], log_path: Path) -> ServerProcess:
+    serve_args = [args.model, "--dtype", args.dtype, "--device", args.device, "--served-model-name", SERVED_NAME,
+                  "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                  "--kv-cache-memory", args.kv_cache_memory, "--log-level", "warning", *spec_args]
+    if args.max_model_len:
+        serve_args += ["--max-model-len", str(args.max_model_len)]
+    return ServerProcess(serve_args, log_path, args.port)
 
 
 async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
@@ -303,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     texts: dict[str, dict[int, list[str]]] = {mode: {} for mode in modes}
     logs = Path(tempfile.mkdtemp(prefix="quickdraft-bench-"))
-    servers = {mode: Server(args, spec_args if mode == "spec" else [], logs / f"{mode}.log") for mode in modes}
+    servers = {mode: start_server(args, spec_args if mode == "spec" else [], logs / f"{mode}.log") for mode in modes}
     try:
         for mode, server in servers.items():
             print(f"[{mode}] {' '.join(server.cmd[2:])}", file=sys.stderr)
@@ -313,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(run_level(server.url, warmup, 2, min(16, args.max_tokens)))
         for c in levels:  # both servers stay up; each level runs on one, then the other, so drift hits both
             for mode, server in servers.items():
-                httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
+                server.reset_prefix_cache()
                 before = server.metrics()
                 results, wall = asyncio.run(run_level(server.url, sample, c, args.max_tokens))
                 summary = summarize(results, wall, before, server.metrics())

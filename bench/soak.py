@@ -35,7 +35,6 @@ import asyncio
 import json
 import random
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +46,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table  # noqa: E402
-from serve import DATA, free_port, load_sample, machine_info, pct  # noqa: E402
+from serve import DATA, load_sample, machine_info, pct  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED_NAME = "soak"
@@ -155,74 +155,14 @@ def make_plan(args: argparse.Namespace, kinds: list[str]) -> list[Item]:
 
 
 # ---- the server ----------------------------------------------------------------------------------------------
-class Server:
-    """`quickdraft serve` as a subprocess on a free port of 127.0.0.1, its output in a log file."""
-
-    def __init__(self, args: argparse.Namespace, log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "quickdraft.cli", "serve", args.model, "--host", "127.0.0.1",
-                    "--port", str(self.port), "--served-model-name", SERVED_NAME, "--log-level", "warning",
-                    "--kv-cache-memory", args.kv_cache_memory, *shlex.split(args.server_args)]
-        if args.speculative != "none":
-            self.cmd += ["--speculative", args.speculative]
-        if args.dtype:
-            self.cmd += ["--dtype", args.dtype]
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready after {timeout:.0f}s:\n{self.log_text()[-4000:]}")
-            time.sleep(0.5)
-
-    def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
-
-    def wait_idle(self, timeout: float) -> tuple[dict[str, float], float]:
-        """Metrics once nothing runs or waits and no KV block is held (or at the timeout), and the seconds waited:
-        aborts and finishes reach the engine thread asynchronously."""
-        t0 = time.monotonic()
-        while True:
-            m = self.metrics()
-            busy = sum(m.get(k, 0.0) for k in ("quickdraft_kv_blocks_used", "quickdraft_draft_kv_blocks_used",
-                                               "quickdraft_num_requests_running", "quickdraft_num_requests_waiting"))
-            if busy == 0 or time.monotonic() - t0 > timeout:
-                return m, time.monotonic() - t0
-            time.sleep(0.2)
-
-    def reset_prefix_cache(self) -> None:
-        httpx.post(f"{self.url}/reset_prefix_cache", timeout=60).raise_for_status()
-
-    def log_text(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+def start_server(args: argparse.Namespace, log_path: Path) -> ServerProcess:
+    serve_args = [args.model, "--served-model-name", SERVED_NAME, "--log-level", "warning",
+                  "--kv-cache-memory", args.kv_cache_memory, *shlex.split(args.server_args)]
+    if args.speculative != "none":
+        serve_args += ["--speculative", args.speculative]
+    if args.dtype:
+        serve_args += ["--dtype", args.dtype]
+    return ServerProcess(serve_args, log_path)
 
 
 # ---- clients -------------------------------------------------------------------------------------------------
@@ -406,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
 
     logs = Path(tempfile.mkdtemp(prefix="quickdraft-soak-"))
-    server = Server(args, logs / "server.log")
+    server = start_server(args, logs / "server.log")
     report: dict = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "server_cmd": " ".join(server.cmd[2:]), "machine": machine_info(),
                     "sample": {"file": args.data.name, "question_ids": [s["question_id"] for s in sample]}}
