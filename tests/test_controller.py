@@ -75,6 +75,9 @@ def test_seeded_probes_use_the_deterministic_cost():
     assert probes == [16, 32, 48]
 
 
+TINY_KV = "16MiB"  # plenty for tiny models; LLM's default pool is 1 GiB per model, zeroed when it is built
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_dir):
     return tiny_dir(arch="qwen2", vocab_size=64, layers=3), tiny_dir(arch="llama", vocab_size=64, seed=4)
@@ -82,7 +85,7 @@ def pair(tiny_dir):
 
 def test_new_requests_start_from_the_drafters_measured_acceptance(pair):
     target, poor_draft = pair
-    llm = LLM(str(target), dtype="float32", draft=str(poor_draft), num_speculative_tokens=3)
+    llm = LLM(str(target), dtype="float32", draft=str(poor_draft), num_speculative_tokens=3, kv_cache_memory=TINY_KV)
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     llm.generate([[1, 2, 3, 4, 5], [9, 8, 7, 6]], greedy)
     pooled = llm.engine.pooled.acceptance
@@ -134,7 +137,7 @@ def test_a_catch_up_must_be_repaid_twice_over():
 
 def test_calibration_measures_the_drafts_catch_up(pair):
     target, poor_draft = pair
-    llm = LLM(str(target), dtype="float32", draft=str(poor_draft))
+    llm = LLM(str(target), dtype="float32", draft=str(poor_draft), kv_cache_memory=TINY_KV)
     (tokens, seconds), = llm.engine.cost.draft_catch_up.points.items()
     assert tokens == 64 and seconds > 0
 

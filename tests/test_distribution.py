@@ -2,13 +2,20 @@
 
 On a tiny random model with a small vocabulary we enumerate the exact joint
 distribution of the first three generated tokens (after every sampling
-transform), sample 10,000 generations through the real engine with each
+transform), sample 4,000 generations through the real engine with each
 drafter, and run a chi-square test. A deliberately broken verifier must fail
 the same test, so the test is known to be able to fail.
 
-Why 10,000: with the classic bug (resample from p instead of the residual) the
-p-value at 10,000 samples was below 1e-41 in every CI case where a draft can be
-rejected (measured 2026-11-21; 1e-15 at 5,000), against the 0.001 threshold.
+Why 4,000: with the classic bug (resample from p instead of the residual) the
+p-value at 4,000 samples was at most 1.7e-12 in every CI case where a draft
+can be rejected, against the 0.001 threshold (measured 2026-11-25 with the
+seeds sample_engine uses): 1.7e-12 for the n-gram draft on int4 weights with
+penalties (an n-gram draft is a point mass: the least power), 1.8e-15 for
+n-gram on float32, below 1e-57 for every draft model and self-speculation.
+(10,000 samples, the size before, spent two minutes of the suite on a 2-core
+machine for margins beyond 1e-40.) The broken verifier test runs that weakest
+case and a draft model at SAMPLES, so a QUICKDRAFT_DIST_SAMPLES too small to
+catch the bug makes it fail.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from quickdraft.kv import ForwardItem, SequenceKV
 from quickdraft.sampling import LogitsProcessor
 
 VOCAB = 8
-SAMPLES = int(os.environ.get("QUICKDRAFT_DIST_SAMPLES", "10000"))
+SAMPLES = int(os.environ.get("QUICKDRAFT_DIST_SAMPLES", "4000"))
 PROMPT = [3, 5, 2, 3, 5, 2, 3, 5]  # repeats, so n-gram lookup proposes tokens
 TRANSFORMS = {
     "plain": {},
@@ -110,8 +117,9 @@ def make_llm(models, drafter: str, weights: str = "float32", **options) -> LLM:
               # the target as its own draft, proposing among the first 5 of 8 tokens only: q is 0 where p is not
               "draft-vocab": {"draft": str(target), "draft_weights": "float32", "draft_vocab": 5}}[drafter]
     options = {"num_speculative_tokens": 3, **options}
+    # 32 MiB holds 1024 sequences of these tiny models several times over (a pool is zeroed up front, per model)
     return LLM(str(target), weights=weights, max_num_seqs=1024, max_num_batched_tokens=16384,
-               kv_cache_memory="256MiB", **kwargs, **options)
+               kv_cache_memory="32MiB", **kwargs, **options)
 
 
 FULL = [(d, t, x) for d in ("ngram", "self", "draft-poor", "draft-same") for t in (0.7, 1.0, 1.5) for x in TRANSFORMS]
@@ -143,9 +151,13 @@ def broken_verify_residual_is_p(p, q, drafts, generator):
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
 
 
-def test_broken_verifier_fails_the_same_test(models, monkeypatch):
+# a draft model, and the CI case where the broken verifier is hardest to catch (an n-gram draft is a point mass)
+@pytest.mark.parametrize("drafter,temperature,transform,weights", [("draft-poor", 1.0, "plain", "float32"),
+                                                                   ("ngram", 0.7, "penalties", "int4")])
+def test_broken_verifier_fails_the_same_test(models, monkeypatch, drafter, temperature, transform, weights):
+    assert (drafter, temperature, transform, weights) in CASES  # the very case the test above runs
     monkeypatch.setattr(engine_module, "verify_sampled", broken_verify_residual_is_p)
-    llm = make_llm(models, "draft-poor")
-    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    llm = make_llm(models, drafter, weights)
+    params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True, **TRANSFORMS[transform])
     dist = exact_distribution(llm, params)
     assert chi_square_pvalue(sample_engine(llm, params, SAMPLES), dist) < 0.001

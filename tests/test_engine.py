@@ -17,6 +17,7 @@ def prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+TINY_KV = "16MiB"  # thousands of blocks for these tiny models; LLM's default pool is 1 GiB per model, zeroed when built
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def alone(llm: LLM, ps: list[list[int]], params) -> list[list[int]]:
 def test_batch_of_16_mixed_requests_equals_alone(target, tiny_dir, spec):
     kwargs = {} if spec is None else {"speculative": "ngram"} if spec == "ngram" else {
         "draft": str(tiny_dir(arch="llama", vocab_size=64, seed=4))}
-    llm = LLM(str(target), dtype="float32", **kwargs)
+    llm = LLM(str(target), dtype="float32", kv_cache_memory=TINY_KV, **kwargs)
     ps = prompts(64, 16)
     mixed = [GREEDY if i % 3 else SamplingParams(max_tokens=10 + i, temperature=0.8, seed=i) for i in range(16)]
     together = [o.token_ids for o in llm.generate(ps, mixed)]
@@ -46,7 +47,7 @@ def test_batch_of_16_mixed_requests_equals_alone(target, tiny_dir, spec):
 
 def test_reset_prefix_cache_recomputes_prompts_in_target_and_draft(target, tiny_dir):
     llm = LLM(str(target), dtype="float32", block_size=8, draft=str(tiny_dir(arch="llama", vocab_size=64, seed=4)),
-              num_speculative_tokens=2)
+              num_speculative_tokens=2, kv_cache_memory=TINY_KV)
     shared = prompts(64, 1, seed=6)[0] * 2
     first = llm.generate([shared], GREEDY)[0]
     draft_pool = llm.drafter.runner.allocator
@@ -61,26 +62,28 @@ def test_reset_prefix_cache_recomputes_prompts_in_target_and_draft(target, tiny_
 
 def test_chunked_prefill_equals_one_pass(target):
     long_prompt = prompts(64, 1, seed=3)[0] * 6
-    whole = LLM(str(target), dtype="float32", max_num_batched_tokens=4096).generate([long_prompt], GREEDY)[0]
-    chunked = LLM(str(target), dtype="float32", max_num_batched_tokens=16).generate([long_prompt], GREEDY)[0]
+    whole = LLM(str(target), dtype="float32", kv_cache_memory=TINY_KV, max_num_batched_tokens=4096).generate(
+        [long_prompt], GREEDY)[0]
+    chunked = LLM(str(target), dtype="float32", kv_cache_memory=TINY_KV, max_num_batched_tokens=16).generate(
+        [long_prompt], GREEDY)[0]
     assert chunked.token_ids == whole.token_ids
 
 
 def test_prefix_cache_reuses_blocks_and_keeps_output(target):
-    llm = LLM(str(target), dtype="float32", block_size=8)
+    llm = LLM(str(target), dtype="float32", block_size=8, kv_cache_memory=TINY_KV)
     shared = prompts(64, 1, seed=5)[0] * 2  # > 8 full blocks... of 8 tokens
     first = llm.generate([shared + [7]], GREEDY)[0]
     assert llm.engine.prefix_cache_hits == 0
     again = llm.generate([shared + [7]], GREEDY)[0]
     assert again.token_ids == first.token_ids
     assert llm.engine.prefix_cache_hits >= (len(shared) // 8) * 8 - 8
-    fresh = LLM(str(target), dtype="float32", block_size=8).generate([shared + [9]], GREEDY)[0]
+    fresh = LLM(str(target), dtype="float32", block_size=8, kv_cache_memory=TINY_KV).generate([shared + [9]], GREEDY)[0]
     assert llm.generate([shared + [9]], GREEDY)[0].token_ids == fresh.token_ids
     assert llm.target.allocator.num_used == 0
 
 
 def test_n_samples_share_prompt_blocks_copy_on_write(target):
-    llm = LLM(str(target), dtype="float32", block_size=8)
+    llm = LLM(str(target), dtype="float32", block_size=8, kv_cache_memory=TINY_KV)
     prompt = prompts(64, 1, seed=6)[0][:21]
     params = SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=100, ignore_eos=True)
     rid = llm.engine.add_request(prompt, params)
@@ -105,7 +108,7 @@ def test_preemption_keeps_outputs(target, tiny_dir, preemption, spec):
                                       "num_speculative_tokens": 2}
     ps = prompts(64, 8, seed=9)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    roomy = LLM(str(target), dtype="float32", **kwargs)
+    roomy = LLM(str(target), dtype="float32", kv_cache_memory=TINY_KV, **kwargs)
     expected = alone(roomy, ps, params)
     # 2 layers*... a pool of ~12 blocks of 8 tokens cannot hold 8 sequences of ~70 tokens at once
     per_block = 2 * 3 * 8 * 2 * 16 * 4
@@ -121,7 +124,7 @@ def test_preemption_keeps_outputs(target, tiny_dir, preemption, spec):
 @pytest.mark.parametrize("policy,order", [("fcfs", [0, 1, 2]), ("sjf", [2, 1, 0]), ("priority", [1, 2, 0]),
                                           ("deadline", [2, 0, 1])])
 def test_policies_order_admission(target, policy, order):
-    llm = LLM(str(target), dtype="float32", max_num_seqs=1, policy=policy)
+    llm = LLM(str(target), dtype="float32", max_num_seqs=1, policy=policy, kv_cache_memory=TINY_KV)
     ps = prompts(64, 3, seed=2)
     plist = [SamplingParams(max_tokens=12, temperature=0.0, priority=3, deadline_s=5.0, ignore_eos=True),
              SamplingParams(max_tokens=8, temperature=0.0, priority=0, deadline_s=9.0, ignore_eos=True),
@@ -138,7 +141,7 @@ def test_policies_order_admission(target, policy, order):
 
 
 def test_bad_requests_rejected_before_model_work(target):
-    llm = LLM(str(target), dtype="float32", max_model_len=64)
+    llm = LLM(str(target), dtype="float32", max_model_len=64, kv_cache_memory=TINY_KV)
     with pytest.raises(PromptTooLongError, match="64"):
         llm.generate([[1] * 64], GREEDY)
     with pytest.raises(InvalidParameterError, match="token ids"):
@@ -156,8 +159,11 @@ def test_bad_requests_rejected_before_model_work(target):
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.slow
 def test_stop_strings_and_finish_reasons(smollm2):
-    llm = LLM(str(smollm2), dtype="float32")
+    # int4 weights (the CPU default): stop handling does not depend on the weight format, and a float32 SmolLM2
+    # decode step reads ~7x the bytes and took ~7x as long (~100 tokens are generated here)
+    llm = LLM(str(smollm2), weights="int4", kv_cache_memory="64MiB")
     base = llm.generate(["def add(a, b):\n"], SamplingParams(max_tokens=24, temperature=0.0))[0]
     assert base.finish_reason == "length" and len(base.token_ids) == 24
     stop = base.text[5:9]

@@ -14,6 +14,7 @@ from quickdraft.models.fused import FusedLayer
 from quickdraft.models.transformer import DecoderLayer
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="quickdraft's CPU kernels not built on this CPU")
+KV = "64MiB"  # a few hundred tokens of cache are used here; LLM's default pool is 1 GiB per model, zeroed up front
 
 
 def _contents(runner, kv: SequenceKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +44,7 @@ def _verify_step(llm: LLM, prompt: list[int], drafts: list[int], fused: bool, mo
 @pytest.mark.parametrize("weights,dtype", [("int4", "auto"), ("int8", "auto"), ("bfloat16", "auto"),
                                            ("int4", "float32")])
 def test_fused_layers_equal_module_path_bitwise_smollm2(smollm2, weights, dtype, monkeypatch):
-    llm = LLM(str(smollm2), weights=weights, dtype=dtype)
+    llm = LLM(str(smollm2), weights=weights, dtype=dtype, kv_cache_memory=KV)
     prompt = llm.tokenizer.encode("def fibonacci(n):\n    if n")
     drafts = [29, 308, 4811, 28, 476, 44]
     fused, fused_calls = _verify_step(llm, prompt, drafts, True, monkeypatch)
@@ -54,7 +55,7 @@ def test_fused_layers_equal_module_path_bitwise_smollm2(smollm2, weights, dtype,
 
 
 def test_fused_layers_equal_module_path_with_qkv_bias(tiny_dir, monkeypatch):
-    llm = LLM(str(tiny_dir(arch="qwen2")), weights="int8", dtype="bfloat16")
+    llm = LLM(str(tiny_dir(arch="qwen2")), weights="int8", dtype="bfloat16", kv_cache_memory=KV)
     fused, fused_calls = _verify_step(llm, [3, 9, 27, 5, 17, 40, 2], [11, 12, 13], True, monkeypatch)
     modules, _ = _verify_step(llm, [3, 9, 27, 5, 17, 40, 2], [11, 12, 13], False, monkeypatch)
     assert fused_calls == llm.model.config.num_layers
@@ -64,7 +65,7 @@ def test_fused_layers_equal_module_path_with_qkv_bias(tiny_dir, monkeypatch):
 
 def test_float32_weights_keep_the_module_path(smollm2, monkeypatch):
     """float32 weights run oneDNN's kernel, which the fused layer does not call: the module path runs them."""
-    llm = LLM(str(smollm2), weights="float32")
+    llm = LLM(str(smollm2), weights="float32", kv_cache_memory=KV)
     _, fused_calls = _verify_step(llm, llm.tokenizer.encode("def f(x):"), [29, 308], True, monkeypatch)
     assert fused_calls == 0
 
@@ -72,7 +73,7 @@ def test_float32_weights_keep_the_module_path(smollm2, monkeypatch):
 def test_decode_token_beside_a_prompt_chunk_equals_it_alone(smollm2, monkeypatch):
     """A step with a prompt chunk runs every layer on the module path; a decode token in it gets the logits it
     gets alone on the fused path."""
-    llm = LLM(str(smollm2), weights="int4")
+    llm = LLM(str(smollm2), weights="int4", kv_cache_memory=KV)
     runner, calls = llm.target, []
     real_call = FusedLayer.__call__
     monkeypatch.setattr(FusedLayer, "__call__", lambda self, x, t: (calls.append(1), real_call(self, x, t))[1])

@@ -51,33 +51,22 @@ def smollm(tmp_path_factory):
     return ckpt, cache
 
 
-def test_smollm_equals_transformers_gguf_load(smollm):
+@pytest.mark.slow
+def test_smollm_equals_transformers_gguf_load(smollm, smollm2_transformers):
     """Same tensors as transformers' own GGUF loader (dequantization, names, q/k un-permutation)."""
-    import transformers
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
     ckpt, _ = smollm
-    path = smollm_gguf()
-    # from_pretrained(gguf_file=...) runs exactly this, but insists on `accelerate` being installed.
-    # The meta model only supplies HF parameter names; transformers reads the head counts it uses
-    # to un-permute q/k from the file itself. (AutoConfig would parse the file a second time.)
-    c = ckpt.config
-    config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        tie_word_embeddings=True,
-    )
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
-    ref = parsed["tensors"]
-    assert parsed["config"]["num_attention_heads"] == 9 and parsed["config"]["num_key_value_heads"] == 3
-    assert "lm_head.weight" not in ref
+    # transformers' from_pretrained(dir, gguf_file=name) in float32 (conftest; test_parity.py runs the same model):
+    # its loader reads the config, including the head counts it un-permutes q/k with, from the file itself
+    hf = smollm2_transformers
+    assert hf.config.num_attention_heads == 9 and hf.config.num_key_value_heads == 3
+    assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
+    ref = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    assert all(v.dtype == torch.float32 for v in ref.values())
     assert ckpt.tensors["lm_head.weight"] is ckpt.tensors["model.embed_tokens.weight"]
     ours = {k: v for k, v in ckpt.tensors.items() if k != "lm_head.weight"}
     assert_tensors_equal(ours, ref)
     assert all(torch.equal(ours[k], ref[k]) for k in ref), "expected bit-exact equality"
-    assert set(model.state_dict()) == set(ckpt.tensors)
+    assert set(hf.state_dict()) == set(ckpt.tensors)
 
 
 def test_smollm_checkpoint_fields(smollm):

@@ -34,15 +34,15 @@ def check_parity(llm: LLM, hf_model, vocab_size: int) -> None:
 @pytest.mark.parametrize("tie", [False, True])
 def test_tiny_hf_checkpoint_matches_transformers(tiny_dir, arch, tie):
     path = tiny_dir(arch=arch, tie=tie, vocab_size=96)
-    llm = LLM(str(path), dtype="float32")
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")  # LLM's default pool is 1 GiB, zeroed up front
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert llm.model.config.attention_bias == (arch == "qwen2")
     assert llm.model.config.num_kv_heads < llm.model.config.num_heads  # GQA
     check_parity(llm, hf, 96)
 
 
-def test_smollm2_gguf_matches_transformers(smollm2):
-    llm = LLM(str(smollm2), dtype="float32")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
-                                                           dtype=torch.float32).eval()
-    check_parity(llm, hf, llm.model.config.vocab_size)
+@pytest.mark.slow
+def test_smollm2_gguf_matches_transformers(smollm2, smollm2_transformers):
+    # smollm2_transformers: from_pretrained(dir, gguf_file=name, dtype=float32), loaded once (conftest)
+    llm = LLM(str(smollm2), dtype="float32", kv_cache_memory="64MiB")
+    check_parity(llm, smollm2_transformers, llm.model.config.vocab_size)

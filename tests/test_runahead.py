@@ -20,7 +20,7 @@ from quickdraft.speculative.controller import SpeculationController
 from quickdraft.speculative.cost import CostModel
 from quickdraft.speculative.run_ahead import RunAheadDrafter
 from test_distribution import SAMPLES, chi_square_pvalue, exact_distribution, make_llm, models, sample_engine  # noqa: F401
-from test_speculative import assert_cache_matches_fresh_prefill, bench_prompts, tiny_prompts
+from test_speculative import SMOLLM2_KV, TINY_KV, assert_cache_matches_fresh_prefill, bench_prompts, tiny_prompts
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -32,7 +32,8 @@ def target(tiny_dir):
 
 @pytest.fixture(scope="module")
 def plain_greedy(target):
-    return [o.token_ids for o in LLM(str(target), dtype="float32").generate(tiny_prompts(64, 6), GREEDY)]
+    llm = LLM(str(target), dtype="float32", kv_cache_memory=TINY_KV)
+    return [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)]
 
 
 def drafter_kwargs(tiny_dir, target, kind: str) -> dict:
@@ -46,7 +47,7 @@ def drafter_kwargs(tiny_dir, target, kind: str) -> dict:
 @pytest.mark.parametrize("kind", ["self", "draft-poor", "draft-same"])
 @pytest.mark.parametrize("k", ["auto", 3])
 def test_greedy_identity_tiny(tiny_dir, target, plain_greedy, kind, k):
-    llm = LLM(str(target), dtype="float32", num_speculative_tokens=k, run_ahead=True,
+    llm = LLM(str(target), dtype="float32", kv_cache_memory=TINY_KV, num_speculative_tokens=k, run_ahead=True,
               **drafter_kwargs(tiny_dir, target, kind))
     assert isinstance(llm.drafter, RunAheadDrafter)
     assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
@@ -59,7 +60,7 @@ def test_greedy_identity_tiny(tiny_dir, target, plain_greedy, kind, k):
 def test_run_ahead_reuses_work(target, plain_greedy):
     """Draft == target accepts everything: nearly every round after the first starts from run-ahead tokens."""
     llm = LLM(str(target), draft=str(target), draft_weights="float32", dtype="float32", num_speculative_tokens=3,
-              run_ahead=True)
+              run_ahead=True, kv_cache_memory=TINY_KV)
     assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
     stats = llm.spec_stats
     assert stats.acceptance_rate > 0.95
@@ -74,7 +75,8 @@ def test_run_ahead_reuses_work(target, plain_greedy):
 def test_seeded_sampling_same_with_and_without_run_ahead(tiny_dir, target, kind):
     """Draft randomness is keyed by position, so keeping run-ahead drafts changes nothing for seeded requests."""
     params = SamplingParams(max_tokens=30, temperature=0.5, top_p=0.95, seed=1234, ignore_eos=True)
-    kwargs = dict(dtype="float32", num_speculative_tokens=3, **drafter_kwargs(tiny_dir, target, kind))
+    kwargs = dict(dtype="float32", kv_cache_memory=TINY_KV, num_speculative_tokens=3,
+                  **drafter_kwargs(tiny_dir, target, kind))
     plain = LLM(str(target), **kwargs).generate(tiny_prompts(64, 4), params)
     llm = LLM(str(target), run_ahead=True, **kwargs)
     ahead = llm.generate(tiny_prompts(64, 4), params)
@@ -86,7 +88,7 @@ def test_seeded_sampling_same_with_and_without_run_ahead(tiny_dir, target, kind)
 def test_draft_cache_holds_committed_tokens_after_every_round(target):
     """Kept run-ahead tokens stay hidden past the committed prefix until the next proposal takes them."""
     llm = LLM(str(target), draft=str(target), draft_weights="float32", dtype="float32", num_speculative_tokens=3,
-              run_ahead=True)
+              run_ahead=True, kv_cache_memory=TINY_KV)
     rid = llm.engine.add_request(tiny_prompts(64, 1)[0], SamplingParams(max_tokens=60, temperature=0.3, seed=3,
                                                                          ignore_eos=True))
     (seq,) = llm.engine.sequences(rid)
@@ -101,15 +103,18 @@ def test_draft_cache_holds_committed_tokens_after_every_round(target):
     assert llm.target.allocator.num_used == 0 and runner.allocator.num_used == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["self", "draft"])
-def test_greedy_identity_smollm2(smollm2, kind):
+def test_greedy_identity_smollm2(smollm2, smollm2_plain_greedy, kind):
     prompts = bench_prompts(1)
     params = SamplingParams(max_tokens=32, temperature=0.0)
-    plain = LLM(str(smollm2), weights="float32").generate(prompts, params)  # float weights, as test_speculative
+    plain = smollm2_plain_greedy("float32", prompts, 32)  # float weights, as test_speculative (its reference too)
     kwargs = {"speculative": "self"} if kind == "self" else {"draft": str(smollm2), "num_speculative_tokens": 3}
-    llm = LLM(str(smollm2), weights="float32", run_ahead=True, **kwargs)
-    for a, b in zip(plain, llm.generate(prompts, params)):
-        assert a.token_ids == b.token_ids and a.text == b.text
+    llm = LLM(str(smollm2), weights="float32", run_ahead=True, kv_cache_memory=SMOLLM2_KV, **kwargs)
+    spec = llm.generate(prompts, params)
+    assert len(spec) == len(plain) == 3
+    for (ids, text), b in zip(plain, spec):
+        assert ids == b.token_ids and text == b.text
     if kind == "draft":
         assert llm.spec_stats.run_ahead_rounds > 0
 
@@ -149,7 +154,7 @@ def test_controller_counts_run_ahead_draft_steps_as_hidden():
 def test_cancel_from_another_thread_stops_stream_within_one_step(target):
     k = 3
     llm = LLM(str(target), draft=str(target), draft_weights="float32", dtype="float32", num_speculative_tokens=k,
-              run_ahead=True)
+              run_ahead=True, kv_cache_memory=TINY_KV)
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     tokens: list[int] = []
     reached, at_cancel = threading.Event(), []
@@ -179,7 +184,7 @@ def test_cancel_from_another_thread_stops_stream_within_one_step(target):
 def test_cancelled_request_gets_no_further_draft_forwards(tiny_dir, target):
     """A cancel that arrives while the drafter runs stops its draft forwards at once (the run-ahead worker
     skips it too); the next step ends it. A poor draft: no round starts from kept run-ahead tokens."""
-    llm = LLM(str(target), dtype="float32", num_speculative_tokens=4, run_ahead=True,
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=4, run_ahead=True, kv_cache_memory=TINY_KV,
               **drafter_kwargs(tiny_dir, target, "draft-poor"))
     rid = llm.engine.add_request(tiny_prompts(64, 1)[0], SamplingParams(max_tokens=200, temperature=0.0,
                                                                          ignore_eos=True))
@@ -206,6 +211,7 @@ def test_cancelled_request_gets_no_further_draft_forwards(tiny_dir, target):
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.slow
 def test_cancel_all_from_timer_during_long_generate(smollm2):
     llm = LLM(str(smollm2), speculative="self", run_ahead=True)
     params = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
