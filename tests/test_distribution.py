@@ -19,7 +19,6 @@ catch the bug makes it fail.
 """
 from __future__ import annotations
 
-import itertools
 import os
 
 import numpy as np

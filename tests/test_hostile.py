@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -26,10 +22,10 @@ from quickdraft.serving.guard import ServerLimits
 
 try:
     from conftest import make_tiny_checkpoint, write_word_tokenizer
-    from test_server import ServerThread
+    from test_server import ServerThread, start_cli_server
 except ImportError:  # tests/ imported as a package
     from tests.conftest import make_tiny_checkpoint, write_word_tokenizer
-    from tests.test_server import ServerThread
+    from tests.test_server import ServerThread, start_cli_server
 
 BESIDE = ["t3 t4 t5 t3 t4 t5 t6", "t9 t8 t7 t9 t8"]  # the two greedy requests that run beside each hostile one
 BESIDE_TOKENS = 96
@@ -251,25 +247,8 @@ def test_a_slow_reader_stalls_only_itself(server, alone):
 
 @pytest.mark.slow
 def test_sigterm_finishes_or_aborts_in_flight_requests_within_the_deadline(padded_model):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "quickdraft.cli", "serve", str(padded_model), "--port", str(port),
-                             "--dtype", "float32", "--kv-cache-memory", "8MiB", "--shutdown-timeout", "2",
-                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_cli_server(padded_model, "--kv-cache-memory", "8MiB", "--shutdown-timeout", "2")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
         body = {"prompt": "t1 t2", "max_tokens": 500, "ignore_eos": True, "stream": True, "temperature": 0}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()

@@ -13,7 +13,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.speculative.controller import SpeculationController

@@ -455,27 +455,36 @@ def test_non_streaming_disconnect_aborts(plain):
     assert m['quickdraft_requests_total{status="aborted"}'] == before + 1
 
 
-def test_cli_serve(tiny_model):
+def start_cli_server(model, *flags: str, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """`quickdraft serve MODEL FLAGS` in a subprocess on a free port, once its /health answers: (process, url)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "quickdraft.cli", "serve", str(tiny_model), "--port", str(port),
-                             "--dtype", "float32", "--kv-cache-memory", "8MiB", "--served-model-name", "cli-tiny",
-                             "--speculative", "ngram", "--k", "2", "--policy", "sjf", "--max-num-seqs", "4",
-                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "quickdraft.cli", "serve", str(model), "--port", str(port),
+                             "--dtype", "float32", "--log-level", "warning", *flags],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read().decode())
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("server did not come up")
+        time.sleep(0.2)
+
+
+def test_cli_serve(tiny_model):
+    proc, url = start_cli_server(tiny_model, "--kv-cache-memory", "8MiB", "--served-model-name", "cli-tiny",
+                                 "--speculative", "ngram", "--k", "2", "--policy", "sjf", "--max-num-seqs", "4")
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
                        json={"model": "cli-tiny", "prompt": "t1 t2 t1 t2", "max_tokens": 6, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
     finally:

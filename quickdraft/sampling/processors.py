@@ -158,7 +158,8 @@ class LogitsProcessor:
         n, width = x.shape
         p = self.params
         if width > self.vocab_size:
-            x = x.clone() if x is logits or x.data_ptr() == logits.data_ptr() else x
+            if x.data_ptr() == logits.data_ptr():  # float() made no copy: the caller's logits stay as they are
+                x = x.clone()
             x[:, self.vocab_size:] = float("-inf")
 
         if self._use_bias or self._use_rep or self._use_counts:

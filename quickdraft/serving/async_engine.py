@@ -234,7 +234,7 @@ class AsyncEngine:
                   type(exc).__name__, exc)
         error = EngineDeadError(f"the engine failed while generating: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
-        if self._cond.acquire(timeout=5.0):  # the engine thread holds it when it fails inside a step
+        if self._cond.acquire(timeout=5.0):  # a caller may hold it for a moment (an add, an abort, shutdown)
             try:
                 for rid in list(self._requests):
                     self._fail(rid, error)
@@ -255,15 +255,10 @@ class AsyncEngine:
                     continue
                 try:
                     chunks = self.engine.step()
-                except Exception as exc:  # not one request's fault (that is isolated inside the step): the engine's
-                    self.step_errors += 1
+                except Exception:  # not one request's fault (that is isolated inside the step): the engine's.
+                    self.step_errors += 1  # _run fails every request once this releases the lock
                     log.exception("engine step failed")
-                    cond.release()  # _die takes the lock itself
-                    try:
-                        self._die(exc)
-                    finally:
-                        cond.acquire()
-                    return
+                    raise
                 now = time.perf_counter()
                 deliveries: dict[asyncio.AbstractEventLoop, list] = {}
                 for chunk in chunks:

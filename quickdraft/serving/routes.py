@@ -214,5 +214,4 @@ def _sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, 
             f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the {prompt_param}, {params.max_tokens} in "
             f"the completion). Please reduce the length of the {prompt_param} or completion.", "max_tokens",
             "context_length_exceeded")
-    params.check_vocab(ctx.llm.engine.vocab_size)
-    return params
+    return params  # token ids (logit bias, stop ids) are checked by LLMEngine.add_request, before any model work
