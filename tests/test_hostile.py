@@ -178,6 +178,16 @@ def test_a_request_that_fails_in_the_engine_fails_alone(server, alone, monkeypat
 
 
 # ---- access and limits -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag,env", [("", None), (None, "")])
+def test_an_empty_api_key_is_refused_not_taken_as_no_key(flag, env, monkeypatch):
+    if env is None:
+        monkeypatch.delenv("QUICKDRAFT_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("QUICKDRAFT_API_KEY", env)
+    with pytest.raises(ValueError, match="must not be empty"):
+        ServerLimits.with_env_key(flag)
+
+
 def test_api_key(padded_model, monkeypatch):
     monkeypatch.setenv("QUICKDRAFT_API_KEY", "sekrit")
     with start(padded_model, ServerLimits.with_env_key()) as s:

@@ -27,7 +27,7 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty (leave it unset for no key)")
+            raise ValueError(f"the API key (--api-key or ${API_KEY_ENV}) must not be empty; leave both unset for no key")
         for name in ("max_body_bytes", "max_prompts_per_request", "max_queued_chunks", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -38,8 +38,9 @@ class ServerLimits:
 
     @classmethod
     def with_env_key(cls, api_key: str | None = None, **kwargs) -> "ServerLimits":
-        """``api_key``, else $QUICKDRAFT_API_KEY when set."""
-        return cls(api_key=api_key or os.environ.get(API_KEY_ENV) or None, **kwargs)
+        """``api_key``, else $QUICKDRAFT_API_KEY when set. An empty key is refused, never taken as "no key": an unset
+        shell variable in a deployment must not open the server."""
+        return cls(api_key=api_key if api_key is not None else os.environ.get(API_KEY_ENV), **kwargs)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
