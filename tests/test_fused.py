@@ -10,7 +10,7 @@ import torch
 from quickdraft import LLM
 from quickdraft.kv import ForwardItem, SequenceKV
 from quickdraft.models import native
-from quickdraft.models.fused import FusedLayer
+from quickdraft.models.fused import FusedLayer, FusedStack
 from quickdraft.models.transformer import DecoderLayer
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="quickdraft's CPU kernels not built on this CPU")
@@ -23,12 +23,20 @@ def _contents(runner, kv: SequenceKV) -> tuple[torch.Tensor, torch.Tensor]:
     return runner.pool.k[:, slots].clone(), runner.pool.v[:, slots].clone()
 
 
+def _count_fused_layers(monkeypatch, calls: list) -> None:
+    """Append 1 to ``calls`` for every layer a fused call runs (one layer's call or a whole stack's)."""
+    layer_call, stack_call = FusedLayer.__call__, FusedStack.__call__
+    monkeypatch.setattr(FusedLayer, "__call__", lambda self, x, t: (calls.append(1), layer_call(self, x, t))[1])
+    monkeypatch.setattr(FusedStack, "__call__",
+                        lambda self, x, t: (calls.extend([1] * len(self.layers)), stack_call(self, x, t))[1])
+
+
 def _verify_step(llm: LLM, prompt: list[int], drafts: list[int], fused: bool, monkeypatch) -> tuple[list, int]:
     """Prefill two sequences, then one step of single tokens: a verify pass of ``drafts`` beside one decode token.
     Returns (logits, caches) of that step and how many layers ran fused."""
     runner, calls = llm.target, []
-    real_call, real_fused = FusedLayer.__call__, DecoderLayer.fused
-    monkeypatch.setattr(FusedLayer, "__call__", lambda self, x, t: (calls.append(1), real_call(self, x, t))[1])
+    real_fused = DecoderLayer.fused
+    _count_fused_layers(monkeypatch, calls)
     monkeypatch.setattr(DecoderLayer, "fused", real_fused if fused else (lambda self, rope: None))
     kv_a, kv_b = SequenceKV(), SequenceKV()
     runner.forward([ForwardItem(kv_a, prompt, 1)])
@@ -75,8 +83,7 @@ def test_decode_token_beside_a_prompt_chunk_equals_it_alone(smollm2, monkeypatch
     gets alone on the fused path."""
     llm = LLM(str(smollm2), weights="int4", kv_cache_memory=KV)
     runner, calls = llm.target, []
-    real_call = FusedLayer.__call__
-    monkeypatch.setattr(FusedLayer, "__call__", lambda self, x, t: (calls.append(1), real_call(self, x, t))[1])
+    _count_fused_layers(monkeypatch, calls)
     prompt = llm.tokenizer.encode("def fibonacci(n):\n    if n")
     chunk = llm.tokenizer.encode("Write a long story about a dragon who learns to code. " * 6)[:120]
     kv_a, kv_b, kv_long = SequenceKV(), SequenceKV(), SequenceKV()

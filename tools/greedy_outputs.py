@@ -18,13 +18,17 @@ sys.path.insert(1, str(ROOT / "bench"))
 
 from common import humaneval_prompts, spec_bench_prompts  # noqa: E402
 
-SETUPS = {
-    "smollm2-135m/plain": ("smollm2-135m", {}),
-    "smollm2-135m/ngram": ("smollm2-135m", {"speculative": "ngram"}),
-    "smollm2-135m/self": ("smollm2-135m", {"speculative": "self"}),
+SETUPS = {  # explicit weight formats: the defaults change between versions, the setups compared must not
+    "smollm2-135m/bfloat16": ("smollm2-135m", {"weights": "bfloat16"}),
+    "smollm2-135m/int4": ("smollm2-135m", {"weights": "int4"}),
     "smollm2-135m/int4+ngram": ("smollm2-135m", {"weights": "int4", "speculative": "ngram"}),
-    "qwen2.5-coder-1.5b/plain": ("qwen2.5-coder-1.5b", {}),
-    "qwen2.5-coder-1.5b/draft": ("qwen2.5-coder-1.5b", {"draft": "qwen2.5-coder-0.5b"}),
+    "smollm2-135m/bfloat16+self": ("smollm2-135m", {"weights": "bfloat16", "speculative": "self"}),
+    "smollm2-135m/int4+self": ("smollm2-135m", {"weights": "int4", "speculative": "self"}),
+    "qwen2.5-coder-0.5b/int4": ("qwen2.5-coder-0.5b", {"weights": "int4"}),
+    "qwen2.5-coder-1.5b/bfloat16": ("qwen2.5-coder-1.5b", {"weights": "bfloat16"}),
+    "qwen2.5-coder-1.5b/int4": ("qwen2.5-coder-1.5b", {"weights": "int4"}),
+    "qwen2.5-coder-1.5b/int4+draft": ("qwen2.5-coder-1.5b", {"weights": "int4", "draft": "qwen2.5-coder-0.5b"}),
+    "qwen2.5-coder-1.5b/bfloat16+draft": ("qwen2.5-coder-1.5b", {"weights": "bfloat16", "draft": "qwen2.5-coder-0.5b"}),
     "qwen2.5-coder-1.5b/int4+ngram": ("qwen2.5-coder-1.5b", {"weights": "int4", "speculative": "ngram"}),
 }
 

@@ -137,7 +137,7 @@ class AttentionBatch:
         if not self.native or self.pieces or not len(self.single_rows):
             return None
         return SingleTokens(self.positions, self.slot_mapping, self.single_rows, self.single_slots, self.single_lengths,
-                            self.pool.k[layer], self.pool.v[layer])
+                            self.pool.k[layer], self.pool.v[layer], self.pool.k.stride(0))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]."""

@@ -36,6 +36,7 @@ class SingleTokens:
     lengths: torch.Tensor  # int64 [T]: how many of them it attends to (itself included)
     k_cache: torch.Tensor  # this layer's [slots, kv_heads, head_dim]
     v_cache: torch.Tensor
+    layer_stride: int  # elements from one layer's cache to the next one's (the pool is [layers, slots, ...])
 
 
 class _LinearDesc(ctypes.Structure):
@@ -129,4 +130,32 @@ class FusedLayer:
             tokens.slot_mapping.data_ptr(), tokens.k_cache.data_ptr(), tokens.v_cache.data_ptr(),
             tokens.rows.data_ptr(), tokens.slots.data_ptr(), tokens.slots.shape[1], tokens.lengths.data_ptr())
         native._check(rc, "qd_decoder_layer")
+        return x
+
+
+class FusedStack:
+    """Consecutive fused layers in one C call (``qd_decoder_stack``): a step's layers without a Python round trip
+    per layer. Holds its layers, so their descriptions stay alive (and their ids unique) while it exists."""
+
+    def __init__(self, layers: list[FusedLayer]) -> None:
+        self.layers = layers
+        self._array = (_P * len(layers))(*[ctypes.addressof(layer.desc) for layer in layers])
+        needs = {layer.dtype for layer in layers} - {None}
+        self.dtype = needs.pop() if len(needs) == 1 else None
+        self.usable = len(needs) <= 1 and len({layer.desc.hidden for layer in layers}) == 1
+        self.hidden = layers[0].desc.hidden
+
+    def runs(self, x: torch.Tensor, tokens: SingleTokens) -> bool:
+        return (self.usable and x.dtype in (torch.float32, torch.bfloat16)
+                and (self.dtype is None or x.dtype == self.dtype) and x.dtype == tokens.k_cache.dtype
+                and x.is_contiguous() and x.shape[-1] == self.hidden)
+
+    def __call__(self, x: torch.Tensor, tokens: SingleTokens) -> torch.Tensor:
+        """``x [T, hidden]`` through every layer, in place (it is returned); ``tokens`` carries layer 0's cache."""
+        rc = native.lib().qd_decoder_stack(
+            self._array, len(self.layers), x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0],
+            tokens.positions.data_ptr(), tokens.slot_mapping.data_ptr(), tokens.k_cache.data_ptr(),
+            tokens.v_cache.data_ptr(), tokens.layer_stride, tokens.rows.data_ptr(), tokens.slots.data_ptr(),
+            tokens.slots.shape[1], tokens.lengths.data_ptr())
+        native._check(rc, "qd_decoder_stack")
         return x

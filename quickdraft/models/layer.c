@@ -123,3 +123,19 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     add_into(x, tmp, bf16, n_h);
     return 0;
 }
+
+/* The decoder layers layers[0 .. n) one after the other: a whole decode, verify or draft step's layers in one call.
+ * Layer i's cache is k_cache / v_cache advanced by i * layer_stride elements (the pool's [layers][slots] layout);
+ * the other arguments are qd_decoder_layer's, shared by every layer. */
+int qd_decoder_stack(const qd_layer_desc *const *layers, int n, void *x, int bf16, int T, const int64_t *positions,
+                     const int64_t *slot_mapping, void *k_cache, void *v_cache, long layer_stride, const int64_t *rows,
+                     const int64_t *slots, int W, const int64_t *lengths) {
+    if (n < 0 || layer_stride < 0) return -2;
+    const size_t es = bf16 ? 2 : 4;
+    for (int i = 0; i < n; i++) {
+        const size_t offset = (size_t)i * (size_t)layer_stride * es;
+        CHECK(qd_decoder_layer(layers[i], x, bf16, T, positions, slot_mapping, (char *)k_cache + offset,
+                               (char *)v_cache + offset, rows, slots, W, lengths));
+    }
+    return 0;
+}

@@ -59,6 +59,7 @@ _SIGNATURES = {
     "qd_linear_bf16": [_P, _I, _I, _P, _I, _P, _P],
     "qd_swiglu": [_P, _I, _I, _I, _P],
     "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P],
+    "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _P, _L, _P, _P, _I, _P],
 }
 
 

@@ -81,10 +81,50 @@ static int reserve(size_t nq, size_t nf) {
     return ws.xq && ws.xs && ws.xsum;
 }
 
+/* One group of x whose values are all inside the row, vectorized: the same operations as the scalar loop of
+ * quantize_row (one float multiply, round to nearest even, clamp), so both give the same bytes. */
+static inline void quantize_group8x4(const void *x, int bf16, size_t at, int8_t *dst, float *xs, float *xsum) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = bf16 ? bf16x8((const uint16_t *)x + at + 8 * j) : _mm256_loadu_ps((const float *)x + at + 8 * j);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m256 scale = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    /* the low byte of each int32, packed to the first 4 bytes of each 128-bit lane */
+    const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) { /* elements 8 j .. 8 j + 7: chunks 2 j and 2 j + 1 */
+        __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], scale));
+        q = _mm256_min_epi32(_mm256_max_epi32(q, lo), hi);
+        sum = _mm256_add_epi32(sum, q);
+        const __m256i bytes = _mm256_shuffle_epi8(q, low_bytes);
+        const int32_t first = _mm256_extract_epi32(bytes, 0), second = _mm256_extract_epi32(bytes, 4);
+        __builtin_memcpy(dst + 32 * CHUNK_AT[2 * j], &first, 4);
+        __builtin_memcpy(dst + 32 * CHUNK_AT[2 * j + 1], &second, 4);
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    *xs = amax / 127.f;
+    *xsum = *xs * (float)_mm_cvtsi128_si32(s4);
+}
+
 /* One row of x -> int8 groups in the block layout, per-group scale and scaled sum. */
 static void quantize_row(const void *x, int bf16, size_t row_off, int K, int Kpad, int8_t *xq, float *xs,
                          float *xsum) {
     for (int g = 0; g < Kpad / GROUP; g++) {
+        int8_t *dst = xq + (g / 8) * BLOCK + 4 * (g % 8);
+        if ((g + 1) * GROUP <= K) {
+            quantize_group8x4(x, bf16, row_off + (size_t)g * GROUP, dst, xs + g, xsum + g);
+            continue;
+        }
         float v[GROUP], amax = 0.f;
         for (int e = 0; e < GROUP; e++) {
             int k = g * GROUP + e;
@@ -92,7 +132,6 @@ static void quantize_row(const void *x, int bf16, size_t row_off, int K, int Kpa
             amax = fmaxf(amax, fabsf(v[e]));
         }
         float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int8_t *dst = xq + (g / 8) * BLOCK + 4 * (g % 8);
         int sum = 0;
         for (int e = 0; e < GROUP; e++) {
             int q = (int)nearbyintf(v[e] * inv);

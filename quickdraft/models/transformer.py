@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from quickdraft.config import ModelConfig
 from quickdraft.models import native
-from quickdraft.models.fused import FusedLayer, SingleTokens
+from quickdraft.models.fused import FusedLayer, FusedStack, SingleTokens
 
 
 class Attention(Protocol):
@@ -129,9 +129,12 @@ class DecoderLayer(nn.Module):
     def fused(self, rope: RotaryEmbedding) -> FusedLayer | None:
         """This layer as one C call (see fused.py), built on first use and again whenever its modules or weights
         were replaced since."""
-        attn, mlp = self.self_attn, self.mlp
-        key = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.input_layernorm.weight.data_ptr(),
-               self.post_attention_layernorm.weight.data_ptr(), rope.cos.data_ptr())
+        # read through the module dicts: this runs for every layer of every step, and nn.Module.__getattr__ is slow
+        mods = self._modules
+        attn, mlp = mods["self_attn"]._modules, mods["mlp"]._modules
+        key = (attn.get("qkv_proj"), attn["o_proj"], mlp.get("gate_up_proj"), mlp["down_proj"],
+               mods["input_layernorm"]._parameters["weight"].data_ptr(),
+               mods["post_attention_layernorm"]._parameters["weight"].data_ptr(), rope.cos.data_ptr())
         if key != self._fused_key:
             self._fused, self._fused_key = FusedLayer.build(self, rope), key
         return self._fused
@@ -163,14 +166,30 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self._stacks: dict[int | None, FusedStack] = {}
 
     def forward(self, tokens: torch.Tensor, attn: Attention, num_layers: int | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; ``num_layers`` runs only the first layers
         (self-speculation drafts with a prefix of the target)."""
         x = self.model.embed_tokens(tokens)
-        for layer in self.model.layers[:num_layers]:
+        singles = attn.single_tokens(0)
+        stack = self.fused_stack(num_layers) if singles is not None else None
+        if stack is not None and stack.runs(x, singles):
+            return self.model.norm(stack(x, singles))
+        for layer in list(self.model.layers)[:num_layers]:  # slicing a ModuleList builds a new one
             x = layer(x, self.rope, attn)
         return self.model.norm(x)
+
+    def fused_stack(self, num_layers: int | None) -> FusedStack | None:
+        """The first ``num_layers`` layers as one C call when every one of them is fused (see fused.py), else None;
+        rebuilt whenever a layer's fused form was."""
+        layers = [layer.fused(self.rope) for layer in list(self.model.layers)[:num_layers]]
+        if not layers or any(layer is None for layer in layers):
+            return None
+        stack = self._stacks.get(num_layers)
+        if stack is None or any(a is not b for a, b in zip(stack.layers, layers)):
+            stack = self._stacks[num_layers] = FusedStack(layers)
+        return stack
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
