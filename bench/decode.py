@@ -22,7 +22,7 @@ from quickdraft.loading import resolve_model  # noqa: E402
 
 
 def bench_quickdraft(model: str, dtype: str, prompts: list[str], tokens: int) -> tuple[float, int, list[list[int]]]:
-    llm = LLM(model, dtype=dtype)
+    llm = LLM(model, dtype=dtype, weights=dtype)  # float weights, as HF's (the default would run the file's own)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     speeds, outputs = [], []

@@ -15,6 +15,16 @@ For each model and weight format:
 
 Prints a table and writes bench/results/quant_accuracy.json.
 Run: .venv/bin/python bench/quant_accuracy.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--threads 2]
+
+``--default-vs-float32``: instead, the proof that the default weights (``LLM(name)``: the file's own precision,
+see quickdraft/loading/weight_choice.py) compute the file's own math: against ``LLM(name, weights='float32')``
+(float32 weights dequantized from the same file), on the first ``--humaneval`` HumanEval prompts and the first
+prompt of ``--spec-bench`` Spec-Bench categories (chat template applied, as the speed benchmarks do), greedy:
+how many of the ``--new-tokens`` new tokens are identical, and the max / mean absolute difference and top-1
+agreement of the logits at the positions that predict them (both models fed the float32 continuation).
+Writes bench/results/default_weights.json.
+Run: .venv/bin/python bench/quant_accuracy.py --default-vs-float32 [--models smollm2-135m] [--humaneval 3]
+     [--spec-bench 3] [--new-tokens 32]
 """
 from __future__ import annotations
 
@@ -35,7 +45,11 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from common import humaneval_prompts, spec_bench_prompts  # noqa: E402
+
+from quickdraft import LLM, SamplingParams  # noqa: E402
 from quickdraft.models import weight_bytes  # noqa: E402
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV  # noqa: E402
 from quickdraft.engine.build import tokenizer_for  # noqa: E402
@@ -219,6 +233,66 @@ def interleaved_speed(runners: dict[str, ModelRunner], context: list[int], prefi
     return out
 
 
+def last_logits(llm: LLM, ids: list[int], rows: int) -> torch.Tensor:
+    """float32 logits of the last ``rows`` positions of ``ids``, fed from an empty cache."""
+    kv = SequenceKV()
+    (logits,) = llm.target.forward([ForwardItem(kv, ids, rows)])
+    llm.target.free(kv)
+    return logits
+
+
+def default_vs_float32(name: str, texts: list[tuple[str, str]], tokens: int) -> dict:
+    """Greedy tokens and logits of ``LLM(name)`` against ``LLM(name, weights='float32')`` (see the module doc)."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    ref = LLM(name, weights="float32")
+    prompts = [ref.chat_prompt([{"role": "user", "content": t}]) for _, t in texts]
+    ref_ids = [o.token_ids for o in ref.generate(prompts, params)]
+    with torch.inference_mode():  # the positions that predict each new token, the float32 tokens fed
+        ref_logits = [last_logits(ref, p + r[:-1], len(r)) for p, r in zip(prompts, ref_ids)]
+    del ref
+    gc.collect()
+    llm = LLM(name)
+    ids = [o.token_ids for o in llm.generate(prompts, params)]
+    rows, maxd, sumd, nd, agree = [], 0.0, 0.0, 0, 0
+    for (cat, _), p, r, got, ref_lg in zip(texts, prompts, ref_ids, ids, ref_logits):
+        with torch.inference_mode():
+            lg = last_logits(llm, p + r[:-1], len(r))
+        d, top1 = (lg - ref_lg).abs(), (lg.argmax(-1) == ref_lg.argmax(-1)).sum().item()
+        same = next((i for i, (a, b) in enumerate(zip(got, r)) if a != b), min(len(got), len(r)))
+        rows.append({"category": cat, "prompt_tokens": len(p), "identical_new_tokens": same, "new_tokens": len(r),
+                     "logit_max_abs_diff": round(d.max().item(), 4), "logit_mean_abs_diff": round(d.mean().item(), 5),
+                     "top1_agreement": round(top1 / len(r), 4)})
+        maxd, sumd, nd, agree = max(maxd, d.max().item()), sumd + d.sum().item(), nd + d.numel(), agree + top1
+        print(f"  {name:20s} {cat:15s} {len(p):5d} prompt tokens: greedy identical for {same:2d}/{len(r)} new tokens"
+              f"  max|d| {d.max().item():6.3f}  mean|d| {d.mean().item():7.4f}  top1 {top1}/{len(r)}", flush=True)
+    summary = {"model": name, "weights": llm.weights, "dtype": str(llm.dtype).removeprefix("torch."),
+               "kernels": llm.weights_summary, "prompts": len(rows),
+               "fully_identical_prompts": sum(r["identical_new_tokens"] == r["new_tokens"] for r in rows),
+               "identical_new_tokens": sum(r["identical_new_tokens"] for r in rows),
+               "new_tokens": sum(r["new_tokens"] for r in rows), "logit_max_abs_diff": round(maxd, 4),
+               "logit_mean_abs_diff": round(sumd / nd, 5),
+               "top1_agreement": round(agree / sum(r["new_tokens"] for r in rows), 4), "per_prompt": rows}
+    print(f"  {name}: {summary['kernels']}, {summary['dtype']} activations; {summary['fully_identical_prompts']}/"
+          f"{len(rows)} prompts identical over all new tokens, {summary['identical_new_tokens']}/"
+          f"{summary['new_tokens']} tokens before the first difference; max|d| {maxd:.3f}, mean|d| "
+          f"{summary['logit_mean_abs_diff']}, top1 {summary['top1_agreement']}", flush=True)
+    return summary
+
+
+def run_default_vs_float32(models: list[str], args) -> None:
+    cats = ("summarization", "rag", "translation", "qa", "math_reasoning", "writing")[: args.spec_bench]
+    texts = [("humaneval", p) for p in humaneval_prompts(args.humaneval)] + spec_bench_prompts(1, cats)
+    out = Path(args.out or ROOT / "bench" / "results" / "default_weights.json")
+    results = {"settings": {"humaneval": args.humaneval, "spec_bench": list(cats), "new_tokens": args.new_tokens,
+                            "threads": args.threads},
+               "machine": {"cpu": platform.processor() or platform.machine(), "cpu_capability": cpu_capability(),
+                           "cores": os.cpu_count(), "torch": torch.__version__}, "models": []}
+    for name in models:
+        results["models"].append(default_vs_float32(name, texts, args.new_tokens))
+        out.write_text(json.dumps(results, indent=2))  # after every model: a killed run keeps what it finished
+    print(f"wrote {out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
@@ -234,7 +308,14 @@ def main() -> None:
     p.add_argument("--max-speed-gib", type=float, default=4.0,
                    help="formats whose weights are larger are not timed (all timed models stay in memory together)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant_accuracy.json"))
+    p.add_argument("--out", default=None, help="default: bench/results/quant_accuracy.json "
+                                                 "(default_weights.json with --default-vs-float32)")
+    p.add_argument("--default-vs-float32", action="store_true",
+                   help="compare LLM(name) with LLM(name, weights='float32') instead (see above)")
+    p.add_argument("--humaneval", type=int, default=3, help="--default-vs-float32: HumanEval prompts")
+    p.add_argument("--spec-bench", type=int, default=3, help="--default-vs-float32: Spec-Bench categories, one "
+                                                               "prompt each")
+    p.add_argument("--new-tokens", type=int, default=32, help="--default-vs-float32: greedy tokens per prompt")
     p.add_argument("--append", action="store_true",
                    help="keep the results of other models already in --out (run models one at a time)")
     args = p.parse_args()
@@ -248,9 +329,12 @@ def main() -> None:
             models.append(name)
         except Exception as exc:
             print(f"skipping {name}: {exc}")
+    if args.default_vs_float32:
+        run_default_vs_float32(models, args)
+        return
     print(f"torch {torch.__version__} ({cpu_capability()}), {args.threads} threads, loadavg {os.getloadavg()}; "
           f"times: min/median ms")
-    out = Path(args.out)
+    out = Path(args.out or ROOT / "bench" / "results" / "quant_accuracy.json")
     kept = []
     if args.append and out.is_file():  # keep earlier results of the models not run now
         kept = [m for m in json.loads(out.read_text()).get("models", []) if m["model"] not in models]

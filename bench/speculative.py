@@ -43,7 +43,8 @@ def chat_ids(llm: LLM, text: str) -> list[int]:
 
 
 def load_ours(name: str, kwargs: dict, target: str, dtype: str, k) -> LLM:
-    llm = LLM(target, dtype=dtype, num_speculative_tokens=k if name != "plain" else "auto", **kwargs)
+    # float target weights in --dtype (bfloat16 or float32), the weights HF runs (the default follows the file)
+    llm = LLM(target, dtype=dtype, weights=dtype, num_speculative_tokens=k if name != "plain" else "auto", **kwargs)
     llm.generate([chat_ids(llm, "hi")], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     return llm
 

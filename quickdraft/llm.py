@@ -4,6 +4,7 @@ A thin facade: ``engine/build.py`` loads and wires everything, ``LLMEngine.step`
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence as Seq
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from quickdraft.speculative.drafters import Drafter
 from quickdraft.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -29,11 +31,16 @@ class LLM:
         """Load ``model`` (a packaged name, a GGUF file or an HF directory) with ``options`` (``EngineOptions``):
 
         ``draft=MODEL`` or ``speculative='ngram'|'self'``: the drafter; ``num_speculative_tokens``: k, an int or
-        ``'auto'`` (adaptive, up to ``max_speculative_tokens``); ``dtype``, ``weights`` (``'auto'|'int4'|'int8'``
-        or a float format; default float weights in ``dtype``), ``device``; ``max_model_len``, ``max_num_seqs``,
+        ``'auto'`` (adaptive, up to ``max_speculative_tokens``); ``dtype`` (activations; ``'auto'``: bfloat16 where
+        the CPU has AVX512-BF16/AMX or on CUDA, else float32); ``weights``: the linear layers' format, ``'auto'``
+        (default: the file's own precision on CPU, so a Q4 GGUF runs int4 kernels, a Q5/Q6/Q8 one int8, a float
+        GGUF or an HF directory float weights in ``dtype``; float weights off CPU; see ``weights_summary``),
+        ``'int4'``, ``'int8'``, ``'bfloat16'`` or ``'float32'`` (float weights dequantized from the file);
+        ``device``; ``max_model_len``, ``max_num_seqs``,
         ``max_num_batched_tokens``, ``policy`` (``fcfs|sjf|priority|deadline``), ``preemption``
         (``recompute|swap``), ``kv_cache_memory`` (per model, e.g. ``'1GiB'``), ``block_size``;
-        ``self_draft_layers``, ``ngram_max``, ``ngram_min``.
+        ``self_draft_layers``, ``ngram_max``, ``ngram_min``; ``threads``: CPU threads per step, ``'auto'`` (default:
+        the cores other processes leave free, re-read as it runs) or an int.
         ``draft_weights``: the draft model's weight format (``'auto'``: int4 on CPU, see
         ``resolve_draft_weights``; it changes acceptance, never the output).
         ``draft_vocab``: the draft proposes only among the first N token ids (its lm_head keeps those rows, see
@@ -46,6 +53,7 @@ class LLM:
         except TypeError as exc:
             raise InvalidParameterError(f"LLM() got an unknown option: {exc}") from None
         self.loaded: LoadedEngine = build_engine(model, opts)
+        log.info("loaded %s: %s", model, self.weights_summary)
 
     # what callers (the CLI, the server, benchmarks) read of the loaded engine
     @property
@@ -87,6 +95,11 @@ class LLM:
     @property
     def weights(self) -> str:
         return self.loaded.weights
+
+    @property
+    def weights_summary(self) -> str:
+        """e.g. ``'weights: int4 kernels for 210 tensors (Q4_1), int8 for 1 (Q8_0 lm_head)'``."""
+        return self.loaded.weights_summary
 
     @property
     def draft_weights(self) -> str | None:

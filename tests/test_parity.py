@@ -44,5 +44,6 @@ def test_tiny_hf_checkpoint_matches_transformers(tiny_dir, arch, tie):
 @pytest.mark.slow
 def test_smollm2_gguf_matches_transformers(smollm2, smollm2_transformers):
     # smollm2_transformers: from_pretrained(dir, gguf_file=name, dtype=float32), loaded once (conftest)
-    llm = LLM(str(smollm2), dtype="float32", kv_cache_memory="64MiB")
+    # float32 weights dequantized from the file, as transformers loads them (the default runs the file's int4)
+    llm = LLM(str(smollm2), weights="float32", kv_cache_memory="64MiB")
     check_parity(llm, smollm2_transformers, llm.model.config.vocab_size)

@@ -14,7 +14,7 @@ from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
 from quickdraft.loading import load_checkpoint
 from quickdraft.loading import quantize as qz
-from quickdraft.loading.quant_convert import gguf_int4_params
+from quickdraft.loading.quant_convert import LAYER_LINEARS, gguf_int4_params
 from quickdraft.loading.dequant import dequantize
 from quickdraft.loading.gguf import unpermute_rows
 from quickdraft.models import build_model
@@ -349,8 +349,10 @@ def test_float_formats_keep_float_weights_packed_for_onednn(tiny_dir):
 
 
 def test_resolve_weights():
-    assert qz.resolve_weights("auto", "cpu") == "int4"
-    assert qz.resolve_weights("auto", "cuda:0") == "bfloat16"
+    q4 = {f"model.layers.0.{name}.weight": "Q4_K" for name in LAYER_LINEARS}
+    assert qz.resolve_weights("auto", "cpu", q4) == "int4"  # auto follows the file (tests/test_default_weights.py)
+    assert qz.resolve_weights("auto", "cpu") is None  # no GGUF types (an HF directory): float weights
+    assert qz.resolve_weights("auto", "cuda:0", q4) is None  # off CPU: float weights
     for w in ("int4", "int8", "bfloat16", "float32"):
         assert qz.resolve_weights(w, "cpu") == w
     for bad in ("int3", "INT4", "fp16", "", None, 4):

@@ -13,11 +13,12 @@ import torch
 
 from quickdraft.engine.engine import EngineConfig, LLMEngine
 from quickdraft.engine.scheduler import SchedulerConfig
+from quickdraft.engine.threads import check_threads
 from quickdraft.errors import InvalidParameterError, ModelLoadError
 from quickdraft.kv import ModelRunner
 from quickdraft.loading import Checkpoint, load_checkpoint
 from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, FLOAT_FORMATS, QUANT_FORMATS, quantize_checkpoint,
-                                        resolve_draft_weights, resolve_weights, restrict_lm_head)
+                                        resolve_draft_weights, resolve_weights, restrict_lm_head, weights_summary)
 from quickdraft.models import Transformer, build_model
 from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
 from quickdraft.speculative.run_ahead import RunAheadDrafter
@@ -36,7 +37,7 @@ class EngineOptions:
     num_speculative_tokens: int | str = "auto"
     max_speculative_tokens: int = 8
     dtype: str = "auto"
-    weights: str | None = None
+    weights: str = "auto"
     draft_weights: str = "auto"
     draft_vocab: int | None = None
     device: str = "cpu"
@@ -51,8 +52,10 @@ class EngineOptions:
     ngram_max: int = 4
     ngram_min: int = 1
     run_ahead: bool = False
+    threads: int | str = "auto"
 
     def __post_init__(self) -> None:
+        check_threads(self.threads)
         if self.draft is not None and self.speculative is not None:
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both")
         v = self.draft_vocab
@@ -89,6 +92,11 @@ class LoadedEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
+
+    @property
+    def weights_summary(self) -> str:
+        """Which kernels the target's linear layers run on and how the file stores them (see ``weights_summary``)."""
+        return weights_summary(self.model, self.checkpoint, self.weights)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ready for the reply."""
@@ -128,13 +136,14 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     o = options
     # an explicit draft format is checked (and its float dtype known) before anything is loaded
     draft_fmt = None if o.draft_weights == "auto" else resolve_weights(o.draft_weights, o.device)
-    # weights: None keeps float weights in `dtype`; int4/int8 keep the linear layers quantized (activations,
-    # embeddings and norms stay in `dtype`); "auto" picks the fastest measured format
-    fmt = resolve_weights(o.weights, o.device) if o.weights is not None else None
-    dtype = resolve_dtype(fmt if fmt in FLOAT_FORMATS else o.dtype, o.device)
-    weights = fmt or str(dtype).removeprefix("torch.")
+    resolve_weights(o.weights, o.device)  # a bad format fails before anything is loaded
+    dtype = resolve_dtype(o.weights if o.weights in FLOAT_FORMATS else o.dtype, o.device)
     kv_bytes = parse_size(o.kv_cache_memory)
     checkpoint = load_checkpoint(model, dtype=dtype)
+    # int4/int8 keep the linear layers quantized (activations, embeddings and norms stay in `dtype`), None keeps
+    # float weights in `dtype`; "auto" follows the file's own precision (see loading/weight_choice.py)
+    fmt = resolve_weights(o.weights, o.device, checkpoint.tensor_types)
+    weights = fmt or str(dtype).removeprefix("torch.")
     tokenizer = tokenizer_for(checkpoint)
     target_model = _build_model(checkpoint, weights, o.device)
     cfg = checkpoint.config
@@ -168,7 +177,7 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
         scheduler=SchedulerConfig(max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
                                   policy=o.policy, preemption=o.preemption),
         num_speculative_tokens=o.num_speculative_tokens if drafter is not None else 0,
-        max_speculative_tokens=o.max_speculative_tokens)
+        max_speculative_tokens=o.max_speculative_tokens, threads=o.threads)
     engine = LLMEngine(target, tokenizer, config, drafter)
     return LoadedEngine(engine, tokenizer, target_model, checkpoint, draft_checkpoint, dtype, weights, draft_weights,
                         o.device)

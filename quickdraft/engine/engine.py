@@ -19,6 +19,7 @@ import torch
 from quickdraft.engine.outputs import SpecMetrics, StreamChunk
 from quickdraft.engine.scheduler import Scheduler, SchedulerConfig
 from quickdraft.engine.sequence import CarriedState, Sequence, SpeculationState
+from quickdraft.engine.threads import ThreadBudget
 from quickdraft.errors import InvalidParameterError, PromptTooLongError
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
 from quickdraft.sampling import LogitsProcessor, SamplingParams
@@ -39,6 +40,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_speculative_tokens: int | str = "auto"  # fixed k, or "auto" for the adaptive controller
     max_speculative_tokens: int = 8
+    threads: int | str = "auto"  # CPU threads per step, "auto": the cores other processes leave free (ThreadBudget)
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -56,6 +58,7 @@ class LLMEngine:
         # tokenizer's vocabulary, and a padding row has no text
         self.vocab_size = min(tokenizer.vocab_size, target.vocab_size)
         self.scheduler = Scheduler(config.scheduler, target, on_preempt=self._drop_kv)
+        self.threads = ThreadBudget(config.threads)
         self.cost = CostModel()
         fixed = None if config.num_speculative_tokens == "auto" else config.num_speculative_tokens
         self.controller = SpeculationController(self.cost, max_k=config.max_speculative_tokens, fixed_k=fixed,
@@ -179,6 +182,7 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[StreamChunk]:
         cancelled = self._apply_cancels() if self._cancelled else []
+        self.threads.apply()
         room = self.controller.max_k if self.drafter is not None else 0
         scheduled = self.scheduler.schedule(draft_room=room)
         if not scheduled:

@@ -34,6 +34,9 @@ class Checkpoint:
     gguf_metadata: dict[str, Any] | None  # all GGUF key/values (tokenizer.ggml.* etc.); None for HF dirs
     hf_dir: Path | None  # the HF directory (tokenizer.json lives there); None for GGUF
     quantization: str  # e.g. 'Q4_1', 'Q4_K_M' for GGUF, 'safetensors' for HF directories
+    # GGUF: each tensor's GGML type as stored ('Q4_1', 'F32', ...) by HF name, a tied lm_head under its own name
+    # too (what weights='auto' follows); None for HF directories
+    tensor_types: dict[str, str] | None = None
 
     def content_fingerprint(self) -> str:
         """Identity of the weights by content (see ``content_fingerprint``), computed once: unlike

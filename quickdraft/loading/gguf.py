@@ -21,7 +21,7 @@ from quickdraft.errors import ModelLoadError
 from quickdraft.loading import weight_cache
 from quickdraft.loading.checkpoint import Checkpoint, fingerprint
 from quickdraft.loading.dequant import SUPPORTED_TYPES, dequantize, qtype_name, supported_type_names
-from quickdraft.loading.gguf_metadata import open_gguf, read_metadata
+from quickdraft.loading.gguf_metadata import open_gguf, read_metadata, tensor_types
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,14 @@ def hf_name(gguf_name: str) -> str | None:
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
+
+
+def hf_tensor_types(gguf_types: dict[str, str]) -> dict[str, str]:
+    """GGML type names by GGUF tensor name -> by HF name, with a tied lm_head typed as the embedding it reads."""
+    out = {hf: t for name, t in gguf_types.items() if (hf := hf_name(name)) is not None}
+    if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -273,6 +281,8 @@ def load_gguf(
                 cfg_dict = dict(info["config"])
                 cfg_dict["eos_token_ids"] = tuple(cfg_dict["eos_token_ids"])
                 cfg, metadata, quant = ModelConfig(**cfg_dict), dict(info["metadata"]), str(info["quantization"])
+                types = info.get("tensor_types")  # absent from records written before it was kept
+                types = dict(types) if types is not None else hf_tensor_types(tensor_types(path))
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("ignoring damaged weight cache record for %s (%s: %s); rebuilding", path.name,
                             type(exc).__name__, exc)
@@ -281,7 +291,7 @@ def load_gguf(
                 return Checkpoint(
                     config=cfg, tensors=tensors, source=path, fingerprint=fp,
                     chat_template=metadata.get("tokenizer.chat_template"), gguf_metadata=metadata, hf_dir=None,
-                    quantization=quant,
+                    quantization=quant, tensor_types=types,
                 )
 
     reader = open_gguf(path)  # every count, length, type and offset of the header checked
@@ -294,6 +304,7 @@ def load_gguf(
 
     by_name = {t.name: t for t in reader.tensors}
     shapes = {name: tuple(int(x) for x in reversed(t.shape.tolist())) for name, t in by_name.items()}
+    types = hf_tensor_types({name: qtype_name(t.tensor_type) for name, t in by_name.items()})
     cfg = config_from_metadata(metadata, shapes, path)
 
     selected = []
@@ -336,10 +347,11 @@ def load_gguf(
     if use_cache:
         weight_cache.store(
             fp, dtype, tensors, cfg.tie_word_embeddings,
-            {"config": asdict(cfg), "metadata": metadata, "quantization": quant, "source": str(path)},
+            {"config": asdict(cfg), "metadata": metadata, "quantization": quant, "source": str(path),
+             "tensor_types": types},
         )
     return Checkpoint(
         config=cfg, tensors=tensors, source=path, fingerprint=fp,
         chat_template=metadata.get("tokenizer.chat_template"), gguf_metadata=metadata, hf_dir=None,
-        quantization=quant,
+        quantization=quant, tensor_types=types,
     )

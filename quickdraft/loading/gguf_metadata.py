@@ -119,8 +119,9 @@ class _Header:
                     self.value(item_type, key, in_array=True)
 
 
-def check_header(path: Path, buf: mmap.mmap | bytes) -> None:
-    """Walk a GGUF header and check every count, length, type, dimension and offset (see the module doc)."""
+def check_header(path: Path, buf: mmap.mmap | bytes) -> dict[str, int]:
+    """Walk a GGUF header and check every count, length, type, dimension and offset (see the module doc);
+    returns each tensor's GGML type id by GGUF name."""
     h = _Header(buf, path)
     h.take(4, "the magic")
     version = h.unpack("<I", "the version")
@@ -191,11 +192,11 @@ def check_header(path: Path, buf: mmap.mmap | bytes) -> None:
         if end > h.size:
             raise h.error(f"tensor {name!r} (shape {dims}, {n_bytes:,} bytes at offset {offset:,}) needs bytes up "
                           f"to {end:,} but the file has {h.size:,} bytes")
+    return {name: raw_type for name, _, raw_type, _ in infos}
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
-    """Open a GGUF file whose header ``check_header`` accepted, turning any remaining failure into a clear error."""
-    path = Path(path)
+def _checked_header(path: Path) -> dict[str, int]:
+    """``check_header`` of the GGUF file at ``path``, after its existence and magic."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
     with open(path, "rb") as f:
@@ -203,7 +204,19 @@ def open_gguf(path: str | Path) -> GGUFReader:
         if magic != b"GGUF":
             raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            check_header(path, buf)
+            return check_header(path, buf)
+
+
+def tensor_types(path: str | Path) -> dict[str, str]:
+    """GGML type name (``'Q4_1'``, ``'F32'``, ...) of every tensor by GGUF name, from the checked header alone:
+    cheap enough to describe a file without reading its tensors or its metadata into Python values."""
+    return {name: GGMLQuantizationType(raw).name for name, raw in _checked_header(Path(path)).items()}
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """Open a GGUF file whose header ``check_header`` accepted, turning any remaining failure into a clear error."""
+    path = Path(path)
+    _checked_header(path)
     try:
         return GGUFReader(path, "r")
     except Exception as exc:  # the reader raises ValueError/IndexError/... on damaged files

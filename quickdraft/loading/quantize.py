@@ -2,12 +2,15 @@
 
 Entry points:
 
-* ``resolve_weights(weights, device)``: ``'auto' | 'int4' | 'int8' | 'bfloat16' | 'float32'`` -> the format to run.
+* ``resolve_weights(weights, device, tensor_types)``: ``'auto' | 'int4' | 'int8' | 'bfloat16' | 'float32'`` -> the
+  format to run (``'auto'`` follows the file, see ``weight_choice.py``).
 * ``resolve_draft_weights(draft_weights, target_format, cfg, device)``: the same for a draft model.
 * ``quantize_checkpoint(model, checkpoint, fmt)``: what ``LLM`` calls after ``build_model``; uses the
   GGUF's own int4 blocks where they map exactly (``quant_convert.py``), caches the result on disk
   (``quant_cache.py``), returns the model. Float formats get packed linear layers instead (``pack_float.py``).
 * ``restrict_lm_head(model, rows)``: a draft's lm_head cut to the most frequent tokens.
+* ``weights_summary(model, checkpoint, weights)``: the one line that says which kernels a loaded model runs;
+  ``file_defaults(path)``: what ``'auto'`` runs a GGUF file on, from its header alone.
 
 What is quantized: q/k/v/o and gate/up/down of every decoder layer, and ``lm_head`` when asked for
 (by default int8). A tied ``lm_head`` gets its own int8 copy and the embedding table stays in the model
@@ -20,6 +23,7 @@ quantized matmul).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -28,7 +32,8 @@ from torch import nn
 from quickdraft.config import ModelConfig
 from quickdraft.errors import InvalidParameterError
 from quickdraft.loading.checkpoint import Checkpoint
-from quickdraft.loading.gguf import single_thread
+from quickdraft.loading.gguf import hf_tensor_types, single_thread
+from quickdraft.loading.gguf_metadata import tensor_types as gguf_tensor_types
 from quickdraft.loading.pack_float import pack_float_linears
 from quickdraft.loading.quant_cache import load_quantized, quant_cache_entry, store_quantized
 from quickdraft.loading.quant_convert import (
@@ -39,6 +44,8 @@ from quickdraft.loading.quant_convert import (
     quantize_model,
 )
 from quickdraft.loading.quant_groups import fuse_quant_linears
+from quickdraft.loading.weight_choice import (auto_format, describe_float, describe_kernels, kernel_sources,
+                                             layer_linear_types, planned_kernels)
 from quickdraft.models.quant_formats import INT4_GROUP_SIZES
 from quickdraft.models.transformer import Transformer
 
@@ -48,15 +55,18 @@ FLOAT_FORMATS = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DEFAULT_LM_HEAD: bool | str = "int8"
 
 
-def resolve_weights(weights: str, device: str = "cpu") -> str:
-    """The weight format to run: ``'int4'``, ``'int8'``, ``'bfloat16'`` or ``'float32'``.
+def resolve_weights(weights: str, device: str = "cpu", tensor_types: Mapping[str, str] | None = None) -> str | None:
+    """The weight format to run: ``'int4'``, ``'int8'``, ``'bfloat16'``, ``'float32'``, or None for float weights
+    in the model dtype.
 
-    ``'auto'``: ``'int4'`` on CPU (the fastest 1-token decode step measured, see bench/quant_accuracy.py),
-    ``'bfloat16'`` elsewhere (the quantized layers only have a slow dequantize fallback off CPU)."""
+    ``'auto'`` on CPU follows the checkpoint whose ``tensor_types`` are given (``weight_choice.auto_format``): a
+    decode step reads about the bytes the file holds, not its dequantized size. A Q4 GGUF runs int4, a Q5/Q6/Q8
+    one int8, a float GGUF or an HF directory float weights. Off CPU it keeps float weights (the quantized layers
+    only have a slow dequantize fallback there)."""
     if not isinstance(weights, str) or weights not in WEIGHT_FORMATS:
         raise InvalidParameterError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     if weights == "auto":
-        return "int4" if str(device).startswith("cpu") else "bfloat16"
+        return auto_format(tensor_types) if str(device).startswith("cpu") else None
     return weights
 
 
@@ -155,7 +165,28 @@ def quantize_checkpoint(model: Transformer, checkpoint: Checkpoint, fmt: str, *,
         del sources, types
         if use_cache:
             store_quantized(path, model, {**meta, "info": json.dumps(model.quant_info)})
+    # which kernel each layer runs on, read before fuse_quant_linears groups them (for weights_summary)
+    model.quant_info = {**model.quant_info, "kernels": kernel_sources(model, names, checkpoint.tensor_types,
+                                                                      checkpoint.quantization)}
     if release:
         _release(checkpoint, names)
     fuse_quant_linears(model)
     return model
+
+
+def weights_summary(model: Transformer, checkpoint: Checkpoint, weights: str) -> str:
+    """One line on the kernels ``model`` (built from ``checkpoint`` in format ``weights``) runs, e.g.
+    ``'weights: int4 kernels for 210 tensors (Q4_1), int8 for 1 (Q8_0 lm_head)'``."""
+    kernels = getattr(model, "quant_info", {}).get("kernels")
+    if weights in QUANT_FORMATS and kernels:
+        return describe_kernels(kernels)
+    return describe_float(checkpoint.tensor_types, checkpoint.config.num_layers, weights, checkpoint.quantization)
+
+
+def file_defaults(path: str | Path) -> tuple[str, str]:
+    """(how a GGUF file stores its decoder-layer linears, e.g. ``'Q4_K+Q6_K'``; the kernels ``'auto'`` runs them
+    on, e.g. ``'int4 x168, int8 x29'`` counting the lm_head, or ``'float'``), from the file's header alone."""
+    types = hf_tensor_types(gguf_tensor_types(path))
+    stored = "+".join(t for t, _ in layer_linear_types(types).most_common()) or "?"
+    kernels = planned_kernels(types, lm_head_format(DEFAULT_LM_HEAD))
+    return stored, "float" if kernels is None else ", ".join(f"{k} x{n}" for k, n in kernels.items())

@@ -1,0 +1,99 @@
+"""What ``weights='auto'`` runs a checkpoint in, and a one-line account of the kernels a loaded model runs.
+
+``'auto'`` follows the file, judged by the GGML types of the decoder layers' linear weights
+(``Checkpoint.tensor_types``, kept with the checkpoint, so nothing is read again):
+
+* any stored as Q4_0 / Q4_1 / Q4_K -> ``'int4'``: those blocks map exactly onto the int4 kernel, and the layers the
+  file stores with more bits (Q5_*, Q6_K, Q8_0, F16) run int8 (``quantize_checkpoint``'s ``wide_sources='int8'``),
+  so no layer runs on fewer bits than the file gives it and a decode step reads close to the file's bytes, not
+  its dequantized size;
+* else any quantized (Q5_*, Q6_K, Q8_0) -> ``'int8'``;
+* else (F32 / F16 / BF16 GGUFs, Hugging Face directories) -> float weights in the model dtype.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+from quickdraft.loading.quant_convert import LAYER_LINEARS, gguf_int4_types
+from quickdraft.models.quant import Int4Linear, Int8Linear
+from quickdraft.models.transformer import Transformer
+
+INT4_TYPES = tuple(t.name for t in gguf_int4_types())  # Q4_0, Q4_1, Q4_K: mapped exactly to int4 (group 32)
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+_LAYER_LINEAR = re.compile(r"model\.layers\.\d+\.(" + "|".join(map(re.escape, LAYER_LINEARS)) + r")\.weight")
+
+
+def layer_linear_types(tensor_types: Mapping[str, str] | None) -> Counter:
+    """How many decoder-layer linear weights (q/k/v/o, gate/up/down) the file stores in each GGML type."""
+    return Counter(t for name, t in (tensor_types or {}).items() if _LAYER_LINEAR.fullmatch(name))
+
+
+def auto_format(tensor_types: Mapping[str, str] | None) -> str | None:
+    """The format ``'auto'`` runs a checkpoint with these tensor types in on CPU (see the module doc):
+    ``'int4'``, ``'int8'``, or None for float weights in the model dtype (also for None: no GGUF types)."""
+    types = layer_linear_types(tensor_types)
+    if any(t in INT4_TYPES for t in types):
+        return "int4"
+    if any(t not in FLOAT_TYPES for t in types):
+        return "int8"
+    return None
+
+
+def planned_kernels(tensor_types: Mapping[str, str] | None, head_kernel: str | None) -> dict[str, int] | None:
+    """Linear layers per kernel that ``'auto'`` runs a file with these types on, read from the types alone (the
+    rule of ``quantize_model`` with ``wide_sources='int8'``), the lm_head on ``head_kernel``; None: float weights."""
+    fmt = auto_format(tensor_types)
+    if fmt is None:
+        return None
+    layers = layer_linear_types(tensor_types)
+    counts = Counter({"int4": 0, "int8": 0})
+    for t, n in layers.items():
+        counts[fmt if fmt == "int8" or t in INT4_TYPES else "int8"] += n
+    if head_kernel is not None:
+        counts[head_kernel] += 1
+    return {k: n for k, n in counts.items() if n}
+
+
+def kernel_sources(model: Transformer, names: Iterable[str], tensor_types: Mapping[str, str] | None,
+                   fallback: str) -> dict[str, dict[str, int]]:
+    """Kernel -> {how the file stores the tensor: count} over the quantized linears ``names`` (HF module names) of
+    ``model``, read before they are grouped; the lm_head's entry says so. ``fallback`` names the source of a
+    tensor the GGUF types do not cover (an HF checkpoint)."""
+    out: dict[str, dict[str, int]] = {}
+    for name in names:
+        mod = model.get_submodule(name)
+        kernel = "int4" if isinstance(mod, Int4Linear) else "int8" if isinstance(mod, Int8Linear) else None
+        if kernel is None:
+            continue
+        label = (tensor_types or {}).get(name + ".weight", fallback) + (" lm_head" if name == "lm_head" else "")
+        sources = out.setdefault(kernel, {})
+        sources[label] = sources.get(label, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def describe_kernels(kernels: Mapping[str, Mapping[str, int]], note: str = "") -> str:
+    """``'weights: int4 kernels for 210 tensors (Q4_1), int8 for 1 (Q8_0 lm_head)'`` from ``kernel_sources``."""
+    parts = []
+    for kernel, sources in kernels.items():
+        total = sum(sources.values())
+        shown = next(iter(sources)) if len(sources) == 1 else ", ".join(
+            f"{n} {label}" if n > 1 else label for label, n in sorted(sources.items(), key=lambda kv: -kv[1]))
+        count = f"{kernel} kernels for {total} tensor{'s' if total != 1 else ''}" if not parts else f"{kernel} for {total}"
+        parts.append(f"{count} ({shown}{note})")
+    return "weights: " + ", ".join(parts)
+
+
+def describe_float(tensor_types: Mapping[str, str] | None, num_layers: int, dtype_name: str, source: str) -> str:
+    """The account of float weights: the kernels' dtype, over how the file stores the linears (``source`` for an
+    HF checkpoint), marked when they were dequantized."""
+    layers = layer_linear_types(tensor_types)
+    head = (tensor_types or {}).get("lm_head.weight")
+    if not layers:  # no GGUF types: every linear, the lm_head included, comes from ``source``
+        return describe_kernels({dtype_name: {source: len(LAYER_LINEARS) * num_layers + 1}})
+    sources: dict[str, int] = dict(layers)
+    if head is not None:
+        sources[head + " lm_head"] = 1
+    quantized = any(t not in FLOAT_TYPES for t in (*layers, head) if t is not None)
+    return describe_kernels({dtype_name: sources}, "; dequantized" if quantized else "")
