@@ -1,23 +1,29 @@
-"""quickdraft vs llama.cpp on CPU, same GGUF target, greedy, side by side in one run.
+"""quickdraft vs llama.cpp on CPU, same GGUF targets, greedy, side by side in one run.
 
-Usage: python bench/cpu_vs_llamacpp.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b]
+Usage: python bench/cpu_vs_llamacpp.py [--targets qwen2.5-coder-1.5b[,smollm2-135m,...]] [--draft qwen2.5-coder-0.5b]
          [--tokens 128] [--humaneval 3] [--spec-bench 3] [--weights auto,int4,int8,bfloat16]
-         [--modes plain,draft,ngram] [--threads 2] [--repeats 1]
+         [--modes plain,draft,ngram] [--threads 2] [--repeats 1] [--busy] [--out cpu_vs_llamacpp]
 Sample: the first --humaneval public HumanEval prompts and the first public Spec-Bench prompt of the
 first --spec-bench categories, each wrapped in the chat template; both engines get the same token ids.
 llama.cpp enters through the PyPI package llama-cpp-python (`pip install llama-cpp-python`, it compiles
-llama.cpp for this CPU): plain decoding and its LlamaPromptLookupDecoding drafter. tokens/s = new tokens
-/ wall time of the whole call (prefill included) for every configuration; plain configurations are also
-reported against the memory-bandwidth limit of the weights one decode step reads (measured bandwidth / bytes).
-Every configuration is loaded at start-up and the prompts run in turn through all of them (the first
-configuration rotating from prompt to prompt), so a drift in the machine's speed over minutes, which is tens of
-percent on shared cloud hosts, falls on every configuration alike. Summaries are given over all prompts and for
-the HumanEval and Spec-Bench groups apart; JSON and a PNG chart go to bench/results/cpu_vs_llamacpp.{json,png}.
+llama.cpp for this CPU): plain decoding at the file's own quantization, and with ngram in --modes its
+LlamaPromptLookupDecoding drafter. quickdraft runs each --weights (auto: its default, the file's own precision)
+in each mode (draft: --draft as draft model; a target no larger than the draft runs plain only).
+tokens/s = new tokens / wall time of the whole call (prefill included) for every configuration; plain
+configurations are also reported against the memory-bandwidth limit of the weights one decode step reads
+(measured bandwidth / bytes). Each target's configurations are loaded together and the prompts run in turn
+through all of them (the first configuration rotating from prompt to prompt), so a drift in the machine's speed
+over minutes, which is tens of percent on shared cloud hosts, falls on every configuration alike.
+--busy: every run is made twice, on the idle machine and with one CPU-bound process beside it (a Python busy
+loop), and the table gives the slowdown. Summaries are per target over all prompts and for the HumanEval and
+Spec-Bench groups apart; JSON and a PNG chart go to bench/results/<out>.{json,png}.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -66,6 +72,8 @@ def quickdraft_runner(target: str, draft: str, weights: str, mode: str, tokens: 
 
 def llamacpp_runner(target: str, mode: str, tokens: int, threads: int) -> Runner:
     from llama_cpp import Llama
+    from quickdraft.loading.quantize import file_defaults
+    quant = file_defaults(resolve_model(target))[0]
     kwargs = {}
     if mode == "lookup":
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -84,7 +92,7 @@ def llamacpp_runner(target: str, mode: str, tokens: int, threads: int) -> Runner
             if len(out_ids) >= tokens:
                 break
         sec = time.perf_counter() - t0
-        return {"engine": "llama.cpp", "config": f"Q4_K_M/{mode}", "category": cat, "tok_s": len(out_ids) / sec,
+        return {"engine": "llama.cpp", "config": f"{quant}/{mode}", "category": cat, "tok_s": len(out_ids) / sec,
                 "token_ids": out_ids,
                 "weight_bytes": resolve_model(target).stat().st_size}  # the whole GGUF: an upper bound
     return run
@@ -92,7 +100,7 @@ def llamacpp_runner(target: str, mode: str, tokens: int, threads: int) -> Runner
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--targets", "--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--humaneval", type=int, default=3)
@@ -102,50 +110,87 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=1,
                     help="passes over the sample; with 2 or more the table gives each configuration's run-to-run spread")
+    ap.add_argument("--busy", action="store_true", help="also run every configuration beside a CPU-bound process")
+    ap.add_argument("--out", default="cpu_vs_llamacpp")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     info = machine()
     bandwidth = memory_bandwidth_gbs()
     cats = ("summarization", "rag", "translation", "qa", "math_reasoning", "writing")[: args.spec_bench]
     texts = [("humaneval", p) for p in humaneval_prompts(args.humaneval)] + spec_bench_prompts(1, cats)
-    prompts = prompt_ids(args.target, texts)
-    print(f"machine: {info['cpu']}, {info['cores']} cores, {args.threads} threads; {len(prompts)} prompts, "
+    print(f"machine: {info['cpu']}, {info['cores']} cores, {args.threads} threads; {len(texts)} prompts, "
           f"{args.tokens} new tokens, greedy; measured read bandwidth {bandwidth:.1f} GB/s")
+    rows, summary = [], []
+    for target in args.targets.split(","):
+        target_rows = run_target(target, texts, args)
+        rows += target_rows
+        for group in ("all", "humaneval", "spec-bench"):
+            picked = [r for r in target_rows if group == "all" or (r["category"] == "humaneval") == (group == "humaneval")]
+            summary += summarize(picked, f"{target} {group}", bandwidth)
+    cols = ["group", "engine", "config", "tok_s", "vs_own_plain", "spread", "identical_to_own_plain", "acceptance",
+            "tokens_per_pass", "vs_best_llamacpp", "pct_of_bandwidth_limit"]
+    if args.busy:
+        cols += ["busy_tok_s", "busy_slowdown"]
+    print("\n" + table(summary, cols))
+    path = save(args.out, {"machine": info, "bandwidth_GB_s": bandwidth, "args": vars(args), "summary": summary,
+                           "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]})
+    chart(summary, path.with_suffix(".png"))
+    print(f"wrote {path}")
+
+
+def run_target(target: str, texts: list[tuple[str, str]], args: argparse.Namespace) -> list[dict]:
+    """Every configuration of one target over the prompts, rotating which goes first; freed afterwards."""
+    prompts = prompt_ids(target, texts)
+    modes = args.modes.split(",")
+    if resolve_model(target).stat().st_size <= resolve_model(args.draft).stat().st_size:
+        modes = [m for m in modes if m != "draft"]  # a draft no smaller than its target has nothing to offer
     runners: list[Runner] = []
     try:
         import llama_cpp  # noqa: F401
-        runners += [llamacpp_runner(args.target, mode, args.tokens, args.threads) for mode in ("plain", "lookup")]
+        runners += [llamacpp_runner(target, mode, args.tokens, args.threads)
+                    for mode in ("plain", "lookup") if mode == "plain" or "ngram" in modes]
     except ImportError:
         print("llama-cpp-python is not installed (pip install llama-cpp-python); reporting quickdraft only")
     for weights in args.weights.split(","):
-        for mode in args.modes.split(","):
-            runners.append(quickdraft_runner(args.target, args.draft, weights, mode, args.tokens))
+        for mode in modes:
+            runners.append(quickdraft_runner(target, args.draft, weights, mode, args.tokens))
     rows = []
     for rep in range(args.repeats):
         for i, (cat, ids) in enumerate(prompts):  # every configuration on one prompt, then the next prompt
             turn = (rep * len(prompts) + i) % len(runners)  # each prompt starts one configuration further on
             for run in runners[turn:] + runners[:turn]:
-                rows.append({**run(cat, ids), "prompt": i, "repeat": rep})
-                print(f"  {rows[-1]['engine']:<10} {rows[-1]['config']:<16} {cat:<14} {rows[-1]['tok_s']:6.2f} tok/s",
-                      flush=True)
-    summary = []
-    for group in ("all", "humaneval", "spec-bench"):
-        summary += summarize([r for r in rows if group == "all" or (r["category"] == "humaneval") == (group == "humaneval")],
-                             group, bandwidth)
-    cols = ["group", "engine", "config", "tok_s", "vs_own_plain", "spread", "identical_to_own_plain", "acceptance",
-            "tokens_per_pass", "vs_best_llamacpp", "pct_of_bandwidth_limit"]
-    print("\n" + table(summary, cols))
-    path = save("cpu_vs_llamacpp", {"machine": info, "bandwidth_GB_s": bandwidth, "args": vars(args),
-                                    "summary": summary,
-                                    "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]})
-    chart(summary, path.with_suffix(".png"))
-    print(f"wrote {path}")
+                for busy in (False, True) if args.busy else (False,):
+                    with busy_process(busy):
+                        rows.append({**run(cat, ids), "target": target, "prompt": i, "repeat": rep, "busy": busy})
+                    r = rows[-1]
+                    print(f"  {target:<20} {r['engine']:<10} {r['config']:<16} {cat:<14} {r['tok_s']:6.2f} tok/s"
+                          f"{' (busy)' if busy else ''}", flush=True)
+    del runners
+    gc.collect()
+    return rows
 
 
-def summarize(rows: list[dict], group: str, bandwidth: float) -> list[dict]:
+@contextlib.contextmanager
+def busy_process(busy: bool):
+    """A CPU-bound process (a Python busy loop) runs beside the body when ``busy``."""
+    if not busy:
+        yield
+        return
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # running, and seen by anything that measures the load
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def summarize(all_rows: list[dict], group: str, bandwidth: float) -> list[dict]:
     """One line per (engine, config): mean tok/s, ratio to the same engine and weights without speculation, the
     median run-to-run spread of one prompt's tok/s (max - min over repeats, relative; with --repeats 2 or more), how
-    many outputs equal that plain run's, and (plain only) tok/s as a share of the bandwidth limit."""
+    many outputs equal that plain run's, (plain only) tok/s as a share of the bandwidth limit, and with --busy the
+    mean tok/s beside a CPU-bound process and the slowdown it caused."""
+    rows = [r for r in all_rows if not r["busy"]]
     out = []
     for key in dict.fromkeys((r["engine"], r["config"]) for r in rows):
         rs = [r for r in rows if (r["engine"], r["config"]) == key]
@@ -165,6 +210,10 @@ def summarize(rows: list[dict], group: str, bandwidth: float) -> list[dict]:
                     "acceptance": _mean([r.get("acceptance") for r in rs]),
                     "tokens_per_pass": _mean([r.get("tokens_per_pass") for r in rs]),
                     "pct_of_bandwidth_limit": 100 * tok_s / limit if key[1].endswith("/plain") else None})
+        busy = [r["tok_s"] for r in all_rows if r["busy"] and (r["engine"], r["config"]) == key]
+        if busy:
+            out[-1]["busy_tok_s"] = sum(busy) / len(busy)
+            out[-1]["busy_slowdown"] = tok_s / out[-1]["busy_tok_s"]
     best_llama = max((s["tok_s"] for s in out if s["engine"] == "llama.cpp"), default=None)
     for s in out:
         s["vs_best_llamacpp"] = s["tok_s"] / best_llama if best_llama else None
@@ -185,7 +234,7 @@ def chart(summary: list[dict], path: Path) -> None:
         ax.bar([x + i * width for x in range(len(groups))], vals, width, label=c)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], groups)
     ax.set_ylabel("tokens/s (greedy, prefill included)")
-    ax.set_title("quickdraft vs llama.cpp on CPU, Qwen2.5-Coder-1.5B (Q4_K_M GGUF)")
+    ax.set_title("quickdraft vs llama.cpp on CPU, same GGUF files")
     ax.legend(ncol=3, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -39,6 +39,18 @@ def test_tokens_do_not_depend_on_the_thread_count(smollm2, weights):
     assert outputs[1] == outputs[2]
 
 
+def test_a_budget_made_while_another_lowered_the_count_gets_the_cores_chosen_before():
+    """A second LLM built while the first runs one thread for a busy core may still use both cores later."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ThreadBudget(1).apply()
+        assert torch.get_num_threads() == 1
+        assert ThreadBudget("auto").max_threads == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def _threads_after(budget: ThreadBudget, seconds: float, want) -> int:
     """Apply the budget for up to ``seconds`` (as steps would) until ``want(threads)``; the last count."""
     end = time.monotonic() + seconds

@@ -20,6 +20,23 @@ import torch
 from quickdraft.errors import InvalidParameterError
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# the thread count before any budget lowered it, and the count a budget last set: a budget made while another one
+# has lowered the count (a second LLM in a process under load) must still be allowed the cores it had
+_before_budgets: int | None = None
+_last_set: int | None = None
+
+
+def _configured_threads() -> int:
+    current = torch.get_num_threads()
+    return _before_budgets if _before_budgets is not None and current == _last_set else current
+
+
+def _set_threads(n: int) -> None:
+    global _before_budgets, _last_set
+    if _before_budgets is None or torch.get_num_threads() != _last_set:
+        _before_budgets = torch.get_num_threads()  # the count the caller chose, not one a budget set
+    torch.set_num_threads(n)
+    _last_set = n
 
 
 def _machine_busy_s() -> float | None:
@@ -55,7 +72,7 @@ class ThreadBudget:
 
     def __init__(self, threads: int | str = "auto", interval_s: float = 0.25) -> None:
         check_threads(threads)
-        self.max_threads = torch.get_num_threads()
+        self.max_threads = _configured_threads()
         self.fixed = None if threads == "auto" else int(threads)
         self.interval_s = interval_s
         self.threads = self.fixed or self.max_threads
@@ -65,11 +82,13 @@ class ThreadBudget:
         """Called at each step's start: re-reads the load once per interval and sets the thread count."""
         if self.fixed is not None:
             if torch.get_num_threads() != self.fixed:
-                torch.set_num_threads(self.fixed)
+                _set_threads(self.fixed)
             return self.fixed
         now = time.monotonic()
         if self._last is not None and now - self._last[0] < self.interval_s:
             return self.threads
+        if self._last is not None and now - self._last[0] > 4 * self.interval_s:
+            self._last, self.threads = None, self.max_threads  # after a pause, the load then says nothing of now
         machine, own = _machine_busy_s(), _own_busy_s()
         if machine is None or own is None:
             return self.threads
@@ -79,5 +98,5 @@ class ThreadBudget:
             self.threads = max(1, min(self.max_threads, round(os.cpu_count() - others)))
         self._last = (now, machine, own)
         if torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+            _set_threads(self.threads)
         return self.threads

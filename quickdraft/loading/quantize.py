@@ -148,7 +148,7 @@ def quantize_checkpoint(model: Transformer, checkpoint: Checkpoint, fmt: str, *,
         raise InvalidParameterError(f"weights format must be one of {', '.join(QUANT_FORMATS + tuple(FLOAT_FORMATS))}, "
                                     f"got {fmt!r}")
     head_fmt = lm_head_format(DEFAULT_LM_HEAD if lm_head is None else lm_head)
-    is_gguf = getattr(checkpoint, "gguf_metadata", None) is not None and Path(checkpoint.source).is_file()
+    is_gguf = checkpoint.gguf_metadata is not None and Path(checkpoint.source).is_file()
     device = model.model.embed_tokens.weight.device
     source = "gguf" if is_gguf else str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     names = list(quantizable_linears(model, head_fmt is not None))
@@ -177,7 +177,7 @@ def quantize_checkpoint(model: Transformer, checkpoint: Checkpoint, fmt: str, *,
 def weights_summary(model: Transformer, checkpoint: Checkpoint, weights: str) -> str:
     """One line on the kernels ``model`` (built from ``checkpoint`` in format ``weights``) runs, e.g.
     ``'weights: int4 kernels for 210 tensors (Q4_1), int8 for 1 (Q8_0 lm_head)'``."""
-    kernels = getattr(model, "quant_info", {}).get("kernels")
+    kernels = model.quant_info.get("kernels")
     if weights in QUANT_FORMATS and kernels:
         return describe_kernels(kernels)
     return describe_float(checkpoint.tensor_types, checkpoint.config.num_layers, weights, checkpoint.quantization)

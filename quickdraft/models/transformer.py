@@ -167,6 +167,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self._stacks: dict[int | None, FusedStack] = {}
+        self.quant_info: dict = {}  # set where the loader quantizes the linear layers (format, kernels, sources)
 
     def forward(self, tokens: torch.Tensor, attn: Attention, num_layers: int | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; ``num_layers`` runs only the first layers
