@@ -48,13 +48,16 @@ def prompt_ids(target: str, texts: list[tuple[str, str]]) -> list[tuple[str, lis
 
 
 Runner = Callable[[str, list[int]], dict]
+WARM_UP = "Write a Python function that returns the sum of a list of numbers."
 
 
 def quickdraft_runner(target: str, draft: str, weights: str, mode: str, tokens: int) -> Runner:
     kwargs = {"draft": draft} if mode == "draft" else {"speculative": "ngram"} if mode == "ngram" else {}
     llm = LLM(target, weights=weights, **kwargs)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    # warm-up with a request like the measured ones (not from the sample): four arbitrary token ids would also
+    # teach the speculation controller that the draft never hits, and each prompt would start from that
+    llm.generate([llm.chat_prompt([{"role": "user", "content": WARM_UP}])], SamplingParams(max_tokens=16, temperature=0.0))
     config, nbytes = f"{llm.weights}/{mode}", weight_bytes_per_token(llm.model)
 
     def run(cat: str, ids: list[int]) -> dict:

@@ -11,6 +11,7 @@ import torch
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import ForwardItem, SequenceKV
+from quickdraft.models import native
 
 BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "bench-data"
 
@@ -210,9 +211,18 @@ def test_bad_draft_options_rejected(tiny_dir, kwargs, message):
         LLM(str(target), dtype="float32", **kwargs)
 
 
-def test_quantized_draft_runs_long_items_on_float_weights(tiny_dir):
-    """A quantized draft's runner sends items of ``long_tokens`` or more new tokens (long prompts) to its float
-    model and shorter ones to its int4 model, item by item, whatever else is in the batch."""
+def test_a_draft_keeps_no_float_copy_where_int4_wins_at_every_length(tiny_dir, monkeypatch):
+    monkeypatch.setattr(native, "wide_int8_dot_products", lambda: True)
+    target = tiny_dir(arch="qwen2", vocab_size=64, layers=4)
+    runner = LLM(str(target), draft=str(target), dtype="float32", kv_cache_memory=TINY_KV).drafter.runner
+    assert runner.long_model is None
+
+
+def test_quantized_draft_runs_long_items_on_float_weights(tiny_dir, monkeypatch):
+    """Where the int4 kernel loses to float weights on long prompts (AVX2), a quantized draft's runner sends items of
+    ``long_tokens`` or more new tokens to its float model and shorter ones to its int4 model, item by item, whatever
+    else is in the batch."""
+    monkeypatch.setattr(native, "wide_int8_dot_products", lambda: False)
     target = tiny_dir(arch="qwen2", vocab_size=64, layers=4)
     runner = LLM(str(target), draft=str(target), dtype="float32", kv_cache_memory=TINY_KV).drafter.runner
     assert runner.long_model is not None and runner.long_model is not runner.model

@@ -19,7 +19,7 @@ from quickdraft.kv import ModelRunner
 from quickdraft.loading import Checkpoint, load_checkpoint
 from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, FLOAT_FORMATS, QUANT_FORMATS, quantize_checkpoint,
                                         resolve_draft_weights, resolve_weights, restrict_lm_head, weights_summary)
-from quickdraft.models import Transformer, build_model
+from quickdraft.models import Transformer, build_model, native
 from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
 from quickdraft.speculative.run_ahead import RunAheadDrafter
 from quickdraft.tokenizer import Tokenizer
@@ -193,12 +193,15 @@ def _build_model(checkpoint: Checkpoint, fmt: str, device: str, options: dict | 
 
 def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dtype: torch.dtype, kv_bytes: int,
                          target_vocab: int) -> ModelDrafter:
-    """A draft model in ``fmt``; a quantized draft keeps float weights too, for long prompts (see ModelRunner)."""
+    """A draft model in ``fmt``; a quantized draft keeps float weights too, for long prompts (see ModelRunner), except
+    where the int4 kernel is faster at every length (``wide_int8_dot_products``)."""
     quantized = fmt in QUANT_FORMATS
+    int4_everywhere = fmt == "int4" and str(o.device).startswith("cpu") and native.wide_int8_dot_products()
+    keep_float = quantized and not int4_everywhere
     draft_model = _build_model(checkpoint, fmt, o.device, DRAFT_INT4_OPTIONS if fmt == "int4" else {}, o.draft_vocab,
-                               release=not quantized)
+                               release=not keep_float)
     long_model = _build_model(checkpoint, str(dtype).removeprefix("torch."), o.device, None,
-                              o.draft_vocab) if quantized else None
+                              o.draft_vocab) if keep_float else None
     drafter_class = RunAheadDrafter if o.run_ahead else ModelDrafter
     return drafter_class(ModelRunner("draft", draft_model, kv_bytes, o.block_size, long_model=long_model),
                          target_vocab)

@@ -27,8 +27,9 @@ class ModelRunner:
         """``num_layers`` < all runs only the first layers (self-speculation); the KV pool then holds only those.
 
         ``long_model``: the same network with other weights (a draft's float weights beside its int4 ones) that
-        runs every item of at least ``long_tokens`` new tokens (a long prompt): quickdraft's int4 kernel beats
-        the bfloat16 one up to about 128 rows and loses beyond (docs/MEASUREMENTS.md), so catch-ups after a
+        runs every item of at least ``long_tokens`` new tokens (a long prompt): on AVX2 quickdraft's int4 kernel beats
+        the bfloat16 one up to about 128 rows and loses beyond (docs/MEASUREMENTS.md; with 512-bit VNNI it wins at
+        every length and the builder keeps no float copy), so catch-ups after a
         stretch without drafting stay on the int4 weights. The choice is per item, by its own length,
         so it never depends on what else is in the batch."""
         self.name = name

@@ -63,6 +63,17 @@ _SIGNATURES = {
 }
 
 
+def wide_int8_dot_products() -> bool:
+    """True where the quantized kernel runs 512-bit VNNI dot products (AVX512-VNNI/BW/VL/DQ, the ``WIDE`` build of
+    qmatmul.c). There an int4 forward beats a bfloat16 one at every prompt length measured, so a quantized draft keeps
+    no float copy for long prompts (docs/MEASUREMENTS.md)."""
+    try:
+        flags = set(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return False
+    return available() and {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq"} <= flags
+
+
 def _cpu_identity() -> str:
     """Model name and feature flags: a library built with -march=native is only reused on the same CPU type."""
     try:
