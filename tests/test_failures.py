@@ -3,9 +3,11 @@ every other sequence of the same batched speculative step finishes with exactly 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import InvalidParameterError, RequestFailedError
+from quickdraft.kv import ForwardItem, SequenceKV
 from quickdraft.sampling import LogitsProcessor
 
 try:
@@ -157,3 +159,14 @@ def test_padding_rows_are_never_sampled_or_drafted(padded, tiny_dir, speculative
         llm.generate([[1, 2, 70]], SamplingParams())
     if speculative:
         assert llm.engine.stats.draft_tokens > 0
+
+
+def test_target_logits_come_out_with_padding_masked(padded):
+    """The target's padding columns are -inf as they leave the runner, so the sampler copies no row to mask them."""
+    llm = LLM(padded, dtype="float32", kv_cache_memory="8MiB")
+    kv = SequenceKV()
+    (rows,) = llm.target.forward([ForwardItem(kv, [1, 2, 3], 1)])
+    llm.target.free(kv)
+    assert torch.isneginf(rows[:, 64:]).all() and torch.isfinite(rows[:, :64]).all()
+    processed = LogitsProcessor(SamplingParams(temperature=0.0), [1, 2, 3], 64).process(rows)
+    assert processed.data_ptr() == rows.data_ptr()

@@ -203,3 +203,22 @@ def test_a_compiler_that_hangs_is_killed_and_torch_ops_are_used(fresh_loader, tm
         time.sleep(0.05)
     else:
         pytest.fail(f"the compiler's child process {child} is still running")
+
+
+def test_argmax_rows_equals_torch_argmax_on_ties_infinities_nans_and_tails():
+    """The greedy token is the first index of the largest value, exactly as torch.argmax picks it."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(151936, generator=gen), torch.randn(49157, generator=gen), torch.full((13,), float("-inf")),
+            torch.tensor([0.0, -0.0, 0.0, -1.0]), torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0, 0.0, 0.0, 0.0, 3.0]),
+            torch.tensor([float("nan"), 1.0, 2.0]), torch.tensor([1.0, 2.0, float("nan")] * 5)]
+    tied = torch.randn(100, generator=gen)
+    tied[[17, 64, 97]] = tied.max() + 1  # in a vector block, in another, in the tail
+    rows.append(tied)
+    for row in rows:
+        x = row.reshape(1, -1)
+        assert native.argmax_rows(x) == x.argmax(dim=-1).tolist(), row[:8]
+    batch = torch.randn(5, 1000, generator=gen)
+    batch[2, 500:] = batch[2].max() + 2  # many ties: the first one
+    assert native.argmax_rows(batch) == batch.argmax(dim=-1).tolist()
+    wide = torch.randn(3, 1024, generator=gen)
+    assert native.argmax_rows(wide[:, :1000]) == wide[:, :1000].argmax(dim=-1).tolist()  # rows 1024 apart

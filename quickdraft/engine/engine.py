@@ -23,7 +23,7 @@ from quickdraft.engine.threads import ThreadBudget
 from quickdraft.errors import InvalidParameterError, PromptTooLongError
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
 from quickdraft.sampling import LogitsProcessor, SamplingParams
-from quickdraft.sampling.sampler import make_generator, top_logprobs
+from quickdraft.sampling.sampler import greedy, make_generator, top_logprobs
 from quickdraft.speculative.controller import SpeculationController
 from quickdraft.speculative.cost import CostModel
 from quickdraft.models import weight_bytes
@@ -54,9 +54,9 @@ class LLMEngine:
     def __init__(self, target: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
                  drafter: Drafter | None = None) -> None:
         self.target, self.tokenizer, self.config, self.drafter = target, tokenizer, config, drafter
-        # the ids that can be prompted, biased and sampled: checkpoints often pad their embedding beyond the
-        # tokenizer's vocabulary, and a padding row has no text
+        # the ids that can be prompted, biased and sampled: a checkpoint may pad its embedding past the tokenizer's
         self.vocab_size = min(tokenizer.vocab_size, target.vocab_size)
+        target.mask_logits_from(self.vocab_size)
         self.scheduler = Scheduler(config.scheduler, target, on_preempt=self._drop_kv)
         self.threads = ThreadBudget(config.threads)
         self.cost = CostModel()
@@ -315,7 +315,7 @@ class LLMEngine:
     def _commit(self, seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> None:
         drafted = proposal.tokens
         if seq.params.greedy:
-            target_choice = seq.processor.process(rows, drafted=drafted).argmax(dim=-1).tolist()
+            target_choice = greedy(seq.processor.process(rows, drafted=drafted))
             accepted, next_token = verify_greedy(target_choice, drafted)
         else:
             p = seq.processor.probs(rows, drafted=drafted)

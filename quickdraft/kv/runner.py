@@ -35,6 +35,7 @@ class ModelRunner:
         self.name = name
         self.model = model
         self.long_model, self.long_tokens = long_model, long_tokens
+        self.logit_columns = model.config.vocab_size  # see mask_logits_from
         cfg = model.config
         self.num_layers = num_layers or cfg.num_layers
         param = next(model.parameters())
@@ -88,6 +89,11 @@ class ModelRunner:
     def free(self, kv: SequenceKV) -> None:
         kv.free(self.allocator)
 
+    def mask_logits_from(self, column: int) -> None:
+        """Logits columns from ``column`` on (a checkpoint's padding rows past the tokenizer's vocabulary) come out
+        -inf, so no sampler has to copy a row to mask them."""
+        self.logit_columns = column
+
     def match_prefix(self, kv: SequenceKV, tokens: list[int]) -> int:
         return kv.match_prefix(tokens, self.allocator, self.block_size)
 
@@ -131,6 +137,8 @@ class ModelRunner:
             rows.extend(range(offset - it.num_logits, offset))
             it.kv.num_cached += len(it.tokens)
         logits = model.logits(hidden[rows]) if rows else hidden.new_zeros(0, self.vocab_size)
+        if self.logit_columns < logits.shape[1]:
+            logits[:, self.logit_columns:] = float("-inf")
         out, start = [], 0
         for it in items:
             out.append(logits[start:start + it.num_logits])

@@ -329,3 +329,42 @@ int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int 
     }
     return 0;
 }
+
+/* Index of the first largest value of each row of x [M][N] (float32, rows ld floats apart): what torch.argmax gives,
+ * in two vector passes instead of torch's scalar one over a 150k-wide vocabulary. A row holding a NaN gets -1 (torch
+ * ranks NaN first; the caller asks torch for that row). */
+int qd_argmax(const float *x, int M, int N, long ld, int64_t *out) {
+    if (M < 0 || N <= 0 || ld < N) return -2;
+    for (int m = 0; m < M; m++) {
+        const float *row = x + (size_t)m * (size_t)ld;
+        __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+        int n = 0;
+        for (; n + 8 <= N; n += 8) {
+            const __m256 v = _mm256_loadu_ps(row + n);
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            top = _mm256_max_ps(top, v);
+        }
+        __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+        float best = _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4)));
+        int nan = _mm256_movemask_ps(unordered);
+        for (int r = n; r < N; r++) {
+            nan |= isnan(row[r]);
+            best = row[r] > best ? row[r] : best;
+        }
+        if (nan) {
+            out[m] = -1;
+            continue;
+        }
+        const __m256 target = _mm256_set1_ps(best);
+        int64_t found = -1;
+        for (n = 0; n + 8 <= N && found < 0; n += 8) {
+            const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + n), target, _CMP_EQ_OQ));
+            if (hits) found = n + __builtin_ctz(hits);
+        }
+        for (; found < 0 && n < N; n++)
+            if (row[n] == best) found = n;
+        out[m] = found;
+    }
+    return 0;
+}

@@ -59,6 +59,7 @@ _SIGNATURES = {
     "qd_linear_bf16": [_P, _I, _I, _P, _I, _P, _P],
     "qd_swiglu": [_P, _I, _I, _I, _P],
     "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P],
+    "qd_argmax": [_P, _I, _I, _L, _P],
     "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _P, _L, _P, _P, _I, _P],
 }
 
@@ -280,6 +281,18 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     _check(lib().qd_swiglu(gate_up.data_ptr(), int(gate_up.dtype == torch.bfloat16), gate_up.numel() // (2 * n), n,
                            y.data_ptr()), "qd_swiglu")
     return y
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """The index of the first largest value of each row of ``x [n, V]``, as ``torch.argmax`` gives it; torch's own
+    where the kernel does not take ``x`` (not float32 on CPU, no kernels, a row with a NaN)."""
+    if not (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
+            and x.shape[1] > 0 and available()):
+        return x.argmax(dim=-1).tolist()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _check(lib().qd_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr()), "qd_argmax")
+    ids = out.tolist()
+    return [i if i >= 0 else int(x[r].argmax()) for r, i in enumerate(ids)]
 
 
 def runs_attend(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

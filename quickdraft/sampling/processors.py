@@ -157,7 +157,7 @@ class LogitsProcessor:
         x = x.float()
         n, width = x.shape
         p = self.params
-        if width > self.vocab_size:
+        if width > self.vocab_size and not bool(torch.isneginf(x[:, self.vocab_size:]).all()):  # not masked yet
             if x.data_ptr() == logits.data_ptr():  # float() made no copy: the caller's logits stay as they are
                 x = x.clone()
             x[:, self.vocab_size:] = float("-inf")

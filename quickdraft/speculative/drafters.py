@@ -21,7 +21,7 @@ import torch
 from quickdraft.kv import ForwardItem, ModelRunner, OutOfBlocks, SequenceKV
 from quickdraft.models import weight_bytes
 from quickdraft.sampling import LogitsProcessor, SamplingParams
-from quickdraft.sampling.sampler import sample_with_uniforms
+from quickdraft.sampling.sampler import greedy, sample_with_uniforms
 
 
 class DraftableSequence(Protocol):
@@ -221,7 +221,7 @@ class ModelDrafter(Drafter):
                 seq = seqs[i]
                 logits = seq.processor.process(self._widen(row), drafted=drafts[i], offset=len(drafts[i]))
                 if seq.params.greedy:
-                    token = int(logits[0].argmax())
+                    token = greedy(logits[:1])[0]
                 else:
                     q = torch.softmax(logits, dim=-1)
                     u = draft_uniform(seq.draft_nonce, len(seq.token_ids) + len(drafts[i]))
