@@ -285,8 +285,9 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
     """The index of the first largest value of each row of ``x [n, V]``, as ``torch.argmax`` gives it; torch's own
-    where the kernel does not take ``x`` (not float32 on CPU, no kernels, a row with a NaN)."""
-    if not (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
+    where the kernel does not take ``x`` (not float32 on CPU, no kernels, a row with a NaN). A vector is one row."""
+    x = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if not ( x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
             and x.shape[1] > 0 and available()):
         return x.argmax(dim=-1).tolist()
     out = torch.empty(x.shape[0], dtype=torch.int64)
