@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from quickdraft.errors import QuickdraftError
 
@@ -66,14 +67,13 @@ def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):
 
 def cmd_models(args: argparse.Namespace) -> int:
     from quickdraft.loading import list_models
-    from quickdraft.loading.quantize import file_defaults
     models = list_models()
     print(f"{'name':<22} {'installed':<10} {'size':>10}  {'file layers':<20} {'default kernels':<20} "
           f"path / how to install")
     for m in models:
         where = str(m.path) if m.installed else f"`{m.install_hint}` in a quickdraft checkout"
         size = f"{m.size_bytes / 1e6:>8.0f}MB" if m.size_bytes else f"{'?':>10}"
-        stored, kernels = _file_columns(m.path, file_defaults)
+        stored, kernels = _file_columns(m.path)
         print(f"{m.name:<22} {'yes' if m.installed else 'no':<10} {size}  {stored:<20} {kernels:<20} {where}")
     missing = [m for m in models if not m.installed]
     if missing:
@@ -83,9 +83,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _file_columns(path, file_defaults) -> tuple[str, str]:
+def _file_columns(path: Path | None) -> tuple[str, str]:
     """How a packaged GGUF stores its layers and what 'auto' runs them on, from its header; '?' where there is no
     file to read yet (a split model not assembled) and 'unreadable' for a damaged one (listing never fails)."""
+    from quickdraft.loading.quantize import file_defaults
     if path is None or not path.is_file():
         return "?", "?"
     try:

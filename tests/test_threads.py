@@ -17,7 +17,7 @@ from quickdraft.errors import InvalidParameterError
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea.\n" * 12]
 
 
-@pytest.mark.parametrize("threads", [0, -1, True, 1.5, "two", None])
+@pytest.mark.parametrize("threads", [0, -1, True, 1.5, "two", None, 10**6, float("nan")])
 def test_a_bad_thread_count_is_refused(threads):
     with pytest.raises(InvalidParameterError, match="threads must be 'auto' or a positive int"):
         ThreadBudget(threads)

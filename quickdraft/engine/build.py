@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -118,8 +117,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16
-        flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-        return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+        return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & native.cpu_flags() else torch.float32
     if dtype not in DTYPES:
         raise InvalidParameterError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]

@@ -61,8 +61,11 @@ def _own_busy_s() -> float | None:
 
 
 def check_threads(threads: int | str) -> None:
-    if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise InvalidParameterError(f"threads must be 'auto' or a positive int, got {threads!r}")
+    """Refuse what is not 'auto' or a count of this machine's CPUs (a million OpenMP threads would not end well)."""
+    cores = os.cpu_count() or 1
+    if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cores):
+        raise InvalidParameterError(
+            f"threads must be 'auto' or a positive int, at most the {cores} CPUs here, got {threads!r}")
 
 
 class ThreadBudget:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -64,15 +65,21 @@ _SIGNATURES = {
 }
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``); empty where they cannot be read."""
+    try:
+        return frozenset(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                              if ln.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration, IndexError):
+        return frozenset()
+
+
 def wide_int8_dot_products() -> bool:
     """True where the quantized kernel runs 512-bit VNNI dot products (AVX512-VNNI/BW/VL/DQ, the ``WIDE`` build of
     qmatmul.c). There an int4 forward beats a bfloat16 one at every prompt length measured, so a quantized draft keeps
     no float copy for long prompts (docs/MEASUREMENTS.md)."""
-    try:
-        flags = set(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return False
-    return available() and {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    return available() and {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
 
 
 def _cpu_identity() -> str:
