@@ -54,7 +54,7 @@ from quickdraft.models import weight_bytes  # noqa: E402
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV  # noqa: E402
 from quickdraft.engine.build import tokenizer_for  # noqa: E402
 from quickdraft.loading import load_checkpoint, resolve_model  # noqa: E402
-from quickdraft.loading.quantize import quantize_checkpoint  # noqa: E402
+from quickdraft.loading.quantize import load_model  # noqa: E402
 from quickdraft.models import build_model  # noqa: E402
 from quickdraft.models.quant_backends import cpu_capability  # noqa: E402
 
@@ -116,19 +116,18 @@ def build(name: str, fmt: str, ckpt_bf16):
         else:
             raise SystemExit(f"unknown format option {o!r}")
     if fmt == "float32":
-        ckpt = load_checkpoint(name, dtype=torch.float32, progress=False, use_cache=False)  # no 2x-size cache entry
+        ckpt = load_checkpoint(name, dtype=torch.float32)  # dense float32 (build_model writes no float weight cache)
         return build_model(ckpt.config, ckpt.tensors), {}
-    model = build_model(ckpt_bf16.config, ckpt_bf16.tensors)
     if fmt in ("int8", "int4"):
         t0 = time.perf_counter()
-        quantize_checkpoint(model, ckpt_bf16, fmt, release=False, **kw)
+        model = load_model(ckpt_bf16, fmt, **kw)  # built a layer at a time, from (or into) the quantized cache
         return model, {"quantize_or_cache_load_s": round(time.perf_counter() - t0, 2),
                        "quant_info": getattr(model, "quant_info", None)}
-    return model, {}
+    return build_model(ckpt_bf16.config, ckpt_bf16.tensors), {}
 
 
 def run_model(name: str, args) -> dict:
-    ckpt = load_checkpoint(name, dtype=torch.bfloat16, progress=False)
+    ckpt = load_checkpoint(name, dtype=torch.bfloat16)
     tok = tokenizer_for(ckpt)
     samples = [tok.encode(t)[: args.tokens] for t in articles(args.articles)]
     context = samples[0][: args.context]

@@ -38,6 +38,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "acceptance, never the output)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    p.add_argument("--kv-cache-memory", default="auto",
+                   help="cap of each model's KV cache, e.g. 2GiB (default auto: what --max-num-seqs full contexts need, "
+                        "within half the free memory); it fills as sequences need it")
+    p.add_argument("--max-memory", default=None,
+                   help="refuse, before loading, a configuration whose weights, KV caps and runtime exceed this, e.g. 4GiB")
     p.add_argument("--threads", default="auto", type=_threads_arg,
                    help="CPU threads per step (default auto: the cores other processes leave free, re-read as it runs)")
 
@@ -58,10 +63,11 @@ def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):
     k = args.k if args.k == "auto" else int(args.k)
     llm = LLM(args.model, draft=args.draft, speculative=args.speculative, num_speculative_tokens=k,
               dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, device=args.device,
-              max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads, **extra)
+              max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads,
+              kv_cache_memory=args.kv_cache_memory, max_memory=args.max_memory, **extra)
     if announce:
         draft = f"; draft: {llm.draft_weights}" if llm.draft_weights is not None else ""
-        print(f"[{args.model}: {llm.weights_summary}{draft}]", file=sys.stderr, flush=True)
+        print(f"[{args.model}: {llm.weights_summary}{draft}; {llm.memory_summary}]", file=sys.stderr, flush=True)
     return llm
 
 
@@ -138,7 +144,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from quickdraft.sampling import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    llm = llm_from_args(args, kv_cache_memory=args.kv_cache_memory)
+    llm = llm_from_args(args)
     path = Path(args.session) if args.session else None
     if path is not None and path.exists():
         session = llm.load_session(path)
@@ -194,7 +200,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     llm = llm_from_args(args, announce=False, policy=args.policy, max_num_seqs=args.max_num_seqs,
-                        kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
                         preemption=args.preemption)
     name = args.served_model_name or args.model
     app = create_app(llm, name, limits=limits)
@@ -224,7 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--session", default=None, metavar="FILE",
                    help="session snapshot: loaded first if it exists, saved after every turn")
     add_sampling_args(c, max_tokens=256, max_tokens_help="tokens per reply at most")
-    c.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size per model, e.g. 2GiB or 512MB")
     c.set_defaults(fn=cmd_chat)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     add_model_args(s)
@@ -234,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="scheduling policy (priority and deadline read the request's priority / deadline_s)")
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences batched together at most")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
-    s.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size per model, e.g. 2GiB or 512MB")
     s.add_argument("--preemption", default="recompute", choices=["recompute", "swap"],
                    help="when KV blocks run out: drop and recompute (default) or keep the KV in host memory")
     s.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: MODEL)")

@@ -38,7 +38,10 @@ class LLM:
         ``'int4'``, ``'int8'``, ``'bfloat16'`` or ``'float32'`` (float weights dequantized from the file);
         ``device``; ``max_model_len``, ``max_num_seqs``,
         ``max_num_batched_tokens``, ``policy`` (``fcfs|sjf|priority|deadline``), ``preemption``
-        (``recompute|swap``), ``kv_cache_memory`` (per model, e.g. ``'1GiB'``), ``block_size``;
+        (``recompute|swap``), ``kv_cache_memory`` (the cap of each model's KV cache, e.g.
+        ``'1GiB'``; ``'auto'``: what ``max_num_seqs`` full contexts need, within half the free memory; it fills as
+        sequences need it), ``max_memory`` (refuse, before loading, a configuration whose weights, KV caps and runtime
+        exceed it, e.g. ``'4GiB'``), ``block_size``;
         ``self_draft_layers``, ``ngram_max``, ``ngram_min``; ``threads``: CPU threads per step, ``'auto'`` (default:
         the cores other processes leave free, re-read as it runs) or an int.
         ``draft_weights``: the draft model's weight format (``'auto'``: int4 on CPU, see
@@ -53,7 +56,7 @@ class LLM:
         except TypeError as exc:
             raise InvalidParameterError(f"LLM() got an unknown option: {exc}") from None
         self.loaded: LoadedEngine = build_engine(model, opts)
-        log.info("loaded %s: %s", model, self.weights_summary)
+        log.info("loaded %s: %s; %s", model, self.weights_summary, self.memory_summary)
 
     # what callers (the CLI, the server, benchmarks) read of the loaded engine
     @property
@@ -95,6 +98,16 @@ class LLM:
     @property
     def weights(self) -> str:
         return self.loaded.weights
+
+    @property
+    def memory_summary(self) -> str:
+        """e.g. ``'weights 1.02 GiB (int4), KV up to 10.5 GiB (1 MiB in use)'`` (see ``LoadedEngine.memory_summary``)."""
+        return self.loaded.memory_summary
+
+    def release_memory(self, keep_prefix_cache: bool = False) -> None:
+        """Give the KV memory no request holds back to the system (the server does this when idle for a while);
+        without ``keep_prefix_cache`` the cached prompt prefixes go too."""
+        self.loaded.release_memory(keep_prefix_cache)
 
     @property
     def weights_summary(self) -> str:
@@ -189,9 +202,8 @@ class LLM:
         """Forget every cached prompt prefix no request is using (as vLLM's ``LLM.reset_prefix_cache``), in the target's
         and the draft's pools: the next request with the same prompt computes it again. Benchmarks call it so that a
         repeated prompt costs what a new one does."""
-        for runner in (self.target, self.drafter.runner if self.drafter is not None else None):
-            if runner is not None:
-                runner.allocator.reset_prefix_cache()
+        for runner in self.loaded.runners:
+            runner.allocator.reset_prefix_cache()
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
              ) -> list[RequestOutput]:

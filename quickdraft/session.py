@@ -27,7 +27,7 @@ from quickdraft.engine.outputs import RequestOutput, StreamChunk
 from quickdraft.engine.sequence import CarriedState, Sequence, SpeculationState
 from quickdraft.errors import InvalidParameterError, PromptTooLongError, RequestFailedError, SessionError
 from quickdraft.kv import ModelRunner, SequenceKV
-from quickdraft.loading.weight_cache import write_atomic
+from quickdraft.loading.tensor_file import write_atomic
 from quickdraft.sampling import SamplingParams
 from quickdraft.sampling.sampler import make_generator
 from quickdraft.snapshot import (FILE_MODE, FORMAT, FORMAT_VERSION, Turn, checksum, identity, max_snapshot_bytes,

@@ -42,14 +42,37 @@ def test_share_and_release_count_owners_and_free_only_at_zero():
     assert alloc.ref_counts[block] == 0 and alloc.num_free == 4
 
 
-def test_least_recently_freed_block_is_handed_out_first():
-    """Recently freed blocks keep their cached content longest."""
-    _, alloc = make_pool(3)
-    a, b, c = alloc.allocate(), alloc.allocate(), alloc.allocate()
+def test_least_recently_freed_cached_block_is_handed_out_first():
+    """Recently freed blocks keep their cached content longest; blocks without content go first, lowest id first."""
+    _, alloc = make_pool(5)
+    a, b, c, d = (alloc.allocate() for _ in range(4))
+    for block, digest in ((a, b"a"), (b, b"b"), (c, b"c")):
+        alloc.register(block, digest)
     alloc.release(b)
     alloc.release(a)
     alloc.release(c)
+    alloc.release(d)
+    assert alloc.allocate() == d  # no content to keep
+    assert alloc.allocate() == 4  # a block never used: memory grows before a cached prefix is given up
     assert [alloc.allocate() for _ in range(3)] == [b, a, c]
+    assert alloc.lookup(b"b") is None  # handed out again: no longer a cached prefix
+
+
+def test_memory_grows_only_with_use_and_trim_gives_it_back():
+    pool, alloc = make_pool(8)
+    blocks = [alloc.allocate() for _ in range(3)]
+    assert blocks == [0, 1, 2] and alloc.high_water == 3
+    alloc.release(blocks[0])
+    assert alloc.allocate() == 0 and alloc.high_water == 3  # a freed block is reused before a new one is touched
+    alloc.register(1, b"cached")
+    alloc.release(2)
+    alloc.release(1)
+    assert alloc.trim() == 2  # block 1 holds a cached prefix, block 0 is in use; block 2 is given back
+    assert alloc.num_free == 7
+    alloc.reset_prefix_cache()
+    alloc.release(0)
+    assert alloc.trim() == 0 and alloc.num_free == 8
+    assert [alloc.allocate() for _ in range(8)] == list(range(8))
 
 
 def test_reserve_is_all_or_nothing():

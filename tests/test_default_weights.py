@@ -13,11 +13,11 @@ from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import ForwardItem, SequenceKV
 from quickdraft.loading import load_checkpoint
 from quickdraft.loading.gguf import hf_tensor_types
+from quickdraft.loading import weight_cache
 from quickdraft.loading.gguf_metadata import tensor_types
 from quickdraft.loading.quant_convert import LAYER_LINEARS
-from quickdraft.loading.quantize import file_defaults, quantize_checkpoint, resolve_weights
+from quickdraft.loading.quantize import file_defaults, load_model, resolve_weights
 from quickdraft.loading.weight_choice import auto_format, planned_kernels
-from quickdraft.models import build_model
 from quickdraft.models.quant import Int4Linear, Int8Linear
 
 try:
@@ -94,15 +94,16 @@ def test_auto_rule_on_gguf_files(tmp_path, cache_dir, qtype, expected, kernels):
     and quantizing it runs the kernels the header promised."""
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "llama", qtype)
-    ckpt = load_checkpoint(path, progress=False)
+    ckpt = load_checkpoint(path)
     assert ckpt.tensor_types["model.layers.1.mlp.down_proj.weight"] == qtype.name
     assert ckpt.tensor_types["model.layers.1.input_layernorm.weight"] == "F32"
     assert ckpt.tensor_types == hf_tensor_types(tensor_types(path))
-    assert load_checkpoint(path, progress=False).tensor_types == ckpt.tensor_types  # a weight-cache hit
+    assert weight_cache.index_path(ckpt.fingerprint).is_file()
+    assert load_checkpoint(path).tensor_types == ckpt.tensor_types  # from the header record (a weight-cache hit)
     assert resolve_weights("auto", "cpu", ckpt.tensor_types) == expected
     assert file_defaults(path) == (qtype.name, kernels)
     if expected is not None:
-        model = quantize_checkpoint(build_model(ckpt.config, ckpt.tensors), ckpt, expected)
+        model = load_model(ckpt, expected)
         ran = {k: sum(v.values()) for k, v in model.quant_info["kernels"].items()}
         assert ran == planned_kernels(ckpt.tensor_types, "int8")
 

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as QT, GGUFReader, GGUFValueType as VT, GG
 
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading import load_checkpoint
+from quickdraft.loading import gguf as gguf_loader
 from quickdraft.loading.gguf_metadata import MAX_ARRAY_LEN, MAX_KEY_LEN, MAX_KV, MAX_TENSORS
 
 try:
@@ -149,9 +150,10 @@ def test_hostile_header_field_is_a_quick_clear_error(tmp_path, cache_dir, name):
     path.write_bytes(content)
     start = time.perf_counter()
     with pytest.raises(ModelLoadError, match=message) as err:
-        load_checkpoint(path, progress=False)
+        load_checkpoint(path)
     assert time.perf_counter() - start < QUICK_S
     assert str(path) in str(err.value)
+    assert not (cache_dir / "weights").exists()  # a refused file leaves no header record to be served later
 
 
 def test_the_hand_made_baseline_passes_the_header_checks(tmp_path, cache_dir):
@@ -159,7 +161,7 @@ def test_the_hand_made_baseline_passes_the_header_checks(tmp_path, cache_dir):
     path = tmp_path / "base.gguf"
     path.write_bytes(gguf())
     with pytest.raises(ModelLoadError, match="metadata is missing 'llama.embedding_length'"):
-        load_checkpoint(path, progress=False)
+        load_checkpoint(path)
 
 
 # ---- hostile metadata values in a file with a well-formed header -------------------------------------------------
@@ -221,16 +223,21 @@ def test_hostile_metadata_value_is_a_clear_error(tmp_path, cache_dir, name):
     path = write_model(tmp_path / "m.gguf", **overrides)
     start = time.perf_counter()
     with pytest.raises(ModelLoadError, match=message):
-        load_checkpoint(path, progress=False, use_cache=False)
+        load_checkpoint(path, use_cache=False)
     assert time.perf_counter() - start < QUICK_S
 
 
-def test_the_metadata_baseline_loads(tmp_path, cache_dir):
+def test_the_metadata_baseline_loads(tmp_path, cache_dir, monkeypatch):
     ckpt = load_checkpoint(write_model(tmp_path / "m.gguf", tokenizer__ggml__bos_token_id=(99, VT.UINT32),
-                                       tokenizer__ggml__eos_token_id=(15, VT.UINT32)), progress=False, use_cache=False)
+                                       tokenizer__ggml__eos_token_id=(15, VT.UINT32)), use_cache=False)
     cfg = ckpt.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (1, 8, 2, 1, 4)
     assert cfg.bos_token_id is None and cfg.eos_token_ids == (15,)  # 99 is outside the vocabulary of 16: dropped
+    # the checked config is what the header record keeps: a load from the record gives the same one
+    path = tmp_path / "m.gguf"
+    assert load_checkpoint(path).config == cfg  # parsed, record written
+    monkeypatch.setattr(gguf_loader, "read_header", lambda *a, **k: pytest.fail("the header record was not used"))
+    assert load_checkpoint(path).config == cfg  # from the record
 
 
 # ---- a real file cut short anywhere ------------------------------------------------------------------------------
@@ -254,7 +261,8 @@ def test_truncated_real_gguf_is_a_quick_clear_error(tmp_path, cache_dir, smollm2
         path.write_bytes(f.read(cut))
     start = time.perf_counter()
     with pytest.raises(ModelLoadError, match="not a GGUF file|corrupt or truncated") as err:
-        load_checkpoint(path, progress=False)
+        load_checkpoint(path)
     assert time.perf_counter() - start < QUICK_S
     if where != "magic":
         assert f"the file has {cut:,} bytes" in str(err.value)
+    assert not (cache_dir / "weights").exists()  # nothing recorded of the refused file

@@ -62,7 +62,7 @@ def test_smollm_equals_transformers_gguf_load(smollm, smollm2_transformers):
     assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
     ref = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     assert all(v.dtype == torch.float32 for v in ref.values())
-    assert ckpt.tensors["lm_head.weight"] is ckpt.tensors["model.embed_tokens.weight"]
+    assert torch.equal(ckpt.tensors["lm_head.weight"], ckpt.tensors["model.embed_tokens.weight"])  # tied: read twice
     ours = {k: v for k, v in ckpt.tensors.items() if k != "lm_head.weight"}
     assert_tensors_equal(ours, ref)
     assert all(torch.equal(ours[k], ref[k]) for k in ref), "expected bit-exact equality"
@@ -101,25 +101,32 @@ def test_smollm_tensors_fit_the_transformer(smollm):
 
 
 def test_second_load_uses_weight_cache(smollm, monkeypatch):
+    """The first load stored the parsed header (a JSON record, no weights); the second reads only that."""
     ckpt, cache = smollm
     monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(cache))
-    files = list((cache / "weights").glob("*.safetensors"))
-    assert len(files) == 1 and ckpt.fingerprint in files[0].name
+    assert [p.name for p in (cache / "weights").iterdir()] == [weight_cache.index_path(ckpt.fingerprint).name]
+    assert weight_cache.load_index(ckpt.fingerprint)["fingerprint"] == ckpt.fingerprint
 
     def no_parse(*a, **k):
-        raise AssertionError("the GGUF was parsed although the weight cache holds it")
+        raise AssertionError("the GGUF was parsed although the weight cache holds its header")
 
-    monkeypatch.setattr(gguf_loader, "open_gguf", no_parse)
+    monkeypatch.setattr(gguf_loader, "read_header", no_parse)
     start = time.perf_counter()
     again = load_checkpoint(smollm_gguf())
     elapsed = time.perf_counter() - start
     assert elapsed < 5, elapsed
     assert again.config == ckpt.config and again.fingerprint == ckpt.fingerprint
     assert again.gguf_metadata == ckpt.gguf_metadata and again.chat_template == ckpt.chat_template
-    assert again.quantization == ckpt.quantization
-    assert again.tensors["lm_head.weight"] is again.tensors["model.embed_tokens.weight"]
-    assert set(again.tensors) == set(ckpt.tensors)
-    assert all(torch.equal(again.tensors[k], ckpt.tensors[k]) for k in ckpt.tensors)
+    assert again.quantization == ckpt.quantization and again.tensor_types == ckpt.tensor_types
+    assert again.block_types == ckpt.block_types
+    assert set(again.tensors) == set(ckpt.tensors) and set(again.blocks) == set(ckpt.blocks)
+    # offsets as recorded: the first, a permuted q/k, and the last tensor of the file read the same
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.7.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight", "model.norm.weight"):
+        assert np.array_equal(np.asarray(again.blocks[name]), np.asarray(ckpt.blocks[name])), name
+        assert torch.equal(again.tensors[name], ckpt.tensors[name]), name
+    assert torch.equal(again.tensors["lm_head.weight"], ckpt.tensors["model.embed_tokens.weight"])
+    assert list((cache / "weights").glob("*.safetensors")) == []  # loading writes no float weights
 
 
 # ----------------------------------------------------------------------------- tiny GGUFs (every type)
@@ -129,7 +136,7 @@ def test_second_load_uses_weight_cache(smollm, monkeypatch):
 def test_tiny_llama_every_type(tmp_path, cache_dir, qtype):
     path = tmp_path / "tiny.gguf"
     original, expected = write_tiny_gguf(path, "llama", qtype)
-    ckpt = load_gguf(path, progress=False)
+    ckpt = load_gguf(path)
     assert_tensors_equal(ckpt.tensors, expected)
     if qtype == QT.F32:  # the round trip through llama.cpp's permutation is exact
         assert all(torch.equal(ckpt.tensors[k], torch.from_numpy(v)) for k, v in original.items())
@@ -143,11 +150,12 @@ def test_tiny_llama_every_type(tmp_path, cache_dir, qtype):
 def test_tiny_other_architectures_round_trip(tmp_path, cache_dir, arch):
     path = tmp_path / f"{arch}.gguf"
     original, expected = write_tiny_gguf(path, arch, QT.F32, tied=True)
-    ckpt = load_gguf(path, progress=False)
+    ckpt = load_gguf(path)
     assert ckpt.config.architecture == arch
     assert ckpt.config.attention_bias == (arch == "qwen2")
     assert ckpt.config.tie_word_embeddings
-    assert ckpt.tensors["lm_head.weight"] is ckpt.tensors["model.embed_tokens.weight"]
+    assert torch.equal(ckpt.tensors["lm_head.weight"], ckpt.tensors["model.embed_tokens.weight"])
+    assert "lm_head.weight" not in ckpt.blocks  # stored once, in the file as in the checkpoint
     assert set(ckpt.tensors) == set(original)
     assert all(torch.equal(ckpt.tensors[k], torch.from_numpy(v)) for k, v in original.items())
 
@@ -159,7 +167,7 @@ def test_tiny_qwen2_equals_transformers(tmp_path, cache_dir):
 
     path = tmp_path / "q.gguf"
     write_tiny_gguf(path, "qwen2", QT.Q8_0)
-    ckpt = load_gguf(path, progress=False)
+    ckpt = load_gguf(path)
     config = transformers.AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -171,82 +179,255 @@ def test_eos_ids_add_chatml_end_of_turn(tmp_path, cache_dir):
     write_tiny_gguf(tmp_path / "q.gguf", "qwen2", QT.F32)
     write_tiny_gguf(tmp_path / "l.gguf", "llama", QT.F32)
     write_tiny_gguf(tmp_path / "plain.gguf", "llama", QT.F32, with_chatml=False)
-    q = load_gguf(tmp_path / "q.gguf", progress=False).config
+    q = load_gguf(tmp_path / "q.gguf").config
     assert q.eos_token_ids == (0, 2) and q.bos_token_id == 1  # declared <|endoftext|>, plus <|im_end|>
-    assert load_gguf(tmp_path / "l.gguf", progress=False).config.eos_token_ids == (0, 2)
-    assert load_gguf(tmp_path / "plain.gguf", progress=False).config.eos_token_ids == (0,)
+    assert load_gguf(tmp_path / "l.gguf").config.eos_token_ids == (0, 2)
+    assert load_gguf(tmp_path / "plain.gguf").config.eos_token_ids == (0,)
 
 
-def test_dtype_conversion_and_cache_per_dtype(tmp_path, cache_dir):
+def test_dtype_conversion_and_one_header_record_for_every_dtype(tmp_path, cache_dir):
     path = tmp_path / "t.gguf"
     _, expected = write_tiny_gguf(path, "llama", QT.Q4_0)
-    bf = load_checkpoint(path, torch.bfloat16, progress=False)
+    bf = load_checkpoint(path, torch.bfloat16)
+    assert bf.dtype == torch.bfloat16
     assert all(t.dtype == torch.bfloat16 for t in bf.tensors.values())
     ref = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in expected.items()}
     assert all(torch.equal(bf.tensors[k], ref[k]) for k in ref)
-    load_checkpoint(path, torch.float32, progress=False)
-    names = sorted(p.name for p in (cache_dir / "weights").glob("*.safetensors"))
-    assert len(names) == 2 and any("bfloat16" in n for n in names) and any("float32" in n for n in names)
+    f32 = load_checkpoint(path, torch.float32)
+    assert f32.dtype == torch.float32 and all(t.dtype == torch.float32 for t in f32.tensors.values())
+    # the header record does not depend on the dtype, and loading writes no weights
+    assert sorted(p.name for p in (cache_dir / "weights").iterdir()) == [weight_cache.index_path(bf.fingerprint).name]
     assert not list((cache_dir / "weights").glob("*.tmp"))
 
 
-# ----------------------------------------------------------------------------- weight cache
+# ----------------------------------------------------------------------------- weight cache: the header record
 
 
-def test_tied_embedding_stored_once_and_reused(tmp_path, cache_dir, monkeypatch):
-    from safetensors import safe_open
+def _count_parses(monkeypatch) -> list[int]:
+    """Count the GGUF header parses (gguf_metadata.read_header, as gguf.py calls it)."""
+    calls = []
+    real = gguf_loader.read_header
 
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(gguf_loader, "read_header", counting)
+    return calls
+
+
+def _assert_same_checkpoint(a: Checkpoint, b: Checkpoint) -> None:
+    assert a.config == b.config and a.fingerprint == b.fingerprint and a.source == b.source
+    assert a.gguf_metadata == b.gguf_metadata and a.chat_template == b.chat_template
+    assert a.quantization == b.quantization and a.tensor_types == b.tensor_types and a.block_types == b.block_types
+    assert set(a.blocks) == set(b.blocks)
+    assert all(np.array_equal(np.asarray(a.blocks[k]), np.asarray(b.blocks[k])) for k in a.blocks)
+
+
+def test_header_record_second_load_does_not_parse(tmp_path, cache_dir, monkeypatch):
     path = tmp_path / "t.gguf"
-    write_tiny_gguf(path, "llama", QT.Q8_0, tied=True)
-    first = load_gguf(path, progress=False)
-    [entry] = (cache_dir / "weights").glob("*.safetensors")
-    with safe_open(str(entry), framework="pt") as f:
-        keys = set(f.keys())
-    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
-    monkeypatch.setattr(gguf_loader, "open_gguf", lambda *a, **k: pytest.fail("cache not used"))
-    second = load_gguf(path, progress=False)
-    assert second.tensors["lm_head.weight"] is second.tensors["model.embed_tokens.weight"]
-    assert all(torch.equal(second.tensors[k], first.tensors[k]) for k in first.tensors)
+    _, expected = write_tiny_gguf(path, "llama", QT.Q8_0, tied=True)
+    parses = _count_parses(monkeypatch)
+    first = load_gguf(path)
+    assert len(parses) == 1
+    record = weight_cache.index_path(first.fingerprint)
+    assert [p.name for p in (cache_dir / "weights").iterdir()] == [record.name]  # the header, no weights
+    assert json.loads(record.read_text())["fingerprint"] == first.fingerprint
+    monkeypatch.setattr(gguf_loader, "read_header", lambda *a, **k: pytest.fail("the header record was not used"))
+    second = load_gguf(path)
+    _assert_same_checkpoint(second, first)
+    assert_tensors_equal(second.tensors, expected)
+    assert torch.equal(second.tensors["lm_head.weight"], second.tensors["model.embed_tokens.weight"])
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncate", "empty"])
-def test_corrupt_cache_entry_is_rebuilt(tmp_path, cache_dir, damage):
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "empty", "not json object", "wrong fingerprint",
+                                    "missing fields", "bad offset"])
+def test_damaged_header_record_is_rebuilt(tmp_path, cache_dir, monkeypatch, caplog, damage):
     path = tmp_path / "t.gguf"
     _, expected = write_tiny_gguf(path, "llama", QT.Q4_1)
-    load_gguf(path, progress=False)
-    [entry] = (cache_dir / "weights").glob("*.safetensors")
-    data = entry.read_bytes()
-    entry.write_bytes({"garbage": os.urandom(len(data)), "truncate": data[: len(data) // 2], "empty": b""}[damage])
-    again = load_gguf(path, progress=False)
+    first = load_gguf(path)
+    record = weight_cache.index_path(first.fingerprint)
+    data = record.read_bytes()
+    good = json.loads(data)
+    bad_offset = json.loads(data)
+    next(iter(bad_offset["tensors"].values()))["offset"] = "not a number"
+    record.write_bytes({
+        "garbage": os.urandom(len(data)),
+        "truncate": data[: len(data) // 2],
+        "empty": b"",
+        "not json object": b"[1, 2, 3]",
+        "wrong fingerprint": json.dumps({**good, "fingerprint": "0" * 32}).encode(),
+        "missing fields": json.dumps({"fingerprint": first.fingerprint}).encode(),
+        "bad offset": json.dumps(bad_offset).encode(),
+    }[damage])
+    parses = _count_parses(monkeypatch)
+    with caplog.at_level("WARNING"):
+        again = load_gguf(path)
+    assert len(parses) == 1  # the damaged record was ignored: parsed again
+    assert "ignoring damaged weight cache record" in caplog.text
+    _assert_same_checkpoint(again, first)
     assert_tensors_equal(again.tensors, expected)
-    assert weight_cache.load_cached(again.fingerprint, torch.float32) is not None  # rebuilt and valid
+    assert weight_cache.load_index(first.fingerprint) == good  # rebuilt and valid
+    load_gguf(path)
+    assert len(parses) == 1  # and used
+    assert not list((cache_dir / "weights").glob("*.tmp"))
 
 
-def test_changed_source_misses_cache(tmp_path, cache_dir):
+def test_changed_source_misses_cache(tmp_path, cache_dir, monkeypatch):
     path = tmp_path / "t.gguf"
     write_tiny_gguf(path, "llama", QT.F32, seed=1)
-    fp1 = load_gguf(path, progress=False).fingerprint
+    fp1 = load_gguf(path).fingerprint
     assert fingerprint(path) == fp1
     _, expected = write_tiny_gguf(path, "llama", QT.F32, seed=2)  # same path and size, new content
-    ckpt = load_gguf(path, progress=False)
-    assert ckpt.fingerprint != fp1
+    parses = _count_parses(monkeypatch)
+    ckpt = load_gguf(path)
+    assert ckpt.fingerprint != fp1 and len(parses) == 1
+    assert weight_cache.index_path(ckpt.fingerprint).is_file()
     assert_tensors_equal(ckpt.tensors, expected)
 
 
-def test_use_cache_false_writes_nothing(tmp_path, cache_dir):
+def test_use_cache_false_writes_nothing(tmp_path, cache_dir, monkeypatch):
+    from quickdraft.loading.quantize import load_model
+
     path = tmp_path / "t.gguf"
     write_tiny_gguf(path, "llama", QT.F16)
-    load_gguf(path, use_cache=False, progress=False)
-    assert not (cache_dir / "weights").exists() or not list((cache_dir / "weights").iterdir())
+    ckpt = load_gguf(path, use_cache=False)
+    load_model(ckpt, "float32", use_cache=False)
+    load_model(ckpt, "int8", use_cache=False)
+    for sub in ("weights", "quantized"):  # (the kernel build cache, kernels/, is no weight cache)
+        assert not (cache_dir / sub).exists() or not list((cache_dir / sub).iterdir()), sub
+    # nor does it read the cache: a stored record is not used
+    load_gguf(path)
+    parses = _count_parses(monkeypatch)
+    load_gguf(path, use_cache=False)
+    assert len(parses) == 1
 
 
 def test_unwritable_cache_still_loads(tmp_path, monkeypatch):
+    from quickdraft.loading.quantize import load_model
+
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(blocker))
     path = tmp_path / "t.gguf"
     _, expected = write_tiny_gguf(path, "llama", QT.Q5_1)
-    assert_tensors_equal(load_gguf(path, progress=False).tensors, expected)
+    ckpt = load_gguf(path)
+    assert_tensors_equal(ckpt.tensors, expected)
+    assert_tensors_equal(load_gguf(path).tensors, expected)
+    ids = [1, 5, 9, 2, 7]
+    uncached = _logits(load_model(ckpt, "float32", use_cache=False), ids)
+    assert torch.equal(_logits(load_model(ckpt, "float32"), ids), uncached)
+    assert torch.equal(_logits(load_model(ckpt, "int8"), ids), _logits(load_model(ckpt, "int8", use_cache=False), ids))
+    assert blocker.read_text() == "not a directory"
+
+
+# ----------------------------------------------------------------------------- weight cache: float weights
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
+
+    runner = ModelRunner("t", model, 8 << 20)
+    kv = SequenceKV()
+    with torch.inference_mode():
+        (out,) = runner.forward([ForwardItem(kv, ids, len(ids))])
+    runner.free(kv)
+    return out
+
+
+def _mapped_entries(monkeypatch) -> list:
+    """The float weight cache files weight_cache.float_weights maps (TensorFile or None), in order."""
+    opened = []
+    real = weight_cache.open_tensor_file
+
+    def spy(*a, **k):
+        opened.append(real(*a, **k))
+        return opened[-1]
+
+    monkeypatch.setattr(weight_cache, "open_tensor_file", spy)
+    return opened
+
+
+def test_float_model_writes_float_cache_once_and_maps_it(tmp_path, cache_dir, monkeypatch):
+    from quickdraft.loading.quantize import load_model
+    from quickdraft.loading.tensor_file import map_tensors
+
+    path = tmp_path / "t.gguf"
+    _, expected = write_tiny_gguf(path, "llama", QT.Q8_0, tied=True)
+    ckpt = load_gguf(path)
+    ids = [1, 5, 9, 2, 7, 3]
+    direct = _logits(load_model(ckpt, "float32", use_cache=False), ids)  # from the dequantized tensors
+    assert not list((cache_dir / "weights").glob("*.safetensors"))
+
+    first = load_model(ckpt, "float32")
+    entry = weight_cache.cache_path(ckpt.fingerprint, torch.float32)
+    assert [p.name for p in (cache_dir / "weights").glob("*.safetensors")] == [entry.name]
+    assert not list((cache_dir / "weights").glob("*.tmp"))
+    tensors, meta, _ = map_tensors(entry)
+    # every tensor once: the tied lm_head is the embedding, not stored again
+    assert set(tensors) == set(ckpt.tensors) - {"lm_head.weight"}
+    assert meta["fingerprint"] == ckpt.fingerprint and meta["dtype"] == "float32"
+    assert all(torch.equal(tensors[k], ckpt.tensors[k]) for k in tensors)
+    assert torch.equal(_logits(first, ids), direct)
+
+    # the second build maps the file: nothing dequantized, nothing written, the embedding not copied
+    stamp = entry.stat().st_mtime_ns, entry.stat().st_ino
+    monkeypatch.setattr(gguf_loader, "dequantize", lambda *a, **k: pytest.fail("dequantized despite the cache"))
+    monkeypatch.setattr(weight_cache, "TensorFileWriter", lambda *a, **k: pytest.fail("the cache was written again"))
+    opened = _mapped_entries(monkeypatch)
+    second = load_model(ckpt, "float32")
+    assert len(opened) == 1 and opened[0] is not None
+    embed = second.model.embed_tokens.weight
+    assert embed.data_ptr() == opened[0].tensors["model.embed_tokens.weight"].data_ptr()
+    assert torch.equal(embed, torch.from_numpy(expected["model.embed_tokens.weight"]))
+    assert torch.equal(_logits(second, ids), direct)
+    assert (entry.stat().st_mtime_ns, entry.stat().st_ino) == stamp
+
+
+def test_float_cache_per_dtype_and_none_for_hf_dirs(tmp_path, cache_dir):
+    from quickdraft.loading.quantize import load_model
+
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, "qwen2", QT.Q4_0)
+    for dtype in (torch.bfloat16, torch.float32):
+        ckpt = load_checkpoint(path, dtype)
+        model = load_model(ckpt, str(dtype).removeprefix("torch."))
+        assert model.model.embed_tokens.weight.dtype == dtype
+        assert weight_cache.cache_path(ckpt.fingerprint, dtype).is_file()
+    assert len(list((cache_dir / "weights").glob("*.safetensors"))) == 2
+    hf = tmp_path / "hf"
+    save_tiny_hf(hf, "llama")
+    load_model(load_checkpoint(hf), "float32")  # mapped from its own safetensors: nothing to cache
+    assert len(list((cache_dir / "weights").glob("*.safetensors"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "empty", "stale"])
+def test_damaged_float_cache_is_rebuilt(tmp_path, cache_dir, caplog, damage):
+    from quickdraft.loading.quantize import load_model
+    from quickdraft.loading.tensor_file import TensorFileWriter, map_tensors
+
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, "llama", QT.Q4_1)
+    ckpt = load_gguf(path)
+    ids = [4, 8, 15, 16, 23, 42]
+    expected = _logits(load_model(ckpt, "float32"), ids)
+    entry = weight_cache.cache_path(ckpt.fingerprint, torch.float32)
+    data = entry.read_bytes()
+    if damage == "stale":  # a whole file of other tensors under the same name
+        with TensorFileWriter(entry) as writer:
+            writer.add("model.embed_tokens.weight", torch.zeros(3))
+            writer.finish(map_tensors(entry)[1])
+    else:
+        entry.write_bytes({"garbage": os.urandom(len(data)), "truncate": data[: len(data) // 2], "empty": b""}[damage])
+    with caplog.at_level("WARNING"):
+        again = load_model(ckpt, "float32")
+    assert torch.equal(_logits(again, ids), expected)
+    if damage != "stale":
+        assert "ignoring damaged weight cache" in caplog.text
+    tensors, meta, _ = map_tensors(entry)  # rebuilt and valid
+    assert set(tensors) == set(ckpt.tensors) and meta["fingerprint"] == ckpt.fingerprint  # untied: lm_head stored
+    assert all(torch.equal(tensors[k], ckpt.tensors[k]) for k in tensors)
+    assert not list((cache_dir / "weights").glob("*.tmp"))
 
 
 # ----------------------------------------------------------------------------- GGUF errors

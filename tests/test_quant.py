@@ -1,6 +1,7 @@
 """Quantized execution: Int8Linear / Int4Linear, the exact GGUF Q4 -> int4 mapping, quantized models, the cache."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,7 +15,8 @@ from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
 from quickdraft.loading import load_checkpoint
 from quickdraft.loading import quantize as qz
-from quickdraft.loading.quant_convert import LAYER_LINEARS, gguf_int4_params
+from quickdraft.loading import quant_cache
+from quickdraft.loading.quant_convert import LAYER_LINEARS, Sources, gguf_int4_params
 from quickdraft.loading.dequant import dequantize
 from quickdraft.loading.gguf import unpermute_rows
 from quickdraft.models import build_model
@@ -23,6 +25,11 @@ from quickdraft.models.packed import PackedLinear
 from quickdraft.models.quant import Int4Linear, Int8Linear
 from quickdraft.models.quant_backends import BACKENDS
 from quickdraft.models.quant_formats import dequantize_int4, pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles
+
+try:
+    from fixtures_loading import write_tiny_gguf
+except ImportError:  # tests/ imported as a package
+    from tests.fixtures_loading import write_tiny_gguf
 
 BF16_EPS = 2.0 ** -8  # unit roundoff of bfloat16 (8-bit significand): |bf16(v) - v| <= BF16_EPS * |v|
 
@@ -204,17 +211,14 @@ def test_gguf_int4_mapping_is_exact(qtype):
 
 @pytest.fixture(scope="module")
 def smollm2_bf16(smollm2):
-    return load_checkpoint(smollm2, dtype=torch.bfloat16, progress=False)
+    return load_checkpoint(smollm2, dtype=torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def smollm2_sources(smollm2):
-    return qz.gguf_sources(smollm2)  # parsing the GGUF takes seconds on a busy machine: once per module
-
-
-def test_smollm2_q4_1_maps_exactly(smollm2_bf16, smollm2_sources):
+def test_smollm2_q4_1_maps_exactly(smollm2_bf16):
     """SmolLM2's Q4_1 tensors (q/k rows permuted by llama.cpp) map to int4 and back to the dequantized GGUF."""
-    src, types = smollm2_sources
+    sources = Sources.of(smollm2_bf16)
+    src, types = sources.blocks, sources.block_types  # the file's own blocks (memory-mapped) and GGML types
+    assert src is smollm2_bf16.blocks and types is smollm2_bf16.block_types
     cfg = smollm2_bf16.config
     for name, heads in (("model.layers.0.self_attn.q_proj.weight", cfg.num_heads),
                         ("model.layers.0.self_attn.k_proj.weight", cfg.num_kv_heads),
@@ -263,13 +267,13 @@ def smollm2_reference(smollm2_bf16):
 # max 2.0, top-1 97%; int8 (requantized per channel from Q4_1, so coarser than int4's exact mapping) mean 0.25,
 # max 3.9, top-1 95%. For reference float32 vs bfloat16: mean 0.10, max 1.5.
 @pytest.mark.parametrize("fmt,mean_bound,max_bound", [("int4", 0.25, 4.0), ("int8", 0.5, 8.0)])
-def test_quantized_smollm2_logits_close_to_bf16(smollm2_bf16, smollm2_sources, smollm2_reference, tmp_path,
-                                               monkeypatch, fmt, mean_bound, max_bound):
+def test_quantized_smollm2_logits_close_to_bf16(smollm2_bf16, smollm2_reference, tmp_path, monkeypatch, fmt,
+                                               mean_bound, max_bound):
     monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(qz, "gguf_sources", lambda path: smollm2_sources)
     ckpt = smollm2_bf16
     ids, ref = smollm2_reference
-    model = qz.quantize_checkpoint(build_model(ckpt.config, ckpt.tensors), ckpt, fmt, release=False)
+    model = qz.load_model(ckpt, fmt)  # converted into the cache a layer at a time, then run mapped from it
+    assert len(list((tmp_path / "quantized").glob("*.safetensors"))) == 1
     assert model.quant_info["format"] == fmt
     if fmt == "int4":
         assert model.quant_info["exact_gguf_int4"] == 7 * ckpt.config.num_layers  # every layer is Q4_1
@@ -283,38 +287,54 @@ def test_quantized_smollm2_logits_close_to_bf16(smollm2_bf16, smollm2_sources, s
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.85
 
 
+def _boom(*a, **k):
+    raise AssertionError("should have loaded from the cache")
+
+
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_cache_round_trip(tiny_dir, tmp_path, monkeypatch, fmt):
-    """Untied Qwen2 (q/k/v bias, lm_head quantized): the second load comes from the cache, identical outputs;
-    a damaged entry is rebuilt."""
+    """Untied Qwen2 (q/k/v bias, lm_head quantized): the first load converts into the cache and runs from it, with
+    the logits of a conversion in memory; the second maps the cache without converting, identical logits; a damaged
+    entry is rebuilt."""
     monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path))
     ckpt = load_checkpoint(tiny_dir(arch="qwen2", tie=False, vocab_size=96), dtype=torch.bfloat16)
     ids = list(range(1, 40))
-    first = qz.quantize_checkpoint(build_model(ckpt.config, ckpt.tensors), ckpt, fmt, release=False)
+    first = qz.load_model(ckpt, fmt)
     attn = first.model.layers[0].self_attn
     # on the qmatmul kernel q/k/v run as one call (QuantGroup), each keeping its own layer and bias
     assert (attn.qkv_proj is not None) == qmatmul.available()
     q_proj = attn.qkv_proj.layers[0] if attn.qkv_proj is not None else attn.q_proj
     assert isinstance(first.lm_head, Int8Linear) and q_proj.bias is not None
     files = list((tmp_path / "quantized").glob("*.safetensors"))
-    assert len(files) == 1
+    assert len(files) == 1 and not list((tmp_path / "quantized").glob("*.tmp"))
     expected = _logits(first, ids)
+    in_memory = qz.load_model(ckpt, fmt, use_cache=False)  # the same conversion, never written
+    assert torch.equal(_logits(in_memory, ids), expected)
+    assert first.quant_info == in_memory.quant_info
 
-    def boom(*a, **k):
-        raise AssertionError("should have loaded from the cache")
-
-    monkeypatch.setattr(qz, "quantize_model", boom)
-    second = qz.quantize_checkpoint(build_model(ckpt.config, ckpt.tensors), ckpt, fmt, release=False)
+    # a cache hit converts nothing and reads no weight of the checkpoint: everything comes from the entry
+    monkeypatch.setattr(qz, "quantize_model", _boom)
+    monkeypatch.setattr(qz, "quantized_layers", _boom)
+    monkeypatch.setattr(quant_cache, "TensorFileWriter", _boom)
+    unread = dataclasses.replace(ckpt, tensors={k: None for k in ckpt.tensors})
+    stamp = files[0].stat().st_mtime_ns
+    second = qz.load_model(unread, fmt)
     assert torch.equal(_logits(second, ids), expected)
+    assert second.quant_info == first.quant_info
     assert type(second.model.layers[1].mlp.down_proj) is type(first.model.layers[1].mlp.down_proj)
+    assert files[0].stat().st_mtime_ns == stamp
     monkeypatch.undo()
     monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path))
 
-    files[0].write_bytes(b"garbage")  # damaged: ignored and rebuilt
-    third = qz.quantize_checkpoint(build_model(ckpt.config, ckpt.tensors), ckpt, fmt)  # release=True
-    assert torch.equal(_logits(third, ids), expected)
-    assert "model.layers.0.mlp.up_proj.weight" not in ckpt.tensors and "lm_head.weight" not in ckpt.tensors
-    assert len(files[0].read_bytes()) > 100
+    for damaged in (b"garbage", files[0].read_bytes()[: files[0].stat().st_size // 2]):
+        files[0].write_bytes(damaged)  # damaged: ignored and rebuilt
+        third = qz.load_model(ckpt, fmt)
+        assert torch.equal(_logits(third, ids), expected)
+        path, meta = quant_cache.quant_cache_entry(ckpt.fingerprint, fmt, 32, "int8", "bfloat16",
+                                                   torch.device("cpu"), torch.bfloat16, wide_sources="int8",
+                                                   head_rows=None)
+        assert path == files[0] and quant_cache.open_quantized(path, meta) is not None  # rewritten whole
+    assert not list((tmp_path / "quantized").glob("*.tmp"))
 
 
 def test_wide_gguf_sources_become_int8(tiny_dir):
@@ -326,26 +346,57 @@ def test_wide_gguf_sources_become_int8(tiny_dir):
     ids = list(range(1, 30))
     ref = _logits(build_model(ckpt.config, ckpt.tensors), ids)
     for wide, cls, bound in (("int8", Int8Linear, 0.005), ("int4", Int4Linear, 0.05)):  # measured 0.0006, 0.006
-        model = qz.quantize_model(build_model(ckpt.config, ckpt.tensors), "int4", raw, types, wide_sources=wide)
+        model = qz.quantize_model(build_model(ckpt.config, ckpt.tensors), "int4", Sources(raw, types),
+                                  wide_sources=wide)
         assert all(isinstance(model.get_submodule(n.removesuffix(".weight")), cls) for n in names)
         assert model.quant_info["exact_gguf_int4"] == 0
         assert (_logits(model, ids) - ref).abs().max() < bound * ref.abs().max()
 
 
-def test_float_formats_keep_float_weights_packed_for_onednn(tiny_dir):
+def test_gguf_int4_cache_round_trip(tmp_path, monkeypatch):
+    """From a GGUF (Q4_0 layers and tied embedding, q/k rows permuted): the layers map exactly from the file's blocks
+    into the cache; a hit is identical and converts nothing; with the cache unwritable the model converts in memory,
+    to the same logits."""
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, "llama", T.Q4_0, tied=True)
+    ckpt = load_checkpoint(path, dtype=torch.bfloat16)
+    ids = list(range(1, 30))
+    first = qz.load_model(ckpt, "int4")
+    assert first.quant_info["exact_gguf_int4"] == 7 * ckpt.config.num_layers
+    assert first.quant_info["kernels"]["int4"] == {"Q4_0": 7 * ckpt.config.num_layers}
+    expected = _logits(first, ids)
+    assert torch.equal(_logits(qz.load_model(ckpt, "int4", use_cache=False), ids), expected)
+    monkeypatch.setattr(qz, "quantize_model", _boom)
+    monkeypatch.setattr(qz, "quantized_layers", _boom)
+    second = qz.load_model(ckpt, "int4")
+    assert torch.equal(_logits(second, ids), expected) and second.quant_info == first.quant_info
+    monkeypatch.undo()
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(blocker))
+    assert torch.equal(_logits(qz.load_model(ckpt, "int4"), ids), expected)
+
+
+def test_float_formats_keep_float_weights_packed_for_onednn(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path))
     ckpt = load_checkpoint(tiny_dir(arch="llama", tie=True, vocab_size=96), dtype=torch.float32)
-    model, unpacked = build_model(ckpt.config, ckpt.tensors), build_model(ckpt.config, ckpt.tensors)
+    unpacked = build_model(ckpt.config, ckpt.tensors)
     ids = torch.tensor([1, 5, 9, 2, 7])
-    ref = _logits(model, ids)
-    for fmt in ("float32", "bfloat16", "float16"):
-        assert qz.quantize_checkpoint(model, ckpt, fmt) is model
-    layer = model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, PackedLinear) and isinstance(layer.mlp.gate_up_proj, PackedLinear)
-    assert isinstance(layer.mlp.down_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
-    assert model.model.embed_tokens.weight.dtype == torch.float32  # the tied embedding stays
-    torch.testing.assert_close(_logits(model, ids), ref, atol=1e-4, rtol=1e-4)
+    ref = _logits(unpacked, ids)
+    for fmt in ("float32", "bfloat16", "float16"):  # float weights in the checkpoint's dtype (LLM passes its name)
+        model = qz.load_model(ckpt, fmt)
+        layer = model.model.layers[0]
+        assert isinstance(layer.self_attn.qkv_proj, PackedLinear) and isinstance(layer.mlp.gate_up_proj, PackedLinear)
+        assert isinstance(layer.mlp.down_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
+        assert model.model.embed_tokens.weight.dtype == torch.float32  # the tied embedding stays
+        torch.testing.assert_close(_logits(model, ids), ref, atol=1e-4, rtol=1e-4)
+    assert not (tmp_path / "weights").exists()  # an HF directory is mapped as it is: no float weight cache
     with pytest.raises(InvalidParameterError, match="group size"):
         qz.quantize_model(unpacked, "int4", group_size=128)  # hidden 64 is not a multiple of 128
+    with pytest.raises(InvalidParameterError, match="group size"):
+        qz.load_model(ckpt, "int4", group_size=128)
+    assert not list((tmp_path / "quantized").glob("*"))  # the refused conversion left no partial cache file
 
 
 def test_resolve_weights():
@@ -358,8 +409,8 @@ def test_resolve_weights():
     for bad in ("int3", "INT4", "fp16", "", None, 4):
         with pytest.raises(InvalidParameterError, match="weights must be one of"):
             qz.resolve_weights(bad, "cpu")
-    with pytest.raises(InvalidParameterError):
-        qz.quantize_model(None, "int2")  # type: ignore[arg-type]
+    with pytest.raises(InvalidParameterError, match="weights format must be one of"):
+        qz.load_model(None, "int2")  # type: ignore[arg-type]  (refused before the checkpoint is looked at)
 
 
 def test_without_qmatmul_layers_use_torch_kernels(tmp_path):

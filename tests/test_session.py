@@ -602,6 +602,6 @@ def test_a_snapshot_is_readable_by_its_owner_only(llms, tmp_path):
         s.save(path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     # caches written by the same function keep their mode
-    from quickdraft.loading.weight_cache import write_atomic
+    from quickdraft.loading.tensor_file import write_atomic
     cache = write_atomic(tmp_path / "cache.safetensors", {"x": torch.zeros(2)}, {}, "test cache")
     assert stat.S_IMODE(cache.stat().st_mode) == 0o644

@@ -88,9 +88,9 @@ def qwen_gguf_path() -> Path | None:
 
 @functools.lru_cache(maxsize=None)
 def gguf_metadata(path: Path) -> dict:
-    from quickdraft.loading.gguf_metadata import open_gguf, read_metadata
+    from quickdraft.loading.gguf_metadata import read_header
 
-    return read_metadata(open_gguf(path))
+    return read_header(path).metadata
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,20 +5,23 @@ Every option is checked before any model is loaded, so a bad one fails at once.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
+from quickdraft.config import ModelConfig
 from quickdraft.engine.engine import EngineConfig, LLMEngine
+from quickdraft.engine.memory import KVNeed, MemoryPlan, fmt_bytes, parse_size, plan_memory, return_freed_heap
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.threads import check_threads
 from quickdraft.errors import InvalidParameterError, ModelLoadError
-from quickdraft.kv import ModelRunner
+from quickdraft.kv import KVPool, ModelRunner
 from quickdraft.loading import Checkpoint, load_checkpoint
-from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, FLOAT_FORMATS, QUANT_FORMATS, quantize_checkpoint,
-                                        resolve_draft_weights, resolve_weights, restrict_lm_head, weights_summary)
-from quickdraft.models import Transformer, build_model, native
+from quickdraft.loading.quant_convert import lm_head_format
+from quickdraft.loading.quantize import (DEFAULT_LM_HEAD, DRAFT_INT4_OPTIONS, FLOAT_FORMATS, QUANT_FORMATS, load_model,
+                                        resolve_draft_weights, resolve_weights, weights_summary)
+from quickdraft.loading.weight_choice import planned_weight_bytes
+from quickdraft.models import Transformer, native, weight_bytes
 from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
 from quickdraft.speculative.run_ahead import RunAheadDrafter
 from quickdraft.tokenizer import Tokenizer
@@ -45,7 +48,8 @@ class EngineOptions:
     max_num_batched_tokens: int = 512
     policy: str = "fcfs"
     preemption: str = "recompute"
-    kv_cache_memory: int | str = "1GiB"
+    kv_cache_memory: int | str = "auto"
+    max_memory: int | str | None = None
     block_size: int = 16
     self_draft_layers: int | None = None
     ngram_max: int = 4
@@ -55,6 +59,10 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
+        if self.kv_cache_memory != "auto":
+            parse_size(self.kv_cache_memory, "kv_cache_memory")
+        if self.max_memory is not None:
+            parse_size(self.max_memory, "max_memory")
         if self.draft is not None and self.speculative is not None:
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both")
         v = self.draft_vocab
@@ -79,6 +87,7 @@ class LoadedEngine:
     weights: str  # the target's weight format: int4, int8 or a float dtype's name
     draft_weights: str | None
     device: str
+    memory: MemoryPlan  # what the weights and KV caps were planned to take
 
     @property
     def target(self) -> ModelRunner:
@@ -97,20 +106,39 @@ class LoadedEngine:
         """Which kernels the target's linear layers run on and how the file stores them (see ``weights_summary``)."""
         return weights_summary(self.model, self.checkpoint, self.weights)
 
+    @property
+    def runners(self) -> list[ModelRunner]:
+        """The model runners with a KV cache of their own: the target's, and the drafter's when it has one."""
+        draft = self.drafter.runner if self.drafter is not None else None
+        return [self.target] + ([draft] if draft is not None and draft is not self.target else [])
+
+    @property
+    def memory_summary(self) -> str:
+        """What the engine holds, e.g. ``'weights 1.02 GiB (int4), KV up to 10.5 GiB (1 MiB in use)'``: the weights as
+        loaded (a memory-mapped embedding counts whole, though only the rows read take memory) and the KV caches'
+        caps, which fill as sequences need them."""
+        models = {id(m): m for r in self.runners for m in (r.model, r.long_model) if m is not None}
+        weights = sum(weight_bytes(m) for m in models.values())
+        kv = self.kv_bytes()
+        formats = self.weights + (f" + {self.draft_weights} draft" if self.draft_weights else "")
+        return (f"weights {fmt_bytes(weights)} ({formats}), KV up to {fmt_bytes(kv['kv_bytes_cap'])} "
+                f"({fmt_bytes(kv['kv_bytes_resident'])} in use)")
+
+    def kv_bytes(self) -> dict[str, int]:
+        """KV cache bytes over every cache: held by sequences and cached prefixes, in memory, and the caps."""
+        return {"kv_bytes_used": sum(r.kv_bytes_used for r in self.runners),
+                "kv_bytes_resident": sum(r.kv_bytes_touched for r in self.runners),
+                "kv_bytes_cap": sum(r.kv_bytes_cap for r in self.runners)}
+
+    def release_memory(self, keep_prefix_cache: bool = False) -> None:
+        """Give back the KV memory no sequence holds (and, unless ``keep_prefix_cache``, the cached prefixes')."""
+        for runner in self.runners:
+            runner.release_memory(keep_prefix_cache)
+
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ready for the reply."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
-
-
-def parse_size(size: int | str) -> int:
-    """'2GiB', '512MB', '1.5G' or a byte count."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", str(size), re.IGNORECASE)
-    if not m:
-        raise InvalidParameterError(f"kv_cache_memory must be a size like '2GiB' or '512MB', got {size!r}")
-    return int(float(m.group(1)) * 1024 ** "_KMGT".index(m.group(2).upper() or "_"))
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -130,23 +158,35 @@ def tokenizer_for(ckpt: Checkpoint) -> Tokenizer:
 
 
 def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
-    """Load ``model`` (and the draft), put their weights in the chosen formats and wire the engine."""
+    """Load ``model`` (and the draft), put their weights in the chosen formats and wire the engine. The headers are
+    read first and the memory planned (``memory.plan_memory``), so a configuration that cannot fit fails before any
+    weight is loaded."""
     o = options
     # an explicit draft format is checked (and its float dtype known) before anything is loaded
     draft_fmt = None if o.draft_weights == "auto" else resolve_weights(o.draft_weights, o.device)
     resolve_weights(o.weights, o.device)  # a bad format fails before anything is loaded
     dtype = resolve_dtype(o.weights if o.weights in FLOAT_FORMATS else o.dtype, o.device)
-    kv_bytes = parse_size(o.kv_cache_memory)
-    checkpoint = load_checkpoint(model, dtype=dtype)
+    checkpoint = load_checkpoint(model, dtype=dtype)  # the header; tensors are read as the model is built
     # int4/int8 keep the linear layers quantized (activations, embeddings and norms stay in `dtype`), None keeps
     # float weights in `dtype`; "auto" follows the file's own precision (see loading/weight_choice.py)
     fmt = resolve_weights(o.weights, o.device, checkpoint.tensor_types)
     weights = fmt or str(dtype).removeprefix("torch.")
     tokenizer = tokenizer_for(checkpoint)
-    target_model = _build_model(checkpoint, weights, o.device)
     cfg = checkpoint.config
+    draft_checkpoint, draft_weights = None, None
+    if o.draft is not None:
+        draft_checkpoint = load_checkpoint(o.draft, dtype=FLOAT_FORMATS.get(draft_fmt, dtype))
+        check_same_vocabulary(tokenizer, tokenizer_for(draft_checkpoint))
+        draft_weights = draft_fmt or resolve_draft_weights("auto", weights, draft_checkpoint.config, o.device)
+    self_layers = None
+    if o.speculative == "self":
+        self_layers = o.self_draft_layers or max(1, cfg.num_layers // 4)
+        if not 1 <= self_layers < cfg.num_layers:
+            raise InvalidParameterError(f"self_draft_layers must be in 1..{cfg.num_layers - 1}, got {self_layers}")
     max_model_len = min(o.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    target = ModelRunner("target", target_model, kv_bytes, o.block_size)
+    plan = _memory_plan(o, checkpoint, fmt, draft_checkpoint, draft_weights, self_layers, max_model_len)
+    target_model = load_model(checkpoint, weights, o.device)
+    target = ModelRunner("target", target_model, plan.kv_caps["target"], o.block_size)
     # one sequence of the full context (plus drafts) must fit in the pool, or it could never finish
     capacity = target.allocator.num_blocks * o.block_size - o.max_speculative_tokens - 1
     if capacity < max_model_len:
@@ -155,21 +195,16 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
                 f"max_model_len={o.max_model_len} does not fit in the KV cache ({capacity} tokens with "
                 f"kv_cache_memory={o.kv_cache_memory}); raise kv_cache_memory or lower max_model_len")
         max_model_len = capacity
-    drafter, draft_checkpoint, draft_weights = None, None, None
-    if o.draft is not None:
-        draft_checkpoint = load_checkpoint(o.draft, dtype=FLOAT_FORMATS.get(draft_fmt, dtype))
-        check_same_vocabulary(tokenizer, tokenizer_for(draft_checkpoint))
-        draft_weights = draft_fmt or resolve_draft_weights("auto", weights, draft_checkpoint.config, o.device)
-        drafter = _draft_model_drafter(o, draft_checkpoint, draft_weights, dtype, kv_bytes, cfg.vocab_size)
+    drafter = None
+    if draft_checkpoint is not None:
+        drafter = _draft_model_drafter(o, draft_checkpoint, draft_weights, dtype, plan.kv_caps["draft"],
+                                       cfg.vocab_size)
     elif o.speculative == "ngram":
         drafter = NgramDrafter(o.ngram_max, o.ngram_min)
-    elif o.speculative == "self":
-        layers = o.self_draft_layers or max(1, cfg.num_layers // 4)
-        if not 1 <= layers < cfg.num_layers:
-            raise InvalidParameterError(f"self_draft_layers must be in 1..{cfg.num_layers - 1}, got {layers}")
+    elif self_layers is not None:
         drafter_class = RunAheadDrafter if o.run_ahead else ModelDrafter
-        drafter = drafter_class(ModelRunner("self", target_model, kv_bytes, o.block_size, num_layers=layers),
-                                cfg.vocab_size, name="self")
+        drafter = drafter_class(ModelRunner("self", target_model, plan.kv_caps["self"], o.block_size,
+                                            num_layers=self_layers), cfg.vocab_size, name="self")
     config = EngineConfig(
         max_model_len=max_model_len,
         scheduler=SchedulerConfig(max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
@@ -177,29 +212,59 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
         num_speculative_tokens=o.num_speculative_tokens if drafter is not None else 0,
         max_speculative_tokens=o.max_speculative_tokens, threads=o.threads)
     engine = LLMEngine(target, tokenizer, config, drafter)
+    return_freed_heap()
     return LoadedEngine(engine, tokenizer, target_model, checkpoint, draft_checkpoint, dtype, weights, draft_weights,
-                        o.device)
+                        o.device, plan)
 
 
-def _build_model(checkpoint: Checkpoint, fmt: str, device: str, options: dict | None = None,
-                 head_rows: int | None = None, release: bool = True) -> Transformer:
-    model = build_model(checkpoint.config, checkpoint.tensors, device)
-    if head_rows is not None:
-        restrict_lm_head(model, head_rows)
-    return quantize_checkpoint(model, checkpoint, fmt, release=release, **(options or {}))
+def _memory_plan(o: EngineOptions, checkpoint: Checkpoint, fmt: str | None, draft: Checkpoint | None,
+                 draft_fmt: str | None, self_layers: int | None, max_model_len: int) -> MemoryPlan:
+    """Weights and KV caps of this configuration, from the headers alone (see ``memory.plan_memory``)."""
+    cfg = checkpoint.config
+    head = lm_head_format(DEFAULT_LM_HEAD)
+    weights = {"target": planned_weight_bytes(cfg, checkpoint.tensor_types, fmt, head, checkpoint.dtype)}
+    # a sequence of the full context holds its drafts too (see the capacity check in build_engine)
+    blocks = -(-(max_model_len + o.max_speculative_tokens + 1) // o.block_size)
+
+    def kv_need(name: str, c: ModelConfig, layers: int, dtype: torch.dtype) -> KVNeed:
+        per_block = KVPool.bytes_per_block(layers, c.num_kv_heads, c.head_dim, o.block_size, dtype)
+        return KVNeed(name, per_block, o.max_num_seqs * blocks)
+
+    kv = [kv_need("target", cfg, cfg.num_layers, checkpoint.dtype)]
+    if draft is not None:
+        dc = draft.config
+        int4 = draft_fmt == "int4"
+        quantized = draft_fmt if draft_fmt in QUANT_FORMATS else None
+        weights["draft"] = planned_weight_bytes(dc, draft.tensor_types, quantized, "int4" if int4 else head,
+                                                draft.dtype, "int4" if int4 else "int8")
+        if _keeps_float(draft_fmt, o.device):
+            weights["draft float copy"] = planned_weight_bytes(dc, draft.tensor_types, None, None, draft.dtype)
+        kv.append(kv_need("draft", dc, dc.num_layers, draft.dtype))
+    if self_layers is not None:
+        kv.append(kv_need("self", cfg, self_layers, checkpoint.dtype))
+    # the least a cache may hold: one sequence of the context asked for, or of 2048 tokens when max_model_len may shrink
+    shortest = max_model_len if o.max_model_len is not None else min(max_model_len, 2048)
+    min_blocks = -(-(shortest + o.max_speculative_tokens + 1) // o.block_size)
+    # a CUDA pool is allocated whole: its auto cap comes out of the GPU's free memory, not the host's
+    free = torch.cuda.mem_get_info(torch.device(o.device))[0] if str(o.device).startswith("cuda") else None
+    return plan_memory(weights, kv, o.kv_cache_memory, min_blocks, o.max_memory, free)
+
+
+def _keeps_float(fmt: str | None, device: str) -> bool:
+    """A quantized draft keeps float weights too, for long prompts (see ModelRunner), except where the int4 kernel is
+    faster at every length (``wide_int8_dot_products``)."""
+    int4_everywhere = fmt == "int4" and str(device).startswith("cpu") and native.wide_int8_dot_products()
+    return fmt in QUANT_FORMATS and not int4_everywhere
 
 
 def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dtype: torch.dtype, kv_bytes: int,
                          target_vocab: int) -> ModelDrafter:
-    """A draft model in ``fmt``; a quantized draft keeps float weights too, for long prompts (see ModelRunner), except
-    where the int4 kernel is faster at every length (``wide_int8_dot_products``)."""
-    quantized = fmt in QUANT_FORMATS
-    int4_everywhere = fmt == "int4" and str(o.device).startswith("cpu") and native.wide_int8_dot_products()
-    keep_float = quantized and not int4_everywhere
-    draft_model = _build_model(checkpoint, fmt, o.device, DRAFT_INT4_OPTIONS if fmt == "int4" else {}, o.draft_vocab,
-                               release=not keep_float)
-    long_model = _build_model(checkpoint, str(dtype).removeprefix("torch."), o.device, None,
-                              o.draft_vocab) if keep_float else None
+    """A draft model in ``fmt``, with a float copy where ``_keeps_float``."""
+    keep_float = _keeps_float(fmt, o.device)
+    draft_model = load_model(checkpoint, fmt, o.device, head_rows=o.draft_vocab,
+                             **(DRAFT_INT4_OPTIONS if fmt == "int4" else {}))
+    long_model = load_model(checkpoint, str(dtype).removeprefix("torch."), o.device,
+                            head_rows=o.draft_vocab) if keep_float else None
     drafter_class = RunAheadDrafter if o.run_ahead else ModelDrafter
     return drafter_class(ModelRunner("draft", draft_model, kv_bytes, o.block_size, long_model=long_model),
                          target_vocab)

@@ -1,4 +1,4 @@
-"""Block bookkeeping of the paged KV cache: one preallocated pool of fixed-size blocks per model.
+"""Block bookkeeping of the paged KV cache: one pool of fixed-size blocks per model, in memory as far as used.
 
 A sequence owns a list of block ids (its block table). Token ``i`` of a
 sequence lives in slot ``block_table[i // block_size] * block_size + i % block_size``
@@ -8,7 +8,12 @@ What the model computes over the pool lives in ``attention.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import heapq
+import math
+import mmap
+import sys
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -18,12 +23,21 @@ import torch
 from quickdraft.kv.attention import PREFILL_CELL
 
 
+# not accounted against the machine's memory up front (pages are committed as written); Python < 3.12 has no name
+# for the flag, whose value Linux fixes at 0x4000
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
 class OutOfBlocks(RuntimeError):
     """The pool has no free block left; the scheduler must wait or preempt."""
 
 
 class KVPool:
-    """Key and value storage for every layer of one model: ``[layers, blocks * block_size, kv_heads, head_dim]``."""
+    """Key and value storage for every layer of one model: ``[layers, blocks * block_size, kv_heads, head_dim]``.
+
+    On CPU the storage is reserved, not filled: an anonymous mapping whose pages take memory when a block is first
+    written, so a pool sized for the longest contexts costs what the sequences actually hold; ``release_from`` hands
+    the pages of unused blocks back. Other devices allocate the whole pool up front."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
@@ -31,8 +45,41 @@ class KVPool:
             raise ValueError(f"KV pool needs at least one block of at least one slot, got {num_blocks}x{block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._maps: list[mmap.mmap] = []
+        if torch.device(device).type == "cpu" and hasattr(mmap, "MAP_ANONYMOUS"):
+            self.k, self.v = self._reserve(shape, dtype), self._reserve(shape, dtype)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def _reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+        mapping = mmap.mmap(-1, nbytes, flags=flags)
+        with contextlib.suppress(AttributeError, OSError):
+            # a layer's next block is a few KiB: with transparent huge pages its first write would commit 2 MiB
+            mapping.madvise(mmap.MADV_NOHUGEPAGE)
+        self._maps.append(mapping)
+        return torch.frombuffer(mapping, dtype=dtype).view(shape)
+
+    def release_from(self, block: int) -> None:
+        """Give the memory of blocks ``block`` and up back to the system (they read as zeros when next used)."""
+        if not self._maps or block >= self.num_blocks:
+            return
+        if block == 0:  # everything, the pages that straddle two layers included
+            for mapping in self._maps:
+                mapping.madvise(mmap.MADV_DONTNEED)
+            return
+        page = mmap.PAGESIZE
+        layers, slots = self.k.shape[:2]
+        layer_bytes = self.k[0].numel() * self.k.element_size()
+        start_in_layer = block * self.block_size * layer_bytes // slots
+        for mapping in self._maps:
+            for layer in range(layers):
+                start = -(-(layer * layer_bytes + start_in_layer) // page) * page  # whole pages only
+                end = (layer + 1) * layer_bytes // page * page
+                if end > start:
+                    mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size
@@ -52,15 +99,19 @@ def block_hash(parent: bytes, tokens: list[int]) -> bytes:
 class BlockAllocator:
     """Reference-counted blocks with a prefix cache of full blocks by content hash.
 
-    A released block keeps its content and hash until it is handed out again, so
-    a later request with the same prefix can take it back (least recently freed
-    blocks are reused first).
+    A released block keeps its content and hash until it is handed out again, so a later request with the same
+    prefix can take it back. Blocks are handed out so that memory grows only when the sequences need more: first a
+    free block whose content nobody can reuse (the lowest id), then a block never used before (``high_water`` grows:
+    the pool's pages up to it are the ones in memory), and only when none is left the least recently freed block of
+    the prefix cache. ``trim`` lowers the high-water mark past the blocks no sequence and no cached prefix holds.
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.high_water = 0  # blocks from here on were never handed out (or were trimmed): they hold no memory
+        self._plain: list[int] = []  # heap of free blocks below high_water without cached content
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free blocks holding a cached prefix, least recent first
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self.prefix_hit_blocks = 0
@@ -68,32 +119,43 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._plain) + len(self._cached) + self.num_blocks - self.high_water
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def cached_blocks(self) -> list[int]:
+        """Free blocks that still hold a cached prefix (reusable by a later request with that prefix)."""
+        return list(self._cached)
 
     def allocate(self) -> int:
-        if not self._free:
+        if self._plain:
+            block = heapq.heappop(self._plain)
+        elif self.high_water < self.num_blocks:
+            block, self.high_water = self.high_water, self.high_water + 1
+        elif self._cached:
+            block, _ = self._cached.popitem(last=False)
+            self.forget(block)
+        else:
             raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
-        block, _ = self._free.popitem(last=False)
-        digest = self._hash_of.pop(block, None)
-        if digest is not None and self._block_of.get(digest) == block:
-            del self._block_of[digest]
         self.ref_counts[block] = 1
         return block
 
     def share(self, block: int) -> int:
         if self.ref_counts[block] == 0:
-            del self._free[block]
+            del self._cached[block]  # only a cached block is found (lookup) while free
         self.ref_counts[block] += 1
         return block
 
     def release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self._free[block] = None
+            if block in self._hash_of:
+                self._cached[block] = None
+            else:
+                heapq.heappush(self._plain, block)
 
     def register(self, block: int, digest: bytes) -> None:
         if digest not in self._block_of:
@@ -104,16 +166,28 @@ class BlockAllocator:
         return self._block_of.get(digest)
 
     def forget(self, block: int) -> None:
-        """Take a block out of the prefix cache: its content is about to change."""
+        """Take a block out of the prefix cache: its content is about to change (or is no longer wanted)."""
         digest = self._hash_of.pop(block, None)
         if digest is not None and self._block_of.get(digest) == block:
             del self._block_of[digest]
+        if block in self._cached:
+            del self._cached[block]
+            heapq.heappush(self._plain, block)
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached content of every free block; blocks in use keep theirs (their sequences still share
         them)."""
-        for block in [b for b in self._hash_of if self.ref_counts[b] == 0]:
+        for block in list(self._cached):
             self.forget(block)
+
+    def trim(self) -> int:
+        """Lower ``high_water`` to just past the highest block in use or holding a cached prefix, and return it: the
+        pool can give back the memory of every block from there on."""
+        held = [b for b in range(self.high_water) if self.ref_counts[b] or b in self._cached]
+        self.high_water = held[-1] + 1 if held else 0
+        self._plain = [b for b in self._plain if b < self.high_water]
+        heapq.heapify(self._plain)
+        return self.high_water
 
 
 @dataclass

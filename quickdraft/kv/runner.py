@@ -45,7 +45,29 @@ class ModelRunner:
         num_blocks = max(1, kv_cache_bytes // per_block)
         self.pool = KVPool(self.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, self.dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
+        self.bytes_per_block = per_block
         self.last_forward_s = 0.0
+
+    @property
+    def kv_bytes_used(self) -> int:
+        """KV bytes in blocks that sequences or cached prefixes hold now."""
+        return (self.allocator.num_blocks - self.allocator.num_free + len(self.allocator.cached_blocks)) \
+            * self.bytes_per_block
+
+    @property
+    def kv_bytes_touched(self) -> int:
+        """KV bytes of every block handed out since the last ``release_memory``: what the pool holds in memory."""
+        return self.allocator.high_water * self.bytes_per_block
+
+    @property
+    def kv_bytes_cap(self) -> int:
+        return self.allocator.num_blocks * self.bytes_per_block
+
+    def release_memory(self, keep_prefix_cache: bool = True) -> None:
+        """Give back the memory of blocks nothing holds (and of cached prefixes too, unless ``keep_prefix_cache``)."""
+        if not keep_prefix_cache:
+            self.allocator.reset_prefix_cache()
+        self.pool.release_from(self.allocator.trim())
 
     @property
     def vocab_size(self) -> int:

@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,18 +17,40 @@ from quickdraft.config import ModelConfig
 _EDGE_BYTES = 1 << 20
 
 
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """Tensors by name, each made when it is read (dequantized, converted to the dtype) and not kept here.
+
+    A model is built from one of these a tensor at a time, so loading never holds the whole model in float: a
+    quantized layer is converted straight from the file's blocks, and a float one is packed and its source dropped
+    before the next is made."""
+
+    def __init__(self, makers: dict[str, Callable[[], torch.Tensor]]) -> None:
+        self._makers = makers
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._makers[name]()
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would make the tensor to find out
+        return name in self._makers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+
 @dataclass
 class Checkpoint:
     """Weights ready for ``quickdraft.models.transformer.Transformer``.
 
-    ``tensors`` uses Hugging Face names (``model.layers.0.self_attn.q_proj.weight``)
-    in the requested dtype and HF layout. With ``config.tie_word_embeddings`` the
-    entry ``lm_head.weight`` is the same tensor object as ``model.embed_tokens.weight``
-    (so a strict ``load_state_dict`` works; it is stored once).
+    ``tensors`` uses Hugging Face names (``model.layers.0.self_attn.q_proj.weight``) in the requested dtype and HF
+    layout, made when read (``LazyTensors``). With ``config.tie_word_embeddings`` the entry ``lm_head.weight`` reads the
+    embedding (a strict ``load_state_dict`` works; it is stored once).
     """
 
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     source: Path  # resolved GGUF file or HF directory
     fingerprint: str  # identifies the exact source file(s); changes when the model file changes
     chat_template: str | None
@@ -37,6 +60,13 @@ class Checkpoint:
     # GGUF: each tensor's GGML type as stored ('Q4_1', 'F32', ...) by HF name, a tied lm_head under its own name
     # too (what weights='auto' follows); None for HF directories
     tensor_types: dict[str, str] | None = None
+    # GGUF: each tensor's blocks as the file stores them (uint8, memory-mapped when read, permuted q/k rows as they
+    # are) and their GGML type id, by HF name (a tied lm_head has none); what int4 maps exactly. None for HF dirs.
+    blocks: Mapping[str, Any] | None = None
+    block_types: dict[str, int] | None = None
+    dtype: torch.dtype = torch.float32  # of the float tensors ``tensors`` makes
+    # mapped weight files the tensors point into (HF safetensors), whose pages a load lets go once it has copied them
+    files: list[Any] = dataclasses.field(default_factory=list)
 
     def content_fingerprint(self) -> str:
         """Identity of the weights by content (see ``content_fingerprint``), computed once: unlike

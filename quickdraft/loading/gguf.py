@@ -2,26 +2,27 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import re
 import reprlib
-import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from quickdraft.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading import weight_cache
-from quickdraft.loading.checkpoint import Checkpoint, fingerprint
+from quickdraft.loading.checkpoint import Checkpoint, LazyTensors, fingerprint
 from quickdraft.loading.dequant import SUPPORTED_TYPES, dequantize, qtype_name, supported_type_names
-from quickdraft.loading.gguf_metadata import open_gguf, read_metadata, tensor_types
+from quickdraft.loading.gguf_metadata import read_header
 
 log = logging.getLogger(__name__)
 
@@ -261,97 +262,126 @@ def quantization_name(metadata: dict[str, Any], type_counts: Counter) -> str:
     return max(quantized)[1] if quantized else "F32"
 
 
-def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32, *, use_cache: bool = True, progress: bool = True
-) -> Checkpoint:
-    """Load a llama / mistral / qwen2 GGUF, dequantized to ``dtype``, with HF names and layout.
+@dataclass
+class TensorRecord:
+    """Where one tensor's blocks lie in the GGUF file and how they are stored."""
 
-    With ``use_cache`` the converted tensors (and the metadata) are kept in the
-    weight cache, so loading the same file again is a memory map.
-    """
-    path = Path(path).resolve()
-    if not path.is_file():
-        raise ModelLoadError(f"GGUF file not found: {path}")
-    fp = fingerprint(path)
-    if use_cache:
-        hit = weight_cache.load_cached(fp, dtype)
-        if hit is not None:
-            tensors, info = hit
-            try:  # a cache entry whose record does not make a config is damaged: rebuild it from the GGUF
-                cfg_dict = dict(info["config"])
-                cfg_dict["eos_token_ids"] = tuple(cfg_dict["eos_token_ids"])
-                cfg, metadata, quant = ModelConfig(**cfg_dict), dict(info["metadata"]), str(info["quantization"])
-                types = info.get("tensor_types")  # absent from records written before it was kept
-                types = dict(types) if types is not None else hf_tensor_types(tensor_types(path))
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("ignoring damaged weight cache record for %s (%s: %s); rebuilding", path.name,
-                            type(exc).__name__, exc)
-            else:
-                log.info("loaded %s from the weight cache", path.name)
-                return Checkpoint(
-                    config=cfg, tensors=tensors, source=path, fingerprint=fp,
-                    chat_template=metadata.get("tokenizer.chat_template"), gguf_metadata=metadata, hf_dir=None,
-                    quantization=quant, tensor_types=types,
-                )
+    gguf_name: str
+    qtype: int  # GGML type id
+    shape: tuple[int, ...]  # torch order (the GGUF dims reversed)
+    offset: int  # absolute byte offset in the file
+    nbytes: int
 
-    reader = open_gguf(path)  # every count, length, type and offset of the header checked
-    if reader.byte_order != "I":
-        raise ModelLoadError(f"{path} is a big-endian GGUF; only little-endian files are supported")
-    try:
-        metadata = read_metadata(reader)
-    except Exception as exc:
-        raise ModelLoadError(f"{path} is a corrupt GGUF file: cannot decode metadata ({exc})") from exc
 
-    by_name = {t.name: t for t in reader.tensors}
-    shapes = {name: tuple(int(x) for x in reversed(t.shape.tolist())) for name, t in by_name.items()}
-    types = hf_tensor_types({name: qtype_name(t.tensor_type) for name, t in by_name.items()})
-    cfg = config_from_metadata(metadata, shapes, path)
+@dataclass
+class GGUFIndex:
+    """What a load needs from a GGUF header. Parsing the header takes seconds for a large vocabulary (gguf-py decodes
+    every token string), so the weight cache keeps this as JSON and a later load of the same file reads only that."""
 
-    selected = []
-    for name, t in by_name.items():
+    config: ModelConfig
+    metadata: dict[str, Any]
+    quantization: str
+    tensors: dict[str, TensorRecord]  # by HF name; a tied lm_head has none of its own
+
+    def to_json(self) -> dict[str, Any]:
+        return {"config": asdict(self.config), "metadata": self.metadata, "quantization": self.quantization,
+                "tensors": {k: asdict(r) for k, r in self.tensors.items()}}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> GGUFIndex:
+        """Raises KeyError/TypeError/ValueError on a damaged record."""
+        cfg = dict(record["config"])
+        cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
+        tensors = {k: TensorRecord(r["gguf_name"], int(r["qtype"]), tuple(int(x) for x in r["shape"]), int(r["offset"]),
+                                   int(r["nbytes"])) for k, r in record["tensors"].items()}
+        return cls(ModelConfig(**cfg), dict(record["metadata"]), str(record["quantization"]), tensors)
+
+
+def read_index(path: Path) -> GGUFIndex:
+    """Parse and check a GGUF header: the config, the metadata and every tensor we use (a ModelLoadError names what is
+    missing, damaged or unsupported)."""
+    header = read_header(path)  # every count, length, type and offset of the header checked
+    shapes = {name: tuple(reversed(dims)) for name, dims, _, _, _ in header.tensors}
+    cfg = config_from_metadata(header.metadata, shapes, path)
+    records: dict[str, TensorRecord] = {}
+    for name, _, qtype, offset, nbytes in header.tensors:
         target = hf_name(name)
         if target is None:
             if not _IGNORED.match(name):
                 log.warning("%s: ignoring unknown tensor %s", path.name, name)
             continue
-        selected.append((name, target, t))
-    check_tensor_set({target: shapes[name] for name, target, _ in selected}, cfg, path)
-    unsupported = sorted({(qtype_name(t.tensor_type), name) for name, _, t in selected if t.tensor_type not in SUPPORTED_TYPES})
+        records[target] = TensorRecord(name, qtype, shapes[name], offset, nbytes)
+    check_tensor_set({target: r.shape for target, r in records.items()}, cfg, path)
+    unsupported = sorted({(qtype_name(r.qtype), r.gguf_name) for r in records.values() if r.qtype not in SUPPORTED_TYPES})
     if unsupported:
         types = sorted({tn for tn, _ in unsupported})
         raise ModelLoadError(
             f"{path}: unsupported GGUF quantization type {', '.join(types)} (e.g. tensor {unsupported[0][1]}); "
             f"supported: {supported_type_names()}"
         )
+    counts = Counter(GGMLQuantizationType(r.qtype).name for r in records.values())
+    return GGUFIndex(cfg, header.metadata, quantization_name(header.metadata, counts), records)
 
+
+ROW_CHUNK = 8192  # rows dequantized at a time: an embedding table never exists in float32 whole
+
+
+def dequantize_rows(raw: np.ndarray, qtype: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize`` into a new ``dtype`` tensor, ``ROW_CHUNK`` rows at a time (GGUF rows are stored whole)."""
+    if len(shape) != 2 or shape[0] <= ROW_CHUNK:
+        return dequantize(raw, qtype, shape).to(dtype).contiguous()
+    rows, cols = shape
+    per_row = raw.shape[0] // rows
+    out = torch.empty(shape, dtype=dtype)
+    for r0 in range(0, rows, ROW_CHUNK):
+        r1 = min(rows, r0 + ROW_CHUNK)
+        out[r0:r1] = dequantize(raw[r0 * per_row:r1 * per_row], qtype, (r1 - r0, cols))
+    return out
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, use_cache: bool = True) -> Checkpoint:
+    """A llama / mistral / qwen2 GGUF with HF names and layout, each tensor dequantized to ``dtype`` when it is read.
+
+    Only the header is read here (with ``use_cache``, from the weight cache's copy of it after the first load); the
+    tensors stay in the file, memory-mapped, until a model is built from them one at a time."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    fp = fingerprint(path)
+    index = None
+    if use_cache and (record := weight_cache.load_index(fp)) is not None:
+        try:
+            index = GGUFIndex.from_json(record)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("ignoring damaged weight cache record for %s (%s: %s); rebuilding", path.name,
+                        type(exc).__name__, exc)
+    if index is None:
+        index = read_index(path)
+        if use_cache:
+            weight_cache.store_index(fp, index.to_json())
+    cfg, records = index.config, index.tensors
     permute = cfg.architecture in PERMUTED_ARCHITECTURES
-    tensors: dict[str, torch.Tensor] = {}
-    counts: Counter = Counter()
-    start = time.perf_counter()
-    from tqdm import tqdm
 
-    bar = tqdm(selected, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False)
-    with single_thread():
-        for name, target, t in bar:
-            counts[GGMLQuantizationType(t.tensor_type).name] += 1
-            w = dequantize(t.data, t.tensor_type, shapes[name])
-            if permute and (".attn_q." in name or ".attn_k." in name):
-                w = unpermute_rows(w, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
-            tensors[target] = w.to(dtype).contiguous()
-    del reader, by_name, selected
+    def blocks(name: str) -> np.ndarray:
+        r = records[name]
+        return np.memmap(path, dtype=np.uint8, mode="r", offset=r.offset, shape=(r.nbytes,))
+
+    def dequantized(name: str) -> torch.Tensor:
+        r = records[name]
+        with single_thread():
+            if permute and r.gguf_name.endswith((".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")):
+                w = dequantize(blocks(name), r.qtype, r.shape)
+                return unpermute_rows(w, cfg.num_heads if ".attn_q." in r.gguf_name else cfg.num_kv_heads).to(dtype)
+            return dequantize_rows(blocks(name), r.qtype, r.shape, dtype)
+
+    makers = {name: functools.partial(dequantized, name) for name in records}
     if cfg.tie_word_embeddings:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    log.info("dequantized %s in %.1fs", path.name, time.perf_counter() - start)
-
-    quant = quantization_name(metadata, counts)
-    if use_cache:
-        weight_cache.store(
-            fp, dtype, tensors, cfg.tie_word_embeddings,
-            {"config": asdict(cfg), "metadata": metadata, "quantization": quant, "source": str(path),
-             "tensor_types": types},
-        )
+        makers["lm_head.weight"] = makers["model.embed_tokens.weight"]
+    types = hf_tensor_types({r.gguf_name: qtype_name(r.qtype) for r in records.values()})
     return Checkpoint(
-        config=cfg, tensors=tensors, source=path, fingerprint=fp,
-        chat_template=metadata.get("tokenizer.chat_template"), gguf_metadata=metadata, hf_dir=None,
-        quantization=quant, tensor_types=types,
+        config=cfg, tensors=LazyTensors(makers), source=path, fingerprint=fp,
+        chat_template=index.metadata.get("tokenizer.chat_template"), gguf_metadata=index.metadata, hf_dir=None,
+        quantization=index.quantization, tensor_types=types,
+        blocks=LazyTensors({name: functools.partial(blocks, name) for name in records}),
+        block_types={name: r.qtype for name, r in records.items()}, dtype=dtype,
     )

@@ -1,31 +1,32 @@
-"""Read GGUF key/value metadata into plain Python values.
+"""Read a GGUF header: key/value metadata into plain Python values, and where each tensor lies.
 
-``open_gguf`` walks the whole header itself (bounds-checked reads from a read-only memory map) before
-gguf's ``GGUFReader`` parses it: the reader trusts every count, length and offset in the file, so a
-hostile or damaged header could make it loop over 2**64 items, allocate without bound, or fail with an
-IndexError deep inside. Every field is checked against the file's size and the limits below first,
-and each failure is a ModelLoadError naming the field, its value and what is allowed.
+``read_header`` walks the whole header itself (bounds-checked reads from a read-only memory map) rather than
+through gguf's ``GGUFReader``, which trusts every count, length and offset in the file (a hostile or damaged header
+could make it loop over 2**64 items, allocate without bound, or fail with an IndexError deep inside) and is slow on
+large vocabularies. Every field is checked against the file's size and the limits below, and each failure is a
+ModelLoadError naming the field, its value and what is allowed.
 """
 from __future__ import annotations
 
 import math
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from quickdraft.errors import ModelLoadError
 
-SUPPORTED_VERSIONS = (2, 3)  # what GGUFReader parses (v1 used 32-bit counts)
+SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit counts
 # Limits far above any real model's header, so a hostile count is refused before anything is read:
 # a 70B llama has ~720 tensors, a vocabulary holds at most ~262k tokens (Gemma), merges as many.
 MAX_TENSORS = 1 << 16
 MAX_KV = 1 << 16
 MAX_ARRAY_LEN = 1 << 20  # items in one array (~4x the largest vocabulary)
-MAX_ARRAY_ITEMS = 1 << 21  # items in all arrays together (GGUFReader keeps a numpy view per item)
+MAX_ARRAY_ITEMS = 1 << 21  # items in all arrays together (each string item becomes a Python object)
 MAX_KEY_LEN = 1 << 16  # the GGUF spec's limit on a key
 MAX_NAME_LEN = 1 << 12  # llama.cpp allows 64 bytes in a tensor name
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -46,12 +47,22 @@ def _value_types() -> str:
     return ", ".join(f"{t.name}={int(t)}" for t in GGUFValueType)
 
 
-class _Header:
-    """A bounds-checked cursor over a GGUF header (little-endian)."""
+_FORMATS = {  # struct format and numpy dtype of each scalar type
+    GGUFValueType.UINT8: ("<B", "<u1"), GGUFValueType.INT8: ("<b", "<i1"), GGUFValueType.BOOL: ("<?", "?"),
+    GGUFValueType.UINT16: ("<H", "<u2"), GGUFValueType.INT16: ("<h", "<i2"),
+    GGUFValueType.UINT32: ("<I", "<u4"), GGUFValueType.INT32: ("<i", "<i4"), GGUFValueType.FLOAT32: ("<f", "<f4"),
+    GGUFValueType.UINT64: ("<Q", "<u8"), GGUFValueType.INT64: ("<q", "<i8"), GGUFValueType.FLOAT64: ("<d", "<f8"),
+}
 
-    def __init__(self, buf: mmap.mmap | bytes, path: Path) -> None:
+
+class _Header:
+    """A bounds-checked cursor over a GGUF header (little-endian); with ``decode`` it also returns each value as a
+    plain Python value (str / int / float / bool / list), else None."""
+
+    def __init__(self, buf: mmap.mmap | bytes, path: Path, decode: bool = False) -> None:
         self.buf, self.path, self.size, self.pos = buf, path, len(buf), 0
         self.array_items = 0
+        self.decode = decode
 
     def error(self, what: str) -> ModelLoadError:
         return ModelLoadError(f"{self.path} is a corrupt or truncated GGUF file: {what}")
@@ -82,8 +93,8 @@ class _Header:
         except UnicodeDecodeError:
             raise self.error(f"{what} is not valid UTF-8 ({raw[:40]!r})") from None
 
-    def value(self, raw_type: int, key: str, in_array: bool = False) -> None:
-        """Skip one value of type ``raw_type`` (checking its type, lengths and item counts)."""
+    def value(self, raw_type: int, key: str, in_array: bool = False) -> Any:
+        """Read (``decode``) or skip one value of type ``raw_type``, checking its type, lengths and item counts."""
         try:
             vtype = GGUFValueType(raw_type)
         except ValueError:
@@ -91,38 +102,54 @@ class _Header:
                              f"({_value_types()})") from None
         size = _SCALAR_SIZES.get(vtype)
         if size is not None:
-            self.take(size, f"the value of {key!r}")
-        elif vtype == GGUFValueType.STRING:
-            self.string(f"the string value of {key!r}")
-        elif in_array:
+            start = self.take(size, f"the value of {key!r}")
+            return struct.unpack_from(_FORMATS[vtype][0], self.buf, start)[0] if self.decode else None
+        if vtype == GGUFValueType.STRING:
+            start, n = self.string(f"the string value of {key!r}")
+            return bytes(self.buf[start:start + n]).decode("utf-8", errors="replace") if self.decode else None
+        if in_array:
             raise self.error(f"key {key!r} is an array of arrays; nested arrays are not supported")
-        else:
-            item_type = self.unpack("<I", f"the item type of {key!r}")
-            if item_type not in _VALUE_TYPES:
-                raise self.error(f"the item type of array {key!r} is {item_type}, not a GGUF value type "
-                                 f"({_value_types()})")
-            n = self.unpack("<Q", f"the length of {key!r}")
-            if n > MAX_ARRAY_LEN:
-                raise self.error(f"array {key!r} has {n:,} items, more than the {MAX_ARRAY_LEN:,} allowed")
-            self.array_items += n
-            if self.array_items > MAX_ARRAY_ITEMS:
-                raise self.error(f"the arrays up to {key!r} hold {self.array_items:,} items together, more than "
-                                 f"the {MAX_ARRAY_ITEMS:,} allowed")
-            item_size = _SCALAR_SIZES.get(GGUFValueType(item_type))
-            if item_size is not None:
-                self.take(n * item_size, f"the {n:,} items of {key!r}")
-            else:
-                if n * 8 > self.size - self.pos:  # each item is at least its 8-byte length
-                    raise self.error(f"array {key!r} has {n:,} items, more than the {self.size - self.pos:,} bytes "
-                                     f"left can hold (the file has {self.size:,} bytes)")
-                for _ in range(n):
-                    self.value(item_type, key, in_array=True)
+        item_type = self.unpack("<I", f"the item type of {key!r}")
+        if item_type not in _VALUE_TYPES:
+            raise self.error(f"the item type of array {key!r} is {item_type}, not a GGUF value type "
+                             f"({_value_types()})")
+        n = self.unpack("<Q", f"the length of {key!r}")
+        if n > MAX_ARRAY_LEN:
+            raise self.error(f"array {key!r} has {n:,} items, more than the {MAX_ARRAY_LEN:,} allowed")
+        self.array_items += n
+        if self.array_items > MAX_ARRAY_ITEMS:
+            raise self.error(f"the arrays up to {key!r} hold {self.array_items:,} items together, more than "
+                             f"the {MAX_ARRAY_ITEMS:,} allowed")
+        item_size = _SCALAR_SIZES.get(GGUFValueType(item_type))
+        if item_size is not None:
+            start = self.take(n * item_size, f"the {n:,} items of {key!r}")
+            if not self.decode:
+                return None
+            return np.frombuffer(self.buf, dtype=_FORMATS[GGUFValueType(item_type)][1], count=n, offset=start).tolist()
+        if n * 8 > self.size - self.pos:  # each item is at least its 8-byte length
+            raise self.error(f"array {key!r} has {n:,} items, more than the {self.size - self.pos:,} bytes "
+                             f"left can hold (the file has {self.size:,} bytes)")
+        items = [self.value(item_type, key, in_array=True) for _ in range(n)]
+        return items if self.decode else None
+
+
+@dataclass
+class GGUFHeader:
+    """A checked GGUF header: the metadata as plain Python values and where each tensor's data lies."""
+
+    metadata: dict[str, Any]
+    # name, dims (GGUF order: the row length first), GGML type id, absolute byte offset in the file, bytes
+    tensors: list[tuple[str, list[int], int, int, int]]
 
 
 def check_header(path: Path, buf: mmap.mmap | bytes) -> dict[str, int]:
     """Walk a GGUF header and check every count, length, type, dimension and offset (see the module doc);
     returns each tensor's GGML type id by GGUF name."""
-    h = _Header(buf, path)
+    return {name: raw_type for name, _, raw_type, _, _ in _walk(path, buf, decode=False).tensors}
+
+
+def _walk(path: Path, buf: mmap.mmap | bytes, decode: bool) -> GGUFHeader:
+    h = _Header(buf, path, decode)
     h.take(4, "the magic")
     version = h.unpack("<I", "the version")
     if version and not version & 0xFFFF:  # read in the wrong byte order
@@ -141,6 +168,7 @@ def check_header(path: Path, buf: mmap.mmap | bytes) -> dict[str, int]:
 
     alignment = DEFAULT_ALIGNMENT
     keys: set[str] = set()
+    metadata: dict[str, Any] = {}
     for i in range(n_kv):
         key = h.text(f"key {i}", MAX_KEY_LEN)
         if key.startswith("GGUF."):
@@ -150,7 +178,7 @@ def check_header(path: Path, buf: mmap.mmap | bytes) -> dict[str, int]:
         keys.add(key)
         raw_type = h.unpack("<I", f"the value type of {key!r}")
         start = h.pos
-        h.value(raw_type, key)
+        metadata[key] = h.value(raw_type, key)
         if key == "general.alignment":
             if raw_type != GGUFValueType.UINT32:
                 raise h.error(f"general.alignment has value type {raw_type}, it must be UINT32 "
@@ -174,6 +202,7 @@ def check_header(path: Path, buf: mmap.mmap | bytes) -> dict[str, int]:
         infos.append((name, dims, raw_type, offset))
 
     data_start = -(-h.pos // alignment) * alignment
+    tensors = []
     for name, dims, raw_type, offset in infos:
         try:
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
@@ -192,11 +221,12 @@ def check_header(path: Path, buf: mmap.mmap | bytes) -> dict[str, int]:
         if end > h.size:
             raise h.error(f"tensor {name!r} (shape {dims}, {n_bytes:,} bytes at offset {offset:,}) needs bytes up "
                           f"to {end:,} but the file has {h.size:,} bytes")
-    return {name: raw_type for name, _, raw_type, _ in infos}
+        tensors.append((name, dims, raw_type, data_start + offset, n_bytes))
+    return GGUFHeader(metadata if decode else {}, tensors)
 
 
-def _checked_header(path: Path) -> dict[str, int]:
-    """``check_header`` of the GGUF file at ``path``, after its existence and magic."""
+def _checked_header(path: Path, decode: bool = False) -> GGUFHeader:
+    """The checked header of the GGUF file at ``path`` (``_walk``), after its existence and magic."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
     with open(path, "rb") as f:
@@ -204,41 +234,17 @@ def _checked_header(path: Path) -> dict[str, int]:
         if magic != b"GGUF":
             raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return check_header(path, buf)
+            return _walk(path, buf, decode)
+
+
+def read_header(path: str | Path) -> GGUFHeader:
+    """The metadata (plain Python values, strings decoded as UTF-8 with replacement) and every tensor's place, from
+    one checked walk of the header. gguf-py's reader is not used to load: on a 150k-token vocabulary it takes
+    seconds and leaves hundreds of MiB of small objects behind."""
+    return _checked_header(Path(path), decode=True)
 
 
 def tensor_types(path: str | Path) -> dict[str, str]:
     """GGML type name (``'Q4_1'``, ``'F32'``, ...) of every tensor by GGUF name, from the checked header alone:
     cheap enough to describe a file without reading its tensors or its metadata into Python values."""
-    return {name: GGMLQuantizationType(raw).name for name, raw in _checked_header(Path(path)).items()}
-
-
-def open_gguf(path: str | Path) -> GGUFReader:
-    """Open a GGUF file whose header ``check_header`` accepted, turning any remaining failure into a clear error."""
-    path = Path(path)
-    _checked_header(path)
-    try:
-        return GGUFReader(path, "r")
-    except Exception as exc:  # the reader raises ValueError/IndexError/... on damaged files
-        raise ModelLoadError(f"{path} is a corrupt or truncated GGUF file: {type(exc).__name__}: {exc}") from exc
-
-
-def field_value(field: Any) -> Any:
-    """Decode one ReaderField into str / int / float / bool / list."""
-    types = field.types
-    if not types:
-        return None
-    if types[0] == GGUFValueType.ARRAY:
-        item_type = types[-1]
-        if item_type == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return np.concatenate([field.parts[i] for i in field.data]).tolist() if field.data else []
-    part = field.parts[field.data[0]]
-    if types[0] == GGUFValueType.STRING:
-        return bytes(part).decode("utf-8", errors="replace")
-    value = part.tolist()[0]
-    return bool(value) if types[0] == GGUFValueType.BOOL else value
-
-
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    return {name: field_value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    return {name: GGMLQuantizationType(raw).name for name, _, raw, _, _ in _checked_header(Path(path)).tensors}

@@ -1,6 +1,7 @@
 """Load a Hugging Face model directory (config.json + *.safetensors)."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -10,8 +11,9 @@ import torch
 
 from quickdraft.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from quickdraft.errors import ModelLoadError
-from quickdraft.loading.checkpoint import Checkpoint, fingerprint
+from quickdraft.loading.checkpoint import Checkpoint, LazyTensors, fingerprint
 from quickdraft.loading.gguf import check_tensor_set, expected_shapes
+from quickdraft.loading.tensor_file import TensorFile, map_tensors
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +120,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
 
 
 def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load a llama / mistral / qwen2 Hugging Face directory; safetensors are memory-mapped
-    (no copy when the stored dtype already is ``dtype``)."""
-    from safetensors.torch import load_file
-
+    """Load a llama / mistral / qwen2 Hugging Face directory; safetensors are memory-mapped, each tensor converted to
+    ``dtype`` when it is read (no copy when the stored dtype already is ``dtype``)."""
     path = Path(path).resolve()
     if not path.is_dir():
         raise ModelLoadError(f"model directory not found: {path}")
@@ -135,15 +135,14 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpo
     files = weight_files(path)
 
     tensors: dict[str, torch.Tensor] = {}
+    mapped = []
     for f in files:
         try:
-            part = load_file(str(f))
+            part, _, mapping = map_tensors(f)
         except Exception as exc:
             raise ModelLoadError(f"{f} is a corrupt or truncated safetensors file: {exc}") from exc
-        for name, t in part.items():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            tensors[name] = t if t.dtype == dtype else t.to(dtype)
+        mapped.append(TensorFile(part, {}, mapping))
+        tensors.update((name, t) for name, t in part.items() if not name.endswith("rotary_emb.inv_freq"))
 
     embed = tensors.get("model.embed_tokens.weight")
     if embed is None:
@@ -165,7 +164,13 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpo
             del tensors[name]
     if cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    makers = {name: functools.partial(_converted, t, dtype) for name, t in tensors.items()}
     return Checkpoint(
-        config=cfg, tensors=tensors, source=path, fingerprint=fingerprint(path),
+        config=cfg, tensors=LazyTensors(makers), source=path, fingerprint=fingerprint(path),
         chat_template=chat_template_from_dir(path), gguf_metadata=None, hf_dir=path, quantization="safetensors",
+        dtype=dtype, files=mapped,
     )
+
+
+def _converted(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)

@@ -17,9 +17,9 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     *,
     use_cache: bool = True,
-    progress: bool = True,
 ) -> Checkpoint:
-    """Load a packaged model name, a ``.gguf`` file, or a Hugging Face model directory.
+    """Load a packaged model name, a ``.gguf`` file, or a Hugging Face model directory: its header and config now,
+    its tensors when a model is built from them (``Checkpoint.tensors``).
 
     Raises ModelLoadError (naming the path and what is allowed) when the model is
     missing, corrupt or unsupported.
@@ -32,7 +32,7 @@ def load_checkpoint(
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF" or path.suffix.lower() == ".gguf":
-        return load_gguf(path, dtype, use_cache=use_cache, progress=progress)
+        return load_gguf(path, dtype, use_cache=use_cache)
     hint = " (pass the model directory that holds config.json)" if path.suffix in (".safetensors", ".json", ".bin") else ""
     raise ModelLoadError(
         f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'){hint}; "

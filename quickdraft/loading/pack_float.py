@@ -1,26 +1,34 @@
 """Float weights at load time: packed linear layers, with q/k/v and gate/up as one projection each.
 
-Only the float formats of ``quantize_checkpoint`` come here; the quantized ones are grouped by ``quant_groups.py``.
+Only the float formats of ``load_model`` come here; the quantized ones are grouped by ``quant_groups.py``.
 """
 from __future__ import annotations
 
-import torch
+from collections.abc import Mapping
 
-from quickdraft.loading.quant_convert import quantizable_linears
+import torch
+from torch import nn
+
+from quickdraft.loading.quant_convert import LAYER_LINEARS, quantizable_linears
 from quickdraft.models.packed import PackedLinear, packing_supported
 from quickdraft.models.transformer import Transformer
 
 
-def pack_float_linears(model: Transformer) -> list[str]:
+def pack_float_linears(model: Transformer, tensors: Mapping[str, torch.Tensor] | None = None) -> list[str]:
     """Give every decoder-layer linear and the lm_head (a tied one gets its own copy) oneDNN's packed layout
     where it runs (CPU, float32/bfloat16): row-independent results and faster short calls (see
     models/packed.py); q/k/v and gate/up become one packed projection each. Returns the HF names of the
-    replaced linears (none where packing does not run or the model is already packed)."""
+    replaced linears (none where packing does not run or the model is already packed).
+
+    ``tensors``: where the weights of linears left on the meta device (``build_model``'s ``skip``) come from, read a
+    layer at a time just before that layer is packed, so the float weights never exist whole beside packed ones."""
     weight = model.model.embed_tokens.weight
-    if not packing_supported(weight.dtype, weight.device) or isinstance(model.lm_head, PackedLinear):
-        return []
     names = list(quantizable_linears(model, lm_head=True))
-    for layer in model.model.layers:
+    if not packing_supported(weight.dtype, weight.device) or isinstance(model.lm_head, PackedLinear):
+        _fill(model, tensors, [n for n in names if n != "lm_head"])  # plain float weights, all of them
+        return []
+    for i, layer in enumerate(model.model.layers):
+        _fill(model, tensors, [f"model.layers.{i}.{path}" for path in LAYER_LINEARS])
         attn, mlp = layer.self_attn, layer.mlp
         parts = [attn.q_proj, attn.k_proj, attn.v_proj]
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
@@ -30,3 +38,12 @@ def pack_float_linears(model: Transformer) -> list[str]:
         mlp.down_proj = PackedLinear.from_linear(mlp.down_proj)
     model.lm_head = PackedLinear.from_linear(model.lm_head)
     return names
+
+
+def _fill(model: Transformer, tensors: Mapping[str, torch.Tensor] | None, names: list[str]) -> None:
+    """Give the linears ``names`` that are still meta placeholders their weights from ``tensors``."""
+    device = model.model.embed_tokens.weight.device
+    for name in names:
+        linear = model.get_submodule(name)
+        if linear.weight.is_meta:
+            linear.weight = nn.Parameter(tensors[name + ".weight"].to(device), requires_grad=False)

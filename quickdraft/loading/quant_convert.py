@@ -16,9 +16,9 @@ round to nearest, per-channel absmax (int8) or per-group min/max (int4).
 from __future__ import annotations
 
 import logging
-import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,8 +27,10 @@ from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import InvalidParameterError
+from quickdraft.loading.checkpoint import Checkpoint
 from quickdraft.loading.gguf import single_thread
 from quickdraft.models.quant import Int4Linear, Int8Linear
+from quickdraft.models.quant_backends import default_backend
 from quickdraft.models.quant_formats import INT4_GROUP_SIZES, quantize_int4, quantize_int8
 from quickdraft.models.transformer import Transformer
 
@@ -129,21 +131,6 @@ def gguf_int4_params(raw: np.ndarray | torch.Tensor, qtype: int, shape: tuple[in
     return q.reshape(n, k), scale.reshape(n, k // 32), zero.reshape(n, k // 32)
 
 
-def gguf_sources(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, int]]:
-    """Raw block data (memory-mapped) and GGUF type of every tensor of a GGUF file, keyed by HF name,
-    as stored in the file (llama/mistral q/k rows still in llama.cpp's permuted order)."""
-    from quickdraft.loading.gguf import hf_name
-    from quickdraft.loading.gguf_metadata import open_gguf
-
-    reader = open_gguf(path)
-    tensors, types = {}, {}
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is not None:
-            tensors[name], types[name] = t.data, int(t.tensor_type)
-    return tensors, types
-
-
 # ---- model conversion --------------------------------------------------------------------------------------
 
 
@@ -160,21 +147,80 @@ def _unpermute(name: str, cfg: ModelConfig) -> int | None:
     return None
 
 
-def _float_source(name: str, linear: nn.Linear, cfg: ModelConfig, source_tensors: Mapping | None,
-                  gguf_types: Mapping | None) -> torch.Tensor:
-    """float32 weight in HF layout: dequantized GGUF data when given, else the float source, else the module's."""
-    key = name + ".weight"
-    if source_tensors is not None and key in source_tensors:
-        src = source_tensors[key]
-        if gguf_types is not None and key in gguf_types:
+EMBED = "model.embed_tokens.weight"
+# float32 bytes converted at a time for big matrices (a vocabulary-wide head): a 151936 x 1536 head would otherwise
+# pass through several float32 copies of 0.9 GB each
+CHUNK_BYTES = 8 << 20
+
+
+@dataclass
+class Sources:
+    """Where the weights to quantize come from, by HF name (``...q_proj.weight``): a GGUF's own blocks and their
+    GGML type ids (``Checkpoint.blocks``/``block_types``: the exact int4 mapping, or float32 dequantization to
+    requantize), else float tensors in HF layout (``Checkpoint.tensors``, made when read), else the module's weight.
+    A tied lm_head is the embedding's blocks rounded to ``float_dtype`` (the table the model holds)."""
+
+    blocks: Mapping[str, Any] | None = None
+    block_types: Mapping[str, int] | None = None
+    floats: Mapping[str, torch.Tensor] | None = None
+    float_dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint) -> Sources:
+        return cls(checkpoint.blocks, checkpoint.block_types, checkpoint.tensors, checkpoint.dtype)
+
+    def _block_rows(self, key: str, shape: tuple[int, int], heads: int | None, r0: int, r1: int
+                    ) -> tuple[torch.Tensor, tuple[int, int]]:
+        """The stored bytes of rows r0..r1 and their shape (all rows where q/k rows must be unpermuted first)."""
+        data = _as_bytes(self.blocks[key])
+        if heads:
+            return data, shape
+        per_row = data.numel() // shape[0]
+        return data[r0 * per_row:r1 * per_row], (r1 - r0, shape[1])
+
+    def float32(self, name: str, linear: nn.Linear, cfg: ModelConfig, rows: tuple[int, int] | None = None
+                ) -> torch.Tensor:
+        """float32 weight of ``name`` in HF layout, rows ``rows`` (default: the module's, which an lm_head cut by
+        ``restrict_lm_head`` has fewer of than the file)."""
+        key = name + ".weight"
+        r0, r1 = rows or (0, linear.out_features)
+        types = self.block_types or {}
+        tied = name == "lm_head" and key not in types and EMBED in types and cfg.tie_word_embeddings
+        src = EMBED if tied else key
+        if self.blocks is not None and src in types:
             from quickdraft.loading.dequant import dequantize
             from quickdraft.loading.gguf import unpermute_rows
 
-            w = dequantize(src, gguf_types[key], _source_shape(name, linear, cfg))
             heads = _unpermute(name, cfg)
-            return (unpermute_rows(w, heads) if heads else w)[:linear.out_features]
-        return src.float()[:linear.out_features]
-    return linear.weight.detach().float()
+            data, shape = self._block_rows(src, _source_shape(name, linear, cfg), heads, r0, r1)
+            w = dequantize(data, types[src], shape)
+            w = unpermute_rows(w, heads)[r0:r1] if heads else w
+            return w.to(self.float_dtype).float() if tied and self.float_dtype is not None else w
+        if self.floats is not None and key in self.floats:
+            return self.floats[key][r0:r1].float()
+        return linear.weight.detach()[r0:r1].float()
+
+    def int4(self, name: str, linear: nn.Linear, cfg: ModelConfig, group_size: int,
+             rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """(q, scale, zero, exact) of rows ``rows``: exact when taken from the GGUF's own int4 blocks."""
+        key = name + ".weight"
+        r0, r1 = rows or (0, linear.out_features)
+        if group_size == 32 and self.blocks is not None and self.block_types is not None and key in self.block_types:
+            heads = _unpermute(name, cfg)
+            data, shape = self._block_rows(key, _source_shape(name, linear, cfg), heads, r0, r1)
+            mapped = gguf_int4_params(data, self.block_types[key], shape)
+            if mapped is not None:
+                if heads:
+                    from quickdraft.loading.gguf import unpermute_rows
+
+                    mapped = tuple(unpermute_rows(t, heads)[r0:r1] for t in mapped)
+                return (*mapped, True)
+        return (*quantize_int4(self.float32(name, linear, cfg, (r0, r1)), group_size), False)
+
+    def is_wide(self, name: str) -> bool:
+        """The GGUF stores this weight with more than 4 bits (not Q4_0/Q4_1/Q4_K)."""
+        types = self.block_types or {}
+        return name + ".weight" in types and int(types[name + ".weight"]) not in {int(t) for t in gguf_int4_types()}
 
 
 def _source_shape(name: str, linear: nn.Linear, cfg: ModelConfig) -> tuple[int, int]:
@@ -182,68 +228,105 @@ def _source_shape(name: str, linear: nn.Linear, cfg: ModelConfig) -> tuple[int, 
     return (cfg.vocab_size, linear.in_features) if name == "lm_head" else tuple(linear.weight.shape)
 
 
-def _int4_params(name: str, linear: nn.Linear, cfg: ModelConfig, group_size: int, source_tensors: Mapping | None,
-                 gguf_types: Mapping | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """(q, scale, zero, exact): exact when taken from the GGUF's own int4 blocks."""
-    key = name + ".weight"
-    if group_size == 32 and source_tensors is not None and gguf_types is not None and key in gguf_types:
-        mapped = gguf_int4_params(source_tensors[key], gguf_types[key], _source_shape(name, linear, cfg))
-        if mapped is not None:
-            mapped = tuple(t[:linear.out_features] for t in mapped)
-            heads = _unpermute(name, cfg)
-            if heads:
-                from quickdraft.loading.gguf import unpermute_rows
-
-                mapped = tuple(unpermute_rows(t, heads) for t in mapped)
-            return (*mapped, True)
-    w = _float_source(name, linear, cfg, source_tensors, gguf_types)
-    return (*quantize_int4(w, group_size), False)
-
-
-def quantize_model(model: Transformer, fmt: str, source_tensors: dict | None = None, gguf_types: dict | None = None,
-                   *, group_size: int = 32, lm_head: bool | str = False, wide_sources: str = "int8") -> Transformer:
-    """Replace the decoder layers' nn.Linear (and ``lm_head`` when ``lm_head``) with
-    Int4Linear / Int8Linear, in place; returns ``model``.
-
-    ``source_tensors`` (HF names, ``...q_proj.weight``): with ``gguf_types`` (HF name -> GGML type id)
-    the raw GGUF block data as stored in the file (see ``gguf_sources``), used for the exact Q4 mapping
-    and otherwise dequantized to float32 for requantization; without ``gguf_types``, float tensors in
-    HF layout to quantize from. Tensors not found there are quantized from the module's own weight.
-    ``lm_head``: False keeps it; True or ``'int8'`` quantizes the lm_head to int8, ``'int4'`` to int4.
-    ``wide_sources`` (int4 only): format for layers whose GGUF type has more than 4 bits (Q5_*, Q6_K, Q8_0,
-    F16, ...): ``'int8'`` (default) keeps them in int8, ``'int4'`` requantizes them to int4. A Q4_K_M GGUF stores
-    some layers as Q6_K: int8 there brings the perplexity close to bfloat16's at the same decode speed
-    (docs/MEASUREMENTS.md, bench/quant_accuracy.py).
-    """
+def check_quant_options(model: Transformer, fmt: str, group_size: int, lm_head: bool | str, wide_sources: str) -> None:
+    """Raise InvalidParameterError for a format, group size or option the model's layers cannot take."""
     if wide_sources not in QUANT_FORMATS:
         raise InvalidParameterError(f"wide_sources must be 'int4' or 'int8', got {wide_sources!r}")
     if fmt not in QUANT_FORMATS:
         raise InvalidParameterError(f"quantized weight format must be one of {', '.join(QUANT_FORMATS)}, got {fmt!r}")
     if fmt == "int4" and group_size not in INT4_GROUP_SIZES:
         raise InvalidParameterError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
-    cfg = model.config
-    exact = 0
     head_fmt = lm_head_format(lm_head)
-    linears = quantizable_linears(model, head_fmt is not None)
-    for name, linear in linears.items():
+    for name, linear in quantizable_linears(model, head_fmt is not None).items():
         f = head_fmt if name == "lm_head" else fmt
         if f == "int4" and linear.in_features % group_size:
             raise InvalidParameterError(f"int4 group size {group_size} does not divide {name}'s in_features "
                                         f"{linear.in_features}; use one of {INT4_GROUP_SIZES} that does")
-    counts = {"int4": 0, "int8": 0}
+
+
+def quantized_layers(model: Transformer, fmt: str, sources: Sources, device: torch.device, *, group_size: int = 32,
+                     lm_head: bool | str = False, wide_sources: str = "int8") -> Iterator[tuple[str, nn.Module, bool]]:
+    """``(name, quantized layer, exact)`` for each linear to replace, made one at a time (at most one float32 weight
+    alive), on ``device``; the model is not changed (its linears may be meta placeholders). ``exact``: int4 values
+    taken as they are from GGUF Q4 blocks."""
+    check_quant_options(model, fmt, group_size, lm_head, wide_sources)
+    cfg = model.config
+    head_fmt = lm_head_format(lm_head)
     with single_thread():
-        for name, linear in linears.items():
+        for name, linear in quantizable_linears(model, head_fmt is not None).items():
             f = head_fmt if name == "lm_head" else fmt
-            if f == "int4" and wide_sources == "int8" and name != "lm_head" and _is_wide(name, gguf_types):
+            if f == "int4" and wide_sources == "int8" and name != "lm_head" and sources.is_wide(name):
                 f = "int8"
-            counts[f] += 1
-            exact += _replace_one(model, name, linear, f, cfg, group_size, source_tensors, gguf_types)
+            yield (name, *_quantized(name, linear, f, sources, cfg, group_size, device))
+
+
+def _quantized(name: str, linear: nn.Linear, fmt: str, sources: Sources, cfg: ModelConfig, group_size: int,
+               device: torch.device) -> tuple[nn.Module, bool]:
+    """One quantized layer and whether its int4 values came exactly from the file. A big matrix on the qmatmul
+    kernel is converted a block of rows at a time into its final tensors (the kernel's layout is row by row), so
+    no float32 copy of the whole matrix is ever made (``CHUNK_BYTES`` of it at a time)."""
+    bias = None if linear.bias is None else linear.bias.detach().to(device)
+    n = linear.out_features
+
+    def part(rows: tuple[int, int] | None, part_bias: torch.Tensor | None) -> tuple[nn.Module, bool]:
+        if fmt == "int8":
+            q, s = quantize_int8(sources.float32(name, linear, cfg, rows))
+            return Int8Linear(q.to(device), s.to(device), part_bias), False
+        q, s, z, exact = sources.int4(name, linear, cfg, group_size, rows)
+        return Int4Linear(q.to(device), s.to(device), z.to(device), group_size, part_bias), exact
+
+    kernel_rows = default_backend(device) == "qmatmul" and linear.in_features % 32 == 0 \
+        and (fmt == "int8" or group_size == 32)
+    rows = max(1, CHUNK_BYTES // (4 * linear.in_features))
+    if n <= rows or not kernel_rows:
+        return part(None, bias)
+    kweight = kscales = None
+    exact = True
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        mod, part_exact = part((r0, r1), None)
+        if kweight is None:
+            kweight = torch.empty((n, *mod.kweight.shape[1:]), dtype=mod.kweight.dtype)
+            kscales = torch.empty((n, *mod.kscales.shape[1:]), dtype=mod.kscales.dtype)
+        kweight[r0:r1], kscales[r0:r1] = mod.kweight, mod.kscales
+        exact = exact and part_exact
+        del mod
+    cls = Int8Linear if fmt == "int8" else Int4Linear
+    return cls.from_kernel_tensors(kweight, kscales, linear.in_features, bias), exact
+
+
+def quant_info(fmt: str, group_size: int, wide_sources: str, head_fmt: str | None, kinds: dict[str, str],
+               exact: int) -> dict[str, Any]:
+    """What ``Transformer.quant_info`` records of a conversion (kept with the cached layers); ``kinds``: each
+    replaced layer's format by name."""
     if fmt == "int4":
         log.info("int4: %d of %d linear layers mapped exactly from GGUF Q4 blocks, the rest requantized",
-                 exact, len(linears))
-    model.quant_info = {"format": fmt, "group_size": group_size if fmt == "int4" else None,
-                        "exact_gguf_int4": exact, "layers": counts, "wide_sources": wide_sources,
-                        "lm_head": head_fmt if "lm_head" in linears else None}
+                 exact, len(kinds))
+    counts = {f: sum(1 for k in kinds.values() if k == f) for f in QUANT_FORMATS}
+    return {"format": fmt, "group_size": group_size if fmt == "int4" else None, "exact_gguf_int4": exact,
+            "layers": counts, "wide_sources": wide_sources, "lm_head": head_fmt if "lm_head" in kinds else None}
+
+
+def quantize_model(model: Transformer, fmt: str, sources: Sources | None = None, *, group_size: int = 32,
+                   lm_head: bool | str = False, wide_sources: str = "int8") -> Transformer:
+    """Replace the decoder layers' nn.Linear (and ``lm_head`` when ``lm_head``) with Int4Linear / Int8Linear, in
+    place, one at a time; returns ``model``.
+
+    ``sources``: where the weights come from (see ``Sources``; default: the modules' own weights).
+    ``lm_head``: False keeps it; True or ``'int8'`` quantizes the lm_head to int8, ``'int4'`` to int4.
+    ``wide_sources`` (int4 only): format for layers whose GGUF type has more than 4 bits (Q5_*, Q6_K, Q8_0,
+    F16, ...): ``'int8'`` (default) keeps them in int8, ``'int4'`` requantizes them to int4. A Q4_K_M GGUF stores
+    some layers as Q6_K: int8 there brings the perplexity close to bfloat16's at the same decode speed
+    (docs/MEASUREMENTS.md, bench/quant_accuracy.py).
+    """
+    check_quant_options(model, fmt, group_size, lm_head, wide_sources)
+    device = model.model.embed_tokens.weight.device
+    kinds, exact = {}, 0
+    for name, mod, is_exact in quantized_layers(model, fmt, sources or Sources(), device, group_size=group_size,
+                                                lm_head=lm_head, wide_sources=wide_sources):
+        set_module(model, name, mod)
+        kinds[name], exact = ("int4" if isinstance(mod, Int4Linear) else "int8"), exact + is_exact
+    model.quant_info = quant_info(fmt, group_size, wide_sources, lm_head_format(lm_head), kinds, exact)
     return model
 
 
@@ -256,26 +339,3 @@ def lm_head_format(lm_head: bool | str | None) -> str | None:
     if lm_head in QUANT_FORMATS:
         return lm_head
     raise InvalidParameterError(f"lm_head must be False, True, 'int8' or 'int4', got {lm_head!r}")
-
-
-def _is_wide(name: str, gguf_types: Mapping | None) -> bool:
-    """The GGUF stores this weight with more than 4 bits (not Q4_0/Q4_1/Q4_K)."""
-    if gguf_types is None or name + ".weight" not in gguf_types:
-        return False
-    return int(gguf_types[name + ".weight"]) not in {int(t) for t in gguf_int4_types()}
-
-
-def _replace_one(model: Transformer, name: str, linear: nn.Linear, fmt: str, cfg: ModelConfig, group_size: int,
-                 source_tensors: Mapping | None, gguf_types: Mapping | None) -> bool:
-    """Swap one nn.Linear; True when its int4 values came exactly from GGUF Q4 blocks."""
-    bias = None if linear.bias is None else linear.bias.detach()
-    device = linear.weight.device
-    is_exact = False
-    if fmt == "int8":
-        q, s = quantize_int8(_float_source(name, linear, cfg, source_tensors, gguf_types))
-        new: nn.Module = Int8Linear(q.to(device), s.to(device), bias)
-    else:
-        q, s, z, is_exact = _int4_params(name, linear, cfg, group_size, source_tensors, gguf_types)
-        new = Int4Linear(q.to(device), s.to(device), z.to(device), group_size, bias)
-    set_module(model, name, new)
-    return is_exact

@@ -5,9 +5,9 @@ Entry points:
 * ``resolve_weights(weights, device, tensor_types)``: ``'auto' | 'int4' | 'int8' | 'bfloat16' | 'float32'`` -> the
   format to run (``'auto'`` follows the file, see ``weight_choice.py``).
 * ``resolve_draft_weights(draft_weights, target_format, cfg, device)``: the same for a draft model.
-* ``quantize_checkpoint(model, checkpoint, fmt)``: what ``LLM`` calls after ``build_model``; uses the
-  GGUF's own int4 blocks where they map exactly (``quant_convert.py``), caches the result on disk
-  (``quant_cache.py``), returns the model. Float formats get packed linear layers instead (``pack_float.py``).
+* ``load_model(checkpoint, fmt, device)``: the model in that format, built a tensor at a time; uses the GGUF's own
+  int4 blocks where they map exactly (``quant_convert.py``), converts into the on-disk cache and runs mapped from it
+  (``quant_cache.py``). Float formats get packed linear layers instead (``pack_float.py``).
 * ``restrict_lm_head(model, rows)``: a draft's lm_head cut to the most frequent tokens.
 * ``weights_summary(model, checkpoint, weights)``: the one line that says which kernels a loaded model runs;
   ``file_defaults(path)``: what ``'auto'`` runs a GGUF file on, from its header alone.
@@ -22,7 +22,7 @@ quantized matmul).
 """
 from __future__ import annotations
 
-import json
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,26 +32,30 @@ from torch import nn
 from quickdraft.config import ModelConfig
 from quickdraft.errors import InvalidParameterError
 from quickdraft.loading.checkpoint import Checkpoint
-from quickdraft.loading.gguf import hf_tensor_types, single_thread
+from quickdraft.loading.gguf import hf_tensor_types
 from quickdraft.loading.gguf_metadata import tensor_types as gguf_tensor_types
 from quickdraft.loading.pack_float import pack_float_linears
-from quickdraft.loading.quant_cache import load_quantized, quant_cache_entry, store_quantized
+from quickdraft.loading.quant_cache import install_quantized, open_quantized, quant_cache_entry, write_quantized
 from quickdraft.loading.quant_convert import (
+    EMBED,
     QUANT_FORMATS,
-    gguf_sources,
+    Sources,
     lm_head_format,
+    quant_info,
     quantizable_linears,
     quantize_model,
+    quantized_layers,
 )
+from quickdraft.loading.weight_cache import float_weights
 from quickdraft.loading.quant_groups import fuse_quant_linears
 from quickdraft.loading.weight_choice import (auto_format, describe_float, describe_kernels, kernel_sources,
                                              layer_linear_types, planned_kernels)
 from quickdraft.models.quant_formats import INT4_GROUP_SIZES
-from quickdraft.models.transformer import Transformer
+from quickdraft.models.transformer import Transformer, build_model
 
 WEIGHT_FORMATS = ("auto", "int4", "int8", "bfloat16", "float32")
 FLOAT_FORMATS = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-# lm_head (tied or not) in quantize_checkpoint: int8 (see bench/quant_accuracy.py for the trade-off).
+# lm_head (tied or not) in load_model: int8 (see bench/quant_accuracy.py for the trade-off).
 DEFAULT_LM_HEAD: bool | str = "int8"
 
 
@@ -85,7 +89,7 @@ def resolve_draft_weights(draft_weights: str, target_format: str, cfg: ModelConf
     return resolve_weights(draft_weights, device)
 
 
-# Options quantize_checkpoint gets for an int4 draft: every layer int4, the lm_head included (a draft
+# Options load_model gets for an int4 draft: every layer int4, the lm_head included (a draft
 # needs speed, not the last bit of perplexity; see resolve_draft_weights)
 DRAFT_INT4_OPTIONS = {"wide_sources": "int4", "lm_head": "int4"}
 
@@ -110,68 +114,95 @@ def restrict_lm_head(model: Transformer, rows: int) -> None:
     model.lm_head = cut
 
 
-def _release(checkpoint: Checkpoint, names: list[str]) -> None:
-    """Drop replaced weights from ``checkpoint.tensors`` so they can be freed."""
-    for name in names:
-        checkpoint.tensors.pop(name + ".weight", None)
-
-
-def quantize_checkpoint(model: Transformer, checkpoint: Checkpoint, fmt: str, *, group_size: int = 32,
-                        lm_head: bool | str | None = None, wide_sources: str = "int8", use_cache: bool = True,
-                        release: bool = True) -> Transformer:
-    """Quantize a model built from ``checkpoint`` (``build_model(checkpoint.config, checkpoint.tensors, device)``)
-    to ``fmt`` (``'int4'``/``'int8'``; ``'bfloat16'``/``'float32'``/``'float16'`` keep float weights, packed for
-    oneDNN on CPU by ``pack_float_linears``)
-    and return it.
+def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "cpu", *, head_rows: int | None = None,
+               group_size: int = 32, lm_head: bool | str | None = None, wide_sources: str = "int8",
+               use_cache: bool = True) -> Transformer:
+    """``checkpoint`` as a Transformer on ``device`` whose linear layers run in ``fmt``: ``'int4'``/``'int8'``, or a
+    float format (``'bfloat16'``/``'float32'``/``'float16'``: float weights, packed for oneDNN on CPU by
+    ``pack_float_linears``). Built one tensor at a time: the whole model never exists in float.
 
     * GGUF sources: Q4_0/Q4_1/Q4_K tensors map exactly to int4 (group 32); with ``wide_sources='int8'``
       (default) tensors stored with more bits become int8, else they are requantized to int4, from the
-      float32-dequantized GGUF data (not from the possibly bfloat16 model weights).
+      float32-dequantized GGUF data.
     * ``group_size``: int4 group (32, 64, 128); only 32 maps GGUF Q4 blocks exactly.
     * ``lm_head``: the lm_head's format: False (keep the model dtype), ``'int8'``/True or ``'int4'``;
       None: ``DEFAULT_LM_HEAD`` (see bench/quant_accuracy.py for the trade-off). A tied lm_head becomes a
       quantized copy; the embedding table keeps the model dtype.
-    * ``use_cache``: keep the result under ``cache_root()/quantized/`` keyed by the checkpoint fingerprint,
-      format and options, source precision and the layout of the backend the layers run on (``cache_layout``: the
-      qmatmul kernel's, or torch's ISA-dependent int4pack layout with the torch version), so an entry is only
-      reused where the same kernel runs.
+    * ``head_rows``: keep only the lm_head's first rows (``restrict_lm_head``, a draft's vocabulary).
+    * ``use_cache``: the converted model goes to ``cache_root()/quantized/`` as it is made, a layer at a time, and runs
+      memory-mapped from there (``quant_cache.py``), keyed by the checkpoint fingerprint, format and options, dtype,
+      source precision and the layout of the backend the layers run on (``cache_layout``: the qmatmul kernel's, or
+      torch's ISA-dependent int4pack layout with the torch version), so an entry is only reused where the same kernel
+      runs. A float model from a GGUF maps its dequantized tensors from ``weight_cache.float_weights``.
     * On the qmatmul kernel, q/k/v and gate/up of each decoder layer become one ``QuantGroup`` call each
       (``fuse_quant_linears``).
-    * ``release``: drop the replaced float weights from ``checkpoint.tensors`` so they can be freed.
     """
     if fmt in FLOAT_FORMATS or fmt == "float16":  # float weights (LLM passes its dtype name)
-        packed = pack_float_linears(model)
-        if release:
-            _release(checkpoint, packed)
-        return model
+        return _load_float(checkpoint, device, head_rows, use_cache)
     if fmt not in QUANT_FORMATS:
         raise InvalidParameterError(f"weights format must be one of {', '.join(QUANT_FORMATS + tuple(FLOAT_FORMATS))}, "
                                     f"got {fmt!r}")
+    device = torch.device(device)
+    cfg = checkpoint.config
     head_fmt = lm_head_format(DEFAULT_LM_HEAD if lm_head is None else lm_head)
-    is_gguf = checkpoint.gguf_metadata is not None and Path(checkpoint.source).is_file()
-    device = model.model.embed_tokens.weight.device
-    source = "gguf" if is_gguf else str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
-    names = list(quantizable_linears(model, head_fmt is not None))
-    # an lm_head cut by restrict_lm_head (a draft's) is cached apart from the whole one
-    head_rows = model.lm_head.out_features if model.lm_head.out_features != model.config.vocab_size else None
+    with torch.device("meta"):
+        names = list(quantizable_linears(Transformer(cfg), head_fmt is not None))
+    skip = {name + ".weight" for name in names}  # made from the file's blocks, never as float weights
+    options = {"group_size": group_size, "lm_head": head_fmt or False, "wide_sources": wide_sources}
+    source = "gguf" if checkpoint.blocks is not None else _dtype_name(checkpoint.dtype)
     path, meta = quant_cache_entry(checkpoint.fingerprint, fmt, group_size, head_fmt, source, device,
-                                   wide_sources=wide_sources, head_rows=head_rows)
-    with single_thread():
-        hit = use_cache and load_quantized(path, model, meta, group_size)
-    if not hit:
-        sources, types = gguf_sources(checkpoint.source) if is_gguf else (None, None)
-        quantize_model(model, fmt, sources, types, group_size=group_size, lm_head=head_fmt or False,
-                       wide_sources=wide_sources)
-        del sources, types
-        if use_cache:
-            store_quantized(path, model, {**meta, "info": json.dumps(model.quant_info)})
+                                   checkpoint.dtype, wide_sources=wide_sources, head_rows=head_rows)
+    entry = open_quantized(path, meta) if use_cache else None
+    if entry is None and use_cache:
+        skeleton = _built(checkpoint.tensors, cfg, "cpu", skip | {EMBED}, head_rows)
+        layers = quantized_layers(skeleton, fmt, Sources.of(checkpoint), device, **options)
+        info = functools.partial(quant_info, fmt, group_size, wide_sources, head_fmt)
+        if write_quantized(path, meta, skeleton, layers, info, {EMBED: lambda: checkpoint.tensors[EMBED]}):
+            entry = open_quantized(path, meta)
+        del skeleton, layers
+    if entry is not None:
+        model = _built(entry.tensors, cfg, device, skip, head_rows)
+        install_quantized(entry, model, group_size, device)
+    else:  # no cache: converted in memory
+        model = quantize_model(_built(checkpoint.tensors, cfg, device, skip, head_rows), fmt, Sources.of(checkpoint),
+                               **options)
     # which kernel each layer runs on, read before fuse_quant_linears groups them (for weights_summary)
     model.quant_info = {**model.quant_info, "kernels": kernel_sources(model, names, checkpoint.tensor_types,
                                                                       checkpoint.quantization)}
-    if release:
-        _release(checkpoint, names)
     fuse_quant_linears(model)
     return model
+
+
+def _built(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, device: str | torch.device, skip: set[str],
+           head_rows: int | None) -> Transformer:
+    model = build_model(cfg, tensors, device, skip)
+    if head_rows is not None:
+        restrict_lm_head(model, head_rows)
+    return model
+
+
+def _load_float(checkpoint: Checkpoint, device: str | torch.device, head_rows: int | None,
+                use_cache: bool) -> Transformer:
+    """Float weights: a GGUF's dequantized tensors mapped from the weight cache (written a tensor at a time on the
+    first load), an HF directory's mapped safetensors; the linears packed, then the mapped pages they were read from
+    let go (the embedding's rows come back as they are read)."""
+    cfg, tensors, entry = checkpoint.config, checkpoint.tensors, None
+    if use_cache and checkpoint.blocks is not None:
+        names = [k for k in tensors if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+        entry = float_weights(checkpoint.fingerprint, checkpoint.dtype, tensors, names)
+        if entry is not None:
+            tensors = entry.tensors
+    with torch.device("meta"):
+        layer_weights = {name + ".weight" for name in quantizable_linears(Transformer(cfg))}
+    model = _built(tensors, cfg, device, layer_weights, head_rows)
+    pack_float_linears(model, tensors)  # a layer's float weights are read as it is packed
+    for mapped in ([entry] if entry is not None else []) + list(checkpoint.files):
+        mapped.release_pages()
+    return model
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def weights_summary(model: Transformer, checkpoint: Checkpoint, weights: str) -> str:

@@ -4,7 +4,7 @@
 (``Checkpoint.tensor_types``, kept with the checkpoint, so nothing is read again):
 
 * any stored as Q4_0 / Q4_1 / Q4_K -> ``'int4'``: those blocks map exactly onto the int4 kernel, and the layers the
-  file stores with more bits (Q5_*, Q6_K, Q8_0, F16) run int8 (``quantize_checkpoint``'s ``wide_sources='int8'``),
+  file stores with more bits (Q5_*, Q6_K, Q8_0, F16) run int8 (``load_model``'s ``wide_sources='int8'``),
   so no layer runs on fewer bits than the file gives it and a decode step reads close to the file's bytes, not
   its dequantized size;
 * else any quantized (Q5_*, Q6_K, Q8_0) -> ``'int8'``;
@@ -12,11 +12,17 @@
 """
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
+import torch
+
+from quickdraft.config import ModelConfig
+from quickdraft.loading.gguf import expected_shapes
 from quickdraft.loading.quant_convert import LAYER_LINEARS, gguf_int4_types
+from quickdraft.models import qmatmul
 from quickdraft.models.quant import Int4Linear, Int8Linear
 from quickdraft.models.transformer import Transformer
 
@@ -54,6 +60,33 @@ def planned_kernels(tensor_types: Mapping[str, str] | None, head_kernel: str | N
     if head_kernel is not None:
         counts[head_kernel] += 1
     return {k: n for k, n in counts.items() if n}
+
+
+def planned_weight_bytes(cfg: ModelConfig, tensor_types: Mapping[str, str] | None, fmt: str | None,
+                         head_kernel: str | None, dtype: torch.dtype, wide_sources: str = "int8") -> int:
+    """Bytes the weights of a model built in ``fmt`` (None: float weights in ``dtype``) will hold, from its config and
+    the file's tensor types alone (before loading): linears in the qmatmul layout or in ``dtype``, the lm_head on
+    ``head_kernel`` (a tied one as its own copy), the embedding table, norms and biases in ``dtype``."""
+    types = tensor_types or {}
+
+    def kernel_bytes(shape: tuple[int, ...], kernel: str) -> int:
+        return qmatmul.packed_bytes(shape[0], shape[1], 4 if kernel == "int4" else 8)
+
+    total = 0
+    for name, shape in expected_shapes(cfg).items():
+        if fmt is not None and _LAYER_LINEAR.fullmatch(name):
+            wide = fmt == "int4" and wide_sources == "int8" and name in types and types[name] not in INT4_TYPES
+            total += kernel_bytes(shape, "int8" if wide else fmt)
+        elif fmt is not None and head_kernel is not None and name == "lm_head.weight":
+            total += kernel_bytes(shape, head_kernel)
+        else:
+            total += math.prod(shape) * dtype.itemsize
+    head = (cfg.vocab_size, cfg.hidden_size)
+    if cfg.tie_word_embeddings and fmt is None:  # packed float layers give the head its own copy
+        total += math.prod(head) * dtype.itemsize
+    elif cfg.tie_word_embeddings and head_kernel is not None:
+        total += kernel_bytes(head, head_kernel)
+    return total
 
 
 def kernel_sources(model: Transformer, names: Iterable[str], tensor_types: Mapping[str, str] | None,

@@ -40,6 +40,12 @@ def padded_width(in_features: int) -> int:
     return -(-in_features // BLOCK) * BLOCK
 
 
+def packed_bytes(out_features: int, in_features: int, bits: int) -> int:
+    """Bytes of one layer in the kernel's layout (``pack``): the padded weight and its bfloat16 scales and zeros."""
+    kpad = padded_width(in_features)
+    return out_features * (kpad * bits // 8 + kpad // GROUP * 4)
+
+
 def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's layout of ``w[n, k] = scales[n, k // 32] * (q[n, k] - off) + zeros[n, k // 32]``.
 

@@ -6,6 +6,7 @@ flat ``[T]`` vector; the attention object decides who attends to what.
 """
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from typing import Protocol
 
 import torch
@@ -196,19 +197,23 @@ class Transformer(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: str | torch.device = "cpu") -> Transformer:
-    """Instantiate without random init and take the given tensors as parameters (no copy on CPU)."""
+def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], device: str | torch.device = "cpu",
+                skip: Collection[str] = ()) -> Transformer:
+    """Instantiate without random init and take the given tensors as parameters (no copy on CPU), reading each name
+    once. Parameters named in ``skip`` stay on the meta device, holding no memory, for the loader to replace (a
+    quantized layer is made from the file's blocks, never from a float weight); a tied lm_head in ``skip`` is not
+    tied."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    expected = set(model.state_dict())
+    expected = [k for k in model.state_dict() if k not in skip]
+    tied = cfg.tie_word_embeddings and "lm_head.weight" not in skip
     if cfg.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
-    missing = sorted(expected - set(tensors))
+        expected = [k for k in expected if k != "lm_head.weight"]
+    missing = sorted(k for k in expected if k not in tensors)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-    model.load_state_dict({k: v.to(device) for k, v in tensors.items() if k in expected}, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    model.load_state_dict({k: tensors[k].to(device) for k in expected}, strict=False, assign=True)
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
     return model.eval().requires_grad_(False)

@@ -2,14 +2,13 @@
 
 Threading model
 ---------------
-``LLMEngine`` is not thread-safe, so every call into it (``add_request``, ``abort``, ``step``,
-``sequences``, ``release``) happens under one lock. The engine thread holds the lock while it steps;
-another thread that wants the lock announces itself first (``_waiters``) and the engine thread, after
-its current step, waits on the condition until every announced caller has had its turn, so an
-``add_request`` waits at most one step (a plain ``threading.Lock`` is not fair and could starve it).
-``add_request`` runs in a worker thread (``run_in_executor``), so the event loop keeps streaming while it
-waits for that step; validation errors still reach the caller of :meth:`AsyncEngine.generate` before
-any model work. Chunks go back to the event loop through ``loop.call_soon_threadsafe`` into a per-request
+``LLMEngine`` is not thread-safe, so every call into it (``add_request``, ``abort``, ``step``, ``sequences``,
+``release``) happens under one lock. The engine thread holds the lock while it steps; another thread that wants the
+lock announces itself first (``_waiters``) and the engine thread, after its current step, waits on the condition
+until every announced caller has had its turn, so an ``add_request`` waits at most one step (a plain
+``threading.Lock`` is not fair and could starve it). ``add_request`` runs in a worker thread (``run_in_executor``),
+so the event loop keeps streaming while it waits for that step; validation errors still reach the caller of
+:meth:`AsyncEngine.generate` before any model work. Chunks go back to the event loop through ``loop.call_soon_threadsafe`` into a per-request
 ``ChunkQueue`` (``streams.py``: bounded by merging chunks, so the engine thread never waits for a slow reader).
 Aborts never block the event loop: they are applied at once when the engine is idle, otherwise right after the
 running step.
@@ -57,13 +56,15 @@ class AsyncEngine:
 
     def __init__(self, llm, metrics: ServerMetrics | None = None, idle_poll_s: float = 0.1,
                  stall_timeout_s: float = 60.0, max_waiting_requests: int | None = None,
-                 request_timeout_s: float | None = None, max_queued_chunks: int = 64) -> None:
+                 request_timeout_s: float | None = None, max_queued_chunks: int = 64,
+                 release_idle_s: float = 60.0) -> None:
         """``stall_timeout_s``: fail the queued requests when the engine has had work but scheduled nothing for
         this long (a scheduler that can never admit them would otherwise leave their clients hanging).
         ``max_waiting_requests``: refuse new requests (QueueFullError) while this many sequences wait to start.
         ``request_timeout_s``: abort a request (RequestTimeoutError) that has run this long.
         ``max_queued_chunks``: chunks a request's consumer may leave unread before new ones are merged into the
-        last (the engine thread never waits for a reader, and a slow reader's backlog stays this long)."""
+        last (the engine thread never waits for a reader, and a slow reader's backlog stays this long).
+        ``release_idle_s``: after this long without a request, give the KV memory (cached prefixes included) back."""
         self.llm = llm
         self.engine = llm.engine
         self.metrics = metrics or ServerMetrics()
@@ -72,18 +73,15 @@ class AsyncEngine:
         self._waiters_lock = threading.Lock()
         self._requests: dict[str, _Request] = {}  # touched under self._cond only
         self._pending_aborts: collections.deque[str] = collections.deque()
-        self._idle_poll_s = idle_poll_s
-        self._stall_timeout_s = stall_timeout_s
+        self._idle_poll_s, self._stall_timeout_s, self._release_idle_s = idle_poll_s, stall_timeout_s, release_idle_s
         self._stalled_since: float | None = None
-        self._stopping = False
+        self._idle_since: float | None = None  # last step's end; None once the memory was given back
+        self._stopping = self._started = False
         self._dead: BaseException | None = None  # the engine-wide failure that stopped the engine thread
-        self._max_waiting = max_waiting_requests
-        self._request_timeout_s = request_timeout_s
+        self._max_waiting, self._request_timeout_s = max_waiting_requests, request_timeout_s
         self._max_queued_chunks = max_queued_chunks
-        self._ids = 0
+        self._ids = self.step_errors = 0
         self._thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
-        self._started = False
-        self.step_errors = 0
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
@@ -247,6 +245,7 @@ class AsyncEngine:
             with cond:
                 while not self._stopping and (self._waiters or not self._has_work()):
                     cond.wait(None if self._waiters else self._idle_poll_s)
+                    self._release_when_idle()
                 if self._stopping:
                     self._drain_aborts()
                     return
@@ -259,7 +258,7 @@ class AsyncEngine:
                     self.step_errors += 1  # _run fails every request once this releases the lock
                     log.exception("engine step failed")
                     raise
-                now = time.perf_counter()
+                now = self._idle_since = time.perf_counter()
                 deliveries: dict[asyncio.AbstractEventLoop, list] = {}
                 for chunk in chunks:
                     self._route(chunk, now, deliveries)
@@ -273,6 +272,14 @@ class AsyncEngine:
                     self._check_stall()
                     if not self._waiters:
                         cond.wait(0.005)
+
+    def _release_when_idle(self) -> None:
+        """Give the KV memory back once the engine has had nothing to do for ``release_idle_s``."""
+        idle = self._idle_since is not None and time.perf_counter() - self._idle_since >= self._release_idle_s
+        if idle and not self.engine.has_unfinished():
+            self.llm.release_memory()
+            self._idle_since = None
+            log.info("idle: gave the KV cache memory back (%s)", self.llm.memory_summary)
 
     def _check_stall(self) -> None:
         now = time.perf_counter()
@@ -384,6 +391,7 @@ class AsyncEngine:
             "spec_num_draft_tokens": spec.draft_tokens,
             "spec_num_accepted_tokens": spec.accepted_tokens,
             "num_tracked_requests": len(self._requests),
+            **self.llm.loaded.kv_bytes(),
         }
         draft_runner = engine.drafter.runner if engine.drafter is not None else None
         if draft_runner is not None and draft_runner is not self.llm.target:

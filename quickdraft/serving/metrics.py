@@ -1,15 +1,17 @@
 """Server metrics in the Prometheus text exposition format (0.0.4), written by hand (no client library).
 
 Counters and histograms are fed by the engine thread and the HTTP handlers (one lock guards them); engine
-gauges and counters (queue sizes, KV blocks, speculative totals) are read from ``AsyncEngine.stats()`` when
-``/metrics`` is scraped.
+gauges and counters (queue sizes, KV blocks and bytes, speculative totals) are read from ``AsyncEngine.stats()``, and
+the process's memory, CPU time and file descriptors from /proc, when ``/metrics`` is scraped.
 """
 from __future__ import annotations
 
 import bisect
 import math
+import os
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -120,6 +122,15 @@ class ServerMetrics:
         if "draft_kv_blocks_used" in stats:
             single("quickdraft_draft_kv_blocks_used", "gauge", "Draft-model KV cache blocks in use.",
                    stats["draft_kv_blocks_used"])
+        single("quickdraft_kv_cache_bytes_used", "gauge", "KV cache bytes held by sequences and cached prefixes, all models.",
+               stats.get("kv_bytes_used", 0))
+        single("quickdraft_kv_cache_bytes_resident", "gauge",
+               "KV cache bytes in memory, all models (blocks handed out since memory was last given back).",
+               stats.get("kv_bytes_resident", 0))
+        single("quickdraft_kv_cache_bytes_cap", "gauge", "KV cache caps, all models (the caches grow up to them).",
+               stats.get("kv_bytes_cap", 0))
+        for name, kind, text, value in process_metrics():
+            single(name, kind, text, value)
         single("quickdraft_prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache instead of being recomputed.",
                stats.get("prefix_cache_hits", 0))
         single("quickdraft_num_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
@@ -134,6 +145,29 @@ class ServerMetrics:
         single("quickdraft_spec_decode_num_rounds_total", "counter",
                "Target forward passes that produced tokens (drafting or not).", stats.get("spec_num_rounds", 0))
         return "\n".join(out) + "\n"
+
+
+def process_metrics() -> list[tuple[str, str, str, float]]:
+    """The process collector's samples, with the names and meanings of prometheus-client's ``ProcessCollector``
+    (read from /proc/self; none where there is no /proc)."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        fds = len(os.listdir("/proc/self/fd"))
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+    except (OSError, StopIteration, ValueError):
+        return []
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    ticks, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
+    return [
+        ("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", int(fields[21]) * page),
+        ("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.", int(fields[20])),
+        ("process_cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.",
+         (int(fields[11]) + int(fields[12])) / ticks),
+        ("process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.",
+         boot + int(fields[19]) / ticks),
+        ("process_open_fds", "gauge", "Number of open file descriptors.", fds),
+    ]
 
 
 def parse_metrics(text: str) -> dict[str, float]:
