@@ -122,7 +122,7 @@ def build(name: str, fmt: str, ckpt_bf16):
         t0 = time.perf_counter()
         model = load_model(ckpt_bf16, fmt, **kw)  # built a layer at a time, from (or into) the quantized cache
         return model, {"quantize_or_cache_load_s": round(time.perf_counter() - t0, 2),
-                       "quant_info": getattr(model, "quant_info", None)}
+                       "quant_info": model.quant_info}
     return build_model(ckpt_bf16.config, ckpt_bf16.tensors), {}
 
 

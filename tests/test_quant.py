@@ -425,3 +425,17 @@ def test_without_qmatmul_layers_use_torch_kernels(tmp_path):
     assert out.split()[:2] == ["torch", "torch"] and "QUICKDRAFT_KERNELS=0" in out
     with pytest.raises(ValueError, match="backend must be one of"):
         Int8Linear.from_float(torch.randn(16, 64), kernel="fast")
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_cut_float_head_beside_quantized_layers(tiny_dir, tmp_path, monkeypatch, use_cache):
+    """A draft's cut vocabulary with the head kept in float (lm_head=False), untied: the cache stores the head whole
+    and the model built from it cuts it, as the in-memory conversion does."""
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path / "cache"))
+    ckpt = load_checkpoint(tiny_dir(arch="llama", tie=False, vocab_size=96), dtype=torch.float32)
+    ids = [1, 5, 9, 2, 7]
+    expected = _logits(qz.load_model(ckpt, "int8", head_rows=40, lm_head=False, use_cache=False), ids)
+    for _ in range(2):  # the conversion into the cache, then a hit
+        model = qz.load_model(ckpt, "int8", head_rows=40, lm_head=False, use_cache=use_cache)
+        assert model.lm_head.out_features == 40
+        assert torch.equal(_logits(model, ids), expected)

@@ -208,3 +208,53 @@ def test_offsets_outside_the_file_are_refused(tmp_path):
         with pytest.raises(ValueError):
             map_tensors(path)
     assert os.path.exists(path)  # map_tensors only reads
+
+
+def _raw_file(path, header: dict, data: bytes) -> None:
+    import json
+    import struct
+
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def test_hostile_headers_are_refused_without_a_crash(tmp_path, caplog):
+    """A header another writer (or an attacker) made: bad metadata, overlapping tensors, deep nesting."""
+    cases = {
+        "metadata_list": ({"__metadata__": [1], "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, bytes(4)),
+        "metadata_not_strings": ({"__metadata__": {"k": 1}, "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}},
+                                 bytes(4)),
+        "overlap": ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                     "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, bytes(8)),
+    }
+    for name, (header, data) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        _raw_file(path, header, data)
+        with pytest.raises(ValueError):
+            map_tensors(path)
+        assert open_tensor_file(path, {}, "test cache") is None and not path.exists(), name
+    deep = tmp_path / "deep.safetensors"
+    text = ("[" * 100_000 + "]" * 100_000).encode()
+    import struct
+
+    deep.write_bytes(struct.pack("<Q", len(text)) + text)
+    assert open_tensor_file(deep, {}, "test cache") is None and not deep.exists()
+
+
+def test_misaligned_tensor_is_copied_with_its_values(tmp_path):
+    path = tmp_path / "odd.safetensors"
+    value = torch.arange(6, dtype=torch.float32)
+    data = b"\x07" + value.numpy().tobytes()  # a 1-byte tensor first: the float32 one starts at an odd offset
+    _raw_file(path, {"pad": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+                     "x": {"dtype": "F32", "shape": [2, 3], "data_offsets": [1, 25]}}, data)
+    tensors, _, _ = map_tensors(path)
+    assert torch.equal(tensors["x"], value.view(2, 3)) and tensors["x"].data_ptr() % 4 == 0
+
+
+def test_failed_finish_leaves_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "x.safetensors"
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
+    with pytest.raises(OSError), TensorFileWriter(path) as writer:
+        writer.add("a", torch.ones(3))
+        writer.finish({})
+    assert not path.exists() and no_temporaries(tmp_path)

@@ -5,6 +5,7 @@ Every option is checked before any model is loaded, so a bad one fails at once.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ from quickdraft.models import Transformer, native, weight_bytes
 from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
 from quickdraft.speculative.run_ahead import RunAheadDrafter
 from quickdraft.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECULATIVE = ("ngram", "self")
@@ -194,6 +197,8 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
             raise InvalidParameterError(
                 f"max_model_len={o.max_model_len} does not fit in the KV cache ({capacity} tokens with "
                 f"kv_cache_memory={o.kv_cache_memory}); raise kv_cache_memory or lower max_model_len")
+        log.warning("the KV cache holds %d tokens of one sequence: max_model_len lowered from %d to that (raise "
+                    "kv_cache_memory or max_memory for the model's full context)", capacity, max_model_len)
         max_model_len = capacity
     drafter = None
     if draft_checkpoint is not None:

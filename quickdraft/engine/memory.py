@@ -44,13 +44,16 @@ def available_memory() -> int:
                 free = int(line.split()[1]) * 1024
     except OSError:
         pass
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            free = min(free if free is not None else 1 << 62, int(limit) - used)
-    except (OSError, ValueError):
-        pass
+    for limit_file, used_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2, v1
+                                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                   "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit != "max" and int(limit) < 1 << 60:  # v1 writes a huge number for "no limit"
+                left = int(limit) - int(Path(used_file).read_text())
+                free = min(free if free is not None else 1 << 62, left)
+        except (OSError, ValueError):
+            pass
     return max(0, free) if free is not None else 8 * GiB
 
 
@@ -101,12 +104,6 @@ def plan_memory(weights: dict[str, int], kv: list[KVNeed], kv_cache_memory: int 
     each cache exceed ``max_memory``, before anything is loaded."""
     fixed = sum(weights.values()) + RUNTIME_BYTES
     limit = parse_size(max_memory, "max_memory") if max_memory is not None else None
-    smallest = sum(need.bytes_per_block * min_blocks for need in kv)
-    if limit is not None and fixed + smallest > limit:
-        raise InvalidParameterError(
-            f"max_memory={max_memory} is too small: the weights take {fmt_bytes(sum(weights.values()))}, the runtime "
-            f"about {fmt_bytes(RUNTIME_BYTES)} and one sequence's KV cache {fmt_bytes(smallest)}; "
-            f"allow at least {fmt_bytes(fixed + smallest)} or lower max_model_len")
     if kv_cache_memory != "auto":
         caps = {need.name: parse_size(kv_cache_memory) for need in kv}
         if limit is not None and fixed + sum(caps.values()) > limit:
@@ -119,6 +116,12 @@ def plan_memory(weights: dict[str, int], kv: list[KVNeed], kv_cache_memory: int 
                         "grow past it under load (pass max_memory to refuse such a configuration)",
                         kv_cache_memory, len(caps), fmt_bytes(max(0, room)))
         return MemoryPlan(weights, caps)
+    smallest = sum(need.bytes_per_block * min_blocks for need in kv)
+    if limit is not None and fixed + smallest > limit:
+        raise InvalidParameterError(
+            f"max_memory={max_memory} is too small: the weights take {fmt_bytes(sum(weights.values()))}, the runtime "
+            f"about {fmt_bytes(RUNTIME_BYTES)} and one sequence's KV cache {fmt_bytes(smallest)}; "
+            f"allow at least {fmt_bytes(fixed + smallest)} or lower max_model_len")
     budget = KV_FREE_FRACTION * max(0, (available_memory() if free is None else free) - fixed)
     if limit is not None:
         budget = min(budget, limit - fixed)

@@ -13,6 +13,7 @@ import hashlib
 import heapq
 import math
 import mmap
+import platform
 import sys
 from array import array
 from collections import OrderedDict
@@ -24,8 +25,9 @@ from quickdraft.kv.attention import PREFILL_CELL
 
 
 # not accounted against the machine's memory up front (pages are committed as written); Python < 3.12 has no name
-# for the flag, whose value Linux fixes at 0x4000
-MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+# for the flag, whose value is 0x4000 on Linux's x86, Arm and RISC-V (other architectures reserve without it)
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") and platform.machine()
+                        in ("x86_64", "i686", "aarch64", "armv7l", "riscv64") else 0)
 
 
 class OutOfBlocks(RuntimeError):
@@ -124,6 +126,11 @@ class BlockAllocator:
     @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks that still hold a cached prefix (read without a lock by /metrics: a length, not a copy)."""
+        return len(self._cached)
 
     @property
     def cached_blocks(self) -> list[int]:

@@ -51,7 +51,7 @@ class ModelRunner:
     @property
     def kv_bytes_used(self) -> int:
         """KV bytes in blocks that sequences or cached prefixes hold now."""
-        return (self.allocator.num_blocks - self.allocator.num_free + len(self.allocator.cached_blocks)) \
+        return (self.allocator.num_blocks - self.allocator.num_free + self.allocator.num_cached) \
             * self.bytes_per_block
 
     @property

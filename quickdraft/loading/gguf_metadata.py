@@ -142,13 +142,9 @@ class GGUFHeader:
     tensors: list[tuple[str, list[int], int, int, int]]
 
 
-def check_header(path: Path, buf: mmap.mmap | bytes) -> dict[str, int]:
-    """Walk a GGUF header and check every count, length, type, dimension and offset (see the module doc);
-    returns each tensor's GGML type id by GGUF name."""
-    return {name: raw_type for name, _, raw_type, _, _ in _walk(path, buf, decode=False).tensors}
-
-
 def _walk(path: Path, buf: mmap.mmap | bytes, decode: bool) -> GGUFHeader:
+    """Walk a GGUF header and check every count, length, type, dimension and offset (see the module doc); with
+    ``decode`` keep the metadata's values."""
     h = _Header(buf, path, decode)
     h.take(4, "the magic")
     version = h.unpack("<I", "the version")

@@ -87,8 +87,7 @@ def write_quantized(path: Path, meta: dict[str, str], model: Transformer, layers
     try:
         with TensorFileWriter(path) as writer:
             for name, t in model.state_dict().items():
-                if t.device.type != "meta" and not (name == "lm_head.weight" and model.config.tie_word_embeddings
-                                                    and t is model.model.embed_tokens.weight):
+                if t.device.type != "meta":  # a tied head reads the (meta) embedding: written late, once
                     writer.add(name, t)
             for name, mod, is_exact in layers:
                 for key, t in _module_tensors(name, mod).items():
@@ -122,7 +121,7 @@ def install_quantized(entry: TensorFile, model: Transformer, group_size: int, de
         if not isinstance(old, nn.Linear):
             raise ValueError(f"{name} is not an nn.Linear in the model")
         # every step reads these whole: copied out of the mapping (see TensorFile.copy), one layer at a time
-        own = {key: entry.copy(key) for key in keys if key.startswith(name + ".")}
+        own = {key: entry.copy(key) for key in keys if key.startswith(name + ".") and not key.endswith(".bias")}
         set_module(model, name, _cached_layer(own, keys, name, kind, old, group_size, device))
     model.quant_info = json.loads(entry.metadata.get("info", "{}"))
 

@@ -217,6 +217,13 @@ class Sources:
                 return (*mapped, True)
         return (*quantize_int4(self.float32(name, linear, cfg, (r0, r1)), group_size), False)
 
+    def reads_rows(self, name: str, cfg: ModelConfig) -> bool:
+        """A block of this weight's rows can be read without the rest: the file's blocks hold it (or the embedding
+        a tied head reads) and no q/k permutation mixes its rows."""
+        key, types = name + ".weight", self.block_types or {}
+        tied = name == "lm_head" and key not in types and cfg.tie_word_embeddings
+        return self.blocks is not None and (EMBED if tied else key) in types and _unpermute(name, cfg) is None
+
     def is_wide(self, name: str) -> bool:
         """The GGUF stores this weight with more than 4 bits (not Q4_0/Q4_1/Q4_K)."""
         types = self.block_types or {}
@@ -276,7 +283,7 @@ def _quantized(name: str, linear: nn.Linear, fmt: str, sources: Sources, cfg: Mo
         return Int4Linear(q.to(device), s.to(device), z.to(device), group_size, part_bias), exact
 
     kernel_rows = default_backend(device) == "qmatmul" and linear.in_features % 32 == 0 \
-        and (fmt == "int8" or group_size == 32)
+        and (fmt == "int8" or group_size == 32) and sources.reads_rows(name, cfg)
     rows = max(1, CHUNK_BYTES // (4 * linear.in_features))
     if n <= rows or not kernel_rows:
         return part(None, bias)

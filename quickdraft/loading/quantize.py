@@ -154,7 +154,8 @@ def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "c
                                    checkpoint.dtype, wide_sources=wide_sources, head_rows=head_rows)
     entry = open_quantized(path, meta) if use_cache else None
     if entry is None and use_cache:
-        skeleton = _built(checkpoint.tensors, cfg, "cpu", skip | {EMBED}, head_rows)
+        # a float head is stored whole (the model built from the entry cuts it), a quantized one as cut
+        skeleton = _built(checkpoint.tensors, cfg, "cpu", skip | {EMBED}, head_rows if head_fmt else None)
         layers = quantized_layers(skeleton, fmt, Sources.of(checkpoint), device, **options)
         info = functools.partial(quant_info, fmt, group_size, wide_sources, head_fmt)
         if write_quantized(path, meta, skeleton, layers, info, {EMBED: lambda: checkpoint.tensors[EMBED]}):

@@ -47,6 +47,7 @@ class TensorFileWriter:
         self.file.seek(reserve)
         self.entries: dict[str, dict] = {}
         self.offset = 0
+        self.finished = False
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.entries or name.startswith(PAD_PREFIX):
@@ -79,6 +80,7 @@ class TensorFileWriter:
         self.file.close()
         os.chmod(self.tmp, 0o644)  # mkstemp makes it private
         os.replace(self.tmp, self.path)
+        self.finished = True
         _fsync_dir(self.path.parent)
         return self.path
 
@@ -93,7 +95,7 @@ class TensorFileWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and not self.file.closed:
+        if not self.finished:  # an exception, or finish failed before the rename: no partial file stays
             self.abort()
 
 
@@ -145,7 +147,10 @@ def open_tensor_file(path: Path, expected: dict[str, str], what: str) -> TensorF
         if any(metadata.get(k) != v for k, v in expected.items()):
             raise ValueError("metadata does not match the source")
         return TensorFile(tensors, metadata, mapping)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except OSError as exc:  # cannot be mapped now (address space, map count): the file itself may be fine
+        log.warning("cannot map %s %s (%s); loading without it", what, path, exc)
+        return None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         log.warning("ignoring damaged %s %s (%s: %s); rebuilding", what, path, type(exc).__name__, exc)
         try:
             Path(path).unlink()
@@ -171,10 +176,10 @@ def map_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], mm
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
-    base, tensors = 8 + n, {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ValueError(f"{path}: __metadata__ is not a map of strings to strings")
+    base, tensors, spans = 8 + n, {}, []
     for name, entry in header.items():
-        if name.startswith(PAD_PREFIX):
-            continue
         dtype = DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
         if dtype is None:
             raise ValueError(f"{path}: tensor {name!r} has an unknown dtype")
@@ -183,10 +188,19 @@ def map_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], mm
         count = math.prod(shape)
         if min(shape, default=0) < 0 or end - start != count * dtype.itemsize or start < 0 or base + end > size:
             raise ValueError(f"{path}: tensor {name!r} does not fit its offsets or the file")
+        spans.append((start, end))
+        if name.startswith(PAD_PREFIX):
+            continue
         if count == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
+        elif (base + start) % dtype.itemsize:  # a misaligned tensor (another writer's file) is copied, not mapped
+            raw = torch.frombuffer(mapping, dtype=torch.uint8, count=end - start, offset=base + start)
+            tensors[name] = raw.clone().view(dtype).view(shape)
         else:
             tensors[name] = torch.frombuffer(mapping, dtype=dtype, count=count, offset=base + start).view(shape)
+    spans.sort()
+    if any(prev_end > start for (_, prev_end), (start, _) in zip(spans, spans[1:])):
+        raise ValueError(f"{path}: tensors overlap")
     return tensors, metadata, mapping
 
 
