@@ -59,3 +59,17 @@ def test_first_run_in_a_fresh_cache(smollm2, tmp_path):
     assert "smollm2-135m: weights: int4 kernels for 210 tensors (Q4_1), int8 for 1 (Q8_0 lm_head)" in run.stderr
     missing = _run(["generate", str(tmp_path / "no-such.gguf"), "hi"], cache)
     assert missing.returncode == 2 and missing.stderr.startswith("error: model ") and "Traceback" not in missing.stderr
+
+
+def test_a_closed_pipe_stops_the_cli_quietly(tiny_dir, tmp_path):
+    """`quickdraft generate ... | head -c 1`: the reader leaves while tokens still stream; no traceback, the shell's
+    SIGPIPE status."""
+    env = {**os.environ, "QUICKDRAFT_CACHE_DIR": str(tmp_path)}
+    model = tiny_dir(arch="llama", tie=True, vocab_size=96)
+    proc = subprocess.Popen([sys.executable, "-m", "quickdraft.cli", "generate", str(model), "hello",
+                             "--max-tokens", "2000", "--temperature", "1.0", "--seed", "1", "--max-model-len", "4096"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.read(1)
+    proc.stdout.close()  # what `head -c 1` does after its byte
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in stderr, stderr
