@@ -21,6 +21,7 @@ from quickdraft.loading import Checkpoint, load_checkpoint
 from quickdraft.loading.quant_convert import lm_head_format
 from quickdraft.loading.quantize import (DEFAULT_LM_HEAD, DRAFT_INT4_OPTIONS, FLOAT_FORMATS, QUANT_FORMATS, load_model,
                                         resolve_draft_weights, resolve_weights, weights_summary)
+from quickdraft.loading.weight_cache import dtype_name
 from quickdraft.loading.weight_choice import planned_weight_bytes
 from quickdraft.models import Transformer, native, weight_bytes
 from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
@@ -173,7 +174,7 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     # int4/int8 keep the linear layers quantized (activations, embeddings and norms stay in `dtype`), None keeps
     # float weights in `dtype`; "auto" follows the file's own precision (see loading/weight_choice.py)
     fmt = resolve_weights(o.weights, o.device, checkpoint.tensor_types)
-    weights = fmt or str(dtype).removeprefix("torch.")
+    weights = fmt or dtype_name(dtype)
     tokenizer = tokenizer_for(checkpoint)
     cfg = checkpoint.config
     draft_checkpoint, draft_weights = None, None
@@ -268,7 +269,7 @@ def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dty
     keep_float = _keeps_float(fmt, o.device)
     draft_model = load_model(checkpoint, fmt, o.device, head_rows=o.draft_vocab,
                              **(DRAFT_INT4_OPTIONS if fmt == "int4" else {}))
-    long_model = load_model(checkpoint, str(dtype).removeprefix("torch."), o.device,
+    long_model = load_model(checkpoint, dtype_name(dtype), o.device,
                             head_rows=o.draft_vocab) if keep_float else None
     drafter_class = RunAheadDrafter if o.run_ahead else ModelDrafter
     return drafter_class(ModelRunner("draft", draft_model, kv_bytes, o.block_size, long_model=long_model),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quickdraft.kv.attention import PREFILL_CELL
+from quickdraft.loading.tensor_file import drop_pages
 
 
 # not accounted against the machine's memory up front (pages are committed as written); Python < 3.12 has no name
@@ -72,16 +73,12 @@ class KVPool:
             for mapping in self._maps:
                 mapping.madvise(mmap.MADV_DONTNEED)
             return
-        page = mmap.PAGESIZE
         layers, slots = self.k.shape[:2]
         layer_bytes = self.k[0].numel() * self.k.element_size()
         start_in_layer = block * self.block_size * layer_bytes // slots
         for mapping in self._maps:
             for layer in range(layers):
-                start = -(-(layer * layer_bytes + start_in_layer) // page) * page  # whole pages only
-                end = (layer + 1) * layer_bytes // page * page
-                if end > start:
-                    mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+                drop_pages(mapping, layer * layer_bytes + start_in_layer, (layer + 1) * layer_bytes)
 
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size

@@ -20,7 +20,7 @@ from torch import nn
 
 from quickdraft.loading.quant_convert import set_module
 from quickdraft.loading.tensor_file import TensorFile, TensorFileWriter, open_tensor_file
-from quickdraft.loading.weight_cache import cache_root
+from quickdraft.loading.weight_cache import cache_root, dtype_name
 from quickdraft.models.quant import Int4Linear, Int8Linear
 from quickdraft.models.quant_backends import cpu_capability, default_backend
 from quickdraft.models.quant_formats import unpack_nibbles
@@ -49,14 +49,13 @@ def quant_cache_entry(fingerprint: str, fmt: str, group_size: int, lm_head: str 
     """The cache file for one source + format on ``device`` (its float tensors in ``dtype``) and the metadata an
     entry must carry to be used."""
     layout = cache_layout(device)
-    dtype_name = str(dtype).removeprefix("torch.")
-    key = f"{fingerprint}|{fmt}|g{group_size}|lm-{lm_head}|wide-{wide_sources}|{source}|{layout}|{dtype_name}" \
+    key = f"{fingerprint}|{fmt}|g{group_size}|lm-{lm_head}|wide-{wide_sources}|{source}|{layout}|{dtype_name(dtype)}" \
           f"|v{QUANT_CACHE_VERSION}" + (f"|head-rows-{head_rows}" if head_rows is not None else "")
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     tag = f"{fmt}-g{group_size}" if fmt == "int4" else fmt
     path = cache_root() / "quantized" / f"{fingerprint}-{tag}-{digest}.safetensors"
     meta = {"fingerprint": fingerprint, "format": fmt, "group_size": str(group_size), "lm_head": str(lm_head),
-            "wide_sources": wide_sources, "source": source, "layout": layout, "dtype": dtype_name,
+            "wide_sources": wide_sources, "source": source, "layout": layout, "dtype": dtype_name(dtype),
             "quickdraft_quant_cache_version": QUANT_CACHE_VERSION}
     if head_rows is not None:
         meta["head_rows"] = str(head_rows)

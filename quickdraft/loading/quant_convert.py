@@ -91,6 +91,18 @@ def gguf_int4_types() -> tuple:
     return (T.Q4_0, T.Q4_1, T.Q4_K)
 
 
+INT4_TYPES = tuple(t.name for t in gguf_int4_types())  # Q4_0, Q4_1, Q4_K: mapped exactly to int4 (group 32)
+
+
+def layer_kernel(fmt: str, stored: str | None, wide_sources: str = "int8") -> str:
+    """The kernel a decoder-layer linear runs on in a model of format ``fmt``, given the GGML type its file stores it
+    in (``stored``; None: not a GGUF tensor): an int4 model keeps a tensor stored with more bits than 4 (Q5_*, Q6_K,
+    Q8_0, F16, ...) in int8 where ``wide_sources='int8'``. One rule for the conversion and for the plans made from a
+    file's header (``weight_choice.planned_kernels``, ``planned_weight_bytes``)."""
+    wide = stored is not None and stored not in INT4_TYPES
+    return "int8" if fmt == "int4" and wide_sources == "int8" and wide else fmt
+
+
 def gguf_int4_params(raw: np.ndarray | torch.Tensor, qtype: int, shape: tuple[int, int]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Exact group-32 affine form of a Q4_0 / Q4_1 / Q4_K tensor: ``(q uint8 [N, K], scale, zero)`` with
@@ -169,6 +181,21 @@ class Sources:
     def of(cls, checkpoint: Checkpoint) -> Sources:
         return cls(checkpoint.blocks, checkpoint.block_types, checkpoint.tensors, checkpoint.dtype)
 
+    def _stored_key(self, name: str, cfg: ModelConfig) -> str | None:
+        """The key of the file's blocks that hold this weight: its own, or the embedding a tied lm_head reads; None
+        when the blocks do not hold it."""
+        key, types = name + ".weight", self.block_types or {}
+        if name == "lm_head" and key not in types and cfg.tie_word_embeddings:
+            key = EMBED
+        return key if self.blocks is not None and key in types else None
+
+    def stored_type(self, name: str) -> str | None:
+        """The GGML type name the file stores this weight in (None: not in the file's blocks)."""
+        from gguf import GGMLQuantizationType
+
+        qtype = (self.block_types or {}).get(name + ".weight")
+        return None if qtype is None else GGMLQuantizationType(int(qtype)).name
+
     def _block_rows(self, key: str, shape: tuple[int, int], heads: int | None, r0: int, r1: int
                     ) -> tuple[torch.Tensor, tuple[int, int]]:
         """The stored bytes of rows r0..r1 and their shape (all rows where q/k rows must be unpermuted first)."""
@@ -184,17 +211,16 @@ class Sources:
         ``restrict_lm_head`` has fewer of than the file)."""
         key = name + ".weight"
         r0, r1 = rows or (0, linear.out_features)
-        types = self.block_types or {}
-        tied = name == "lm_head" and key not in types and EMBED in types and cfg.tie_word_embeddings
-        src = EMBED if tied else key
-        if self.blocks is not None and src in types:
+        src = self._stored_key(name, cfg)
+        if src is not None:
             from quickdraft.loading.dequant import dequantize
             from quickdraft.loading.gguf import unpermute_rows
 
             heads = _unpermute(name, cfg)
             data, shape = self._block_rows(src, _source_shape(name, linear, cfg), heads, r0, r1)
-            w = dequantize(data, types[src], shape)
+            w = dequantize(data, self.block_types[src], shape)
             w = unpermute_rows(w, heads)[r0:r1] if heads else w
+            tied = src != key  # the head the model holds: the embedding rounded to its dtype
             return w.to(self.float_dtype).float() if tied and self.float_dtype is not None else w
         if self.floats is not None and key in self.floats:
             return self.floats[key][r0:r1].float()
@@ -220,14 +246,7 @@ class Sources:
     def reads_rows(self, name: str, cfg: ModelConfig) -> bool:
         """A block of this weight's rows can be read without the rest: the file's blocks hold it (or the embedding
         a tied head reads) and no q/k permutation mixes its rows."""
-        key, types = name + ".weight", self.block_types or {}
-        tied = name == "lm_head" and key not in types and cfg.tie_word_embeddings
-        return self.blocks is not None and (EMBED if tied else key) in types and _unpermute(name, cfg) is None
-
-    def is_wide(self, name: str) -> bool:
-        """The GGUF stores this weight with more than 4 bits (not Q4_0/Q4_1/Q4_K)."""
-        types = self.block_types or {}
-        return name + ".weight" in types and int(types[name + ".weight"]) not in {int(t) for t in gguf_int4_types()}
+        return self._stored_key(name, cfg) is not None and _unpermute(name, cfg) is None
 
 
 def _source_shape(name: str, linear: nn.Linear, cfg: ModelConfig) -> tuple[int, int]:
@@ -261,9 +280,7 @@ def quantized_layers(model: Transformer, fmt: str, sources: Sources, device: tor
     head_fmt = lm_head_format(lm_head)
     with single_thread():
         for name, linear in quantizable_linears(model, head_fmt is not None).items():
-            f = head_fmt if name == "lm_head" else fmt
-            if f == "int4" and wide_sources == "int8" and name != "lm_head" and sources.is_wide(name):
-                f = "int8"
+            f = head_fmt if name == "lm_head" else layer_kernel(fmt, sources.stored_type(name), wide_sources)
             yield (name, *_quantized(name, linear, f, sources, cfg, group_size, device))
 
 

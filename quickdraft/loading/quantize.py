@@ -46,7 +46,7 @@ from quickdraft.loading.quant_convert import (
     quantize_model,
     quantized_layers,
 )
-from quickdraft.loading.weight_cache import float_weights
+from quickdraft.loading.weight_cache import dtype_name, float_weights
 from quickdraft.loading.quant_groups import fuse_quant_linears
 from quickdraft.loading.weight_choice import (auto_format, describe_float, describe_kernels, kernel_sources,
                                              layer_linear_types, planned_kernels)
@@ -145,11 +145,10 @@ def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "c
     device = torch.device(device)
     cfg = checkpoint.config
     head_fmt = lm_head_format(DEFAULT_LM_HEAD if lm_head is None else lm_head)
-    with torch.device("meta"):
-        names = list(quantizable_linears(Transformer(cfg), head_fmt is not None))
+    names = _linear_names(cfg, head_fmt is not None)
     skip = {name + ".weight" for name in names}  # made from the file's blocks, never as float weights
     options = {"group_size": group_size, "lm_head": head_fmt or False, "wide_sources": wide_sources}
-    source = "gguf" if checkpoint.blocks is not None else _dtype_name(checkpoint.dtype)
+    source = "gguf" if checkpoint.blocks is not None else dtype_name(checkpoint.dtype)
     path, meta = quant_cache_entry(checkpoint.fingerprint, fmt, group_size, head_fmt, source, device,
                                    checkpoint.dtype, wide_sources=wide_sources, head_rows=head_rows)
     entry = open_quantized(path, meta) if use_cache else None
@@ -174,6 +173,12 @@ def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "c
     return model
 
 
+def _linear_names(cfg: ModelConfig, lm_head: bool) -> list[str]:
+    """The HF names of the linears a model of ``cfg`` replaces (``quantizable_linears`` of a weightless model)."""
+    with torch.device("meta"):
+        return list(quantizable_linears(Transformer(cfg), lm_head))
+
+
 def _built(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, device: str | torch.device, skip: set[str],
            head_rows: int | None) -> Transformer:
     model = build_model(cfg, tensors, device, skip)
@@ -193,17 +198,12 @@ def _load_float(checkpoint: Checkpoint, device: str | torch.device, head_rows: i
         entry = float_weights(checkpoint.fingerprint, checkpoint.dtype, tensors, names)
         if entry is not None:
             tensors = entry.tensors
-    with torch.device("meta"):
-        layer_weights = {name + ".weight" for name in quantizable_linears(Transformer(cfg))}
+    layer_weights = {name + ".weight" for name in _linear_names(cfg, lm_head=False)}
     model = _built(tensors, cfg, device, layer_weights, head_rows)
     pack_float_linears(model, tensors)  # a layer's float weights are read as it is packed
     for mapped in ([entry] if entry is not None else []) + list(checkpoint.files):
         mapped.release_pages()
     return model
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def weights_summary(model: Transformer, checkpoint: Checkpoint, weights: str) -> str:

@@ -8,6 +8,7 @@ with the page cache. The files stay valid safetensors files.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ import mmap
 import os
 import struct
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,8 +27,8 @@ log = logging.getLogger(__name__)
 ALIGN = 64  # every tensor starts on a cache line, as an allocated one would
 HEADER_RESERVE = 1 << 20  # header space (the 8-byte length included): room for ~5000 entries
 MAX_HEADER = 100 << 20  # safetensors' own limit
-PAD_PREFIX = "__pad"
-COPY_CHUNK = 8 << 20  # bytes TensorFile.copy moves between letting go of mapped pages  # filler entries that keep the data section without holes while aligning the next tensor
+PAD_PREFIX = "__pad"  # filler entries that keep the data section without holes while aligning the next tensor
+COPY_CHUNK = 8 << 20  # bytes TensorFile.copy moves between letting go of mapped pages
 
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
@@ -75,13 +77,9 @@ class TensorFileWriter:
             raise ValueError(f"{self.path.name}: header of {len(header):,} bytes does not fit the {room:,} reserved")
         self.file.seek(0)
         self.file.write(struct.pack("<Q", room) + header + b" " * (room - len(header)))
-        self.file.flush()
-        os.fsync(self.file.fileno())
         self.file.close()
-        os.chmod(self.tmp, 0o644)  # mkstemp makes it private
-        os.replace(self.tmp, self.path)
+        _commit(self.tmp, self.path, 0o644)
         self.finished = True
-        _fsync_dir(self.path.parent)
         return self.path
 
     def abort(self) -> None:
@@ -104,6 +102,7 @@ class TensorFile:
 
     def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], mapping: mmap.mmap | None) -> None:
         self.tensors, self.metadata, self._mapping = tensors, metadata, mapping
+        self._base = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() if mapping is not None else 0
 
     def copy(self, name: str) -> torch.Tensor:
         """An own copy of a tensor, made a few MiB at a time, each part's mapped pages let go as soon as it is copied
@@ -123,18 +122,23 @@ class TensorFile:
 
     def _let_go(self, t: torch.Tensor) -> None:
         """Drop this process's mapping of the whole pages under a contiguous part of a mapped tensor."""
-        base = torch.frombuffer(self._mapping, dtype=torch.uint8, count=1).data_ptr()
-        page = mmap.PAGESIZE
-        start = -(-(t.data_ptr() - base) // page) * page
-        end = (t.data_ptr() - base + t.numel() * t.element_size()) // page * page
-        if end > start:
-            self._mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+        start = t.data_ptr() - self._base
+        drop_pages(self._mapping, start, start + t.numel() * t.element_size())
 
     def release_pages(self) -> None:
         """Drop this process's hold on the pages read so far (they stay in the page cache and come back on the next
         read): after a load that copied most tensors elsewhere (packing), only what is still used counts as ours."""
         if self._mapping is not None:
             self._mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def drop_pages(mapping: mmap.mmap, start: int, end: int) -> None:
+    """Let go of the whole pages inside bytes [start, end) of a mapping (a page also holding bytes outside the range
+    stays): an anonymous page reads as zeros afterwards, a file page comes back from the file."""
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page
+    if last > first:
+        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def open_tensor_file(path: Path, expected: dict[str, str], what: str) -> TensorFile | None:
@@ -204,43 +208,53 @@ def map_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], mm
     return tensors, metadata, mapping
 
 
+@contextlib.contextmanager
+def atomic_path(path: Path, mode: int = 0o644) -> Iterator[str]:
+    """A temporary file beside ``path`` to write whole. Leaving the block without an exception puts it in place
+    (``_commit``); an exception removes it. A file left by a killed writer is named ``<name>.<random>.tmp`` and is
+    never read as ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield tmp
+        _commit(tmp, path, mode)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _commit(tmp: str, path: Path, mode: int) -> None:
+    """Put a fully written temporary file in place: given ``mode`` (mkstemp makes it private), its data synced, renamed
+    over ``path`` and the rename synced, so after a crash (even a power loss) ``path`` holds the old file or the new
+    one, whole."""
+    os.chmod(tmp, mode)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
 def write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], what: str,
                  *, strict: bool = False, mode: int = 0o644) -> Path | None:
-    """Write a safetensors file via a temporary file and rename, so a reader never sees half a file.
+    """Write a safetensors file whole (``atomic_path``), so a reader never sees half a file.
 
-    The temporary file is fsynced before ``os.replace`` and the directory after it, so after a crash
-    (even a power loss) the path holds the old file or the new one, whole. A temporary file left by a
-    killed writer is named ``<name>.<random>.tmp`` and is never read as ``path``.
     ``strict=False`` (caches): a read-only or full disk is not an error, loading still works, just
     uncached (None). ``strict=True`` (session snapshots): any failure raises (OSError and friends).
     ``mode``: the file's permissions (0o600 for session snapshots, which hold a conversation)."""
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, mode)  # mkstemp makes it private
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        tmp = None
-        _fsync_dir(path.parent)
+        with atomic_path(path, mode) as tmp:
+            save_file(tensors, tmp, metadata=metadata)
         return path
     except Exception as exc:
         if strict:
             raise
         log.warning("could not write %s %s: %s", what, path, exc)
         return None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from quickdraft.loading.tensor_file import TensorFile, TensorFileWriter, open_tensor_file
+from quickdraft.loading.tensor_file import TensorFile, TensorFileWriter, atomic_path, open_tensor_file
 from quickdraft.paths import CACHE_ENV, cache_root  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -34,7 +32,8 @@ def weights_dir() -> Path:
     return cache_root() / "weights"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``'bfloat16'``, as cache keys and format names spell it."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -43,7 +42,7 @@ def index_path(fingerprint: str) -> Path:
 
 
 def cache_path(fingerprint: str, dtype: torch.dtype) -> Path:
-    return weights_dir() / f"{fingerprint}-{_dtype_name(dtype)}-v{CACHE_FORMAT_VERSION}.safetensors"
+    return weights_dir() / f"{fingerprint}-{dtype_name(dtype)}-v{CACHE_FORMAT_VERSION}.safetensors"
 
 
 def load_index(fingerprint: str) -> dict[str, Any] | None:
@@ -65,20 +64,11 @@ def load_index(fingerprint: str) -> dict[str, Any] | None:
 def store_index(fingerprint: str, record: dict[str, Any]) -> None:
     """Write the header record atomically; a cache that cannot be written is not an error."""
     path = index_path(fingerprint)
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump({**record, "fingerprint": fingerprint}, f)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-        tmp = None
+        with atomic_path(path) as tmp:
+            Path(tmp).write_text(json.dumps({**record, "fingerprint": fingerprint}))
     except OSError as exc:
         log.warning("could not write weight cache record %s: %s", path, exc)
-    finally:
-        if tmp is not None:
-            _unlink(Path(tmp))
 
 
 def float_weights(fingerprint: str, dtype: torch.dtype, tensors: Mapping[str, torch.Tensor],
@@ -86,7 +76,7 @@ def float_weights(fingerprint: str, dtype: torch.dtype, tensors: Mapping[str, to
     """The ``names`` of ``tensors`` (a lazy mapping in ``dtype``) as a memory-mapped file: the cached one, or one
     written now a tensor at a time. None when the cache cannot be written (the caller reads ``tensors`` directly)."""
     path = cache_path(fingerprint, dtype)
-    meta = {"fingerprint": fingerprint, "dtype": _dtype_name(dtype), "quickdraft_cache_version": CACHE_FORMAT_VERSION}
+    meta = {"fingerprint": fingerprint, "dtype": dtype_name(dtype), "quickdraft_cache_version": CACHE_FORMAT_VERSION}
     names = sorted(names)
     cached = open_tensor_file(path, meta, "weight cache")
     if cached is not None and sorted(cached.tensors) == names:

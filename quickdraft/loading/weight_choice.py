@@ -21,12 +21,11 @@ import torch
 
 from quickdraft.config import ModelConfig
 from quickdraft.loading.gguf import expected_shapes
-from quickdraft.loading.quant_convert import LAYER_LINEARS, gguf_int4_types
+from quickdraft.loading.quant_convert import INT4_TYPES, LAYER_LINEARS, layer_kernel
 from quickdraft.models import qmatmul
 from quickdraft.models.quant import Int4Linear, Int8Linear
 from quickdraft.models.transformer import Transformer
 
-INT4_TYPES = tuple(t.name for t in gguf_int4_types())  # Q4_0, Q4_1, Q4_K: mapped exactly to int4 (group 32)
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 _LAYER_LINEAR = re.compile(r"model\.layers\.\d+\.(" + "|".join(map(re.escape, LAYER_LINEARS)) + r")\.weight")
 
@@ -56,7 +55,7 @@ def planned_kernels(tensor_types: Mapping[str, str] | None, head_kernel: str | N
     layers = layer_linear_types(tensor_types)
     counts = Counter({"int4": 0, "int8": 0})
     for t, n in layers.items():
-        counts[fmt if fmt == "int8" or t in INT4_TYPES else "int8"] += n
+        counts[layer_kernel(fmt, t)] += n
     if head_kernel is not None:
         counts[head_kernel] += 1
     return {k: n for k, n in counts.items() if n}
@@ -75,8 +74,7 @@ def planned_weight_bytes(cfg: ModelConfig, tensor_types: Mapping[str, str] | Non
     total = 0
     for name, shape in expected_shapes(cfg).items():
         if fmt is not None and _LAYER_LINEAR.fullmatch(name):
-            wide = fmt == "int4" and wide_sources == "int8" and name in types and types[name] not in INT4_TYPES
-            total += kernel_bytes(shape, "int8" if wide else fmt)
+            total += kernel_bytes(shape, layer_kernel(fmt, types.get(name), wide_sources))
         elif fmt is not None and head_kernel is not None and name == "lm_head.weight":
             total += kernel_bytes(shape, head_kernel)
         else:

@@ -8,7 +8,8 @@ lock announces itself first (``_waiters``) and the engine thread, after its curr
 until every announced caller has had its turn, so an ``add_request`` waits at most one step (a plain
 ``threading.Lock`` is not fair and could starve it). ``add_request`` runs in a worker thread (``run_in_executor``),
 so the event loop keeps streaming while it waits for that step; validation errors still reach the caller of
-:meth:`AsyncEngine.generate` before any model work. Chunks go back to the event loop through ``loop.call_soon_threadsafe`` into a per-request
+:meth:`AsyncEngine.generate` before any model work. Chunks go back to the event loop through
+``loop.call_soon_threadsafe`` into a per-request
 ``ChunkQueue`` (``streams.py``: bounded by merging chunks, so the engine thread never waits for a slow reader).
 Aborts never block the event loop: they are applied at once when the engine is idle, otherwise right after the
 running step.
