@@ -3,17 +3,22 @@
 For each context length the prompt is that many tokens of held-out HumanEval problems (from problem 20 on, so not
 the prompts the other benchmarks use); each engine then decodes --tokens new tokens. The decode rate runs from the
 first streamed token to the last (prefill excluded), as llama.cpp and vLLM report it. Beside it: the bytes one
-decode step reads (the weights plus the KV cache of the whole context) and the rate those bytes allow at the
-measured memory bandwidth.
+decode step reads (the weights plus the KV cache of the whole context, in the engine's cache format) and the rate
+those bytes allow at the measured memory bandwidth.
+
+Each context is a prefix of the next one, and both engines keep what they cached of the last prompt (quickdraft's
+prefix cache, llama.cpp's reuse of the previous prompt's KV), so a run prefills the longest context once per
+engine; ttft_s is then the time to prefill the part that was new.
 
     python bench/long_context.py --model qwen2.5-coder-0.5b --contexts 128,1024,4096
-    python bench/long_context.py --model qwen2.5-coder-1.5b --modes plain,ngram,draft --contexts 128,4096,8192,16384
+    python bench/long_context.py --model qwen2.5-coder-1.5b --configs plain,plain:int8,ngram,draft --contexts 128,4096,8192
     python bench/long_context.py --model qwen2.5-coder-0.5b --llamacpp-kv f16,q8_0   # llama.cpp's cache formats
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import resource
 import sys
 import time
 from pathlib import Path
@@ -46,8 +51,11 @@ def kv_bytes_per_token(llm: LLM) -> int:
     return runner.bytes_per_block // runner.block_size
 
 
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def quickdraft_rate(llm: LLM, ids: list[int], tokens: int) -> dict:
-    llm.reset_prefix_cache()
     out = llm.generate([ids], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))[0]
     spec = out.metrics.spec
     return {"tok_s": out.metrics.tokens_per_s, "token_ids": out.token_ids, "ttft_s": out.metrics.ttft_s,
@@ -55,7 +63,6 @@ def quickdraft_rate(llm: LLM, ids: list[int], tokens: int) -> dict:
 
 
 def llamacpp_rate(llm, ids: list[int], tokens: int) -> dict:
-    llm.reset()
     t0 = time.perf_counter()
     stamps, out = [], []
     for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
@@ -72,22 +79,25 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--contexts", default="128,1024,4096")
-    ap.add_argument("--modes", default="plain", help="comma-separated: plain, ngram, draft")
+    ap.add_argument("--configs", default="plain",
+                    help="comma-separated MODE[:KV_CACHE_DTYPE], MODE one of plain, ngram, draft; e.g. plain,plain:int8")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--llamacpp-kv", default="f16", help="llama.cpp cache types to run beside (f16, q8_0), or none")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="long_context")
     args = ap.parse_args()
-    contexts = [int(c) for c in args.contexts.split(",")]
+    contexts = sorted(int(c) for c in args.contexts.split(","))
     longest = max(contexts) + args.tokens + 64
     bandwidth = memory_bandwidth_gbs()
     engines: dict[str, object] = {}
-    for mode in args.modes.split(","):
+    for config in args.configs.split(","):
+        mode, _, kv_dtype = config.partition(":")
         options = {"draft": args.draft} if mode == "draft" else {"speculative": "ngram"} if mode == "ngram" else {}
-        engines[f"quickdraft/{mode}"] = LLM(args.model, max_model_len=longest, **options)
+        engines[f"quickdraft/{mode}/{kv_dtype or 'auto'}"] = LLM(args.model, max_model_len=longest,
+                                                                kv_cache_dtype=kv_dtype or "auto", **options)
     first = next(iter(engines.values()))
     weights = weight_bytes_per_token(first.model)
-    kv_per_token = kv_bytes_per_token(first)
+    kv_per_token = {name: kv_bytes_per_token(engine) for name, engine in engines.items()}
     if args.llamacpp_kv != "none":
         from llama_cpp import GGML_TYPE_F16, GGML_TYPE_Q8_0, Llama
 
@@ -96,36 +106,46 @@ def main() -> None:
             engines[f"llama.cpp/{kv}"] = Llama(str(resolve_model(args.model)), n_ctx=longest, n_threads=args.threads,
                                                n_threads_batch=args.threads, type_k=kv_type, type_v=kv_type,
                                                flash_attn=kv != "f16", verbose=False)
+            cfg = first.model.config  # llama.cpp's bytes per cached value: f16 2, q8_0 34 per block of 32
+            kv_per_token[f"llama.cpp/{kv}"] = int(2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+                                                  * (2 if kv == "f16" else 34 / 32))
+    document = context_ids(first, max(contexts))
     rows = []
     for i, length in enumerate(contexts):
-        ids = context_ids(first, length)
+        ids = document[:length]
         names = list(engines)
         for name in names[i % len(names):] + names[:i % len(names)]:  # who goes first rotates with the length
             engine = engines[name]
             result = (quickdraft_rate(engine, ids, args.tokens) if name.startswith("quickdraft")
                       else llamacpp_rate(engine, ids, args.tokens))
-            step_bytes = weights + kv_per_token * length
+            step_bytes = weights + kv_per_token[name] * length
             rows.append({"context": length, "engine": name, "tok_s": result["tok_s"], "ttft_s": result["ttft_s"],
                          "acceptance": result["acceptance"], "read_MB_per_token": step_bytes / 1e6,
                          "bandwidth_limit_tok_s": bandwidth * 1e9 / step_bytes, "token_ids": result["token_ids"]})
             print(f"{length:>6} {name:<20} {result['tok_s']:7.2f} tok/s  ttft {result['ttft_s']:.2f}s", flush=True)
             gc.collect()
-    plain = {r["context"]: r["tok_s"] for r in rows if r["engine"] == "quickdraft/plain"}
+    def plain_row(r: dict) -> dict | None:  # quickdraft's plain decode with the same cache format
+        kv_dtype = r["engine"].rsplit("/", 1)[-1] if r["engine"].startswith("quickdraft") else "auto"
+        return next((p for p in rows if p["context"] == r["context"] and p["engine"] == f"quickdraft/plain/{kv_dtype}"),
+                    None)
+
     shortest = {name: next(r["tok_s"] for r in rows if r["engine"] == name and r["context"] == min(contexts))
                 for name in engines}
     for r in rows:
+        plain = plain_row(r)
         r["vs_short_context"] = r["tok_s"] / shortest[r["engine"]] if shortest[r["engine"]] else None
-        r["vs_quickdraft_plain"] = r["tok_s"] / plain[r["context"]] if plain.get(r["context"]) else None
-        r["same_as_plain"] = r["token_ids"] == next((p["token_ids"] for p in rows if p["context"] == r["context"]
-                                                     and p["engine"] == "quickdraft/plain"), None)
+        r["vs_quickdraft_plain"] = r["tok_s"] / plain["tok_s"] if plain else None
+        r["same_as_plain"] = r["token_ids"] == plain["token_ids"] if plain else None
     print(f"{args.model}, {machine()['cpu']}, {bandwidth:.1f} GB/s read, weights {weights / 1e6:.0f} MB a step, "
-          f"KV {kv_per_token} bytes a token of context (quickdraft {first.dtype})")
+          f"KV bytes a token of context: {kv_per_token}")
     print(table(rows, ["context", "engine", "tok_s", "vs_short_context", "vs_quickdraft_plain", "ttft_s",
                        "acceptance", "read_MB_per_token", "bandwidth_limit_tok_s", "same_as_plain"]))
+    print(f"peak resident memory of this process (every engine at once): {peak_rss_mib():.0f} MiB")
     for r in rows:
         del r["token_ids"]
     path = save(args.out, {"machine": machine(), "bandwidth_GB_s": bandwidth, "args": vars(args),
-                           "weight_bytes_per_step": weights, "kv_bytes_per_token": kv_per_token, "rows": rows})
+                           "weight_bytes_per_step": weights, "kv_bytes_per_token": kv_per_token,
+                           "peak_rss_MiB": peak_rss_mib(), "rows": rows})
     print(f"wrote {path}")
 
 

@@ -45,6 +45,7 @@ from quickdraft.engine.scheduler import Scheduler  # noqa: E402
 from quickdraft.engine.sequence import Sequence  # noqa: E402
 from quickdraft.kv import attention as attention_module  # noqa: E402
 from quickdraft.kv.blocks import SequenceKV  # noqa: E402
+from quickdraft.kv.pool import KVPool  # noqa: E402
 from quickdraft.models import fused, native, transformer  # noqa: E402
 from quickdraft.speculative import drafters  # noqa: E402
 from quickdraft.speculative.controller import SpeculationController  # noqa: E402
@@ -119,7 +120,7 @@ def instrument(timer: StepTimer) -> None:
 
 
 class AttentionShapes:
-    """The single-token attention calls of the target's measured steps: (rows, context lengths) per step."""
+    """The single-token attention calls of the target's measured steps: (context lengths, groups) per step."""
 
     def __init__(self) -> None:
         self.calls: list[torch.Tensor] = []
@@ -131,31 +132,34 @@ class AttentionShapes:
         def record(batch, *args, **kwargs):
             original(batch, *args, **kwargs)
             if shapes.enabled and batch.native and batch.pool is shapes.pool:
-                shapes.calls.append(batch.single_lengths.clone())
+                shapes.calls.append((batch.items.lengths.clone(), batch.items.group_first.clone()))
 
         attention_module.AttentionBatch.__init__ = record
 
 
-def attention_seconds(llm: LLM, calls: list[torch.Tensor]) -> float:
-    """The attention kernel alone, once per layer, over caches of the recorded context lengths."""
+def attention_seconds(llm: LLM, calls: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The attention kernel alone, once per layer, over caches of the recorded context lengths and groups."""
     if not calls or not native.available():
         return 0.0
     cfg = llm.model.config
-    dtype = llm.target.pool.k.dtype
+    dtype, act = llm.target.pool.dtype, llm.target.dtype
     layers = cfg.num_layers
     total = 0.0
-    for lengths in calls:
-        rows = lengths.numel()
+    for lengths, group_first in calls:
+        rows, groups = lengths.numel(), group_first.numel() - 1
         width = int(lengths.max())
-        k = torch.randn(rows * width, cfg.num_kv_heads, cfg.head_dim).to(dtype)
-        v = torch.randn_like(k)
-        q = torch.randn(rows, cfg.num_heads, cfg.head_dim).to(dtype)
-        slots = torch.arange(rows * width).reshape(rows, width)
-        index, out = torch.arange(rows), torch.empty_like(q)
-        native.attend_rows(q, k, v, index, slots, lengths, out)  # warm
+        k = torch.randn(groups * width, cfg.num_kv_heads, cfg.head_dim).to(act)
+        pool = KVPool(1, cfg.num_kv_heads, cfg.head_dim, -(-groups * width // 16), 16, dtype, "cpu")
+        pool.write(0, torch.arange(groups * width), k, torch.randn_like(k))
+        group_of_item = torch.repeat_interleave(torch.arange(groups), group_first.diff())
+        slots = (group_of_item[:, None] * width + torch.arange(width)).contiguous()
+        items = native.AttnItems(torch.arange(rows), slots, lengths, group_first)
+        q = torch.randn(rows, cfg.num_heads, cfg.head_dim).to(act)
+        out = torch.empty_like(q)
+        native.attend(q, pool.layer(0), items, out)  # warm
         t0 = time.perf_counter()
         for _ in range(layers):
-            native.attend_rows(q, k, v, index, slots, lengths, out)
+            native.attend(q, pool.layer(0), items, out)
         total += time.perf_counter() - t0
     return total
 

@@ -42,6 +42,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default="auto",
                    help="cap of each model's KV cache, e.g. 2GiB (default auto: what --max-num-seqs full contexts need, "
                         "within half the free memory); it fills as sequences need it")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int8"],
+                   help="KV cache format (default auto: the model's dtype; int8: a float32 scale per 32 values, 0.56x "
+                        "the bytes of bfloat16 to store and read, slightly less exact)")
     p.add_argument("--max-memory", default=None,
                    help="refuse, before loading, a configuration whose weights, KV caps and runtime exceed this, e.g. 4GiB")
     p.add_argument("--threads", default="auto", type=_threads_arg,
@@ -65,7 +68,8 @@ def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):
     llm = LLM(args.model, draft=args.draft, speculative=args.speculative, num_speculative_tokens=k,
               dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, device=args.device,
               max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads,
-              kv_cache_memory=args.kv_cache_memory, max_memory=args.max_memory, **extra)
+              kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, max_memory=args.max_memory,
+              **extra)
     if announce:
         draft = f"; draft: {llm.draft_weights}" if llm.draft_weights is not None else ""
         print(f"[{args.model}: {llm.weights_summary}{draft}; {llm.memory_summary}]", file=sys.stderr, flush=True)
@@ -202,6 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     llm = llm_from_args(args, announce=False, policy=args.policy, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
+                        prefill_tokens_while_decoding=args.prefill_tokens_while_decoding,
                         preemption=args.preemption)
     name = args.served_model_name or args.model
     app = create_app(llm, name, limits=limits)
@@ -240,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="scheduling policy (priority and deadline read the request's priority / deadline_s)")
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences batched together at most")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
+    s.add_argument("--prefill-tokens-while-decoding", type=int, default=None,
+                   help="prompt tokens per step while other requests stream (default: --max-num-batched-tokens); "
+                        "smaller keeps their tokens coming while a long prompt is read")
     s.add_argument("--preemption", default="recompute", choices=["recompute", "swap"],
                    help="when KV blocks run out: drop and recompute (default) or keep the KV in host memory")
     s.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: MODEL)")

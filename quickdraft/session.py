@@ -110,10 +110,10 @@ class Session:
         restored, plan = restore_plan(loaded, meta, tensors, path)  # everything checked; nothing allocated yet
         session.history, session.spec, session.generator = restored.history, restored.spec, restored.generator
         session.interrupted, session.messages, session.turns = restored.interrupted, restored.messages, restored.turns
-        for key, (runner, k, v, n) in plan.items():
+        for key, (runner, planes, n) in plan.items():
             kv = SequenceKV()
             if n:
-                runner.swap_in(kv, (k, v, n))
+                runner.swap_in(kv, (planes, n))
                 runner.publish(kv, session.history)
             session.kv[key] = kv
         return session
@@ -287,7 +287,7 @@ class Session:
             n = kv.num_cached if kv is not None else 0
             cached[key] = n
             if n:
-                tensors[f"kv.{key}.k"], tensors[f"kv.{key}.v"] = runner.gather(kv)
+                tensors |= {f"kv.{key}.{plane}": t for plane, t in runner.gather(kv).items()}
         meta = {
             "format": FORMAT, "version": FORMAT_VERSION,
             "identity": identity(self.loaded),

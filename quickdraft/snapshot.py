@@ -82,10 +82,13 @@ class Restored:
     turns: int
 
 
+PLANE_NAMES = {"k": "keys", "v": "values", "k_scale": "key scales", "v_scale": "value scales"}  # KVPool.planes
+
+
 def restore_plan(loaded: LoadedEngine, meta: dict, tensors: dict[str, torch.Tensor], path: Path
-                 ) -> tuple[Restored, dict[str, tuple[ModelRunner, torch.Tensor | None, torch.Tensor | None, int]]]:
-    """Check a snapshot's content against this LLM: the host-side state to restore and, per cache, the keys and
-    values to put back; raises SessionError before anything is allocated."""
+                 ) -> tuple[Restored, dict[str, tuple[ModelRunner, dict[str, torch.Tensor], int]]]:
+    """Check a snapshot's content against this LLM: the host-side state to restore and, per cache, the planes of
+    the pool (keys, values, an int8 cache's scales) to put back; raises SessionError before anything is allocated."""
 
     def bad(what: str) -> SessionError:
         return SessionError(f"session snapshot {path} is inconsistent: {what}; it cannot be resumed")
@@ -118,25 +121,24 @@ def restore_plan(loaded: LoadedEngine, meta: dict, tensors: dict[str, torch.Tens
     runners = runners_of(loaded)
     if set(cached) != set(runners):
         raise bad(f"caches for {short(sorted(cached))}, this LLM has {sorted(runners)}")
-    expected = {"generator"} | {f"kv.{key}.{kv}" for key, n in cached.items() if n for kv in "kv"}
+    expected = {"generator"} | {f"kv.{key}.{plane}" for key, n in cached.items() if n
+                                for plane in runners[key].pool.planes}
     if set(tensors) != expected:
         raise bad(f"tensors {short(sorted(tensors))}, expected {sorted(expected)}")
     plan = {}
     for key, runner in runners.items():
         n = cached[key]
-        k = v = None
-        if n:
-            pool = runner.pool
-            shape = (runner.num_layers, n, pool.k.shape[2], pool.k.shape[3])
-            k, v = tensors[f"kv.{key}.k"], tensors[f"kv.{key}.v"]
-            for t in (k, v):
-                if tuple(t.shape) != shape or t.dtype != pool.k.dtype:
-                    raise bad(f"{key} keys/values are {(tuple(t.shape), str(t.dtype))}, expected {shape} "
-                              f"{pool.k.dtype}")
-                if not bool(torch.isfinite(t).all()):
-                    raise bad(f"{key} keys/values hold NaN or infinite numbers")
-        plan[key] = (runner, k, v, n)
-    for key, (runner, _, _, n) in plan.items():
+        planes = {}
+        for name, plane in runner.pool.planes.items() if n else ():
+            t = planes[name] = tensors[f"kv.{key}.{name}"]
+            shape = (runner.num_layers, n, *plane.shape[2:])
+            what = f"{key} {PLANE_NAMES[name]}"
+            if tuple(t.shape) != shape or t.dtype != plane.dtype:
+                raise bad(f"{what} are {(tuple(t.shape), str(t.dtype))}, expected {shape} {plane.dtype}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise bad(f"{what} hold NaN or infinite numbers")
+        plan[key] = (runner, planes, n)
+    for key, (runner, _, n) in plan.items():
         need = -(-n // runner.block_size)
         if need > runner.allocator.num_free:
             raise SessionError(
@@ -161,8 +163,7 @@ def max_snapshot_bytes(loaded: LoadedEngine) -> int:
     it is read."""
     total = 8 + _MAX_HEADER + GENERATOR_BYTES
     for runner in runners_of(loaded).values():
-        k = runner.pool.k
-        total += 2 * runner.num_layers * loaded.max_model_len * k.shape[2] * k.shape[3] * k.element_size()
+        total += runner.bytes_per_block * -(-loaded.max_model_len // runner.block_size)
     return total
 
 
@@ -180,7 +181,7 @@ def identity(loaded: LoadedEngine) -> dict:
         "weights": loaded.weights,
         "draft_weights": loaded.draft_weights,
         "dtype": str(loaded.dtype).removeprefix("torch."),
-        "kv": {key: {"dtype": str(r.pool.k.dtype).removeprefix("torch."), "layers": r.num_layers,
+        "kv": {key: {"dtype": str(r.pool.dtype).removeprefix("torch."), "layers": r.num_layers,
                      "kv_heads": r.pool.k.shape[2], "head_dim": r.pool.k.shape[3]} for key, r in runners.items()},
     }
 

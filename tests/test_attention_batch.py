@@ -146,7 +146,9 @@ def test_long_pieces_attend_causally_and_the_rest_alone():
                           chunks=[100, 20, 40, ROWWISE_MAX_QUERIES])
     assert [(first, end) for first, end, _, _ in attn.pieces] == [(0, 24), (24, 88), (100, 120), (141, 165)]
     singles = [*range(88, 100), *range(120, 125), *range(125, 141), *range(165, 165 + ROWWISE_MAX_QUERIES)]
-    assert attn.single_rows.tolist() == singles
+    assert attn.items.rows.tolist() == singles
+    # a sequence's single tokens are one group: its context is read once for all of them
+    assert attn.items.group_first.tolist() == [0, 12, 17, 33, 33 + ROWWISE_MAX_QUERIES]
     _, _, slots, mask = attn.pieces[1]
     assert torch.equal(slots, slots_of(tables[0], 0, 2 * PREFILL_CELL))  # its whole context, cache included
     assert mask.shape == (PREFILL_CELL, 2 * PREFILL_CELL) and torch.equal(mask.sum(1), torch.arange(65, 129))

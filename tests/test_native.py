@@ -63,30 +63,6 @@ def test_rope_matches_torch_and_rows_are_independent(dtype):
         assert torch.equal(alone, batch[r:r + 1])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_matches_torch_and_rows_are_independent(dtype):
-    torch.manual_seed(2)
-    slots_total, kv_heads, heads, dim = 96, 2, 6, 64
-    k_cache, v_cache = torch.randn(slots_total, kv_heads, dim).to(dtype), torch.randn(slots_total, kv_heads, dim).to(dtype)
-    q = torch.randn(5, heads, dim).to(dtype)
-    slots = torch.randperm(slots_total)[:64].repeat(5, 1).contiguous()  # a paged context: slots in any order
-    lengths = torch.tensor([1, 17, 40, 63, 64])
-    out = torch.zeros(5, heads, dim, dtype=dtype)
-    native.attend_rows(q, k_cache, v_cache, torch.arange(5), slots, lengths, out)
-    for r in range(5):
-        keys = k_cache[slots[r, :lengths[r]]].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-        values = v_cache[slots[r, :lengths[r]]].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-        ref = F.scaled_dot_product_attention(q[r].float()[:, None], keys, values)[:, 0]
-        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
-        assert torch.allclose(out[r].float(), ref, rtol=tol, atol=tol)
-        alone = torch.zeros(1, heads, dim, dtype=dtype)
-        native.attend_rows(_offset_copy(q[r:r + 1], 5), k_cache, v_cache, torch.tensor([0]), slots[r:r + 1].clone(),
-                           lengths[r:r + 1], alone)
-        assert torch.equal(alone[0], out[r])
-    with pytest.raises(RuntimeError, match="bad arguments"):  # a context longer than its slot table
-        native.attend_rows(q, k_cache, v_cache, torch.tensor([0]), slots[:1].clone(), torch.tensor([65]), out)
-
-
 def test_quant_group_is_its_layers_side_by_side_and_swiglu_is_silu_times_up():
     """q/k/v with mixed formats (a Q4_K_M GGUF stores some v projections with more bits) in one call give each
     layer's own result bit for bit; gate/up with SwiGLU in the kernel match silu(gate) * up."""

@@ -204,15 +204,15 @@ def test_blocks_a_running_sequence_needs_are_not_given_to_waiting_ones(tokenizer
 
 def test_swap_preemption_keeps_the_kv_in_host_memory_and_brings_it_back(tokenizer, model):
     runner, scheduler, (a, _, c) = fill(tokenizer, model, preemption="swap")
-    k, v = runner.gather(c.kv["target"])
+    before = runner.gather(c.kv["target"])
     assert step(scheduler, runner) == [("a", 1), ("b", 1)]
-    assert c.swapped is not None and c.swapped[2] == 8 and c.kv["target"].block_table == []
+    assert c.swapped is not None and c.swapped[1] == 8 and c.kv["target"].block_table == []
     runner.free(a.kv["target"])
     scheduler.remove(a)
     assert step(scheduler, runner) == [("b", 1), ("c", 1)]  # only its uncached token: nothing is recomputed
     assert c.swapped is None
-    swapped_k, swapped_v = runner.gather(c.kv["target"])
-    assert torch.equal(swapped_k[:, :8], k) and torch.equal(swapped_v[:, :8], v)
+    after = runner.gather(c.kv["target"])
+    assert set(after) == {"k", "v"} and all(torch.equal(after[name][:, :8], before[name]) for name in before)
 
 
 def test_draft_room_is_reserved_for_every_scheduled_sequence(tokenizer, model):
@@ -248,3 +248,26 @@ def test_a_cached_prefix_is_not_computed_again(tokenizer, model):
     scheduler.add(again)
     assert step(scheduler, runner) == [("a", 1), ("b", 3)]
     assert again.kv["target"].block_table[:4] == first.kv["target"].block_table[:4]
+
+
+def test_a_long_prompt_takes_smaller_chunks_while_others_decode(tokenizer, model):
+    """prefill_tokens_while_decoding: running streams wait for one short chunk, not a whole budget of prompt; once
+    nothing decodes the prompt gets the full budget again."""
+    runner = make_runner(model, 256)
+    scheduler = make_scheduler(runner, max_num_batched_tokens=512, prefill_tokens_while_decoding=PREFILL_CELL)
+    scheduler.add(make_seq(tokenizer, "a", 3, 0.0, max_tokens=4))
+    assert step(scheduler, runner) == [("a", 3)]
+    scheduler.add(make_seq(tokenizer, "long", 600, 1.0))
+    assert step(scheduler, runner) == [("a", 1), ("long", PREFILL_CELL)]  # "a" decodes: one cell of the prompt
+    assert step(scheduler, runner) == [("a", 1), ("long", PREFILL_CELL)]
+    a = scheduler.running[0]
+    scheduler.remove(a)
+    runner.free(a.kv["target"])
+    assert step(scheduler, runner) == [("long", 600 - 2 * PREFILL_CELL)]  # alone: the rest fits the whole budget
+
+
+@pytest.mark.parametrize("limit", [0, PREFILL_CELL - 1, 1.5, True])
+def test_a_prompt_limit_below_one_cell_is_refused(limit):
+    from quickdraft.errors import InvalidParameterError
+    with pytest.raises(InvalidParameterError, match="prefill_tokens_while_decoding must be an int >= 64"):
+        SchedulerConfig(prefill_tokens_while_decoding=limit)

@@ -203,9 +203,8 @@ def test_save_killed_at_random_points_leaves_a_whole_snapshot(llms, tmp_path):
             original = states[tuple(s.history)]
             seen.add(tuple(s.history))
             assert s.num_cached == original.num_cached
-            k, v = llm.target.gather(s.kv["target"])
-            k0, v0 = llm.target.gather(original.kv["target"])
-            assert torch.equal(k, k0) and torch.equal(v, v0)
+            restored, saved = llm.target.gather(s.kv["target"]), llm.target.gather(original.kv["target"])
+            assert all(torch.equal(restored[name], saved[name]) for name in ("k", "v"))
     assert len(seen) == 2  # the kills landed in both halves of the loop
     leftovers = list(tmp_path.glob("s.qds.*.tmp"))  # killed mid-write; never read as the snapshot
     assert leftovers  # some kills did land in the middle of a save
@@ -456,7 +455,7 @@ MALFORMED = {  # name: (rewrite of the valid snapshot's record / tensors, what t
                                                       r"'target'\]"),
     "cache added": (setting("cached.draft:self", 0), r"caches for \['draft:draft', 'draft:self', 'target'\]"),
     "cached one less than stored": (setting("cached.target", lambda r: r["cached"]["target"] - 1),
-                                    r"target keys/values are \(\(3, (\d+), 2, 16\), 'torch.float32'\), expected "
+                                    r"target keys are \(\(3, (\d+), 2, 16\), 'torch.float32'\), expected "
                                     r"\(3, \d+, 2, 16\) torch.float32"),
     # turns, spec
     "turns negative": (setting("turns", -1), r"turns is an integer \(-1\); it must be an integer in "
@@ -524,13 +523,13 @@ MALFORMED = {  # name: (rewrite of the valid snapshot's record / tensors, what t
                                                     r"'kv.target.k'\], expected \['generator', .*'kv.target.v'\]"),
     "tensor added": (tensor("evil", torch.zeros(1)), r"tensors \['evil', 'generator', .*\], expected \['generator'"),
     "keys one token short": (tensor("kv.target.k", lambda k: k[:, :-1].clone()),
-                             r"target keys/values are \(\(3, \d+, 2, 16\), 'torch.float32'\), expected"),
+                             r"target keys are \(\(3, \d+, 2, 16\), 'torch.float32'\), expected"),
     "keys float64": (tensor("kv.target.k", lambda k: k.double()), r"'torch.float64'\), expected \(3, \d+, 2, 16\) "
                                                                   r"torch.float32"),
-    "keys NaN": (tensor("kv.target.k", lambda k: _poisoned(k, float("nan"))), r"target keys/values hold NaN or "
+    "keys NaN": (tensor("kv.target.k", lambda k: _poisoned(k, float("nan"))), r"target keys hold NaN or "
                                                                               r"infinite numbers"),
     "draft values inf": (tensor("kv.draft:draft.v", lambda v: _poisoned(v, float("inf"))),
-                         r"draft:draft keys/values hold NaN or infinite numbers"),
+                         r"draft:draft values hold NaN or infinite numbers"),
 }
 
 

@@ -41,6 +41,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--humaneval", type=int, default=3)
     parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=0, help="prompts per generate call (default 0: all at once)")
     args = parser.parse_args()
 
     from quickdraft import LLM, SamplingParams
@@ -51,7 +52,9 @@ def main() -> int:
     for name in args.setups.split(","):
         model, kwargs = SETUPS[name]
         llm = LLM(model, kv_cache_memory="512MiB", max_model_len=4096, **kwargs)
-        results[name] = [out.token_ids for out in llm.generate(prompts, params)]
+        size = args.batch or len(prompts)
+        results[name] = [out.token_ids for i in range(0, len(prompts), size)
+                         for out in llm.generate(prompts[i:i + size], params)]
         print(f"{name}: {len(prompts)} prompts, {sum(map(len, results[name]))} tokens", flush=True)
         del llm
     Path(args.out).write_text(json.dumps({"prompts": len(prompts), "tokens": args.tokens, "outputs": results}))

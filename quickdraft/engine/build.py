@@ -10,13 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.config import ModelConfig
 from quickdraft.engine.engine import EngineConfig, LLMEngine
 from quickdraft.engine.memory import KVNeed, MemoryPlan, fmt_bytes, parse_size, plan_memory, return_freed_heap
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.threads import check_threads
 from quickdraft.errors import InvalidParameterError, ModelLoadError
-from quickdraft.kv import KVPool, ModelRunner
+from quickdraft.kv import KV_CACHE_DTYPES, KVPool, ModelRunner, resolve_kv_cache_dtype
 from quickdraft.loading import Checkpoint, load_checkpoint
 from quickdraft.loading.quant_convert import lm_head_format
 from quickdraft.loading.quantize import (DEFAULT_LM_HEAD, DRAFT_INT4_OPTIONS, FLOAT_FORMATS, QUANT_FORMATS, load_model,
@@ -50,9 +49,11 @@ class EngineOptions:
     max_model_len: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
+    prefill_tokens_while_decoding: int | None = None
     policy: str = "fcfs"
     preemption: str = "recompute"
     kv_cache_memory: int | str = "auto"
+    kv_cache_dtype: str = "auto"
     max_memory: int | str | None = None
     block_size: int = 16
     self_draft_layers: int | None = None
@@ -63,10 +64,14 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
+        self.scheduler_config()  # bad scheduling options fail before anything is loaded
         if self.kv_cache_memory != "auto":
             parse_size(self.kv_cache_memory, "kv_cache_memory")
         if self.max_memory is not None:
             parse_size(self.max_memory, "max_memory")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidParameterError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.draft is not None and self.speculative is not None:
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both")
         v = self.draft_vocab
@@ -76,6 +81,11 @@ class EngineOptions:
         if self.speculative is not None and self.speculative not in SPECULATIVE:
             raise InvalidParameterError(
                 f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               prefill_tokens_while_decoding=self.prefill_tokens_while_decoding, policy=self.policy,
+                               preemption=self.preemption)
 
 
 @dataclass
@@ -190,7 +200,8 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     max_model_len = min(o.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     plan = _memory_plan(o, checkpoint, fmt, draft_checkpoint, draft_weights, self_layers, max_model_len)
     target_model = load_model(checkpoint, weights, o.device)
-    target = ModelRunner("target", target_model, plan.kv_caps["target"], o.block_size)
+    target = ModelRunner("target", target_model, plan.kv_caps["target"], o.block_size,
+                         kv_dtype=_kv_dtype(o, checkpoint))
     # one sequence of the full context (plus drafts) must fit in the pool, or it could never finish
     capacity = target.allocator.num_blocks * o.block_size - o.max_speculative_tokens - 1
     if capacity < max_model_len:
@@ -210,11 +221,11 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     elif self_layers is not None:
         drafter_class = RunAheadDrafter if o.run_ahead else ModelDrafter
         drafter = drafter_class(ModelRunner("self", target_model, plan.kv_caps["self"], o.block_size,
-                                            num_layers=self_layers), cfg.vocab_size, name="self")
+                                            num_layers=self_layers, kv_dtype=_kv_dtype(o, checkpoint)),
+                                cfg.vocab_size, name="self")
     config = EngineConfig(
         max_model_len=max_model_len,
-        scheduler=SchedulerConfig(max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
-                                  policy=o.policy, preemption=o.preemption),
+        scheduler=o.scheduler_config(),
         num_speculative_tokens=o.num_speculative_tokens if drafter is not None else 0,
         max_speculative_tokens=o.max_speculative_tokens, threads=o.threads)
     engine = LLMEngine(target, tokenizer, config, drafter)
@@ -232,11 +243,12 @@ def _memory_plan(o: EngineOptions, checkpoint: Checkpoint, fmt: str | None, draf
     # a sequence of the full context holds its drafts too (see the capacity check in build_engine)
     blocks = -(-(max_model_len + o.max_speculative_tokens + 1) // o.block_size)
 
-    def kv_need(name: str, c: ModelConfig, layers: int, dtype: torch.dtype) -> KVNeed:
-        per_block = KVPool.bytes_per_block(layers, c.num_kv_heads, c.head_dim, o.block_size, dtype)
+    def kv_need(name: str, ckpt: Checkpoint, layers: int) -> KVNeed:
+        c = ckpt.config
+        per_block = KVPool.bytes_per_block(layers, c.num_kv_heads, c.head_dim, o.block_size, _kv_dtype(o, ckpt))
         return KVNeed(name, per_block, o.max_num_seqs * blocks)
 
-    kv = [kv_need("target", cfg, cfg.num_layers, checkpoint.dtype)]
+    kv = [kv_need("target", checkpoint, cfg.num_layers)]
     if draft is not None:
         dc = draft.config
         int4 = draft_fmt == "int4"
@@ -245,15 +257,20 @@ def _memory_plan(o: EngineOptions, checkpoint: Checkpoint, fmt: str | None, draf
                                                 draft.dtype, "int4" if int4 else "int8")
         if _keeps_float(draft_fmt, o.device):
             weights["draft float copy"] = planned_weight_bytes(dc, draft.tensor_types, None, None, draft.dtype)
-        kv.append(kv_need("draft", dc, dc.num_layers, draft.dtype))
+        kv.append(kv_need("draft", draft, dc.num_layers))
     if self_layers is not None:
-        kv.append(kv_need("self", cfg, self_layers, checkpoint.dtype))
+        kv.append(kv_need("self", checkpoint, self_layers))
     # the least a cache may hold: one sequence of the context asked for, or of 2048 tokens when max_model_len may shrink
     shortest = max_model_len if o.max_model_len is not None else min(max_model_len, 2048)
     min_blocks = -(-(shortest + o.max_speculative_tokens + 1) // o.block_size)
     # a CUDA pool is allocated whole: its auto cap comes out of the GPU's free memory, not the host's
     free = torch.cuda.mem_get_info(torch.device(o.device))[0] if str(o.device).startswith("cuda") else None
     return plan_memory(weights, kv, o.kv_cache_memory, min_blocks, o.max_memory, free)
+
+
+def _kv_dtype(o: EngineOptions, checkpoint: Checkpoint) -> torch.dtype:
+    """The KV cache format of a model computing in the checkpoint's dtype (``kv/pool.py``)."""
+    return resolve_kv_cache_dtype(o.kv_cache_dtype, checkpoint.dtype, checkpoint.config.head_dim)
 
 
 def _keeps_float(fmt: str | None, device: str) -> bool:
@@ -272,8 +289,8 @@ def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dty
     long_model = load_model(checkpoint, dtype_name(dtype), o.device,
                             head_rows=o.draft_vocab) if keep_float else None
     drafter_class = RunAheadDrafter if o.run_ahead else ModelDrafter
-    return drafter_class(ModelRunner("draft", draft_model, kv_bytes, o.block_size, long_model=long_model),
-                         target_vocab)
+    return drafter_class(ModelRunner("draft", draft_model, kv_bytes, o.block_size, long_model=long_model,
+                                     kv_dtype=_kv_dtype(o, checkpoint)), target_vocab)
 
 
 def check_same_vocabulary(target: Tokenizer, draft: Tokenizer) -> None:

@@ -15,6 +15,7 @@ from typing import Callable
 from quickdraft.engine.sequence import Sequence, Status
 from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import ModelRunner, SequenceKV, prefill_chunk
+from quickdraft.kv.attention import PREFILL_CELL
 
 POLICIES = ("fcfs", "sjf", "priority", "deadline")
 
@@ -38,6 +39,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # per-step token budget; long prompts are prefilled in chunks of this size
     policy: str = "fcfs"
     preemption: str = "recompute"  # or "swap": keep the preempted KV in host memory
+    # prompt tokens a step takes while other sequences decode: each of their tokens waits for the whole step, so a
+    # long prompt is taken in smaller chunks while anyone is streaming (None: max_num_batched_tokens)
+    prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         policy_key(self.policy)
@@ -47,6 +51,11 @@ class SchedulerConfig:
             raise InvalidParameterError(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
         if self.max_num_batched_tokens < 1:
             raise InvalidParameterError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        limit = self.prefill_tokens_while_decoding
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < PREFILL_CELL):
+            # below one cell a prompt that starts at a cell boundary could never be given a chunk
+            raise InvalidParameterError(f"prefill_tokens_while_decoding must be an int >= {PREFILL_CELL} or None, "
+                                        f"got {limit!r}")
 
 
 class Scheduler:
@@ -76,11 +85,15 @@ class Scheduler:
         free = self.target.allocator.num_free
         scheduled: list[tuple[Sequence, int]] = []
         self.running.sort(key=self.key)
+        decoding = any(s.num_tokens - s.kv["target"].num_cached <= 1 for s in self.running)
+        prompt_budget = self.config.prefill_tokens_while_decoding if decoding else None
+        prompt_budget = budget if prompt_budget is None else min(budget, prompt_budget)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             kv = seq.kv["target"]
-            chunk = self._chunk(kv.num_cached, seq.num_tokens - kv.num_cached, budget)
+            pending = seq.num_tokens - kv.num_cached
+            chunk = self._chunk(kv.num_cached, pending, budget if pending <= 1 else min(budget, prompt_budget))
             if chunk == 0:  # its next prompt piece does not fit in what is left of this step
                 i += 1
                 continue
@@ -92,19 +105,20 @@ class Scheduler:
                 continue
             free -= need
             budget -= chunk
+            prompt_budget -= chunk if pending > 1 else 0
             scheduled.append((seq, chunk))
             i += 1
         self.waiting.sort(key=self.key)
         retried = False
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and min(budget, prompt_budget) > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             kv = seq.kv.setdefault("target", SequenceKV())
-            cached = seq.swapped[2] if seq.swapped is not None else kv.num_cached
+            cached = seq.swapped[1] if seq.swapped is not None else kv.num_cached
             if cached == 0:  # cached prefix blocks leave the free list as they are taken
                 before = self.target.allocator.num_free
                 cached = self.target.match_prefix(kv, seq.token_ids)
                 free -= before - self.target.allocator.num_free
-            chunk = self._chunk(cached, seq.num_tokens - cached, budget)
+            chunk = self._chunk(cached, seq.num_tokens - cached, min(budget, prompt_budget))
             if chunk == 0:
                 break
             need = self.target.blocks_for(kv, cached + chunk + draft_room) if seq.swapped is None else \
@@ -123,6 +137,7 @@ class Scheduler:
                 seq.swapped = None
             free -= need
             budget -= chunk
+            prompt_budget -= chunk
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -133,7 +148,8 @@ class Scheduler:
         """Prompt chunks end at cell boundaries so each token is computed the same way in any batch
         (see quickdraft.kv.attention.PREFILL_CELL); a step with its whole budget free always makes progress."""
         chunk = prefill_chunk(cached, pending, budget)
-        return chunk or (min(pending, budget) if budget == self.config.max_num_batched_tokens else 0)
+        full = budget in (self.config.max_num_batched_tokens, self.config.prefill_tokens_while_decoding)
+        return chunk or (min(pending, budget) if full else 0)
 
     def _release_waiting(self) -> int:
         """Waiting sequences give back blocks they hold (matched prefixes, forked samples), so they can

@@ -16,7 +16,7 @@ from quickdraft.models import native
 from quickdraft.models.fused import SingleTokens
 
 if TYPE_CHECKING:  # for annotations only: blocks.py imports PREFILL_CELL from here
-    from quickdraft.kv.blocks import KVPool
+    from quickdraft.kv.pool import KVPool
 
 
 # Attention is computed so that a token's result depends only on its position and the cached context,
@@ -66,10 +66,11 @@ class AttentionBatch:
     next multiple of KEY_BUCKET, a length that depends only on its position, in a call run
     on one thread (torch splits a batch between threads in a way that leaks into the
     results; on one thread a batch element's result is its own). On CPU, quickdraft's attention
-    kernel (``models/cpu_ops.c``) takes the single tokens instead: each attends to exactly its own
-    context, read in place through the slot table, with a fixed order of operations. Long prompt
-    pieces attend in one causal call over exactly their own context. Plain, speculative
-    and batched runs therefore compute every token the same way.
+    kernel (``models/attention.c``) takes the single tokens instead: each attends to exactly its own
+    context, read in place through the slot table in the cache's format, with a fixed order of
+    operations; a sequence's consecutive single tokens (a verify pass) are one group that reads the
+    context once. Long prompt pieces attend in one causal call over exactly their own context.
+    Plain, speculative and batched runs therefore compute every token the same way.
     """
 
     def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int],
@@ -108,10 +109,14 @@ class AttentionBatch:
         rows = lone.nonzero().squeeze(1)
         keys = positions[rows] + 1
         # single tokens: quickdraft's CPU attention kernel when it runs here (each token over exactly its own
-        # context, read in place from the pool), else torch's attention per key bucket (see attend)
-        self.native = native.available() and pool.k.device.type == "cpu" and pool.k.dtype in (torch.float32,
-                                                                                            torch.bfloat16)
-        self.single_rows, self.single_slots, self.single_lengths = rows, slots[seq_of_row[rows]], keys
+        # context, read in place from the pool; a sequence's consecutive tokens, a verify pass, read it once),
+        # else torch's attention per key bucket (see attend)
+        self.native = native.available() and device.type == "cpu" and pool.dtype in native.KV_FORMATS
+        seq_of_single = seq_of_row[rows]
+        starts_of_groups = (seq_of_single[1:] != seq_of_single[:-1]).nonzero().squeeze(1) + 1
+        group_first = torch.cat([torch.zeros(1, dtype=torch.long), starts_of_groups,
+                                 torch.tensor([len(rows)])]) if len(rows) else torch.zeros(1, dtype=torch.long)
+        self.items = native.AttnItems(rows, slots[seq_of_single].contiguous(), keys, group_first)
         self._bucket_args = (rows, keys, slots, seq_of_row, device)
         self.singles = [] if self.native else self._buckets(*self._bucket_args)
         self.slot_mapping = slots[seq_of_row, positions].to(device)
@@ -134,38 +139,37 @@ class AttentionBatch:
     def single_tokens(self, layer: int) -> SingleTokens | None:
         """Every new token attends alone on quickdraft's kernel (a decode, verify or draft step): what a fused
         decoder layer needs (``models/fused.py``); None when a prompt piece is in the batch or the kernel does not run."""
-        if not self.native or self.pieces or not len(self.single_rows):
+        if not self.native or self.pieces or not len(self.items.rows):
             return None
-        return SingleTokens(self.positions, self.slot_mapping, self.single_rows, self.single_slots, self.single_lengths,
-                            self.pool.k[layer], self.pool.v[layer], self.pool.k.stride(0))
+        return SingleTokens(self.positions, self.slot_mapping, self.items, self.pool.layer(layer),
+                            self.pool.k.stride(0), self.pool.scale_layer_stride)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]."""
-        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
+        self.pool.write(layer, self.slot_mapping, k, v)
         tokens, heads, dim = q.shape
         kv_heads = k.shape[1]
         out = q.new_empty(tokens, heads, dim)
         for first, end, slots, mask in self.pieces:
+            ks, vs = self.pool.read(layer, slots, q.dtype)
             qs = q[first:end].transpose(0, 1).unsqueeze(0)  # [1, H, m, D]
-            ks = k_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-            vs = v_cache[slots].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                               attn_mask=mask, enable_gqa=True)
             out[first:end] = o[0].transpose(0, 1)
-        if self.native and len(self.single_rows) and not native.runs_attend(q, k_cache):
+        single = len(self.items.rows) > 0
+        if self.native and single and not native.runs_attend(q, self.pool.layer(layer)):
             self.native = False  # a head layout the kernel does not take (checked once per batch)
             self.singles = self._buckets(*self._bucket_args)
         if self.native:
-            if len(self.single_rows):
-                native.attend_rows(q, k_cache, v_cache, self.single_rows, self.single_slots, self.single_lengths, out)
+            if single:
+                native.attend(q, self.pool.layer(layer), self.items, out)
             return out
         grouped = q.view(tokens, kv_heads, heads // kv_heads, dim)  # query heads that share a key/value head
         for rows, key_slots, mask in self.singles:
-            ks = k_cache[key_slots].transpose(1, 2)  # [R, KVH, bucket, D]
-            vs = v_cache[key_slots].transpose(1, 2)
+            ks, vs = self.pool.read(layer, key_slots, q.dtype)  # [R, bucket, KVH, D]
             with one_thread(q.device):
-                o = F.scaled_dot_product_attention(grouped[rows], ks, vs, attn_mask=mask)  # [R, KVH, G, D]
+                o = F.scaled_dot_product_attention(grouped[rows], ks.transpose(1, 2), vs.transpose(1, 2),
+                                                   attn_mask=mask)  # [R, KVH, G, D]
             out[rows] = o.reshape(len(rows), heads, dim)
         return out
 

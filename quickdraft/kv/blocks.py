@@ -4,90 +4,25 @@ A sequence owns a list of block ids (its block table). Token ``i`` of a
 sequence lives in slot ``block_table[i // block_size] * block_size + i % block_size``
 of the flattened pool. Truncating a sequence (speculative rewind) only moves its
 length back and returns whole blocks it no longer needs; nothing is recomputed.
-What the model computes over the pool lives in ``attention.py``.
+The storage itself is ``pool.py``; what the model computes over it lives in ``attention.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import heapq
-import math
-import mmap
-import platform
-import sys
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from quickdraft.kv.attention import PREFILL_CELL
-from quickdraft.loading.tensor_file import drop_pages
 
-
-# not accounted against the machine's memory up front (pages are committed as written); Python < 3.12 has no name
-# for the flag, whose value is 0x4000 on Linux's x86, Arm and RISC-V (other architectures reserve without it)
-MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") and platform.machine()
-                        in ("x86_64", "i686", "aarch64", "armv7l", "riscv64") else 0)
+if TYPE_CHECKING:
+    from quickdraft.kv.pool import KVPool
 
 
 class OutOfBlocks(RuntimeError):
     """The pool has no free block left; the scheduler must wait or preempt."""
-
-
-class KVPool:
-    """Key and value storage for every layer of one model: ``[layers, blocks * block_size, kv_heads, head_dim]``.
-
-    On CPU the storage is reserved, not filled: an anonymous mapping whose pages take memory when a block is first
-    written, so a pool sized for the longest contexts costs what the sequences actually hold; ``release_from`` hands
-    the pages of unused blocks back. Other devices allocate the whole pool up front."""
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"KV pool needs at least one block of at least one slot, got {num_blocks}x{block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self._maps: list[mmap.mmap] = []
-        if torch.device(device).type == "cpu" and hasattr(mmap, "MAP_ANONYMOUS"):
-            self.k, self.v = self._reserve(shape, dtype), self._reserve(shape, dtype)
-        else:
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    def _reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = math.prod(shape) * dtype.itemsize
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
-        mapping = mmap.mmap(-1, nbytes, flags=flags)
-        with contextlib.suppress(AttributeError, OSError):
-            # a layer's next block is a few KiB: with transparent huge pages its first write would commit 2 MiB
-            mapping.madvise(mmap.MADV_NOHUGEPAGE)
-        self._maps.append(mapping)
-        return torch.frombuffer(mapping, dtype=dtype).view(shape)
-
-    def release_from(self, block: int) -> None:
-        """Give the memory of blocks ``block`` and up back to the system (they read as zeros when next used)."""
-        if not self._maps or block >= self.num_blocks:
-            return
-        if block == 0:  # everything, the pages that straddle two layers included
-            for mapping in self._maps:
-                mapping.madvise(mmap.MADV_DONTNEED)
-            return
-        layers, slots = self.k.shape[:2]
-        layer_bytes = self.k[0].numel() * self.k.element_size()
-        start_in_layer = block * self.block_size * layer_bytes // slots
-        for mapping in self._maps:
-            for layer in range(layers):
-                drop_pages(mapping, layer * layer_bytes + start_in_layer, (layer + 1) * layer_bytes)
-
-    def copy_block(self, src: int, dst: int) -> None:
-        bs = self.block_size
-        self.k[:, dst * bs:(dst + 1) * bs] = self.k[:, src * bs:(src + 1) * bs]
-        self.v[:, dst * bs:(dst + 1) * bs] = self.v[:, src * bs:(src + 1) * bs]
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def block_hash(parent: bytes, tokens: list[int]) -> bytes:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.kv.attention import AttentionBatch
-from quickdraft.kv.blocks import BlockAllocator, KVPool, SequenceKV
+from quickdraft.kv.blocks import BlockAllocator, SequenceKV
+from quickdraft.kv.pool import KVPool
 from quickdraft.models import Transformer
 
 
@@ -23,8 +24,9 @@ class ForwardItem:
 class ModelRunner:
     def __init__(self, name: str, model: Transformer, kv_cache_bytes: int, block_size: int = 16,
                  num_layers: int | None = None, long_model: Transformer | None = None,
-                 long_tokens: int = 128) -> None:
+                 long_tokens: int = 128, kv_dtype: torch.dtype | None = None) -> None:
         """``num_layers`` < all runs only the first layers (self-speculation); the KV pool then holds only those.
+        ``kv_dtype``: the cache's format (``kv/pool.py``), by default the model's own dtype.
 
         ``long_model``: the same network with other weights (a draft's float weights beside its int4 ones) that
         runs every item of at least ``long_tokens`` new tokens (a long prompt): on AVX2 quickdraft's int4 kernel beats
@@ -41,9 +43,11 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        per_block = KVPool.bytes_per_block(self.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, self.dtype)
+        self.kv_dtype = kv_dtype or self.dtype
+        per_block = KVPool.bytes_per_block(self.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, self.kv_dtype)
         num_blocks = max(1, kv_cache_bytes // per_block)
-        self.pool = KVPool(self.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, self.dtype, self.device)
+        self.pool = KVPool(self.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, self.kv_dtype,
+                           self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.bytes_per_block = per_block
         self.last_forward_s = 0.0
@@ -79,25 +83,24 @@ class ModelRunner:
         shared = sum(1 for b in kv.block_table[kv.num_cached // bs: -(-length // bs)] if self.allocator.ref_counts[b] > 1)
         return kv.blocks_needed(length, bs) + shared
 
-    def swap_out(self, kv: SequenceKV) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def swap_out(self, kv: SequenceKV) -> tuple[dict[str, torch.Tensor], int]:
         """Copy a sequence's cached keys/values to host memory and free its blocks."""
-        slots = self._slots(kv, kv.num_cached)
-        saved = (self.pool.k[:, slots].to("cpu"), self.pool.v[:, slots].to("cpu"), kv.num_cached)
+        saved = (self.gather(kv), kv.num_cached)
         self.free(kv)
         return saved
 
-    def gather(self, kv: SequenceKV) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host copies of a sequence's cached keys and values, ``[layers, num_cached, kv_heads, head_dim]``
-        each (contiguous); the blocks stay where they are (session snapshots)."""
+    def gather(self, kv: SequenceKV) -> dict[str, torch.Tensor]:
+        """Host copies of a sequence's cache, one per plane of the pool (keys, values, and an int8 cache's scales),
+        ``[layers, num_cached, ...]`` each (contiguous); the blocks stay where they are (session snapshots)."""
         slots = self._slots(kv, kv.num_cached)
-        return self.pool.k[:, slots].to("cpu").contiguous(), self.pool.v[:, slots].to("cpu").contiguous()
+        return {name: plane[:, slots].to("cpu").contiguous() for name, plane in self.pool.planes.items()}
 
-    def swap_in(self, kv: SequenceKV, saved: tuple[torch.Tensor, torch.Tensor, int]) -> None:
-        k, v, length = saved
+    def swap_in(self, kv: SequenceKV, saved: tuple[dict[str, torch.Tensor], int]) -> None:
+        planes, length = saved
         kv.reserve(length, self.allocator, self.block_size)
         slots = self._slots(kv, length)
-        self.pool.k[:, slots] = k.to(self.device)
-        self.pool.v[:, slots] = v.to(self.device)
+        for name, plane in self.pool.planes.items():
+            plane[:, slots] = planes[name].to(self.device)
         kv.num_cached = length
 
     def _slots(self, kv: SequenceKV, length: int) -> torch.Tensor:
@@ -143,6 +146,8 @@ class ModelRunner:
                 if picked:
                     for i, rows in zip(picked, self._forward([items[i] for i in picked], model)):
                         out[i] = rows
+        if self.device.type == "cuda":  # launches return before the GPU is done: time the work, not the launches
+            torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - t0
         return out
 

@@ -1,7 +1,7 @@
 /* The small per-token operations of a decoder layer on CPU, for float32 or bfloat16 tensors.
  *
  * Why: in a decode step of a 1.5B model torch spends about as long dispatching these small operations
- * (RMSNorm, rotary embedding, one token's attention over a paged cache: dozens of aten calls per layer)
+ * (RMSNorm, rotary embedding, SwiGLU: dozens of aten calls per layer)
  * as the weight-reading matmuls take. Here each is one call.
  *
  * Every result row (a token, or a token and query head) is computed by one thread with a fixed sequence of
@@ -86,109 +86,6 @@ int qd_swiglu(const void *gate_up, int bf16, int M, int N, void *y) {
             st(y, bf16, (size_t)m * N + n, g / (1.f + expf(-g)) * u);
         }
     return 0;
-}
-
-/* exp for x <= 0 (Cephes polynomial, ~1 ulp): softmax of scores minus their max. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
-
-#define MAX_GROUP 16  /* query heads per key/value head */
-#define MAX_DIM 256   /* head_dim */
-
-/* A per-thread float buffer that only grows: kernels called for every token reuse it instead of allocating. */
-typedef struct {
-    float *data;
-    size_t cap;
-} scratch;
-
-/* At least n floats, 32-byte aligned; NULL when out of memory. */
-static float *reserve_floats(scratch *s, size_t n) {
-    if (n > s->cap) {
-        free(s->data);
-        s->data = aligned_alloc(32, (n * 4 + 31) / 32 * 32);
-        s->cap = s->data ? n : 0;
-    }
-    return s->data;
-}
-
-static __thread scratch sc; /* attention scores */
-
-/* One token's attention per item: item r's query row rows[r] (q: [T][H][D] with row stride q_stride) attends
- * to its first lengths[r] cached positions, whose pool slots are slots[r][0 .. lengths[r]); the caches are
- * [slots][KVH][D]. out: [T][H][D] contiguous, row rows[r] written. q, caches and out share one dtype. */
-int qd_attend(const void *q, long q_stride, int bf16, int R, const int64_t *rows, int H, int KVH, int D,
-              const void *k_cache, const void *v_cache, const int64_t *slots, int W, const int64_t *lengths,
-              float scale, void *out) {
-    if (R < 0 || KVH <= 0 || H % KVH || H / KVH > MAX_GROUP || D % 8 || D > MAX_DIM) return -2;
-    const int G = H / KVH;
-    int failed = 0;
-#pragma omp parallel for schedule(static) reduction(| : failed)
-    for (int task = 0; task < R * KVH; task++) {
-        const int r = task / KVH, kvh = task % KVH;
-        const int L = (int)lengths[r];
-        if (L <= 0 || L > W) { failed |= 2; continue; } /* bad arguments */
-        float *scores = reserve_floats(&sc, (size_t)G * ((L + 7) / 8 * 8));
-        if (!scores) { failed |= 1; continue; } /* out of memory */
-        const int Lp = (L + 7) / 8 * 8;
-        float qf[MAX_GROUP][MAX_DIM] __attribute__((aligned(32)));
-        const size_t qrow = (size_t)rows[r] * q_stride;
-        for (int g = 0; g < G; g++)
-            for (int d = 0; d < D; d++) qf[g][d] = ld(q, bf16, qrow + (size_t)(kvh * G + g) * D + d) * scale;
-        const int64_t *sl = slots + (size_t)r * W;
-        for (int j = 0; j < L; j++) {
-            const size_t kb = ((size_t)sl[j] * KVH + kvh) * D;
-            __m256 acc[MAX_GROUP];
-            for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
-            for (int d = 0; d < D; d += 8) {
-                __m256 kv = ld8(k_cache, bf16, kb + d);
-                for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_load_ps(&qf[g][d]), kv, acc[g]);
-            }
-            for (int g = 0; g < G; g++) scores[(size_t)g * Lp + j] = hsum(acc[g]);
-        }
-        float inv_sum[MAX_GROUP];
-        for (int g = 0; g < G; g++) {
-            float *s = scores + (size_t)g * Lp;
-            for (int j = L; j < Lp; j++) s[j] = -INFINITY;
-            __m256 mx = _mm256_set1_ps(-INFINITY);
-            for (int j = 0; j < Lp; j += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(s + j));
-            float m = -INFINITY, buf[8];
-            _mm256_storeu_ps(buf, mx);
-            for (int i = 0; i < 8; i++) m = fmaxf(m, buf[i]);
-            __m256 sum = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
-            for (int j = 0; j < Lp; j += 8) {
-                __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s + j), mv));
-                _mm256_store_ps(s + j, p);
-                sum = _mm256_add_ps(sum, p);
-            }
-            inv_sum[g] = 1.f / hsum(sum);
-        }
-        for (int g = 0; g < G; g++) {
-            const float *p = scores + (size_t)g * Lp;
-            __m256 acc[MAX_DIM / 8];
-            for (int d = 0; d < D / 8; d++) acc[d] = _mm256_setzero_ps();
-            for (int j = 0; j < L; j++) {
-                const size_t vb = ((size_t)sl[j] * KVH + kvh) * D;
-                const __m256 pj = _mm256_set1_ps(p[j]);
-                for (int d = 0; d < D / 8; d++) acc[d] = _mm256_fmadd_ps(pj, ld8(v_cache, bf16, vb + 8 * d), acc[d]);
-            }
-            const size_t ob = (size_t)rows[r] * H * D + (size_t)(kvh * G + g) * D;
-            for (int d = 0; d < D / 8; d++) st8(out, bf16, ob + 8 * d, _mm256_mul_ps(acc[d], _mm256_set1_ps(inv_sum[g])));
-        }
-    }
-    return failed & 2 ? -2 : failed ? -1 : 0;
 }
 
 /* y = x @ W.T (+ bias) with bfloat16 x [M][K] and W [N][K] (row-major, as stored), y bfloat16 [M][N], float32 sums

@@ -3,6 +3,7 @@
 #define QUICKDRAFT_FLOATS_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline float ld(const void *p, int bf16, size_t i) {
     if (bf16) {
@@ -36,5 +37,20 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+/* A per-thread float buffer that only grows: kernels called for every token reuse it instead of allocating. */
+typedef struct {
+    float *data;
+    size_t cap;
+} scratch;
+
+/* At least n floats, 64-byte aligned; NULL when out of memory. */
+static inline float *reserve_floats(scratch *s, size_t n) {
+    if (n > s->cap) {
+        free(s->data);
+        s->data = aligned_alloc(64, (n * 4 + 63) / 64 * 64);
+        s->cap = s->data ? n : 0;
+    }
+    return s->data;
 }
 #endif

@@ -31,12 +31,14 @@ class SingleTokens:
 
     positions: torch.Tensor  # int64 [T]: position of each new token
     slot_mapping: torch.Tensor  # int64 [T]: cache slot its key and value go to
-    rows: torch.Tensor  # int64 [T]: 0 .. T-1
-    slots: torch.Tensor  # int64 [T, W]: the cache slots of each token's context
-    lengths: torch.Tensor  # int64 [T]: how many of them it attends to (itself included)
-    k_cache: torch.Tensor  # this layer's [slots, kv_heads, head_dim]
-    v_cache: torch.Tensor
-    layer_stride: int  # elements from one layer's cache to the next one's (the pool is [layers, slots, ...])
+    items: native.AttnItems  # which context each token attends to
+    cache: native.CacheLayer  # this layer's keys and values
+    layer_stride: int  # values from one layer's cache to the next one's (the pool is [layers, slots, ...])
+    scale_layer_stride: int  # likewise for an int8 cache's scales
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """The cache holds x's dtype, or int8."""
+        return self.cache.k.dtype in (x.dtype, torch.int8)
 
 
 class _LinearDesc(ctypes.Structure):
@@ -93,9 +95,7 @@ class FusedLayer:
             return None
         if norms[0].dtype != norms[1].dtype or layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
             return None
-        group = attn.num_heads // attn.num_kv_heads
-        if (attn.num_heads % attn.num_kv_heads or group > native.MAX_QUERY_GROUP or attn.head_dim % 8
-                or attn.head_dim > native.MAX_HEAD_DIM):
+        if attn.num_heads % attn.num_kv_heads or attn.head_dim % 8 or attn.head_dim > native.MAX_HEAD_DIM:
             return None
         linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(lin is None for lin in linears):
@@ -121,14 +121,14 @@ class FusedLayer:
 
     def runs(self, x: torch.Tensor, tokens: SingleTokens) -> bool:
         return (x.dtype in (torch.float32, torch.bfloat16) and (self.dtype is None or x.dtype == self.dtype)
-                and x.dtype == tokens.k_cache.dtype and x.is_contiguous() and x.shape[-1] == self.desc.hidden)
+                and tokens.takes(x) and x.is_contiguous() and x.shape[-1] == self.desc.hidden)
 
     def __call__(self, x: torch.Tensor, tokens: SingleTokens) -> torch.Tensor:
         """``x [T, hidden]`` through the layer, in place (it is returned)."""
+        kv, items = tokens.cache.desc(), tokens.items.desc()
         rc = native.lib().qd_decoder_layer(
             self._ref, x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], tokens.positions.data_ptr(),
-            tokens.slot_mapping.data_ptr(), tokens.k_cache.data_ptr(), tokens.v_cache.data_ptr(),
-            tokens.rows.data_ptr(), tokens.slots.data_ptr(), tokens.slots.shape[1], tokens.lengths.data_ptr())
+            tokens.slot_mapping.data_ptr(), ctypes.byref(kv), ctypes.byref(items))
         native._check(rc, "qd_decoder_layer")
         return x
 
@@ -147,15 +147,15 @@ class FusedStack:
 
     def runs(self, x: torch.Tensor, tokens: SingleTokens) -> bool:
         return (self.usable and x.dtype in (torch.float32, torch.bfloat16)
-                and (self.dtype is None or x.dtype == self.dtype) and x.dtype == tokens.k_cache.dtype
+                and (self.dtype is None or x.dtype == self.dtype) and tokens.takes(x)
                 and x.is_contiguous() and x.shape[-1] == self.hidden)
 
     def __call__(self, x: torch.Tensor, tokens: SingleTokens) -> torch.Tensor:
         """``x [T, hidden]`` through every layer, in place (it is returned); ``tokens`` carries layer 0's cache."""
+        kv, items = tokens.cache.desc(), tokens.items.desc()
         rc = native.lib().qd_decoder_stack(
             self._array, len(self.layers), x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0],
-            tokens.positions.data_ptr(), tokens.slot_mapping.data_ptr(), tokens.k_cache.data_ptr(),
-            tokens.v_cache.data_ptr(), tokens.layer_stride, tokens.rows.data_ptr(), tokens.slots.data_ptr(),
-            tokens.slots.shape[1], tokens.lengths.data_ptr())
+            tokens.positions.data_ptr(), tokens.slot_mapping.data_ptr(), ctypes.byref(kv), tokens.layer_stride,
+            tokens.scale_layer_stride, ctypes.byref(items))
         native._check(rc, "qd_decoder_stack")
         return x

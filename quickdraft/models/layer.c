@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "floats.h"
+#include "kv.h"
 
 int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, const uint8_t *const *w,
               const uint16_t *const *scales_zeros, const int *bits, const int *N, const float *const *bias,
@@ -20,9 +21,6 @@ int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int 
 int qd_rmsnorm(const void *x, int x_bf16, const void *w, int w_bf16, int M, int D, float eps, void *y);
 int qd_rope(void *x, int bf16, int T, int heads, int D, long row_stride, const int64_t *positions,
             const float *cos_table, const float *sin_table);
-int qd_attend(const void *q, long q_stride, int bf16, int R, const int64_t *rows, int H, int KVH, int D,
-              const void *k_cache, const void *v_cache, const int64_t *slots, int W, const int64_t *lengths,
-              float scale, void *out);
 int qd_swiglu(const void *gate_up, int bf16, int M, int N, void *y);
 
 enum { QD_QUANTIZED = 1, QD_BF16 = 2 };
@@ -71,12 +69,10 @@ static __thread struct {
 #define CHECK(call) do { int rc_ = (call); if (rc_) return rc_; } while (0)
 
 /* x [T][hidden] (float32 or bfloat16, updated in place) through one layer. Token t is at positions[t], its key
- * and value go to cache slot slot_mapping[t], and it attends (query row rows[r] = t) to the lengths[r] slots
- * slots[r][0 ..) of k_cache / v_cache ([slots][kv_heads][head_dim], x's dtype). Returns 0, -1 (out of memory) or
- * -2 (bad arguments). */
+ * and value go to cache slot slot_mapping[t], and the items attend as qd_attend says. Returns 0, -1 (out of
+ * memory) or -2 (bad arguments). */
 int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int64_t *positions,
-                     const int64_t *slot_mapping, void *k_cache, void *v_cache, const int64_t *rows,
-                     const int64_t *slots, int W, const int64_t *lengths) {
+                     const int64_t *slot_mapping, const qd_kv_cache *kv, const qd_attn_items *items) {
     if (T < 0 || L->heads % L->kv_heads) return -2;
     if (T == 0) return 0;
     const size_t es = bf16 ? 2 : 4, D = (size_t)L->head_dim;
@@ -101,13 +97,12 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     CHECK(run_linear(&L->qkv, h, bf16, T, qkv));
     CHECK(qd_rope(qkv, bf16, T, L->heads, L->head_dim, (long)qkv_width, positions, L->cos, L->sin));
     CHECK(qd_rope(qkv + q_width * es, bf16, T, L->kv_heads, L->head_dim, (long)qkv_width, positions, L->cos, L->sin));
-    for (int t = 0; t < T; t++) { /* every new key/value is in the cache before any token attends */
-        const char *row = qkv + (size_t)t * qkv_width * es;
-        memcpy((char *)k_cache + (size_t)slot_mapping[t] * kv_width * es, row + q_width * es, kv_width * es);
-        memcpy((char *)v_cache + (size_t)slot_mapping[t] * kv_width * es, row + (q_width + kv_width) * es, kv_width * es);
-    }
-    CHECK(qd_attend(qkv, (long)qkv_width, bf16, T, rows, L->heads, L->kv_heads, L->head_dim, k_cache, v_cache, slots, W,
-                    lengths, L->attn_scale, att));
+    /* every new key/value is in the cache before any token attends */
+    CHECK(qd_kv_store(qkv + q_width * es, (long)qkv_width, bf16, T, L->kv_heads, L->head_dim, slot_mapping, kv->k,
+                      kv->k_scale, kv->format));
+    CHECK(qd_kv_store(qkv + (q_width + kv_width) * es, (long)qkv_width, bf16, T, L->kv_heads, L->head_dim, slot_mapping,
+                      kv->v, kv->v_scale, kv->format));
+    CHECK(qd_attend(qkv, (long)qkv_width, bf16, L->heads, L->kv_heads, L->head_dim, kv, items, L->attn_scale, att));
     CHECK(run_linear(&L->o, att, bf16, T, tmp));
     add_into(x, tmp, bf16, n_h);
 
@@ -125,17 +120,19 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
 }
 
 /* The decoder layers layers[0 .. n) one after the other: a whole decode, verify or draft step's layers in one call.
- * Layer i's cache is k_cache / v_cache advanced by i * layer_stride elements (the pool's [layers][slots] layout);
- * the other arguments are qd_decoder_layer's, shared by every layer. */
+ * kv is layer 0's cache; layer i's is advanced by i * layer_stride values (the pool's [layers][slots] layout) and its
+ * scales by i * scale_layer_stride; the other arguments are qd_decoder_layer's, shared by every layer. */
 int qd_decoder_stack(const qd_layer_desc *const *layers, int n, void *x, int bf16, int T, const int64_t *positions,
-                     const int64_t *slot_mapping, void *k_cache, void *v_cache, long layer_stride, const int64_t *rows,
-                     const int64_t *slots, int W, const int64_t *lengths) {
-    if (n < 0 || layer_stride < 0) return -2;
-    const size_t es = bf16 ? 2 : 4;
+                     const int64_t *slot_mapping, const qd_kv_cache *kv, long layer_stride, long scale_layer_stride,
+                     const qd_attn_items *items) {
+    if (n < 0 || layer_stride < 0 || scale_layer_stride < 0) return -2;
+    const size_t es = kv->format == QD_KV_INT8 ? 1 : kv->format == QD_KV_BF16 ? 2 : 4;
     for (int i = 0; i < n; i++) {
-        const size_t offset = (size_t)i * (size_t)layer_stride * es;
-        CHECK(qd_decoder_layer(layers[i], x, bf16, T, positions, slot_mapping, (char *)k_cache + offset,
-                               (char *)v_cache + offset, rows, slots, W, lengths));
+        const size_t offset = (size_t)i * (size_t)layer_stride * es, scales = (size_t)i * (size_t)scale_layer_stride;
+        qd_kv_cache layer_kv = {(char *)kv->k + offset, (char *)kv->v + offset,
+                                kv->k_scale ? kv->k_scale + scales : NULL, kv->v_scale ? kv->v_scale + scales : NULL,
+                                kv->format};
+        CHECK(qd_decoder_layer(layers[i], x, bf16, T, positions, slot_mapping, &layer_kv, items));
     }
     return 0;
 }

@@ -1,10 +1,10 @@
 """quickdraft's CPU kernels in C: built on first use, loaded, called.
 
-Two sources make one library: ``qmatmul.c`` (weight-only int4/int8 linear layers, see ``qmatmul.py``) and
-``cpu_ops.c`` (RMSNorm, rotary embedding and one token's attention over the paged cache: the small per-token
-operations whose torch dispatch cost as much as the matmuls in a decode step). Each computes every result row
-with the same operations whatever the batch and thread count (bit-identical rows, which speculative
-verification relies on).
+Four sources make one library: ``qmatmul.c`` (weight-only int4/int8 linear layers, see ``qmatmul.py``),
+``cpu_ops.c`` (RMSNorm, rotary embedding, SwiGLU: the small per-token operations whose torch dispatch cost as much
+as the matmuls in a decode step), ``attention.c`` (decode and verify attention over the paged cache, in its stored
+format; ``kv.h``) and ``layer.c`` (a whole decoder layer in one call). Each computes every result row with the same
+operations whatever the batch and thread count (bit-identical rows, which speculative verification relies on).
 
 The library is compiled with the system C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``)
 into ``cache_root()/kernels/`` and linked against the OpenMP runtime torch already loaded, so it shares
@@ -29,6 +29,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,15 +38,16 @@ from quickdraft.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "cpu_ops.c", "layer.c"))
-HEADERS = (Path(__file__).with_name("floats.h"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "cpu_ops.c", "attention.c", "layer.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("floats.h", "kv.h"))
 DISABLE_ENV = "QUICKDRAFT_KERNELS"
 # -ffp-contract=off: an auto-vectorized loop and its scalar prologue (whose length depends on the address) then
 # round alike, so a row's result never depends on where its buffer lies
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 COMPILE_TIMEOUT_S = 300.0  # a compiler that hangs must not hang the first model load with it
 MAX_HEAD_DIM = 256
-MAX_QUERY_GROUP = 16
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # the cache formats the kernels read (kv.h)
+KV_SCALE_GROUP = 32  # int8 cache values per float32 scale (QGROUP in kv.h)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -56,12 +58,13 @@ _SIGNATURES = {
     "qd_linear": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _I],
     "qd_rmsnorm": [_P, _I, _P, _I, _I, _I, _F, _P],
     "qd_rope": [_P, _I, _I, _I, _I, _L, _P, _P, _P],
-    "qd_attend": [_P, _L, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P],
+    "qd_attend": [_P, _L, _I, _I, _I, _I, _P, _P, _F, _P],
+    "qd_kv_store": [_P, _L, _I, _I, _I, _I, _P, _P, _P, _I],
     "qd_linear_bf16": [_P, _I, _I, _P, _I, _P, _P],
     "qd_swiglu": [_P, _I, _I, _I, _P],
-    "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P],
+    "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P],
     "qd_argmax": [_P, _I, _I, _L, _P],
-    "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _P, _L, _P, _P, _I, _P],
+    "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _L, _L, _P],
 }
 
 
@@ -303,21 +306,80 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     return [i if i >= 0 else int(x[r].argmax()) for r, i in enumerate(ids)]
 
 
-def runs_attend(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """q ``[T, H, D]`` and the caches ``[slots, KVH, D]`` of one float dtype on CPU, shapes the kernel takes."""
-    t, heads, d = q.shape
-    kv_heads = k_cache.shape[1]
-    return (_float_kind(q) and q.dtype == k_cache.dtype and q.stride(2) == 1 and q.stride(1) == d
-            and heads % kv_heads == 0 and heads // kv_heads <= MAX_QUERY_GROUP and d % 8 == 0
-            and d <= MAX_HEAD_DIM and k_cache.is_contiguous() and available())
+class _KVCacheDesc(ctypes.Structure):  # qd_kv_cache
+    _fields_ = [("k", _P), ("v", _P), ("k_scale", _P), ("v_scale", _P), ("format", _I)]
 
 
-def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                slots: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
-    """For each item r: query row ``rows[r]`` of ``q [T, H, D]`` attends (scaled dot product, softmax in float32)
-    to cache positions ``slots[r, :lengths[r]]``; the result goes to ``out[rows[r]]`` (``out`` contiguous)."""
+class _AttnItemsDesc(ctypes.Structure):  # qd_attn_items
+    _fields_ = [("rows", _P), ("slots", _P), ("lengths", _P), ("group_first", _P), ("items", _I), ("width", _I),
+                ("groups", _I)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass
+class CacheLayer:
+    """One layer's keys and values as the pool stores them, ``[slots, kv_heads, head_dim]`` each: float32 or bfloat16
+    (the activations' dtype), or int8 with float32 scales ``[slots, kv_heads, head_dim / KV_SCALE_GROUP]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def desc(self) -> _KVCacheDesc:
+        return _KVCacheDesc(self.k.data_ptr(), self.v.data_ptr(), _ptr(self.k_scale), _ptr(self.v_scale),
+                            KV_FORMATS[self.k.dtype])
+
+
+@dataclass
+class AttnItems:
+    """The query rows of an attention call (int64 tensors). Item r: query row ``rows[r]`` attends to its first
+    ``lengths[r]`` positions, at cache slots ``slots[r, :lengths[r]]``. Items ``group_first[g] ..
+    group_first[g + 1] - 1`` are one sequence's consecutive tokens (a verify pass): they read the cache once."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    group_first: torch.Tensor
+
+    def desc(self) -> _AttnItemsDesc:
+        return _AttnItemsDesc(self.rows.data_ptr(), self.slots.data_ptr(), self.lengths.data_ptr(),
+                              self.group_first.data_ptr(), self.slots.shape[0], self.slots.shape[1],
+                              len(self.group_first) - 1)
+
+
+def runs_attend(q: torch.Tensor, cache: CacheLayer) -> bool:
+    """q ``[T, H, D]`` (float32 or bfloat16 on CPU) and a cache the kernel reads: q's own dtype, or int8."""
     t, heads, d = q.shape
-    r, width = slots.shape
-    _check(lib().qd_attend(q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), r, rows.data_ptr(), heads,
-                           k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), width,
-                           lengths.data_ptr(), d ** -0.5, out.data_ptr()), "qd_attend")
+    kv_heads = cache.k.shape[1]
+    fmt = cache.k.dtype
+    return (_float_kind(q) and (fmt == q.dtype or fmt == torch.int8) and cache.k.device.type == "cpu"
+            and q.stride(2) == 1 and q.stride(1) == d and heads % kv_heads == 0 and d % 8 == 0 and d <= MAX_HEAD_DIM
+            and (fmt != torch.int8 or d % KV_SCALE_GROUP == 0) and cache.k.is_contiguous() and available())
+
+
+def attend(q: torch.Tensor, cache: CacheLayer, items: AttnItems, out: torch.Tensor) -> None:
+    """Each item's query row of ``q [T, H, D]`` attends (scaled dot product, softmax in float32) to its context in
+    ``cache``; the result goes to ``out[rows[r]]`` (``out`` contiguous, q's dtype)."""
+    _, heads, d = q.shape
+    kv, it = cache.desc(), items.desc()
+    _check(lib().qd_attend(q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), heads, cache.k.shape[1], d,
+                           ctypes.byref(kv), ctypes.byref(it), d ** -0.5, out.data_ptr()), "qd_attend")
+
+
+def runs_kv_store(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """x ``[T, KVH, D]`` (float32 or bfloat16, rows may be strided) and a CPU cache of x's dtype or int8."""
+    return (_float_kind(x) and cache.device.type == "cpu" and cache.dtype in (x.dtype, torch.int8)
+            and x.stride(2) == 1 and x.stride(1) == x.shape[2] and available())
+
+
+def kv_store(x: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """Writes ``x [T, KVH, D]`` (rows may be strided) to ``cache[slot_mapping]``: copied, or as int8 with one float32
+    scale per ``KV_SCALE_GROUP`` values (``scales[slot_mapping]``)."""
+    t, kv_heads, d = x.shape
+    _check(lib().qd_kv_store(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), t, kv_heads, d,
+                             slot_mapping.data_ptr(), cache.data_ptr(), _ptr(scales), KV_FORMATS[cache.dtype]),
+           "qd_kv_store")
