@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from quickdraft.loading.quant_convert import LAYER_LINEARS, quantizable_linears
-from quickdraft.models.packed import PackedLinear, packing_supported
+from quickdraft.models.packed import PackedLinear, RowTiledLinear, packing_supported
 from quickdraft.models.transformer import Transformer
 
 
@@ -26,6 +26,8 @@ def pack_float_linears(model: Transformer, tensors: Mapping[str, torch.Tensor] |
     names = list(quantizable_linears(model, lm_head=True))
     if not packing_supported(weight.dtype, weight.device) or isinstance(model.lm_head, PackedLinear):
         _fill(model, tensors, [n for n in names if n != "lm_head"])  # plain float weights, all of them
+        if weight.device.type != "cpu" and not isinstance(model.lm_head, PackedLinear):
+            _concatenate(model, tiled=weight.dtype == torch.float32)
         return []
     for i, layer in enumerate(model.model.layers):
         _fill(model, tensors, [f"model.layers.{i}.{path}" for path in LAYER_LINEARS])
@@ -38,6 +40,31 @@ def pack_float_linears(model: Transformer, tensors: Mapping[str, torch.Tensor] |
         mlp.down_proj = PackedLinear.from_linear(mlp.down_proj)
     model.lm_head = PackedLinear.from_linear(model.lm_head)
     return names
+
+
+def _concatenate(model: Transformer, tiled: bool) -> None:
+    """Off CPU (plain torch linears): q/k/v and gate/up as one linear each, whose weight is the concatenation of theirs.
+    A GPU decode step of a small model is bound by kernel launches, not by reading weights: three GEMMs and their
+    bias adds become one call, two GEMMs one. ``tiled`` (float32): every linear runs in fixed row tiles, so a row's
+    result does not depend on the rows beside it (``RowTiledLinear``)."""
+    wrap = RowTiledLinear if tiled else (lambda linear: linear)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.fuse(wrap(_concatenated([attn.q_proj, attn.k_proj, attn.v_proj])))
+        attn.o_proj = wrap(attn.o_proj)
+        mlp.fuse(wrap(_concatenated([mlp.gate_proj, mlp.up_proj])))
+        mlp.down_proj = wrap(mlp.down_proj)
+    model.lm_head = wrap(model.lm_head)
+
+
+def _concatenated(parts: list[nn.Linear]) -> nn.Linear:
+    weight = torch.cat([p.weight for p in parts])
+    has_bias = parts[0].bias is not None
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    out.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        out.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return out
 
 
 def _fill(model: Transformer, tensors: Mapping[str, torch.Tensor] | None, names: list[str]) -> None:

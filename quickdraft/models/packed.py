@@ -81,3 +81,41 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"backend={self.backend}")
+
+
+class RowTiledLinear(nn.Module):
+    """A float linear layer off CPU that computes every row with one GEMM shape: calls run in tiles of ``ROW_TILE``
+    rows, the last one zero-padded. cuBLAS picks its float32 kernel by the row count (one row is a GEMV, 2-16 rows
+    one GEMM kernel, more rows others; each rounds differently, seen on an H100), so without tiles a token's logits
+    would depend on how many rows share its call, and verifying k drafts would not give the logits of k single steps
+    (greedy speculation could flip a near-tie). A 16-row call computes each row on its own, whatever the other rows
+    hold. Its bfloat16 kernels were row-independent at every row count tried (1-64), so bfloat16 keeps plain
+    linears. The weight stays the wrapped linear's (a tied head still shares the embedding)."""
+
+    ROW_TILE = 16
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        pad = -rows % self.ROW_TILE
+        if pad:
+            x2 = torch.cat([x2, x2.new_zeros(pad, self.in_features)])
+        w, b = self.linear.weight, self.linear.bias
+        tiles = [torch.nn.functional.linear(t, w, b) for t in x2.split(self.ROW_TILE)]
+        y = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
+        return y[:rows].reshape(*lead, self.out_features)
+

@@ -48,13 +48,21 @@ class RotaryEmbedding(nn.Module):
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of ``positions`` as ``[T, 1, head_dim / 2]``, gathered once per step: every layer of a forward
+        passes the same positions tensor (on a GPU each gather is a kernel launch, and decoding is launch-bound)."""
+        cached = self._rows  # one read: threads that share the model (run-ahead self-drafting) each see a whole tuple
+        if cached is None or cached[0] is not positions:
+            cached = self._rows = (positions, self.cos[positions][:, None, :], self.sin[positions][:, None, :])
+        return cached[1], cached[2]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]; may rotate x in place (x is a fresh projection output)."""
         if native.runs_rope(x):
             return native.rope_(x, positions, self.cos, self.sin)
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
+        cos, sin = self.rows(positions)
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -80,7 +88,14 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            qkv = self.qkv_proj(x)
+            heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+            qk = qkv[:, :(heads + kv_heads) * dim].reshape(t, heads + kv_heads, dim)
+            if not native.runs_rope(qk):  # torch's rotation (off CPU): q and k in one, half the kernel launches
+                qk = rope(qk, attn.positions)
+                v = qkv[:, (heads + kv_heads) * dim:].reshape(t, kv_heads, dim)
+                return self.o_proj(attn.attend(self.layer, qk[:, :heads], qk[:, heads:], v).reshape(t, -1))
+            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = rope(q.reshape(t, self.num_heads, self.head_dim), attn.positions)

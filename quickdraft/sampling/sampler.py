@@ -24,12 +24,16 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One token per row of ``probs`` [n, V] (or [V] -> 0-d), drawn exactly from the row's distribution.
 
     Rows need not be normalised but must be non-negative and finite with a positive sum;
-    zero-probability tokens are never drawn. The generator must live on ``probs.device``.
+    zero-probability tokens are never drawn. The draw runs where the generator lives: ``probs`` on
+    another device (a GPU's logits, the engine's CPU generators) are copied there first, so a seeded
+    request draws the same tokens from the same probabilities on any device.
     On CPU this is inverse-CDF sampling with a float64 cumulative sum (one uniform per row,
     several times faster than torch.multinomial on 150k-token rows); elsewhere torch.multinomial.
     """
     if probs.dim() == 1:
         return sample(probs.unsqueeze(0), generator)[0]
+    if generator is not None and generator.device != probs.device:
+        probs = probs.to(generator.device)
     if probs.device.type != "cpu":
         return torch.multinomial(probs.float(), 1, generator=generator).squeeze(-1)
     return _sample_inverse_cdf(probs, generator)

@@ -52,11 +52,17 @@ def verify_sampled_batch(
        for a deterministic drafter (q is then one-hot at the draft).
     drafts: [B, k] drafted token ids.
     Different widths are handled by zero-padding the narrower of p and q.
-    Returns (num_accepted [B] long, next_token [B] long) on p's device; the emitted
-    tokens of row b are drafts[b, :num_accepted[b]] followed by next_token[b].
+    Returns (num_accepted [B] long, next_token [B] long) on the generator's device (p's
+    when there is none); the emitted tokens of row b are drafts[b, :num_accepted[b]]
+    followed by next_token[b]. p and q on another device than the generator (a GPU's
+    probabilities, the engine's CPU generators) are copied to it: the uniforms are drawn
+    where the generator lives, so the same probabilities give the same tokens on any device.
     """
     if p.dim() != 3:
         raise ValueError(f"p must be [B, k+1, V], got shape {tuple(p.shape)}")
+    if generator is not None and generator.device != p.device:
+        p = p.to(generator.device)
+        q = None if q is None else q.to(generator.device)
     batch, k1, vp = p.shape
     k = k1 - 1
     if k < 0:

@@ -1,0 +1,174 @@
+"""The CUDA path (``device="cuda"``: float weights, torch's SDPA attention), where a GPU is present (skipped elsewhere,
+e.g. on CI): greedy speculation gives plain greedy's tokens, batching changes no sequence's tokens, a seeded request
+repeats, and a float32 model gives the CPU's tokens. Real weights: $QUICKDRAFT_TEST_GGUF or the packaged SmolLM2."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.kv import ForwardItem, SequenceKV
+
+try:
+    from conftest import smollm2_path
+    from test_speculative import tiny_prompts
+except ImportError:  # tests/ imported as a package
+    from tests.conftest import smollm2_path
+    from tests.test_speculative import tiny_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+TINY_KV, REAL_KV = "16MiB", "256MiB"
+REAL_PROMPTS = ["Write a Python function that checks whether a number is prime.",
+                "Summarise: The cat sat on the mat. The cat sat on the mat because the mat was warm.",
+                "What is the capital of France? Answer in one sentence."]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir) -> str:
+    return str(tiny_dir(arch="qwen2", vocab_size=64, layers=4))
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_dir) -> str:
+    return str(tiny_dir(arch="llama", vocab_size=64, seed=3))
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> LLM:
+    return LLM(target, dtype="float32", device="cuda", kv_cache_memory=TINY_KV)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(plain) -> list[list[int]]:
+    return [o.token_ids for o in plain.generate(tiny_prompts(64, 6), GREEDY)]
+
+
+def test_runs_on_the_gpu(plain, plain_greedy):
+    assert plain.device == "cuda" and plain.target.pool.k.is_cuda
+    assert all(p.is_cuda for p in plain.model.parameters())
+    assert [len(t) for t in plain_greedy] == [GREEDY.max_tokens] * 6
+
+
+@pytest.mark.parametrize("kind", ["ngram", "self", "draft", "draft-same"])
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_greedy_speculation_equals_plain(target, draft, plain_greedy, kind, k):
+    kwargs = {"speculative": kind} if kind in ("ngram", "self") else {"draft": target if kind == "draft-same" else draft}
+    llm = LLM(target, dtype="float32", device="cuda", kv_cache_memory=TINY_KV, num_speculative_tokens=k, **kwargs)
+    assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
+    stats = llm.spec_stats
+    if k == 3:
+        assert stats.draft_tokens > 0
+    if kind == "draft-same" and stats.draft_tokens:  # the verify pass computes the draft's own logits
+        assert stats.acceptance_rate > 0.95
+
+
+def test_batch_equals_each_alone(plain, plain_greedy):
+    alone = [plain.generate([p], GREEDY)[0].token_ids for p in tiny_prompts(64, 6)]
+    assert alone == plain_greedy
+
+
+@pytest.mark.parametrize("kind", ["plain", "draft"])
+def test_seeded_sampling_repeats_and_matches_cpu(target, draft, kind):
+    """The engine's generators live on the CPU, where the draws are made: the same seed gives the same tokens on
+    CUDA twice, and (float32 everywhere, the draft too: its q decides acceptance) the CPU's tokens."""
+    kwargs = {} if kind == "plain" else {"draft": draft, "num_speculative_tokens": 3, "draft_weights": "float32"}
+    prompts = tiny_prompts(64, 3)
+
+    def run(device: str, seed: int = 1234) -> list[list[int]]:
+        llm = LLM(target, dtype="float32", device=device, kv_cache_memory=TINY_KV, **kwargs)
+        params = SamplingParams(max_tokens=32, temperature=0.9, seed=seed, ignore_eos=True)
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+    first = run("cuda")
+    assert run("cuda") == first
+    assert run("cpu") == first
+    assert run("cuda", seed=99) != first
+
+
+def test_float32_cuda_matches_cpu(target, plain_greedy):
+    cpu = LLM(target, dtype="float32", device="cpu", kv_cache_memory=TINY_KV)
+    assert [o.token_ids for o in cpu.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
+    prompt = tiny_prompts(64, 1, length=60)[0]  # a prompt piece (causal SDPA) and single tokens
+    cuda = LLM(target, dtype="float32", device="cuda", kv_cache_memory=TINY_KV)
+    a, b = (llm.target.forward([ForwardItem(SequenceKV(), prompt, len(prompt))])[0].cpu() for llm in (cpu, cuda))
+    diff = (a - b).abs().max().item()
+    print(f"float32 logits, max |cpu - cuda| = {diff:.3g} (logits up to {a.abs().max().item():.3g})")
+    assert diff < 1e-3
+
+
+@pytest.fixture(scope="module")
+def real() -> Path:
+    path = os.environ.get("QUICKDRAFT_TEST_GGUF") or smollm2_path()
+    if not path or not Path(path).exists():
+        pytest.skip("no real weights ($QUICKDRAFT_TEST_GGUF or make models)")
+    return Path(path)
+
+
+@pytest.fixture(scope="module")
+def real_plain(real) -> tuple[list[list[int]], list[list[int]]]:
+    llm = LLM(str(real), device="cuda", kv_cache_memory=REAL_KV)  # float weights, bfloat16 on CUDA
+    prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in REAL_PROMPTS]
+    return prompts, [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ngram", "self", "draft"])
+def test_real_weights_greedy_speculation_equals_plain(real, real_plain, kind):
+    prompts, plain = real_plain
+    kwargs = {"speculative": kind} if kind != "draft" else {"draft": str(real), "num_speculative_tokens": 3}
+    llm = LLM(str(real), device="cuda", kv_cache_memory=REAL_KV, **kwargs)
+    spec = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0))]
+    same = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(plain, spec)]
+    print(f"{kind}: tokens equal to plain before the first difference: {same} of {[len(p) for p in plain]}")
+    assert spec == plain
+    assert llm.spec_stats.draft_tokens > 0
+
+
+def verify_equals_steps(llm: LLM, prompt: list[int], tokens: list[int]) -> None:
+    """The invariant greedy speculation rests on (test_speculative.py checks it on CPU): k tokens verified in one pass
+    get the logits of k one-token steps, alone or batched beside other sequences."""
+    runner, kv_a, kv_b, others = llm.target, SequenceKV(), SequenceKV(), [SequenceKV() for _ in range(9)]
+    runner.forward([ForwardItem(kv_a, prompt, 1)])
+    runner.forward([ForwardItem(kv_b, prompt, 1)])
+    runner.forward([ForwardItem(kv, prompt[:3 + i], 1) for i, kv in enumerate(others)])
+    (verified,) = runner.forward([ForwardItem(kv_a, tokens, len(tokens))])
+    stepped, batched = [], []
+    for t in tokens:
+        stepped.append(runner.forward([ForwardItem(kv_b, [t], 1)])[0])
+        runner.truncate(kv_b, kv_b.num_cached - 1)
+        batched.append(runner.forward([ForwardItem(kv_b, [t], 1)] + [ForwardItem(kv, [t], 1) for kv in others])[0])
+    stepped, batched = torch.cat(stepped), torch.cat(batched)
+    print(f"{llm.weights}: max |verify - step| = {(verified - stepped).abs().max().item():.3g}, "
+          f"max |verify - batched| = {(verified - batched).abs().max().item():.3g}")
+    assert torch.equal(verified, stepped) and torch.equal(verified, batched)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_pass_equals_single_steps(target, dtype):
+    llm = LLM(target, dtype=dtype, device="cuda", kv_cache_memory=TINY_KV)
+    verify_equals_steps(llm, tiny_prompts(64, 1)[0][:12], [3, 9, 17, 25, 33, 41])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["bfloat16", "float32"])
+def test_real_weights_verify_pass_equals_single_steps(real, weights):
+    llm = LLM(str(real), device="cuda", weights=weights, kv_cache_memory=REAL_KV)
+    verify_equals_steps(llm, llm.tokenizer.encode("def fibonacci(n):\n    if n"), [29, 308, 4811, 28, 476, 44])
+
+
+@pytest.mark.parametrize("kind", ["ngram", "self"])
+def test_int8_cache_greedy_speculation_equals_plain(tiny_dir, kind):
+    """An int8 KV cache on the GPU (torch's quantizer and dequantized reads): speculation stays exact within it."""
+    model = str(tiny_dir(arch="qwen2", vocab_size=64, layers=4, hidden=128))  # head_dim 32: one scale per head row
+    prompts = tiny_prompts(64, 6)
+    plain = LLM(model, dtype="float32", device="cuda", kv_cache_memory=TINY_KV, kv_cache_dtype="int8")
+    assert plain.target.pool.k.dtype == torch.int8 and plain.target.pool.k.is_cuda
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    spec = LLM(model, dtype="float32", device="cuda", kv_cache_memory=TINY_KV, kv_cache_dtype="int8",
+               speculative=kind, num_speculative_tokens=3)
+    assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == expected
