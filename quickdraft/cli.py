@@ -51,6 +51,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads per step (default auto: the cores other processes leave free, re-read as it runs)")
 
 
+def _optional_int(value: str) -> int | None:
+    if value == "none":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int or 'none', got {value!r}") from None
+
+
 def _threads_arg(value: str) -> int | str:
     if value == "auto":
         return value
@@ -245,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="scheduling policy (priority and deadline read the request's priority / deadline_s)")
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences batched together at most")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
-    s.add_argument("--prefill-tokens-while-decoding", type=int, default=None,
-                   help="prompt tokens per step while other requests stream (default: --max-num-batched-tokens); "
-                        "smaller keeps their tokens coming while a long prompt is read")
+    s.add_argument("--prefill-tokens-while-decoding", type=_optional_int, default=128,
+                   help="prompt tokens per step while other requests stream (default 128; 'none': up to "
+                        "--max-num-batched-tokens): smaller keeps their tokens coming while a long prompt is read, "
+                        "larger reads the prompt sooner")
     s.add_argument("--preemption", default="recompute", choices=["recompute", "swap"],
                    help="when KV blocks run out: drop and recompute (default) or keep the KV in host memory")
     s.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: MODEL)")

@@ -49,7 +49,7 @@ class EngineOptions:
     max_model_len: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
-    prefill_tokens_while_decoding: int | None = None
+    prefill_tokens_while_decoding: int | None = 128  # docs/MEASUREMENTS.md, Long contexts: streams' ITL vs prefill
     policy: str = "fcfs"
     preemption: str = "recompute"
     kv_cache_memory: int | str = "auto"

@@ -115,6 +115,16 @@ static inline vf exp_neg(vf x) { /* exp for x <= 0 (Cephes polynomial, ~1 ulp) *
     return vmul(y, vasf(vislli(viadd(vcvtt(fx), viset1(127)), 23)));
 }
 
+/* Asks for the cache rows of the next tile (slots sl[0..n)) while this one is computed: the rows lie wherever the
+ * block table put them, so the hardware's stride prefetcher cannot follow them from one block to the next. */
+static inline void prefetch_rows(const void *cache, int format, const int64_t *sl, int n, int KVH, int h, int D) {
+    const size_t bytes = (size_t)D * (format == QD_KV_INT8 ? 1 : format == QD_KV_BF16 ? 2 : 4);
+    for (int j = 0; j < n; j++) {
+        const char *row = (const char *)cache + ((size_t)sl[j] * KVH + h) * bytes;
+        for (size_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
+}
+
 /* n cache rows (slots sl[0..n)) of key/value head h as float32 into dst [TILE][Dp]; padding columns and rows
  * n .. TILE are zeroed. */
 static void widen(const void *cache, const float *scales, int format, const int64_t *sl, int n, int KVH, int h,
@@ -274,6 +284,8 @@ static int attend_partition(const void *q, long q_stride, int q_bf16, int H, int
         }
     for (int t0 = 0; t0 < n; t0 += TILE) { /* scores */
         const int tn = n - t0 < TILE ? n - t0 : TILE;
+        prefetch_rows(kv->k, kv->format, sl + k0 + t0 + tn, n - t0 - tn < TILE ? n - t0 - tn : TILE, KVH, h, D);
+        if (t0 == 0) prefetch_rows(kv->v, kv->format, sl + k0, tn, KVH, h, D);
 #if LANES == 16
         widen_pairs(kv->k, kv->k_scale, kv->format, sl + k0 + t0, tn, KVH, h, D, Dp, kt);
 #define DOT dot8_pairs
@@ -305,6 +317,7 @@ static int attend_partition(const void *q, long q_stride, int q_bf16, int H, int
     }
     for (int t0 = 0; t0 < n; t0 += TILE) { /* outputs */
         const int tn = n - t0 < TILE ? n - t0 : TILE;
+        prefetch_rows(kv->v, kv->format, sl + k0 + t0 + tn, n - t0 - tn < TILE ? n - t0 - tn : TILE, KVH, h, D);
         widen(kv->v, kv->v_scale, kv->format, sl + k0 + t0, tn, KVH, h, D, Dp, kt);
         float *prow[nr];
         for (int r = 0; r < nr; r++) prow[r] = srow[r] + t0;
