@@ -146,7 +146,32 @@ def main() -> None:
     path = save(args.out, {"machine": machine(), "bandwidth_GB_s": bandwidth, "args": vars(args),
                            "weight_bytes_per_step": weights, "kv_bytes_per_token": kv_per_token,
                            "peak_rss_MiB": peak_rss_mib(), "rows": rows})
+    chart(rows, args.model, path.with_suffix(".png"))
     print(f"wrote {path}")
+
+
+def chart(rows: list[dict], model: str, path: Path) -> None:
+    """Decode tok/s against context length, one line per engine (dashed: llama.cpp)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'quickdraft[bench]'): no chart written", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for engine in dict.fromkeys(r["engine"] for r in rows):
+        points = sorted((r["context"], r["tok_s"]) for r in rows if r["engine"] == engine)
+        ax.plot(*zip(*points), marker="o", linestyle="--" if engine.startswith("llama.cpp") else "-", label=engine)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"{model}: decode speed as the context grows")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
