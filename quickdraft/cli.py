@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from quickdraft.errors import QuickdraftError
@@ -47,26 +48,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the bytes of bfloat16 to store and read, slightly less exact)")
     p.add_argument("--max-memory", default=None,
                    help="refuse, before loading, a configuration whose weights, KV caps and runtime exceed this, e.g. 4GiB")
-    p.add_argument("--threads", default="auto", type=_threads_arg,
+    p.add_argument("--threads", default="auto", type=_int_or("auto", "auto"),
                    help="CPU threads per step (default auto: the cores other processes leave free, re-read as it runs)")
 
 
-def _optional_int(value: str) -> int | None:
-    if value == "none":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int or 'none', got {value!r}") from None
-
-
-def _threads_arg(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a positive int, got {value!r}") from None
+def _int_or(word: str, means: object) -> Callable[[str], int | object]:
+    """An argparse type: an int, or ``word`` (given back as ``means``)."""
+    def parse(value: str) -> int | object:
+        if value == word:
+            return means
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int or {word!r}, got {value!r}") from None
+    return parse
 
 
 def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):
@@ -254,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="scheduling policy (priority and deadline read the request's priority / deadline_s)")
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences batched together at most")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
-    s.add_argument("--prefill-tokens-while-decoding", type=_optional_int, default=128,
+    s.add_argument("--prefill-tokens-while-decoding", type=_int_or("none", None), default=128,
                    help="prompt tokens per step while other requests stream (default 128; 'none': up to "
                         "--max-num-batched-tokens): smaller keeps their tokens coming while a long prompt is read, "
                         "larger reads the prompt sooner")

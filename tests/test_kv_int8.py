@@ -75,3 +75,33 @@ def test_cache_formats_a_model_cannot_use_are_refused_before_loading(tiny_dir, s
         LLM(str(smollm2), weights="int4", kv_cache_dtype="float32")
     with pytest.raises(InvalidParameterError, match="kv_cache_dtype must be one of auto, bfloat16, float32, int8"):
         LLM(str(smollm2), kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("case,message", [
+    ("scale NaN", r"target key scales hold NaN or infinite numbers"),
+    ("scale inf", r"target value scales hold NaN or infinite numbers"),
+    ("scales missing", r"tensors \[.*\], expected \[.*'kv.target.k_scale'.*\]"),
+    ("keys as bfloat16", r"target keys are .*'torch.bfloat16'\), expected \(30, \d+, 3, 64\) torch.int8"),
+])
+def test_a_hostile_int8_snapshot_is_refused_before_any_block_is_taken(int8_llm, tmp_path, case, message):
+    from quickdraft.errors import SessionError
+    try:
+        from test_session import read_snapshot, write_snapshot
+    except ImportError:  # tests/ imported as a package
+        from tests.test_session import read_snapshot, write_snapshot
+    with int8_llm.session() as s:
+        s.generate("def add(a, b):", SamplingParams(max_tokens=4, temperature=0.0))
+        path = s.save(tmp_path / "s.qds")
+    record, tensors = read_snapshot(path.read_bytes())
+    if case == "scale NaN":
+        tensors["kv.target.k_scale"].view(-1)[7] = float("nan")
+    elif case == "scale inf":
+        tensors["kv.target.v_scale"].view(-1)[3] = float("inf")
+    elif case == "scales missing":
+        del tensors["kv.target.k_scale"]
+    else:
+        tensors["kv.target.k"] = tensors["kv.target.k"].to(torch.bfloat16)
+    free = int8_llm.target.allocator.num_free
+    with pytest.raises(SessionError, match=message):
+        int8_llm.load_session(write_snapshot(tmp_path / "bad.qds", record, tensors))
+    assert int8_llm.target.allocator.num_free == free

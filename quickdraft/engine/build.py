@@ -15,7 +15,7 @@ from quickdraft.engine.memory import KVNeed, MemoryPlan, fmt_bytes, parse_size, 
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.threads import check_threads
 from quickdraft.errors import InvalidParameterError, ModelLoadError
-from quickdraft.kv import KV_CACHE_DTYPES, KVPool, ModelRunner, resolve_kv_cache_dtype
+from quickdraft.kv import KVPool, ModelRunner, check_kv_cache_dtype, resolve_kv_cache_dtype
 from quickdraft.loading import Checkpoint, load_checkpoint
 from quickdraft.loading.quant_convert import lm_head_format
 from quickdraft.loading.quantize import (DEFAULT_LM_HEAD, DRAFT_INT4_OPTIONS, FLOAT_FORMATS, QUANT_FORMATS, load_model,
@@ -69,9 +69,7 @@ class EngineOptions:
             parse_size(self.kv_cache_memory, "kv_cache_memory")
         if self.max_memory is not None:
             parse_size(self.max_memory, "max_memory")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidParameterError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.draft is not None and self.speculative is not None:
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both")
         v = self.draft_vocab

@@ -156,13 +156,14 @@ class AttentionBatch:
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
                                                attn_mask=mask, enable_gqa=True)
             out[first:end] = o[0].transpose(0, 1)
-        single = len(self.items.rows) > 0
-        if self.native and single and not native.runs_attend(q, self.pool.layer(layer)):
+        if self.native and len(self.items.rows):
+            cache = self.pool.layer(layer)
+            if native.runs_attend(q, cache):
+                native.attend(q, cache, self.items, out)
+                return out
             self.native = False  # a head layout the kernel does not take (checked once per batch)
             self.singles = self._buckets(*self._bucket_args)
         if self.native:
-            if single:
-                native.attend(q, self.pool.layer(layer), self.items, out)
             return out
         grouped = q.view(tokens, kv_heads, heads // kv_heads, dim)  # query heads that share a key/value head
         for rows, key_slots, mask in self.singles:

@@ -29,10 +29,14 @@ MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith
                         in ("x86_64", "i686", "aarch64", "armv7l", "riscv64") else 0)
 
 
-def resolve_kv_cache_dtype(name: str, activations: torch.dtype, head_dim: int) -> torch.dtype:
-    """The cache dtype for ``kv_cache_dtype=name`` beside a model computing in ``activations``."""
+def check_kv_cache_dtype(name: object) -> None:
     if name not in KV_CACHE_DTYPES:
         raise InvalidParameterError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+
+
+def resolve_kv_cache_dtype(name: str, activations: torch.dtype, head_dim: int) -> torch.dtype:
+    """The cache dtype for ``kv_cache_dtype=name`` beside a model computing in ``activations``."""
+    check_kv_cache_dtype(name)
     if name == "auto":
         return activations
     if name == "int8":
