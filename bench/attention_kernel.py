@@ -25,10 +25,10 @@ SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128)}
 
 def time_call(q: torch.Tensor, pool: KVPool, items: native.AttnItems, repeats: int) -> float:
     out = torch.empty_like(q)
-    native.attend(q, pool.layer(0), items, out)
+    native.attend(q, pool.layer(0), items, out, q.shape[-1] ** -0.5, 0)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        native.attend(q, pool.layer(0), items, out)
+        native.attend(q, pool.layer(0), items, out, q.shape[-1] ** -0.5, 0)
     return (time.perf_counter() - t0) / repeats
 
 

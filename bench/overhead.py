@@ -156,10 +156,10 @@ def attention_seconds(llm: LLM, calls: list[tuple[torch.Tensor, torch.Tensor]]) 
         items = native.AttnItems(torch.arange(rows), slots, lengths, group_first)
         q = torch.randn(rows, cfg.num_heads, cfg.head_dim).to(act)
         out = torch.empty_like(q)
-        native.attend(q, pool.layer(0), items, out)  # warm
+        native.attend(q, pool.layer(0), items, out, q.shape[-1] ** -0.5, 0)  # warm
         t0 = time.perf_counter()
         for _ in range(layers):
-            native.attend(q, pool.layer(0), items, out)
+            native.attend(q, pool.layer(0), items, out, q.shape[-1] ** -0.5, 0)
         total += time.perf_counter() - t0
     return total
 

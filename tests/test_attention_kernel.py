@@ -1,7 +1,7 @@
 """quickdraft's attention kernel (models/attention.c) against a float64 reference, on random shapes: GQA ratios,
-head sizes, contexts from 1 position to several partitions, block boundaries, verify groups of k+1 queries, and
-each cache format. Also what speculation relies on: a query's bits do not depend on its batch, its group or the
-thread count."""
+head sizes, contexts from 1 position to several partitions, block boundaries, verify groups of k+1 queries, each
+cache format, and sliding windows. Also what speculation relies on: a query's bits do not depend on its batch, its
+group or the thread count, with or without a window."""
 from __future__ import annotations
 
 import random
@@ -45,12 +45,13 @@ def make_case(rng: random.Random, heads: int, kv_heads: int, dim: int, fmt: torc
     return pool, q, its, items
 
 
-def reference(pool: KVPool, q: torch.Tensor, its: native.AttnItems) -> torch.Tensor:
+def reference(pool: KVPool, q: torch.Tensor, its: native.AttnItems, window: int = 0) -> torch.Tensor:
     k_all, v_all = pool.read(0, its.slots, torch.float64)  # dequantized exactly (int8 * float32 scale)
     heads, dim = q.shape[1:]
     out = torch.empty(len(its.lengths), heads, dim, dtype=torch.float64)
     for r, length in enumerate(its.lengths.tolist()):
-        k, v = k_all[r, :length], v_all[r, :length]
+        first = max(0, length - window) if window else 0
+        k, v = k_all[r, first:length], v_all[r, first:length]
         group = heads // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [L, H, D]
         scores = torch.einsum("hd,lhd->hl", q[r].double(), k) * dim ** -0.5
@@ -58,10 +59,17 @@ def reference(pool: KVPool, q: torch.Tensor, its: native.AttnItems) -> torch.Ten
     return out
 
 
-def run(pool: KVPool, q: torch.Tensor, its: native.AttnItems) -> torch.Tensor:
+def run(pool: KVPool, q: torch.Tensor, its: native.AttnItems, window: int = 0) -> torch.Tensor:
     out = torch.empty_like(q)
-    native.attend(q, pool.layer(0), its, out)
+    native.attend(q, pool.layer(0), its, out, q.shape[-1] ** -0.5, window)
     return out
+
+
+def alone(pool: KVPool, q: torch.Tensor, its: native.AttnItems, r: int, window: int = 0) -> torch.Tensor:
+    """Item r's result when its query attends alone, as a decode step computes it."""
+    one = native.AttnItems(torch.tensor([0]), its.slots[r:r + 1].contiguous(), its.lengths[r:r + 1],
+                           torch.tensor([0, 1]))
+    return run(pool, q[r:r + 1].contiguous(), one, window)[0]
 
 
 SHAPES = [(14, 2, 64), (12, 2, 128), (8, 8, 64), (16, 1, 32), (9, 3, 64), (32, 4, 128), (8, 2, 256)]
@@ -94,11 +102,70 @@ def test_a_query_gets_the_same_bits_in_any_batch_group_or_thread_count(fmt):
         torch.set_num_threads(threads)
     assert torch.equal(together, one_thread)
     for r in range(len(items)):  # each query alone, as a decode step computes it
-        alone = native.AttnItems(torch.tensor([0]), its.slots[r:r + 1].contiguous(), its.lengths[r:r + 1],
-                                 torch.tensor([0, 1]))
-        out = torch.empty_like(q[r:r + 1])
-        native.attend(q[r:r + 1].contiguous(), pool.layer(0), alone, out)
-        assert torch.equal(out[0], together[r]), items[r]
+        assert torch.equal(alone(pool, q, its, r), together[r]), items[r]
+
+
+# windows below a tile, within a partition, across one boundary (1024) and across several, and covering it all
+WINDOWS = [1, 7, 100, 1000, 1030, 2100, 4000]
+
+
+@pytest.mark.parametrize("fmt", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("shape", [(14, 2, 64), (8, 8, 128), (9, 3, 32)])
+def test_window_matches_float64_reference(shape, fmt):
+    """A row of length L sees positions L - window .. L - 1 only."""
+    heads, kv_heads, dim = shape
+    rng = random.Random(hash((shape, str(fmt), "window")) % 1000)
+    act = torch.float32 if fmt == torch.float32 else torch.bfloat16
+    for groups, longest in (([1, 1, 1], 40), ([5, 1, 3], 1100), ([2, 1, 4], 3300)):
+        pool, q, its, _ = make_case(rng, heads, kv_heads, dim, fmt, groups, longest, act)
+        for window in WINDOWS:
+            got, want = run(pool, q, its, window).double(), reference(pool, q, its, window)
+            tol = 2e-5 if act == torch.float32 else 8e-3
+            assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), (groups, longest, window)
+
+
+@pytest.mark.parametrize("fmt", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_windowed_query_gets_the_same_bits_alone_as_in_its_verify_group_and_batch(fmt):
+    """Rows of one verify group start their windows in different partitions and tiles; each gets the bits it gets
+    alone, whatever the other rows (and their groups) make the pass read."""
+    rng = random.Random(11)
+    act = torch.float32 if fmt == torch.float32 else torch.bfloat16
+    pool, q, its, items = make_case(rng, 12, 2, 64, fmt, [6, 1, 4, 2], 3100, act)
+    for window in (5, 33, 700, 1030, 2048):
+        together = run(pool, q, its, window)
+        for r in range(len(items)):
+            assert torch.equal(alone(pool, q, its, r, window), together[r]), (items[r], window)
+
+
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.int8])
+def test_a_window_covering_the_context_changes_no_bit(fmt):
+    pool, q, its, _ = make_case(random.Random(5), 14, 2, 64, fmt, [4, 1, 3], 2500)
+    whole = run(pool, q, its)
+    longest = int(its.lengths.max())
+    assert torch.equal(run(pool, q, its, longest), whole)
+    assert torch.equal(run(pool, q, its, longest + 1000), whole)
+
+
+@pytest.mark.parametrize("fmt", [torch.float32, torch.int8])
+def test_keys_before_every_rows_window_are_not_read(fmt):
+    """Positions before the tile of 32 where a group's earliest window starts are never read: poisoned with NaN,
+    they change no bit (a read would spread the NaN, since 0 * NaN is NaN)."""
+    pool, q, its, items = make_case(random.Random(9), 8, 2, 64, fmt, [3, 1], 3000, torch.float32)
+    window = 900
+    clean = run(pool, q, its, window)
+    first = {}  # per sequence: the tile of its group's earliest window start
+    for (seq, length) in items:
+        start = max(0, length - window) // 32 * 32
+        first[seq] = min(first.get(seq, start), start)
+    for r, (seq, _) in enumerate(items):
+        unread = its.slots[r, :first[seq]]
+        if fmt == torch.int8:
+            pool.k_scale[0][unread] = float("nan")
+            pool.v_scale[0][unread] = float("nan")
+        else:
+            pool.k[0][unread] = float("nan")
+            pool.v[0][unread] = float("nan")
+    assert torch.equal(run(pool, q, its, window), clean)
 
 
 def test_int8_store_matches_torch_quantizer_and_bounds_the_error():
@@ -123,3 +190,5 @@ def test_bad_arguments_are_refused_not_read_out_of_bounds():
             run(pool, q, bad)
     with pytest.raises(RuntimeError, match="bad arguments"):
         run(pool, q, native.AttnItems(its.rows, its.slots, its.lengths, torch.tensor([0, 3])))
+    with pytest.raises(RuntimeError, match="bad arguments"):
+        run(pool, q, its, window=-1)

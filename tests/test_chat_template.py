@@ -185,3 +185,15 @@ def _tiny_tokenizer(chat_template: str | None) -> Tokenizer:
     tok = Tokenizer.from_gguf_metadata(md)
     assert re.fullmatch(r"<\|im_end\|>", tok.eos_token)
     return tok
+
+
+def test_a_model_without_a_template_gets_its_family_turn_format():
+    from quickdraft.tokenizer.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, default_template
+
+    assert default_template(lambda t: t == "<start_of_turn>") is GEMMA_TEMPLATE  # Gemma's vocabulary
+    assert default_template(lambda t: False) is CHATML_TEMPLATE
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi  "},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Name a colour."}]
+    text = render_chat_template(GEMMA_TEMPLATE, messages, True, {"bos_token": "<bos>"})
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+                    "<start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n")

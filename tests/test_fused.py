@@ -1,6 +1,7 @@
 """The fused decoder layer (models/fused.py, one C call per layer for batches of single tokens) computes exactly
 what the module path computes: the same logits and the same keys/values in the cache, bit for bit, for every
-weight format it runs, so a token's result does not depend on which path a step took (a decode token batched
+weight format it runs and every family's layer (q/k norms, sandwich norms, GELU-tanh, attention scale, sliding
+window, per-layer RoPE), so a token's result does not depend on which path a step took (a decode token batched
 beside a prompt chunk takes the module path, alone it takes the fused one)."""
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import pytest
 import torch
 
 from quickdraft import LLM
+from quickdraft.config import ModelConfig
 from quickdraft.kv import ForwardItem, SequenceKV
+from quickdraft.kv.pool import KVPool
+from quickdraft.loading.pack_float import pack_float_linears
+from quickdraft.loading.quant_convert import quantizable_linears, set_module
+from quickdraft.loading.quant_groups import fuse_quant_linears
 from quickdraft.models import native
-from quickdraft.models.fused import FusedLayer, FusedStack
-from quickdraft.models.transformer import DecoderLayer
+from quickdraft.models.fused import FusedLayer, FusedStack, SingleTokens
+from quickdraft.models.quant import Int4Linear, Int8Linear
+from quickdraft.models.transformer import DecoderLayer, Transformer
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="quickdraft's CPU kernels not built on this CPU")
 KV = "64MiB"  # a few hundred tokens of cache are used here; LLM's default pool is 1 GiB per model, zeroed up front
@@ -95,3 +102,114 @@ def test_decode_token_beside_a_prompt_chunk_equals_it_alone(smollm2, monkeypatch
     beside = runner.forward([ForwardItem(kv_long, chunk, 1), ForwardItem(kv_b, [29], 1)])[1]
     assert len(calls) == llm.model.config.num_layers  # the mixed step ran the module path
     assert torch.equal(alone, beside)
+
+
+# ---- each family's layer, built here: one step of single tokens over a pool, module path against fused --------------
+FAMILY = {
+    # q/k norms, SwiGLU (applied inside a quantized gate/up call)
+    "qwen3": dict(architecture="qwen3", qk_norm=True),
+    # sandwich norms, GELU-tanh, attention scale from query_pre_attn_scalar, sliding and full layers, each with its
+    # own RoPE base
+    "gemma3": dict(architecture="gemma3", qk_norm=True, sandwich_norms=True, hidden_act="gelu_tanh",
+                   query_pre_attn_scalar=24.0, sliding_window=24, rope_theta=1e6, local_rope_theta=1e4,
+                   layer_types=("sliding_attention", "full_attention", "sliding_attention")),
+}
+# cached tokens and new tokens per sequence: a verify pass over more than one partition (1024 positions), a decode
+# step, and a verify pass whose queries' windows start on either side of position 0
+STEP = [(1100, 4), (30, 1), (22, 3)]
+BLOCK = 16
+
+
+def _model(family: str, weights: str, dtype: torch.dtype) -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+                      head_dim=32, max_position_embeddings=2048, **FAMILY[family])
+    model = Transformer(cfg).eval().requires_grad_(False)
+    for name, p in model.named_parameters():
+        if "norm" in name:  # norm weights away from 1, as trained ones are
+            p.copy_(1 + torch.randn_like(p) * 0.3)
+        p.data = p.data.to(dtype)  # the RoPE tables stay float32, as the loader builds them
+    if weights == "bfloat16":
+        pack_float_linears(model)
+    else:
+        quantized = Int4Linear if weights == "int4" else Int8Linear
+        for name, linear in quantizable_linears(model).items():
+            set_module(model, name, quantized.from_float(linear.weight.float(), linear.bias))
+        fuse_quant_linears(model)
+    return model
+
+
+class _Step:
+    """The attention protocol for one step of single tokens (kv/attention.py's native path, without the engine):
+    each sequence's new tokens attend as one verify group, through native.attend, over a pool holding random keys
+    and values for the cached tokens."""
+
+    def __init__(self, model: Transformer, kv_dtype: torch.dtype) -> None:
+        cfg = model.config
+        width = max(before + new for before, new in STEP)
+        blocks = -(-width // BLOCK)
+        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, blocks * len(STEP) + 1, BLOCK, kv_dtype,
+                           "cpu")
+        order = torch.randperm(blocks * len(STEP), generator=torch.Generator().manual_seed(1)) + 1
+        tables = [order[s * blocks:(s + 1) * blocks] for s in range(len(STEP))]
+        slots = [(t[:, None] * BLOCK + torch.arange(BLOCK)).flatten() for t in tables]  # scattered blocks
+        act, gen = model.model.embed_tokens.weight.dtype, torch.Generator().manual_seed(3)
+        rows, lengths, group_first = [], [], [0]
+        for s, (before, new) in enumerate(STEP):
+            shape = (before, cfg.num_kv_heads, cfg.head_dim)
+            for layer in range(cfg.num_layers):
+                k, v = torch.randn(shape, generator=gen).to(act), torch.randn(shape, generator=gen).to(act)
+                self.pool.write(layer, slots[s][:before], k, v)
+            rows += [slots[s]] * new
+            lengths += range(before + 1, before + new + 1)
+            group_first.append(len(lengths))
+        self.positions = torch.tensor(lengths) - 1
+        self.slot_mapping = torch.stack([row[p] for row, p in zip(rows, self.positions.tolist())])
+        self.items = native.AttnItems(torch.arange(len(lengths)), torch.stack(rows), torch.tensor(lengths),
+                                      torch.tensor(group_first))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               window: int | None = None) -> torch.Tensor:
+        self.pool.write(layer, self.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        native.attend(q, self.pool.layer(layer), self.items, out, scale, window or 0)
+        return out
+
+    def single_tokens(self, layer: int) -> SingleTokens:
+        return SingleTokens(self.positions, self.slot_mapping, self.items, self.pool.layer(layer),
+                            self.pool.k.stride(0), self.pool.scale_layer_stride)
+
+
+def _run(model: Transformer, kv_dtype: torch.dtype, path: str, monkeypatch) -> tuple[list[torch.Tensor], int]:
+    """The step's hidden states and new cache entries on one path (module, layer: one fused call per layer, stack:
+    one for all), and how many layers ran fused."""
+    calls = []
+    with monkeypatch.context() as patch:
+        _count_fused_layers(patch, calls)
+        if path == "module":
+            patch.setattr(DecoderLayer, "fused", lambda self, rope: None)
+        if path != "stack":
+            patch.setattr(Transformer, "fused_stack", lambda self, num_layers: None)
+        step = _Step(model, kv_dtype)
+        tokens = torch.randint(1, 64, (len(step.positions),), generator=torch.Generator().manual_seed(2))
+        hidden = model(tokens, step)
+    pool, new = step.pool, step.slot_mapping
+    cache = [pool.k[:, new], pool.v[:, new]] + ([pool.k_scale[:, new], pool.v_scale[:, new]] if pool.quantized else [])
+    return [hidden, *cache], len(calls)
+
+
+@pytest.mark.parametrize("family", list(FAMILY))
+@pytest.mark.parametrize("weights,dtype,kv", [
+    ("int4", torch.float32, None), ("int8", torch.float32, None), ("int4", torch.bfloat16, None),
+    ("int8", torch.bfloat16, torch.int8), ("bfloat16", torch.bfloat16, None)])
+def test_family_layers_fused_equal_module_path_bitwise(family, weights, dtype, kv, monkeypatch):
+    model = _model(family, weights, dtype)
+    layers = model.config.num_layers
+    modules, module_calls = _run(model, kv or dtype, "module", monkeypatch)
+    assert module_calls == 0
+    for path in ("layer", "stack"):
+        fused, fused_calls = _run(model, kv or dtype, path, monkeypatch)
+        assert fused_calls == layers, path
+        for a, b in zip(fused, modules):
+            assert torch.equal(a, b), path
+

@@ -172,9 +172,9 @@ BASE_KV = {
 }
 
 
-def write_model(path: Path, **overrides: tuple) -> Path:
+def write_model(path: Path, extra_tensors: dict[str, np.ndarray] | None = None, **overrides: tuple) -> Path:
     """A complete 1-layer llama GGUF (hidden 8, 2 heads of 4, float32 zeros) with some metadata replaced
-    (``a__b=(value, GGUFValueType)`` sets ``a.b``; a value None leaves the key out)."""
+    (``a__b=(value, GGUFValueType)`` sets ``a.b``; a value None leaves the key out) and ``extra_tensors``."""
     w = GGUFWriter(str(path), "llama")
     for key, (value, vtype) in {**BASE_KV, **{k.replace("__", "."): v for k, v in overrides.items()}}.items():
         if value is None:  # left out
@@ -186,6 +186,8 @@ def write_model(path: Path, **overrides: tuple) -> Path:
               "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16)}
     for name, shape in shapes.items():
         w.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    for name, data in (extra_tensors or {}).items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -215,6 +217,36 @@ METADATA_CASES = {
                                r"'tokenizer.chat_template' is int 7; it must be a string"),
     "feed_forward_length missing": (dict(llama__feed_forward_length=(None, None)), r"missing 'llama.feed_forward"),
 }
+
+
+def rope_freqs(*values: float, dtype: type = np.float32) -> dict[str, np.ndarray]:
+    return {"rope_freqs.weight": np.array(values, dtype=dtype)}
+
+
+# RoPE: a head of 4 has 2 frequencies, so Llama 3's rope_freqs holds 2 positive divisors
+METADATA_CASES.update({
+    "rope_freqs too short": (dict(extra_tensors=rope_freqs(1.0)), r"tensor rope_freqs.weight has shape \(1,\); RoPE "
+                                                                  r"over a head of 4 needs \(2,\), one factor per"),
+    "rope_freqs too long": (dict(extra_tensors=rope_freqs(*[1.0] * 1000)), r"rope_freqs.weight has shape \(1000,\)"),
+    "rope_freqs 2-D": (dict(extra_tensors={"rope_freqs.weight": np.ones((2, 2), np.float32)}),
+                       r"rope_freqs.weight has shape \(2, 2\)"),
+    "rope_freqs NaN": (dict(extra_tensors=rope_freqs(1.0, float("nan"))),
+                       r"tensor rope_freqs.weight holds nan at index 1; RoPE frequency factors must be positive "
+                       r"finite numbers"),
+    "rope_freqs 0": (dict(extra_tensors=rope_freqs(0.0, 1.0)), r"rope_freqs.weight holds 0.0 at index 0"),
+    "rope_freqs negative": (dict(extra_tensors=rope_freqs(1.0, -8.0)), r"rope_freqs.weight holds -8.0 at index 1"),
+    "rope_freqs infinite (F16)": (dict(extra_tensors=rope_freqs(np.inf, 1.0, dtype=np.float16)),
+                                 r"rope_freqs.weight holds inf at index 0"),
+    "rope scaling type a number": (dict(llama__rope__scaling__type=(2, VT.UINT32)),
+                                   r"RoPE scaling int 2 \(llama.rope.scaling.type\) is not supported; supported: "
+                                   r"none, linear"),
+    "rope scaling yarn": (dict(llama__rope__scaling__type=("yarn", VT.STRING)),
+                          r"RoPE scaling str 'yarn' \(llama.rope.scaling.type\) is not supported"),
+    "rope factor NaN": (dict(llama__rope__scaling__factor=(float("nan"), VT.FLOAT32)),
+                        r"'llama.rope.scaling.factor' is float nan; it must be a positive finite number"),
+    "rope dimension count odd": (dict(llama__rope__dimension_count=(3, VT.UINT32)),
+                                 r"'llama.rope.dimension_count' is 3 but the head dimension is 4"),
+})
 
 
 @pytest.mark.parametrize("name", list(METADATA_CASES))

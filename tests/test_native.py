@@ -63,6 +63,18 @@ def test_rope_matches_torch_and_rows_are_independent(dtype):
         assert torch.equal(alone, batch[r:r + 1])
 
 
+def test_gated_activation_matches_torch():
+    """qd_gated, which the module path and the fused layer share, is torch's silu or gelu(tanh) times up."""
+    torch.manual_seed(2)
+    gate_up = torch.randn(5, 2 * 200) * 3
+    gate, up = gate_up.chunk(2, dim=-1)
+    for act, ref in (("silu", F.silu(gate) * up), ("gelu_tanh", F.gelu(gate, approximate="tanh") * up)):
+        assert torch.allclose(native.gated(gate_up, act), ref, rtol=1e-6, atol=1e-6), act
+        got = native.gated(gate_up.bfloat16(), act)
+        assert torch.equal(got, native.gated(gate_up.bfloat16().float(), act).bfloat16()), act  # rounded once
+        assert torch.equal(native.gated(gate_up[2:3].bfloat16(), act), got[2:3]), act  # a row alone
+
+
 def test_quant_group_is_its_layers_side_by_side_and_swiglu_is_silu_times_up():
     """q/k/v with mixed formats (a Q4_K_M GGUF stores some v projections with more bits) in one call give each
     layer's own result bit for bit; gate/up with SwiGLU in the kernel match silu(gate) * up."""

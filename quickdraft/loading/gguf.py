@@ -4,9 +4,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
-import re
-import reprlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -15,54 +12,29 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, LlamaFileType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from quickdraft.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading import weight_cache
 from quickdraft.loading.checkpoint import Checkpoint, LazyTensors, fingerprint
 from quickdraft.loading.dequant import SUPPORTED_TYPES, dequantize, qtype_name, supported_type_names
-from quickdraft.loading.gguf_metadata import read_header
+from quickdraft.loading.gguf_families import (IGNORED, FloatReader, end_of_turn_texts, family_fields, fused_rows,
+                                              hf_targets)
+from quickdraft.loading.gguf_metadata import (MAX_CONTEXT, MAX_WIDTH, GGUFHeader, int_value, positive_float,
+                                              read_header, show)
 
 log = logging.getLogger(__name__)
 
 # llama.cpp's converter permutes q/k rows of these architectures for its rotary layout.
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# Present in some llama GGUFs, not needed by our model (rotary tables are recomputed).
-_IGNORED = re.compile(r"(rope_freqs\.weight|blk\.\d+\.attn_rot_embd.*)$")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """HF parameter name for a GGUF tensor name, or None when the tensor is not one we use."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
 
 
 def hf_tensor_types(gguf_types: dict[str, str]) -> dict[str, str]:
-    """GGML type names by GGUF tensor name -> by HF name, with a tied lm_head typed as the embedding it reads."""
-    out = {hf: t for name, t in gguf_types.items() if (hf := hf_name(name)) is not None}
+    """GGML type names by GGUF tensor name -> by HF name (each part of a fused tensor typed as it), with a tied lm_head
+    typed as the embedding it reads: what ``load_gguf`` records as ``Checkpoint.tensor_types``."""
+    out = {hf: t for name, t in gguf_types.items() for hf in hf_targets(name, gguf_types)}
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -97,17 +69,16 @@ def _token_id(tokens: Any, text: str) -> int | None:
 
 
 def eos_token_ids(metadata: dict[str, Any], arch: str, vocab_size: int | None = None) -> tuple[int, ...]:
-    """EOS ids: the declared eos (and eot/eom) ids, plus the ChatML end-of-turn token
-    ``<|im_end|>`` when the vocab has it, and for qwen2 also ``<|endoftext|>``; ids outside
-    ``vocab_size`` (when given) are dropped."""
+    """EOS ids: the declared eos (and eot/eom) ids, plus the end-of-turn tokens the vocabulary has: ChatML's
+    ``<|im_end|>``, and per family ``<|endoftext|>`` (qwen2/qwen3), ``<end_of_turn>`` (gemma3), ``<|end|>`` and
+    ``<|endoftext|>`` (phi3); ids outside ``vocab_size`` (when given) are dropped."""
     ids: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         value = metadata.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             ids.append(value)
     tokens = metadata.get("tokenizer.ggml.tokens")
-    extra = ["<|im_end|>"] + (["<|endoftext|>"] if arch == "qwen2" else [])
-    for text in extra:
+    for text in end_of_turn_texts(arch):
         tid = _token_id(tokens, text)
         if tid is not None:
             ids.append(tid)
@@ -116,43 +87,11 @@ def eos_token_ids(metadata: dict[str, Any], arch: str, vocab_size: int | None = 
     return tuple(dict.fromkeys(ids))
 
 
-def _required(metadata: dict[str, Any], key: str, path: Path) -> Any:
-    value = metadata.get(key)
-    if value is None:
-        raise ModelLoadError(f"{path}: GGUF metadata is missing {key!r} (corrupt or incomplete file?)")
-    return value
-
-
-def _int(metadata: dict[str, Any], key: str, path: Path, low: int, high: int, default: int | None = None) -> int:
-    """An integer metadata value in ``[low, high]`` (required unless it has a default)."""
-    value = _required(metadata, key, path) if default is None else metadata.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {_show(value)}; it must be an integer")
-    if not low <= value <= high:
-        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {value:,}; allowed: {low:,} to {high:,}")
-    return value
-
-
-def _positive_float(metadata: dict[str, Any], key: str, path: Path, default: float) -> float:
-    value = metadata.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {_show(value)}; it must be a positive finite number")
-    return float(value)
-
-
-def _show(value: Any) -> str:
-    return f"{type(value).__name__} {reprlib.repr(value)}"
-
-
-# Bounds on the config's sizes, far above any real model (widths of ~16k, contexts of up to ~10M tokens): a
-# damaged value is refused here rather than sizing a loop or an allocation (the rotary table has a row per position).
-MAX_WIDTH = 1 << 20
-MAX_CONTEXT = 1 << 24
-
-
-def config_from_metadata(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path) -> ModelConfig:
-    """ModelConfig from GGUF key/values and the tensors' shapes (torch order, keyed by GGUF name);
-    every value is type- and range-checked (a ModelLoadError names the key, its value and what is allowed)."""
+def config_from_metadata(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path,
+                         read_floats: FloatReader) -> ModelConfig:
+    """ModelConfig from GGUF key/values and the tensors' shapes (torch order, keyed by GGUF name), with the family's
+    own fields (``gguf_families.family_fields``, which reads RoPE factor tensors through ``read_floats``); every value
+    is type- and range-checked (a ModelLoadError names the key, its value and what is allowed)."""
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
@@ -163,56 +102,46 @@ def config_from_metadata(metadata: dict[str, Any], shapes: dict[str, tuple[int, 
     if len(shapes["token_embd.weight"]) != 2:
         raise ModelLoadError(f"{path}: token_embd.weight has shape {shapes['token_embd.weight']}; it must be 2-D "
                              f"(vocabulary x hidden size)")
-    hidden = _int(metadata, f"{arch}.embedding_length", path, 1, MAX_WIDTH)
-    heads = _int(metadata, f"{arch}.attention.head_count", path, 1, MAX_WIDTH)
-    kv_heads = _int(metadata, f"{arch}.attention.head_count_kv", path, 1, heads, default=heads)
-    head_dim = _int(metadata, f"{arch}.attention.key_length", path, 0, MAX_WIDTH, default=0) or hidden // heads
+    hidden = int_value(metadata, f"{arch}.embedding_length", path, 1, MAX_WIDTH)
+    heads = int_value(metadata, f"{arch}.attention.head_count", path, 1, MAX_WIDTH)
+    kv_heads = int_value(metadata, f"{arch}.attention.head_count_kv", path, 1, heads, default=heads)
+    head_dim = int_value(metadata, f"{arch}.attention.key_length", path, 0, MAX_WIDTH, default=0) or hidden // heads
     if head_dim < 2 or head_dim % 2:
         raise ModelLoadError(f"{path}: the head dimension is {head_dim}; rotary embeddings need an even one "
                              f"(check {arch}.attention.key_length, {arch}.embedding_length and head_count)")
     # each layer has at least 9 tensors: more layers than tensors is a damaged count
-    num_layers = _int(metadata, f"{arch}.block_count", path, 1, max(1, len(shapes)))
-    scaling = metadata.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        log.warning("%s: rope scaling %r is not supported; using plain RoPE", path, scaling)
+    num_layers = int_value(metadata, f"{arch}.block_count", path, 1, max(1, len(shapes)))
     vocab = int(shapes["token_embd.weight"][0])
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool) or not 0 <= bos < vocab):
         log.warning("%s: ignoring tokenizer.ggml.bos_token_id %s, not a token id below the vocabulary size %d",
-                    path, _show(bos), vocab)
+                    path, show(bos), vocab)
         bos = None
     template = metadata.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
-        raise ModelLoadError(f"{path}: GGUF metadata 'tokenizer.chat_template' is {_show(template)}; "
+        raise ModelLoadError(f"{path}: GGUF metadata 'tokenizer.chat_template' is {show(template)}; "
                              f"it must be a string")
-    intermediate = _int(metadata, f"{arch}.feed_forward_length", path, 1, MAX_WIDTH)
-    context = _int(metadata, f"{arch}.context_length", path, 1, MAX_CONTEXT, default=4096)
-    rope_theta = _positive_float(metadata, f"{arch}.rope.freq_base", path, 10000.0)
-    eps = _positive_float(metadata, f"{arch}.attention.layer_norm_rms_epsilon", path, 1e-6)
+    base = dict(
+        architecture=arch, vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=int_value(metadata, f"{arch}.feed_forward_length", path, 1, MAX_WIDTH),
+        num_layers=num_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=int_value(metadata, f"{arch}.context_length", path, 1, MAX_CONTEXT, default=4096),
+        rope_theta=positive_float(metadata, f"{arch}.rope.freq_base", path, 10000.0),
+        rms_norm_eps=positive_float(metadata, f"{arch}.attention.layer_norm_rms_epsilon", path, 1e-6),
+        attention_bias="blk.0.attn_q.bias" in shapes or "blk.0.attn_qkv.bias" in shapes,
+        tie_word_embeddings="output.weight" not in shapes,
+        bos_token_id=bos,
+        eos_token_ids=eos_token_ids(metadata, arch, vocab),
+    )
     try:
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=intermediate,
-            num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=context,
-            rope_theta=rope_theta,
-            rms_norm_eps=eps,
-            attention_bias="blk.0.attn_q.bias" in shapes,
-            tie_word_embeddings="output.weight" not in shapes,
-            bos_token_id=bos,
-            eos_token_ids=eos_token_ids(metadata, arch, vocab),
-        )
+        return ModelConfig(**base, **family_fields(arch, metadata, shapes, path, base, read_floats))
     except (ValueError, ZeroDivisionError) as exc:
         raise ModelLoadError(f"{path}: inconsistent GGUF metadata: {exc}") from exc
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape for a checkpoint of this config (lm_head only when untied)."""
+    """HF tensor name -> shape for a checkpoint of this config (lm_head only when untied; q/k norms with
+    ``qk_norm``, the norms before and after the MLP with ``sandwich_norms``)."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
@@ -233,6 +162,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         })
         if cfg.attention_bias:
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)})
+        if cfg.sandwich_norms:
+            out.update({p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)})
     return out
 
 
@@ -284,17 +217,15 @@ class GGUFIndex:
     tensors: dict[str, TensorRecord]  # by HF name; a tied lm_head has none of its own
 
     def to_json(self) -> dict[str, Any]:
-        return {"config": asdict(self.config), "metadata": self.metadata, "quantization": self.quantization,
+        return {"config": self.config.to_dict(), "metadata": self.metadata, "quantization": self.quantization,
                 "tensors": {k: asdict(r) for k, r in self.tensors.items()}}
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> GGUFIndex:
         """Raises KeyError/TypeError/ValueError on a damaged record."""
-        cfg = dict(record["config"])
-        cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
         tensors = {k: TensorRecord(r["gguf_name"], int(r["qtype"]), tuple(int(x) for x in r["shape"]), int(r["offset"]),
                                    int(r["nbytes"])) for k, r in record["tensors"].items()}
-        return cls(ModelConfig(**cfg), dict(record["metadata"]), str(record["quantization"]), tensors)
+        return cls(ModelConfig.from_dict(record["config"]), dict(record["metadata"]), str(record["quantization"]), tensors)
 
 
 def read_index(path: Path) -> GGUFIndex:
@@ -302,15 +233,17 @@ def read_index(path: Path) -> GGUFIndex:
     missing, damaged or unsupported)."""
     header = read_header(path)  # every count, length, type and offset of the header checked
     shapes = {name: tuple(reversed(dims)) for name, dims, _, _, _ in header.tensors}
-    cfg = config_from_metadata(header.metadata, shapes, path)
+    cfg = config_from_metadata(header.metadata, shapes, path, _float_reader(path, header))
     records: dict[str, TensorRecord] = {}
     for name, _, qtype, offset, nbytes in header.tensors:
-        target = hf_name(name)
-        if target is None:
-            if not _IGNORED.match(name):
+        targets = hf_targets(name, shapes)
+        if not targets:
+            if not IGNORED.match(name):
                 log.warning("%s: ignoring unknown tensor %s", path.name, name)
             continue
-        records[target] = TensorRecord(name, qtype, shapes[name], offset, nbytes)
+        whole = TensorRecord(name, qtype, shapes[name], offset, nbytes)
+        parts = split_rows(whole, fused_rows(targets, cfg), path) if len(targets) > 1 else [whole]
+        records.update(zip(targets, parts))
     check_tensor_set({target: r.shape for target, r in records.items()}, cfg, path)
     unsupported = sorted({(qtype_name(r.qtype), r.gguf_name) for r in records.values() if r.qtype not in SUPPORTED_TYPES})
     if unsupported:
@@ -321,6 +254,40 @@ def read_index(path: Path) -> GGUFIndex:
         )
     counts = Counter(GGMLQuantizationType(r.qtype).name for r in records.values())
     return GGUFIndex(cfg, header.metadata, quantization_name(header.metadata, counts), records)
+
+
+def split_rows(whole: TensorRecord, rows: tuple[int, ...], path: Path) -> list[TensorRecord]:
+    """The row ranges of a fused tensor (Phi-3's q/k/v, gate/up), each as a record of its own: GGUF stores rows
+    whole, so each range is a contiguous byte range of the file, whatever the type."""
+    if whole.shape[0] != sum(rows):
+        raise ModelLoadError(f"{path}: tensor {whole.gguf_name} has shape {whole.shape}; the model config needs "
+                             f"{' + '.join(f'{n:,}' for n in rows)} = {sum(rows):,} rows in it (its parts one after "
+                             f"another)")
+    if len(whole.shape) == 1 and GGML_QUANT_SIZES[GGMLQuantizationType(whole.qtype)][0] != 1:
+        raise ModelLoadError(f"{path}: tensor {whole.gguf_name} is a 1-D {qtype_name(whole.qtype)} tensor; a fused "
+                             f"vector must be stored in a float type to be split")
+    per_row = whole.nbytes // whole.shape[0]
+    out, start = [], 0
+    for n in rows:
+        out.append(TensorRecord(whole.gguf_name, whole.qtype, (n, *whole.shape[1:]), whole.offset + start * per_row,
+                                n * per_row))
+        start += n
+    return out
+
+
+def _float_reader(path: Path, header: GGUFHeader) -> FloatReader:
+    """Reads a small tensor of the file (RoPE factors) as float64 values; its size is checked before it is read."""
+    places = {name: (dims, qtype, offset, nbytes) for name, dims, qtype, offset, nbytes in header.tensors}
+
+    def read(name: str) -> np.ndarray:
+        dims, qtype, offset, nbytes = places[name]
+        if qtype not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{path}: tensor {name} has type {qtype_name(qtype)}; supported: "
+                                 f"{supported_type_names()}")
+        raw = np.fromfile(path, dtype=np.uint8, count=nbytes, offset=offset)
+        return dequantize(raw, qtype, tuple(reversed(dims))).double().numpy()
+
+    return read
 
 
 ROW_CHUNK = 8192  # rows dequantized at a time: an embedding table never exists in float32 whole
@@ -340,7 +307,7 @@ def dequantize_rows(raw: np.ndarray, qtype: int, shape: tuple[int, ...], dtype: 
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, use_cache: bool = True) -> Checkpoint:
-    """A llama / mistral / qwen2 GGUF with HF names and layout, each tensor dequantized to ``dtype`` when it is read.
+    """A GGUF of a supported family (``gguf_families``) with HF names and layout, each tensor dequantized to ``dtype`` when it is read.
 
     Only the header is read here (with ``use_cache``, from the weight cache's copy of it after the first load); the
     tensors stay in the file, memory-mapped, until a model is built from them one at a time."""
@@ -377,7 +344,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, use_cache
     makers = {name: functools.partial(dequantized, name) for name in records}
     if cfg.tie_word_embeddings:
         makers["lm_head.weight"] = makers["model.embed_tokens.weight"]
-    types = hf_tensor_types({r.gguf_name: qtype_name(r.qtype) for r in records.values()})
+    types = {name: qtype_name(r.qtype) for name, r in records.items()}  # = hf_tensor_types of the file's types
+    if cfg.tie_word_embeddings:
+        types["lm_head.weight"] = types["model.embed_tokens.weight"]
     return Checkpoint(
         config=cfg, tensors=LazyTensors(makers), source=path, fingerprint=fp,
         chat_template=index.metadata.get("tokenizer.chat_template"), gguf_metadata=index.metadata, hf_dir=None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import reprlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,3 +245,41 @@ def tensor_types(path: str | Path) -> dict[str, str]:
     """GGML type name (``'Q4_1'``, ``'F32'``, ...) of every tensor by GGUF name, from the checked header alone:
     cheap enough to describe a file without reading its tensors or its metadata into Python values."""
     return {name: GGMLQuantizationType(raw).name for name, _, raw, _, _ in _checked_header(Path(path)).tensors}
+
+
+# Bounds on a config's sizes, far above any real model (widths of ~16k, contexts of up to ~10M tokens): a damaged
+# value is refused rather than sizing a loop or an allocation (the rotary table has a row per position).
+MAX_WIDTH = 1 << 20
+MAX_CONTEXT = 1 << 24
+
+
+# ---- checked metadata values (each failure a ModelLoadError naming the key, its value and what is allowed) ----
+def show(value: Any) -> str:
+    return f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+def required(metadata: dict[str, Any], key: str, path: Path) -> Any:
+    value = metadata.get(key)
+    if value is None:
+        raise ModelLoadError(f"{path}: GGUF metadata is missing {key!r} (corrupt or incomplete file?)")
+    return value
+
+
+def int_value(metadata: dict[str, Any], key: str, path: Path, low: int, high: int, default: int | None = None) -> int:
+    """An integer metadata value in ``[low, high]`` (required unless it has a default)."""
+    value = required(metadata, key, path) if default is None else metadata.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {show(value)}; it must be an integer")
+    if not low <= value <= high:
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {value:,}; allowed: {low:,} to {high:,}")
+    return value
+
+
+def positive_float(metadata: dict[str, Any], key: str, path: Path, default: float | None) -> float | None:
+    """A positive finite number (an int is taken too), or ``default`` when the key is absent."""
+    value = metadata.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {show(value)}; it must be a positive finite number")
+    return float(value)

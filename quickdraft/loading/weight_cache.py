@@ -25,7 +25,7 @@ from quickdraft.paths import CACHE_ENV, cache_root  # noqa: F401  (re-exported)
 log = logging.getLogger(__name__)
 
 # Bump when the conversion (dequantization, name mapping, permutation) or the header record changes.
-CACHE_FORMAT_VERSION = "2"
+CACHE_FORMAT_VERSION = "3"
 
 
 def weights_dir() -> Path:

@@ -11,10 +11,14 @@
  *   product's 8 lanes, a softmax denominator) is added in one fixed order, that of an 8-lane single dot product, so
  *   the width never shows in the bits, and a context of one partition gets exactly what the kernel this replaced
  *   computed.
+ * - A sliding-window layer (window > 0) sees only the last window positions of each context: partitions wholly
+ *   before every row's window are neither computed nor read, nor are tiles before it, so such a layer reads only
+ *   its window of the paged cache, however long the context.
  * Batch invariance: a query row's result depends only on its own query and context. Its partitions, the keys of
- * each, every sum's order and the merge are fixed by its length alone; rows that share a pass only share loads.
- * Keys a row does not see get probability exactly 0, and 0 * v adds nothing, so a draft verified among k others
- * gets the bits it gets when decoded alone.
+ * each, every sum's order and the merge are fixed by its length and the window alone; rows that share a pass only
+ * share loads. Keys a row does not see (past its own length, or before its window) get probability exactly 0, and
+ * 0 * v adds nothing, as leading zeros add nothing to a sum, so a draft verified among k others gets the bits it
+ * gets when decoded alone, and a window that covers the whole context changes no bit.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -54,12 +58,15 @@ static inline vf vbf16(const uint16_t *p) {
     return vasf(vislli(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline vf vint8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-static inline vf vkeep_below(vf x, int n) { /* lanes >= n become 0 */
-    return _mm512_maskz_mov_ps(n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n > 0 ? n : 0)) - 1u), x);
+static inline __mmask16 lanes_in(int lo, int hi) { /* lanes lo <= i < hi */
+    const unsigned below = hi >= 16 ? 0xFFFFu : hi > 0 ? (1u << hi) - 1u : 0u;
+    const unsigned from = lo <= 0 ? 0xFFFFu : lo >= 16 ? 0u : 0xFFFFu << lo;
+    return (__mmask16)(below & from);
 }
+static inline vf vkeep_in(vf x, int lo, int hi) { return _mm512_maskz_mov_ps(lanes_in(lo, hi), x); } /* others 0 */
 static inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
-static inline vf vmax_below(vf m, vf x, int n) { /* max(m, x) in lanes < n, m elsewhere */
-    return _mm512_mask_max_ps(m, n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n > 0 ? n : 0)) - 1u), m, x);
+static inline vf vmax_in(vf m, vf x, int lo, int hi) { /* max(m, x) in lanes lo <= i < hi, m elsewhere */
+    return _mm512_mask_max_ps(m, lanes_in(lo, hi), m, x);
 }
 #define PV_ROWS 6
 #else
@@ -84,18 +91,19 @@ typedef __m256i vi;
 #define vasf _mm256_castsi256_ps
 static inline vf vbf16(const uint16_t *p) { return bf16x8(p); }
 static inline vf vint8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
-static inline vf vkeep_below(vf x, int n) {
+static inline __m256 lanes_in(int lo, int hi) { /* all ones in lanes lo <= i < hi */
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane)));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(hi), lane),
+                                                _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(lo - 1))));
 }
+static inline vf vkeep_in(vf x, int lo, int hi) { return _mm256_and_ps(x, lanes_in(lo, hi)); }
 static inline float vhmax(vf x) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
-static inline vf vmax_below(vf m, vf x, int n) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_blendv_ps(m, _mm256_max_ps(m, x), _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane)));
+static inline vf vmax_in(vf m, vf x, int lo, int hi) {
+    return _mm256_blendv_ps(m, _mm256_max_ps(m, x), lanes_in(lo, hi));
 }
 #define PV_ROWS 3
 #endif
@@ -255,10 +263,41 @@ static void pv_rows(int nr, float *const *p, const float *vt, int Dp, int n, flo
 }
 
 
+/* The first position a row with `length` keys sees: its window's first, or 0 without a window (window 0). */
+static long first_visible(long length, int window) { return window > 0 && length > window ? length - window : 0; }
+
+static int clamp_to(long x, int n) { return x < 0 ? 0 : x < n ? (int)x : n; }
+
+/* Softmax numerators of nr rows over one partition's n scores: row r's scores from[r] .. keys[r] - 1 become
+ * exp(s - max), every other score up to the tile padding becomes exactly 0 (from tile t_lo on, what the outputs
+ * read). Writes each row's max and sum of exponentials. */
+static void softmax_rows(int nr, float *const *srow, const int *from, const int *keys, int t_lo, int n, float *m,
+                         float *l) {
+    const int n_padded = (n + TILE - 1) / TILE * TILE;
+    for (int r = 0; r < nr; r++) {
+        const int a = from[r], kr = keys[r], j0 = a / LANES * LANES, padded = (kr + LANES - 1) / LANES * LANES;
+        vf vmx = vset1(-INFINITY);
+        for (int j = j0; j < padded; j += LANES) vmx = vmax_in(vmx, vloadu(srow[r] + j), a - j, kr - j);
+        const float mx = vhmax(vmx);
+        /* 8 lanes, 8 keys at a time in order from the partition's start: a single row's sum (the leading keys
+         * outside the window would only add zeros) */
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = j0; j < padded; j += LANES) {
+            const vf p = vkeep_in(exp_neg(vsub(vloadu(srow[r] + j), vset1(mx))), a - j, kr - j);
+            vstoreu(srow[r] + j, p);
+            for (int h8 = 0; h8 < LANES; h8 += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(srow[r] + j + h8));
+        }
+        memset(srow[r] + t_lo, 0, (size_t)(j0 - t_lo) * 4);
+        memset(srow[r] + padded, 0, (size_t)(n_padded - padded) * 4);
+        m[r] = mx;
+        l[r] = hsum(sum);
+    }
+}
+
 /* One task: the rows of group g (its items times the G query heads of key/value head h) over partition part.
  * Writes each row's partial result: running max, sum of exponentials and unnormalized output (D floats). */
 static int attend_partition(const void *q, long q_stride, int q_bf16, int H, int KVH, int D, const qd_kv_cache *kv,
-                            const qd_attn_items *it, int g, int h, int part, float scale, float *res) {
+                            const qd_attn_items *it, int g, int h, int part, float scale, int window, float *res) {
     static __thread scratch qbuf, sbuf, tbuf, abuf;
     const int G = H / KVH, first = (int)it->group_first[g], nq = (int)it->group_first[g + 1] - first, nr = nq * G;
     const int Dp = (D + LANES - 1) / LANES * LANES; /* row stride of the float32 buffers, zero-padded */
@@ -271,21 +310,25 @@ static int attend_partition(const void *q, long q_stride, int q_bf16, int H, int
     float *acc = reserve_floats(&abuf, (size_t)nr * Dp);
     if (!qf || !s || !kt || !acc) return -1;
     float *srow[nr], *arow[nr];
-    int keys[nr]; /* positions of this partition each row attends to */
+    int from[nr], keys[nr]; /* row r attends to positions k0 + from[r] .. k0 + keys[r] - 1 of this partition */
+    int t_lo = n;           /* the first tile any row sees: the tiles before it are not read */
     for (int i = 0; i < nq; i++)
         for (int gg = 0; gg < G; gg++) {
             const int r = i * G + gg;
             const size_t qb = (size_t)it->rows[first + i] * q_stride + (size_t)(h * G + gg) * D;
             for (int d = 0; d < Dp; d++) qf[(size_t)r * Dp + d] = d < D ? ld(q, q_bf16, qb + d) * scale : 0.f;
-            const long seen = it->lengths[first + i] - k0;
-            keys[r] = seen < 0 ? 0 : seen < n ? (int)seen : n;
+            keys[r] = clamp_to(it->lengths[first + i] - k0, n);
+            from[r] = clamp_to(first_visible(it->lengths[first + i], window) - k0, n);
+            t_lo = from[r] < t_lo ? from[r] : t_lo;
             srow[r] = s + (size_t)r * PART;
             arow[r] = acc + (size_t)r * Dp;
+            memset(arow[r], 0, (size_t)Dp * 4);
         }
-    for (int t0 = 0; t0 < n; t0 += TILE) { /* scores */
+    t_lo = t_lo / TILE * TILE;
+    for (int t0 = t_lo; t0 < n; t0 += TILE) { /* scores */
         const int tn = n - t0 < TILE ? n - t0 : TILE;
         prefetch_rows(kv->k, kv->format, sl + k0 + t0 + tn, n - t0 - tn < TILE ? n - t0 - tn : TILE, KVH, h, D);
-        if (t0 == 0) prefetch_rows(kv->v, kv->format, sl + k0, tn, KVH, h, D);
+        if (t0 == t_lo) prefetch_rows(kv->v, kv->format, sl + k0 + t0, tn, KVH, h, D);
 #if LANES == 16
         widen_pairs(kv->k, kv->k_scale, kv->format, sl + k0 + t0, tn, KVH, h, D, Dp, kt);
 #define DOT dot8_pairs
@@ -294,28 +337,13 @@ static int attend_partition(const void *q, long q_stride, int q_bf16, int H, int
 #define DOT dot8
 #endif
         for (int r = 0; r < nr; r++)
-            for (int c = 0; c < keys[r] - t0 && c < tn; c += 8) DOT(qf + (size_t)r * Dp, kt + (size_t)c * Dp, D, Dp, srow[r] + t0 + c);
+            for (int c = from[r] > t0 ? (from[r] - t0) / 8 * 8 : 0; c < keys[r] - t0 && c < tn; c += 8)
+                DOT(qf + (size_t)r * Dp, kt + (size_t)c * Dp, D, Dp, srow[r] + t0 + c);
 #undef DOT
     }
-    float *m = res, *l = res + nr, *out = res + 2 * nr;
-    const int n_padded = (n + TILE - 1) / TILE * TILE; /* what the outputs' tiles read */
-    for (int r = 0; r < nr; r++) { /* softmax numerators; keys past a row's own get exactly 0 */
-        const int kr = keys[r], padded = (kr + LANES - 1) / LANES * LANES;
-        vf vmx = vset1(-INFINITY);
-        for (int j = 0; j < padded; j += LANES) vmx = vmax_below(vmx, vloadu(srow[r] + j), kr - j);
-        const float mx = vhmax(vmx);
-        __m256 sum = _mm256_setzero_ps(); /* 8 lanes, 8 keys at a time in order: a single row's sum */
-        for (int j = 0; j < padded; j += LANES) {
-            const vf p = vkeep_below(exp_neg(vsub(vloadu(srow[r] + j), vset1(mx))), kr - j);
-            vstoreu(srow[r] + j, p);
-            for (int h8 = 0; h8 < LANES; h8 += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(srow[r] + j + h8));
-        }
-        memset(srow[r] + padded, 0, (size_t)(n_padded - padded) * 4);
-        m[r] = mx;
-        l[r] = hsum(sum);
-        memset(arow[r], 0, (size_t)Dp * 4);
-    }
-    for (int t0 = 0; t0 < n; t0 += TILE) { /* outputs */
+    float *out = res + 2 * nr;
+    softmax_rows(nr, srow, from, keys, t_lo, n, res, res + nr);
+    for (int t0 = t_lo; t0 < n; t0 += TILE) { /* outputs */
         const int tn = n - t0 < TILE ? n - t0 : TILE;
         prefetch_rows(kv->v, kv->format, sl + k0 + t0 + tn, n - t0 - tn < TILE ? n - t0 - tn : TILE, KVH, h, D);
         widen(kv->v, kv->v_scale, kv->format, sl + k0 + t0, tn, KVH, h, D, Dp, kt);
@@ -329,10 +357,28 @@ static int attend_partition(const void *q, long q_stride, int q_bf16, int H, int
 
 static int parts_of(long length) { return (int)((length + PART - 1) / PART); }
 
-/* out [T][H][D] (q's dtype), rows rows[r] written: each item's query row attends to its context. */
+/* Row r's result from its partitions first .. end - 1 (partial results nr * (D + 2) floats apart, from base),
+ * merged in order, to o [D] */
+static void merge_row(const float *base, int nr, int D, int r, int first, int end, float *o) {
+    float mx = -INFINITY, total = 0.f;
+    for (int p = first; p < end; p++) mx = fmaxf(mx, base[(size_t)p * nr * (D + 2) + r]);
+    for (int d = 0; d < D; d++) o[d] = 0.f;
+    for (int p = first; p < end; p++) {
+        const float *pr = base + (size_t)p * nr * (D + 2);
+        const float w = expf(pr[r] - mx);
+        total += w * pr[nr + r];
+        for (int d = 0; d < D; d++) o[d] += w * pr[2 * nr + (size_t)r * D + d];
+    }
+    const float inv = 1.f / total;
+    for (int d = 0; d < D; d++) o[d] *= inv;
+}
+
+/* out [T][H][D] (q's dtype), rows rows[r] written: each item's query row attends to its context, or with window > 0
+ * to the last window positions of it. */
 int qd_attend(const void *q, long q_stride, int q_bf16, int H, int KVH, int D, const qd_kv_cache *kv,
-              const qd_attn_items *it, float scale, void *out) {
-    if (KVH <= 0 || H % KVH || D % 8 || D > MAX_DIM || (kv->format == QD_KV_INT8 && D % QGROUP) || it->groups < 0)
+              const qd_attn_items *it, float scale, int window, void *out) {
+    if (KVH <= 0 || H % KVH || D % 8 || D > MAX_DIM || (kv->format == QD_KV_INT8 && D % QGROUP) || it->groups < 0
+        || window < 0)
         return -2;
     const int G = H / KVH;
     if (it->groups && (it->group_first[0] < 0 || it->group_first[it->groups] > it->items)) return -2;
@@ -341,20 +387,27 @@ int qd_attend(const void *q, long q_stride, int q_bf16, int H, int KVH, int D, c
         for (long r = it->group_first[g]; r < it->group_first[g + 1]; r++)
             if (it->lengths[r] <= 0 || it->lengths[r] > it->width) return -2;
     }
-    /* tasks (group, head, partition) and where each one's partial results go */
+    /* tasks (group, head, partition) from the group's first visible partition on, and where each one's partial
+     * results go */
     static __thread scratch resbuf;
     int64_t *task_of_group = malloc(sizeof(int64_t) * (size_t)(it->groups + 1));
     size_t *res_of_group = malloc(sizeof(size_t) * (size_t)(it->groups + 1));
-    if (!task_of_group || !res_of_group) { free(task_of_group); free(res_of_group); return -1; }
+    int *part0 = malloc(sizeof(int) * (size_t)(it->groups + 1));
+    if (!task_of_group || !res_of_group || !part0) { free(task_of_group); free(res_of_group); free(part0); return -1; }
     task_of_group[0] = 0;
     res_of_group[0] = 0;
     for (int g = 0; g < it->groups; g++) {
-        long longest = 0;
-        for (long r = it->group_first[g]; r < it->group_first[g + 1]; r++)
+        long longest = 0, seen = it->width;
+        for (long r = it->group_first[g]; r < it->group_first[g + 1]; r++) {
+            const long from = first_visible(it->lengths[r], window);
             longest = it->lengths[r] > longest ? it->lengths[r] : longest;
+            seen = from < seen ? from : seen;
+        }
+        part0[g] = (int)(seen / PART);
         const size_t nr = (size_t)(it->group_first[g + 1] - it->group_first[g]) * G;
-        task_of_group[g + 1] = task_of_group[g] + (int64_t)KVH * parts_of(longest);
-        res_of_group[g + 1] = res_of_group[g] + (size_t)KVH * parts_of(longest) * nr * (D + 2);
+        const size_t parts = (size_t)(parts_of(longest) - part0[g]);
+        task_of_group[g + 1] = task_of_group[g] + (int64_t)(KVH * parts);
+        res_of_group[g + 1] = res_of_group[g] + (size_t)KVH * parts * nr * (D + 2);
     }
     float *res = reserve_floats(&resbuf, res_of_group[it->groups] ? res_of_group[it->groups] : 1);
     int failed = res ? 0 : 1;
@@ -364,39 +417,34 @@ int qd_attend(const void *q, long q_stride, int q_bf16, int H, int KVH, int D, c
         int g = 0;
         while (task_of_group[g + 1] <= task) g++;
         const int local = (int)(task - task_of_group[g]), nparts = (int)((task_of_group[g + 1] - task_of_group[g]) / KVH);
-        const int h = local / nparts, part = local % nparts;
+        const int h = local / nparts, part = part0[g] + local % nparts;
         const size_t nr = (size_t)(it->group_first[g + 1] - it->group_first[g]) * G;
-        failed |= -attend_partition(q, q_stride, q_bf16, H, KVH, D, kv, it, g, h, part, scale,
+        failed |= -attend_partition(q, q_stride, q_bf16, H, KVH, D, kv, it, g, h, part, scale, window,
                                     res + res_of_group[g] + (size_t)local * nr * (D + 2));
     }
-    if (!failed) { /* merge each row's partitions in order */
+    if (!failed) { /* merge each row's own partitions in order */
 #pragma omp parallel for schedule(static)
         for (int g = 0; g < it->groups; g++) {
             const int first = (int)it->group_first[g], nq = (int)it->group_first[g + 1] - first, nr = nq * G;
             const int nparts = (int)((task_of_group[g + 1] - task_of_group[g]) / KVH);
             for (int h = 0; h < KVH; h++)
-                for (int i = 0; i < nq; i++)
+                for (int i = 0; i < nq; i++) {
+                    const long length = it->lengths[first + i];
+                    const int own_first = (int)(first_visible(length, window) / PART) - part0[g];
+                    const int own_end = parts_of(length) - part0[g];
                     for (int gg = 0; gg < G; gg++) {
-                        const int r = i * G + gg, own = parts_of(it->lengths[first + i]);
-                        const float *base = res + res_of_group[g] + (size_t)h * nparts * nr * (D + 2);
-                        float mx = -INFINITY, total = 0.f;
-                        for (int p = 0; p < own; p++) mx = fmaxf(mx, base[(size_t)p * nr * (D + 2) + r]);
                         float o[MAX_DIM];
-                        for (int d = 0; d < D; d++) o[d] = 0.f;
-                        for (int p = 0; p < own; p++) {
-                            const float *pr = base + (size_t)p * nr * (D + 2);
-                            const float w = expf(pr[r] - mx);
-                            total += w * pr[nr + r];
-                            for (int d = 0; d < D; d++) o[d] += w * pr[2 * nr + (size_t)r * D + d];
-                        }
-                        const float inv = 1.f / total;
+                        merge_row(res + res_of_group[g] + (size_t)h * nparts * nr * (D + 2), nr, D, i * G + gg,
+                                  own_first, own_end, o);
                         const size_t ob = (size_t)it->rows[first + i] * H * D + (size_t)(h * G + gg) * D;
-                        for (int d = 0; d < D; d++) st(out, q_bf16, ob + d, o[d] * inv);
+                        for (int d = 0; d < D; d++) st(out, q_bf16, ob + d, o[d]);
                     }
+                }
         }
     }
     free(task_of_group);
     free(res_of_group);
+    free(part0);
     return failed ? -1 : 0;
 }
 

@@ -1,7 +1,7 @@
 /* The small per-token operations of a decoder layer on CPU, for float32 or bfloat16 tensors.
  *
  * Why: in a decode step of a 1.5B model torch spends about as long dispatching these small operations
- * (RMSNorm, rotary embedding, SwiGLU: dozens of aten calls per layer)
+ * (RMSNorm, rotary embedding, the MLP's gated activation: dozens of aten calls per layer)
  * as the weight-reading matmuls take. Here each is one call.
  *
  * Every result row (a token, or a token and query head) is computed by one thread with a fixed sequence of
@@ -38,21 +38,33 @@ static inline void st8(void *p, int bf16, size_t i, __m256 v) {
     }
 }
 
+/* y[row ..] = x[row ..] / sqrt(mean(x^2) + eps) * w over D values (y may alias x) */
+static inline void norm_row(const void *x, int x_bf16, const void *w, int w_bf16, size_t row, int D, float eps,
+                            void *y) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m256 v = ld8(x, x_bf16, row + d);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / sqrtf(hsum(acc) / (float)D + eps));
+    for (int d = 0; d < D; d += 8)
+        st8(y, x_bf16, row + d, _mm256_mul_ps(_mm256_mul_ps(ld8(x, x_bf16, row + d), inv), ld8(w, w_bf16, d)));
+}
+
 /* y = x / sqrt(mean(x^2) + eps) * w per row (y may alias x); D % 8 == 0. */
 int qd_rmsnorm(const void *x, int x_bf16, const void *w, int w_bf16, int M, int D, float eps, void *y) {
     if (M < 0 || D <= 0 || D % 8) return -2;
 #pragma omp parallel for schedule(static) if (M >= 16)
-    for (int m = 0; m < M; m++) {
-        const size_t row = (size_t)m * D;
-        __m256 acc = _mm256_setzero_ps();
-        for (int d = 0; d < D; d += 8) {
-            __m256 v = ld8(x, x_bf16, row + d);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        const __m256 inv = _mm256_set1_ps(1.f / sqrtf(hsum(acc) / (float)D + eps));
-        for (int d = 0; d < D; d += 8)
-            st8(y, x_bf16, row + d, _mm256_mul_ps(_mm256_mul_ps(ld8(x, x_bf16, row + d), inv), ld8(w, w_bf16, d)));
-    }
+    for (int m = 0; m < M; m++) norm_row(x, x_bf16, w, w_bf16, (size_t)m * D, D, eps, y);
+    return 0;
+}
+
+/* qd_rmsnorm of every head of x [T][heads][D] in place, rows row_stride elements apart (the q or k heads of a fused
+ * q/k/v projection, as qd_rope takes them): each head gets the bits qd_rmsnorm gives it as a row of its own. */
+int qd_head_norm(void *x, int bf16, const void *w, int w_bf16, int T, int heads, int D, long row_stride, float eps) {
+    if (T < 0 || heads <= 0 || D <= 0 || D % 8) return -2;
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < heads; h++) norm_row(x, bf16, w, w_bf16, (size_t)t * row_stride + (size_t)h * D, D, eps, x);
     return 0;
 }
 
@@ -76,14 +88,20 @@ int qd_rope(void *x, int bf16, int T, int heads, int D, long row_stride, const i
     return 0;
 }
 
-/* y [M][N] = silu(gate) * up from gate_up [M][2N] = [gate | up] per row, in float32, rounded once (the SwiGLU of an
- * MLP whose gate and up projections ran as one; qmatmul applies the same formula inside its kernel). */
-int qd_swiglu(const void *gate_up, int bf16, int M, int N, void *y) {
-    if (M < 0 || N <= 0) return -2;
+enum { QD_SILU = 0, QD_GELU_TANH = 1 };
+
+/* y [M][N] = act(gate) * up from gate_up [M][2N] = [gate | up] per row, in float32, rounded once (the gated MLP
+ * activation when gate and up projections ran as one). act QD_SILU: silu, the formula qmatmul applies inside its
+ * kernel; QD_GELU_TANH: torch's gelu(approximate="tanh"), 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). */
+int qd_gated(const void *gate_up, int bf16, int M, int N, int act, void *y) {
+    if (M < 0 || N <= 0 || (act != QD_SILU && act != QD_GELU_TANH)) return -2;
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
     for (int m = 0; m < M; m++)
         for (int n = 0; n < N; n++) {
             const float g = ld(gate_up, bf16, (size_t)m * 2 * N + n), u = ld(gate_up, bf16, (size_t)m * 2 * N + N + n);
-            st(y, bf16, (size_t)m * N + n, g / (1.f + expf(-g)) * u);
+            const float a = act == QD_SILU ? g / (1.f + expf(-g))
+                                           : 0.5f * g * (1.f + tanhf(beta * (g + kappa * (g * g * g))));
+            st(y, bf16, (size_t)m * N + n, a * u);
         }
     return 0;
 }

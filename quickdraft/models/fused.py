@@ -7,7 +7,9 @@ and torch dispatch around them, a sizeable share of a quantized decode step (doc
 
 A layer is fused where all of its linear layers run on quickdraft's kernels (int4/int8 on ``qmatmul``, or
 bfloat16 ``PackedLinear`` on the native kernel), with q/k/v and gate/up as one projection each, and its head layout
-suits the attention kernel; any other layer keeps the module path.
+suits the attention kernel; any other layer keeps the module path. What differs between families (q/k norms,
+Gemma's sandwich norms, the gate activation, the attention scale and window, each layer's RoPE tables) is data in
+the layer's description.
 """
 from __future__ import annotations
 
@@ -48,12 +50,27 @@ class _LinearDesc(ctypes.Structure):
                 ("dense", _P), ("dense_bias", _P)]
 
 
-class _LayerDesc(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("norm_bf16", ctypes.c_int), ("eps", ctypes.c_float),
+class _LayerDesc(ctypes.Structure):  # qd_layer_desc
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P),
+                ("post_mlp_norm", _P), ("norm_bf16", ctypes.c_int), ("eps", ctypes.c_float),
                 ("attn_scale", ctypes.c_float), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
                 ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int),
+                ("act", ctypes.c_int), ("window", ctypes.c_int),
                 ("qkv", _LinearDesc), ("o", _LinearDesc), ("gate_up", _LinearDesc), ("down", _LinearDesc),
                 ("cos", _P), ("sin", _P)]
+
+
+def _norms(layer: nn.Module) -> dict[str, nn.Module | None]:
+    """The layer's RMSNorms by their place in qd_layer_desc (None: the layer has none there). In Gemma's sandwich
+    the norm before the MLP is pre_feedforward_layernorm, and post_attention_layernorm normalizes the attention's
+    output."""
+    attn = layer.self_attn
+    if layer.sandwich:
+        return {"input_norm": layer.input_layernorm, "post_norm": layer.pre_feedforward_layernorm,
+                "q_norm": attn.q_norm, "k_norm": attn.k_norm, "post_attn_norm": layer.post_attention_layernorm,
+                "post_mlp_norm": layer.post_feedforward_layernorm}
+    return {"input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm,
+            "q_norm": attn.q_norm, "k_norm": attn.k_norm, "post_attn_norm": None, "post_mlp_norm": None}
 
 
 def _linear(module: nn.Module) -> tuple[_LinearDesc, object] | None:
@@ -88,13 +105,16 @@ class FusedLayer:
     def build(cls, layer: nn.Module, rope: nn.Module) -> FusedLayer | None:
         """``layer``: a ``DecoderLayer``; None where the fused path does not apply (see the module docstring)."""
         attn, mlp = layer.self_attn, layer.mlp
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        placed = {place: norm for place, norm in _norms(layer).items() if norm is not None}
+        norms = [norm.weight for norm in placed.values()]
         if attn.qkv_proj is None or mlp.gate_up_proj is None or not native.available():
+            return None
+        if rope.cos.dtype != torch.float32:  # the kernel reads float32 tables
             return None
         if any(w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) for w in norms):
             return None
-        if norms[0].dtype != norms[1].dtype or layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
-            return None
+        if len({w.dtype for w in norms}) != 1 or len({norm.eps for norm in placed.values()}) != 1:
+            return None  # the kernel takes one dtype and one eps for all of them
         if attn.num_heads % attn.num_kv_heads or attn.head_dim % 8 or attn.head_dim > native.MAX_HEAD_DIM:
             return None
         linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -102,7 +122,7 @@ class FusedLayer:
             return None
         (qkv, a), (o, b), (gate_up, c), (down, d) = linears
         intermediate = down.in_features
-        # gate/up either apply SwiGLU in the kernel (an "activated" MLP) or return [gate | up] for qd_swiglu
+        # gate/up either apply SwiGLU in the kernel (an "activated" MLP) or return [gate | up] for qd_gated
         if bool(gate_up.swiglu) != mlp.activated or gate_up.out_features != intermediate * (1 if mlp.activated else 2):
             return None
         if bool(mlp.activated) and gate_up.kind != _QUANTIZED:
@@ -112,11 +132,12 @@ class FusedLayer:
             return None
         dtypes = {lin.kind for lin in (qkv, o, gate_up, down)}
         dtype = torch.bfloat16 if _BF16 in dtypes else None  # bfloat16 weights need bfloat16 activations
-        desc = _LayerDesc(input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(),
+        desc = _LayerDesc(**{place: norm.weight.data_ptr() for place, norm in placed.items()},
                           norm_bf16=int(norms[0].dtype == torch.bfloat16), eps=layer.input_layernorm.eps,
-                          attn_scale=attn.head_dim ** -0.5, hidden=hidden, heads=attn.num_heads,
-                          kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=intermediate,
-                          qkv=qkv, o=o, gate_up=gate_up, down=down, cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr())
+                          attn_scale=attn.scale, hidden=hidden, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+                          head_dim=attn.head_dim, intermediate=intermediate, act=native.ACTIVATIONS[mlp.act],
+                          window=attn.window or 0, qkv=qkv, o=o, gate_up=gate_up, down=down,
+                          cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr())
         return cls(desc, [a, b, c, d, *norms, rope.cos, rope.sin], dtype)
 
     def runs(self, x: torch.Tensor, tokens: SingleTokens) -> bool:

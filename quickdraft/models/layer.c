@@ -3,9 +3,9 @@
  *
  * Why: a quantized decode step spends a sizeable share of its time in Python and torch dispatch around the
  * kernels (per layer ~20 small torch ops and 7 kernel calls; figures in docs/MEASUREMENTS.md). This runs the same kernels (qd_rmsnorm,
- * qd_linear or qd_linear_bf16, qd_rope, qd_attend, qd_swiglu) in the same order on the same buffers, rounding to
- * the activation dtype where the module path does, so a token's hidden state is bit-identical whichever path
- * computed it (models/fused.py chooses; the module path still runs prompt chunks and everything off CPU).
+ * qd_linear or qd_linear_bf16, qd_head_norm, qd_rope, qd_attend, qd_gated) in the same order on the same buffers,
+ * rounding to the activation dtype where the module path does, so a token's hidden state is bit-identical whichever
+ * path computed it (models/fused.py chooses; the module path still runs prompt chunks and everything off CPU).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,9 +19,10 @@ int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, con
               int swiglu, void *y, int y_bf16);
 int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int N, const float *bias, uint16_t *y);
 int qd_rmsnorm(const void *x, int x_bf16, const void *w, int w_bf16, int M, int D, float eps, void *y);
+int qd_head_norm(void *x, int bf16, const void *w, int w_bf16, int T, int heads, int D, long row_stride, float eps);
 int qd_rope(void *x, int bf16, int T, int heads, int D, long row_stride, const int64_t *positions,
             const float *cos_table, const float *sin_table);
-int qd_swiglu(const void *gate_up, int bf16, int M, int N, void *y);
+int qd_gated(const void *gate_up, int bf16, int M, int N, int act, void *y);
 
 enum { QD_QUANTIZED = 1, QD_BF16 = 2 };
 
@@ -37,15 +38,19 @@ typedef struct {
     const float *dense_bias;
 } qd_linear_desc;
 
-/* A decoder layer (pre-norm attention + SwiGLU MLP). gate_up either applies SwiGLU itself (gate_up.swiglu) or
- * returns [gate | up] for qd_swiglu. */
+/* A decoder layer: pre-norm attention and a gated MLP, act(gate) * up (act 0: silu, 1: gelu_tanh, qd_gated's).
+ * gate_up either applies SwiGLU itself (gate_up.swiglu, silu only) or returns [gate | up] for qd_gated. Optional
+ * parts (NULL: none): q_norm and k_norm, RMSNorm of each q and k head (head_dim weights) before RoPE; post_attn_norm
+ * and post_mlp_norm, RMSNorm of the attention's and the MLP's output before its residual add (Gemma's sandwich, in
+ * which post_norm is the norm before the MLP). Every norm has the weights' dtype norm_bf16 and eps. */
 typedef struct {
-    const void *input_norm, *post_norm;
+    const void *input_norm, *post_norm, *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
     int norm_bf16;
-    float eps, attn_scale; /* attn_scale: head_dim ** -0.5 as the module path passes it */
-    int hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, attn_scale; /* attn_scale: the model's attention scale, as the module path passes it */
+    int hidden, heads, kv_heads, head_dim, intermediate, act;
+    int window; /* keys a token sees at most, itself included (qd_attend's window); 0: its whole context */
     qd_linear_desc qkv, o, gate_up, down;
-    const float *cos, *sin;
+    const float *cos, *sin; /* this layer's RoPE tables (layers of one model may differ) */
 } qd_layer_desc;
 
 static int run_linear(const qd_linear_desc *d, const void *x, int bf16, int M, void *y) {
@@ -73,7 +78,7 @@ static __thread struct {
  * memory) or -2 (bad arguments). */
 int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int64_t *positions,
                      const int64_t *slot_mapping, const qd_kv_cache *kv, const qd_attn_items *items) {
-    if (T < 0 || L->heads % L->kv_heads) return -2;
+    if (T < 0 || L->heads % L->kv_heads || (L->gate_up.swiglu && L->act != 0)) return -2; /* the kernel's is silu */
     if (T == 0) return 0;
     const size_t es = bf16 ? 2 : 4, D = (size_t)L->head_dim;
     const size_t q_width = (size_t)L->heads * D, kv_width = (size_t)L->kv_heads * D, qkv_width = q_width + 2 * kv_width;
@@ -95,6 +100,11 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     /* attention block */
     CHECK(qd_rmsnorm(x, bf16, L->input_norm, L->norm_bf16, T, L->hidden, L->eps, h));
     CHECK(run_linear(&L->qkv, h, bf16, T, qkv));
+    if (L->q_norm)
+        CHECK(qd_head_norm(qkv, bf16, L->q_norm, L->norm_bf16, T, L->heads, L->head_dim, (long)qkv_width, L->eps));
+    if (L->k_norm)
+        CHECK(qd_head_norm(qkv + q_width * es, bf16, L->k_norm, L->norm_bf16, T, L->kv_heads, L->head_dim,
+                           (long)qkv_width, L->eps));
     CHECK(qd_rope(qkv, bf16, T, L->heads, L->head_dim, (long)qkv_width, positions, L->cos, L->sin));
     CHECK(qd_rope(qkv + q_width * es, bf16, T, L->kv_heads, L->head_dim, (long)qkv_width, positions, L->cos, L->sin));
     /* every new key/value is in the cache before any token attends */
@@ -102,8 +112,10 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
                       kv->k_scale, kv->format));
     CHECK(qd_kv_store(qkv + (q_width + kv_width) * es, (long)qkv_width, bf16, T, L->kv_heads, L->head_dim, slot_mapping,
                       kv->v, kv->v_scale, kv->format));
-    CHECK(qd_attend(qkv, (long)qkv_width, bf16, L->heads, L->kv_heads, L->head_dim, kv, items, L->attn_scale, att));
+    CHECK(qd_attend(qkv, (long)qkv_width, bf16, L->heads, L->kv_heads, L->head_dim, kv, items, L->attn_scale,
+                    L->window, att));
     CHECK(run_linear(&L->o, att, bf16, T, tmp));
+    if (L->post_attn_norm) CHECK(qd_rmsnorm(tmp, bf16, L->post_attn_norm, L->norm_bf16, T, L->hidden, L->eps, tmp));
     add_into(x, tmp, bf16, n_h);
 
     /* MLP block */
@@ -112,16 +124,18 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
         CHECK(run_linear(&L->gate_up, h, bf16, T, act));
     } else {
         CHECK(run_linear(&L->gate_up, h, bf16, T, gu));
-        CHECK(qd_swiglu(gu, bf16, T, L->intermediate, act));
+        CHECK(qd_gated(gu, bf16, T, L->intermediate, L->act, act));
     }
     CHECK(run_linear(&L->down, act, bf16, T, tmp));
+    if (L->post_mlp_norm) CHECK(qd_rmsnorm(tmp, bf16, L->post_mlp_norm, L->norm_bf16, T, L->hidden, L->eps, tmp));
     add_into(x, tmp, bf16, n_h);
     return 0;
 }
 
 /* The decoder layers layers[0 .. n) one after the other: a whole decode, verify or draft step's layers in one call.
  * kv is layer 0's cache; layer i's is advanced by i * layer_stride values (the pool's [layers][slots] layout) and its
- * scales by i * scale_layer_stride; the other arguments are qd_decoder_layer's, shared by every layer. */
+ * scales by i * scale_layer_stride; the other arguments are qd_decoder_layer's, shared by every layer (each layer's
+ * window and RoPE tables are its own desc's). */
 int qd_decoder_stack(const qd_layer_desc *const *layers, int n, void *x, int bf16, int T, const int64_t *positions,
                      const int64_t *slot_mapping, const qd_kv_cache *kv, long layer_stride, long scale_layer_stride,
                      const qd_attn_items *items) {

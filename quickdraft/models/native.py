@@ -1,10 +1,11 @@
 """quickdraft's CPU kernels in C: built on first use, loaded, called.
 
 Four sources make one library: ``qmatmul.c`` (weight-only int4/int8 linear layers, see ``qmatmul.py``),
-``cpu_ops.c`` (RMSNorm, rotary embedding, SwiGLU: the small per-token operations whose torch dispatch cost as much
-as the matmuls in a decode step), ``attention.c`` (decode and verify attention over the paged cache, in its stored
-format; ``kv.h``) and ``layer.c`` (a whole decoder layer in one call). Each computes every result row with the same
-operations whatever the batch and thread count (bit-identical rows, which speculative verification relies on).
+``cpu_ops.c`` (RMSNorm, rotary embedding, the MLP's gated activation: the small per-token operations whose torch
+dispatch cost as much as the matmuls in a decode step), ``attention.c`` (decode and verify attention over the paged
+cache, in its stored format, whole or within a sliding window; ``kv.h``) and ``layer.c`` (a whole decoder layer in
+one call). Each computes every result row with the same operations whatever the batch and thread count
+(bit-identical rows, which speculative verification relies on).
 
 The library is compiled with the system C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``)
 into ``cache_root()/kernels/`` and linked against the OpenMP runtime torch already loaded, so it shares
@@ -48,6 +49,7 @@ COMPILE_TIMEOUT_S = 300.0  # a compiler that hangs must not hang the first model
 MAX_HEAD_DIM = 256
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # the cache formats the kernels read (kv.h)
 KV_SCALE_GROUP = 32  # int8 cache values per float32 scale (QGROUP in kv.h)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the gate activations qd_gated applies (cpu_ops.c), as config names them
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -58,10 +60,10 @@ _SIGNATURES = {
     "qd_linear": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _I],
     "qd_rmsnorm": [_P, _I, _P, _I, _I, _I, _F, _P],
     "qd_rope": [_P, _I, _I, _I, _I, _L, _P, _P, _P],
-    "qd_attend": [_P, _L, _I, _I, _I, _I, _P, _P, _F, _P],
+    "qd_attend": [_P, _L, _I, _I, _I, _I, _P, _P, _F, _I, _P],
     "qd_kv_store": [_P, _L, _I, _I, _I, _I, _P, _P, _P, _I],
     "qd_linear_bf16": [_P, _I, _I, _P, _I, _P, _P],
-    "qd_swiglu": [_P, _I, _I, _I, _P],
+    "qd_gated": [_P, _I, _I, _I, _I, _P],
     "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P],
     "qd_argmax": [_P, _I, _I, _L, _P],
     "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _L, _L, _P],
@@ -278,18 +280,19 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
-def runs_swiglu(gate_up: torch.Tensor) -> bool:
+def runs_gated(gate_up: torch.Tensor) -> bool:
     return _float_kind(gate_up) and gate_up.shape[-1] % 2 == 0 and available()
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gate_up [..., 2N] = [gate | up]`` (float32 or bfloat16 on CPU), in float32 and rounded
-    once; the fused decoder layer (``layer.c``) applies the same kernel."""
+def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(gate) * up`` of ``gate_up [..., 2N] = [gate | up]`` (float32 or bfloat16 on CPU), in float32 and rounded
+    once; ``act``: ``silu`` or ``gelu_tanh`` (torch's ``gelu(approximate="tanh")``). The fused decoder layer
+    (``layer.c``) applies the same kernel."""
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
     y = gate_up.new_empty(*gate_up.shape[:-1], n)
-    _check(lib().qd_swiglu(gate_up.data_ptr(), int(gate_up.dtype == torch.bfloat16), gate_up.numel() // (2 * n), n,
-                           y.data_ptr()), "qd_swiglu")
+    _check(lib().qd_gated(gate_up.data_ptr(), int(gate_up.dtype == torch.bfloat16), gate_up.numel() // (2 * n), n,
+                          ACTIVATIONS[act], y.data_ptr()), "qd_gated")
     return y
 
 
@@ -361,13 +364,14 @@ def runs_attend(q: torch.Tensor, cache: CacheLayer) -> bool:
             and (fmt != torch.int8 or d % KV_SCALE_GROUP == 0) and cache.k.is_contiguous() and available())
 
 
-def attend(q: torch.Tensor, cache: CacheLayer, items: AttnItems, out: torch.Tensor) -> None:
-    """Each item's query row of ``q [T, H, D]`` attends (scaled dot product, softmax in float32) to its context in
-    ``cache``; the result goes to ``out[rows[r]]`` (``out`` contiguous, q's dtype)."""
+def attend(q: torch.Tensor, cache: CacheLayer, items: AttnItems, out: torch.Tensor, scale: float, window: int) -> None:
+    """Each item's query row of ``q [T, H, D]`` attends (dot products times ``scale``, softmax in float32) to its
+    context in ``cache``, or with ``window`` > 0 to its last ``window`` positions (itself included; 0: the whole
+    context); the result goes to ``out[rows[r]]`` (``out`` contiguous, q's dtype)."""
     _, heads, d = q.shape
     kv, it = cache.desc(), items.desc()
     _check(lib().qd_attend(q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), heads, cache.k.shape[1], d,
-                           ctypes.byref(kv), ctypes.byref(it), d ** -0.5, out.data_ptr()), "qd_attend")
+                           ctypes.byref(kv), ctypes.byref(it), scale, window, out.data_ptr()), "qd_attend")
 
 
 def runs_kv_store(x: torch.Tensor, cache: torch.Tensor) -> bool:

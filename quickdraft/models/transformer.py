@@ -1,8 +1,9 @@
-"""One decoder-only transformer for Llama, Mistral, SmolLM and Qwen2 checkpoints.
+"""One decoder-only transformer for the Llama, Mistral, Qwen2/3, Gemma 3 and Phi-3 families.
 
-Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``)
-so an HF state dict loads as is. Tokens from several sequences arrive as one
-flat ``[T]`` vector; the attention object decides who attends to what.
+A family is data (``ModelConfig``): which norms a layer has, the MLP's activation, the attention scale and window,
+the RoPE tables. Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``) so an HF state
+dict loads as is. Tokens from several sequences arrive as one flat ``[T]`` vector; the attention object decides
+who attends to what.
 """
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from quickdraft.config import ModelConfig
+from quickdraft.config import ModelConfig, RopeScaling
 from quickdraft.models import native
 from quickdraft.models.fused import FusedLayer, FusedStack, SingleTokens
+from quickdraft.models.rope import rope_tables
 
 
 class Attention(Protocol):
     positions: torch.Tensor
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               window: int | None = None) -> torch.Tensor:
+        """Write k, v to the cache; each query attends to its context (its last ``window`` keys where given)."""
 
     def single_tokens(self, layer: int) -> SingleTokens | None:
         """Where every new token attends alone on quickdraft's CPU kernel: what a fused layer needs; else None."""
@@ -40,14 +44,13 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half (NeoX) layout, as HF stores Llama and Qwen2 q/k projections."""
+    """Rotate-half (NeoX) layout, as HF stores q/k projections; a table row per position (``rope.py``)."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        cos, sin = rope_tables(head_dim, theta, scaling, max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
 
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +63,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]; may rotate x in place (x is a fresh projection output)."""
-        if native.runs_rope(x):
+        if native.runs_rope(x) and self.cos.dtype == torch.float32:  # the kernel reads float32 tables
             return native.rope_(x, positions, self.cos, self.sin)
         cos, sin = self.rows(positions)
         x1, x2 = x.float().chunk(2, dim=-1)
@@ -79,6 +82,11 @@ class SelfAttention(nn.Module):
         # q, k and v in one module whose output is their concatenation (set by the loader, see fuse())
         self.qkv_proj: nn.Module | None = None
         self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        # Qwen3 and Gemma 3 normalize each head of q and k before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.attention_scale
+        self.window = cfg.window(layer)
 
     def fuse(self, qkv_proj: nn.Module) -> None:
         """Run q/k/v as one projection (one weight read, one kernel call instead of three)."""
@@ -91,17 +99,20 @@ class SelfAttention(nn.Module):
             qkv = self.qkv_proj(x)
             heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
             qk = qkv[:, :(heads + kv_heads) * dim].reshape(t, heads + kv_heads, dim)
-            if not native.runs_rope(qk):  # torch's rotation (off CPU): q and k in one, half the kernel launches
+            if self.q_norm is None and not native.runs_rope(qk):  # torch's rotation (off CPU): q and k in one call
                 qk = rope(qk, attn.positions)
                 v = qkv[:, (heads + kv_heads) * dim:].reshape(t, kv_heads, dim)
-                return self.o_proj(attn.attend(self.layer, qk[:, :heads], qk[:, heads:], v).reshape(t, -1))
+                out = attn.attend(self.layer, qk[:, :heads], qk[:, heads:], v, self.scale, self.window)
+                return self.o_proj(out.reshape(t, -1))
             q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = rope(q.reshape(t, self.num_heads, self.head_dim), attn.positions)
-        k = rope(k.reshape(t, self.num_kv_heads, self.head_dim), attn.positions)
+        q, k = q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, attn.positions), rope(k, attn.positions)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attn.attend(self.layer, q, k, v).reshape(t, -1))
+        return self.o_proj(attn.attend(self.layer, q, k, v, self.scale, self.window).reshape(t, -1))
 
 
 class MLP(nn.Module):
@@ -112,10 +123,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None  # gate and up in one module (set by the loader, see fuse())
         self.activated = False
+        self.act = cfg.hidden_act  # down(act(gate) * up): silu (SwiGLU) or gelu_tanh (Gemma's GeGLU)
 
     def fuse(self, gate_up_proj: nn.Module, activated: bool = False) -> None:
         """Run gate and up as one projection whose output is their concatenation, or, ``activated``, already
-        ``silu(gate) * up``."""
+        ``silu(gate) * up`` (SwiGLU models only)."""
+        if activated and self.act != "silu":
+            raise ValueError(f"an activated gate/up projection applies silu; this MLP uses {self.act}")
         self.gate_up_proj, self.activated = gate_up_proj, activated
         del self.gate_proj, self.up_proj
 
@@ -124,12 +138,13 @@ class MLP(nn.Module):
             return self.down_proj(self.gate_up_proj(x))
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            if native.runs_swiglu(gate_up):  # one kernel, the one the fused layer applies (see fused.py)
-                return self.down_proj(native.swiglu(gate_up))
+            if native.runs_gated(gate_up):  # one kernel, the one the fused layer applies (see fused.py)
+                return self.down_proj(native.gated(gate_up, self.act))
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -139,6 +154,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        # Gemma: post_attention_layernorm normalizes the attention output, and the MLP has a norm on each side
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.uses_local_rope = cfg.is_sliding(layer) and cfg.local_rope_theta is not None
         self._fused: FusedLayer | None = None
         self._fused_key: tuple | None = None
 
@@ -148,9 +169,11 @@ class DecoderLayer(nn.Module):
         # read through the module dicts: this runs for every layer of every step, and nn.Module.__getattr__ is slow
         mods = self._modules
         attn, mlp = mods["self_attn"]._modules, mods["mlp"]._modules
-        key = (attn.get("qkv_proj"), attn["o_proj"], mlp.get("gate_up_proj"), mlp["down_proj"],
-               mods["input_layernorm"]._parameters["weight"].data_ptr(),
-               mods["post_attention_layernorm"]._parameters["weight"].data_ptr(), rope.cos.data_ptr())
+        norms = tuple(m._parameters["weight"].data_ptr() for m in (
+            mods["input_layernorm"], mods["post_attention_layernorm"], mods.get("pre_feedforward_layernorm"),
+            mods.get("post_feedforward_layernorm"), attn.get("q_norm"), attn.get("k_norm")) if m is not None)
+        key = (attn.get("qkv_proj"), attn["o_proj"], mlp.get("gate_up_proj"), mlp["down_proj"], norms,
+               rope.cos.data_ptr())
         if key != self._fused_key:
             self._fused, self._fused_key = FusedLayer.build(self, rope), key
         return self._fused
@@ -161,6 +184,9 @@ class DecoderLayer(nn.Module):
             fused = self.fused(rope)
             if fused is not None and fused.runs(x, tokens):
                 return fused(x, tokens)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, attn))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -181,7 +207,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.rope, self.local_rope = _ropes(cfg)
         self._stacks: dict[int | None, FusedStack] = {}
         self.quant_info: dict = {}  # set where the loader quantizes the linear layers (format, kernels, sources)
 
@@ -189,18 +215,24 @@ class Transformer(nn.Module):
         """Hidden states ``[T, hidden]`` after the final norm; ``num_layers`` runs only the first layers
         (self-speculation drafts with a prefix of the target)."""
         x = self.model.embed_tokens(tokens)
+        if self.config.embedding_multiplier != 1.0:  # rounded to x's dtype first, as HF's Gemma does
+            x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         singles = attn.single_tokens(0)
         stack = self.fused_stack(num_layers) if singles is not None else None
         if stack is not None and stack.runs(x, singles):
             return self.model.norm(stack(x, singles))
         for layer in list(self.model.layers)[:num_layers]:  # slicing a ModuleList builds a new one
-            x = layer(x, self.rope, attn)
+            x = layer(x, self.rope_of(layer), attn)
         return self.model.norm(x)
+
+    def rope_of(self, layer: DecoderLayer) -> RotaryEmbedding:
+        """Gemma 3's sliding layers rotate with their own base."""
+        return self.local_rope if layer.uses_local_rope else self.rope
 
     def fused_stack(self, num_layers: int | None) -> FusedStack | None:
         """The first ``num_layers`` layers as one C call when every one of them is fused (see fused.py), else None;
         rebuilt whenever a layer's fused form was."""
-        layers = [layer.fused(self.rope) for layer in list(self.model.layers)[:num_layers]]
+        layers = [layer.fused(self.rope_of(layer)) for layer in list(self.model.layers)[:num_layers]]
         if not layers or any(layer is None for layer in layers):
             return None
         stack = self._stacks.get(num_layers)
@@ -230,11 +262,19 @@ def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], device: s
     model.load_state_dict({k: tensors[k].to(device) for k in expected}, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
+    model.rope, model.local_rope = (r.to(device) if r is not None else None for r in _ropes(cfg))
     return model.eval().requires_grad_(False)
+
+
+def _ropes(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """The full layers' rotary tables, and the sliding layers' where they have their own base."""
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
+    if cfg.local_rope_theta is None:
+        return rope, None
+    return rope, RotaryEmbedding(cfg.head_dim, cfg.local_rope_theta, cfg.max_position_embeddings)
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of parameters and weight buffers (packed and quantized layers keep weights as buffers)."""
-    tensors = list(module.parameters()) + [b for name, b in module.named_buffers() if not name.startswith("rope.")]
+    tensors = list(module.parameters()) + [b for name, b in module.named_buffers() if not name.startswith(("rope.", "local_rope."))]
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -8,6 +8,7 @@ a sandboxed environment with trim_blocks/lstrip_blocks, the `raise_exception`, `
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -23,6 +24,23 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Gemma's turn format (its vocabulary has no ChatML tokens): as Google's template, the assistant is "model" and a
+# system message opens the first user turn.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% set first = namespace(prefix='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set first.prefix = message['content'] + '\n\n' %}"
+    "{% else %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + first.prefix + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% set first.prefix = '' %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def default_template(has_token: Callable[[str], bool]) -> str:
+    """The template for a model that ships none: its family's turn format where its vocabulary shows one."""
+    return GEMMA_TEMPLATE if has_token("<start_of_turn>") else CHATML_TEMPLATE
 
 
 class ChatTemplateError(ValueError):

@@ -7,8 +7,9 @@ fields back into a `tokenizers.Tokenizer` that encodes exactly like llama.cpp do
 file, which for the supported pre-tokenizers is also exactly what the model's original
 tokenizer.json does.
 
-Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`: GPT-2, SmolLM, Qwen2, Llama 3,
-...) are supported. Anything else raises `ModelLoadError` naming what is supported.
+Supported: byte-level BPE (`tokenizer.ggml.model == "gpt2"`: GPT-2, SmolLM, Qwen2, Llama 3, ...) and
+SentencePiece (`"llama"`: Gemma, Llama 2, Mistral, Phi-3, ...; the model itself is built in `spm_vocab`).
+Anything else raises `ModelLoadError` naming what is supported.
 
 This module must not import `quickdraft.loading` (the loading layer sits on top of it): it takes
 the metadata as a plain dict.
@@ -24,6 +25,12 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
 from quickdraft.errors import ModelLoadError
+from quickdraft.tokenizer.spm_vocab import (
+    build_spm_backend,
+    check_scores,
+    is_phi3,
+    llama_cpp_token_types,
+)
 
 # llama.cpp's token types (gguf.TokenType / llama_token_type).
 TOKEN_NORMAL = 1
@@ -33,7 +40,10 @@ TOKEN_USER_DEFINED = 4
 TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
-SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
+_MODEL_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
+# llama.cpp's SPM defaults when the file declares no (or an out-of-range) bos / eos / unknown id
+_SPM_DEFAULT_IDS = {"bos": 1, "eos": 2, "unknown": 0}
 
 # ---------------------------------------------------------------------------------------------
 # Pre-tokenizer regexes, as in llama.cpp's llama-vocab.cpp (llm_tokenizer_bpe) and in the models'
@@ -100,60 +110,24 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     # know the pre-tokenizer; GPT-2's regex is the sensible fallback (it is also what
     # transformers uses for files it does not recognise). llama.cpp spells GPT-2 "gpt-2";
     # "gpt2" is accepted too.
-    "default": _GPT2,
-    "gpt-2": _GPT2,
-    "gpt2": _GPT2,
-    "phi-2": _GPT2,
-    "mpt": _GPT2,
-    "olmo": _GPT2,
-    "jais": _GPT2,
-    "trillion": _GPT2,
-    "granite-docling": _GPT2,
-    "exaone4": _GPT2,
-    "gigachat": _GPT2,
-    "mellum": _GPT2,
-    "a.x-4.0": _GPT2,
-    "jina-es": _GPT2,
-    "jina-de": _GPT2,
-    "jina-v2-es": _GPT2,
-    "jina-v2-de": _GPT2,
-    "jina-v1-en": _GPT2,
-    "jina-v2-code": _GPT2,
-    "roberta-bpe": _GPT2,
+    **dict.fromkeys(
+        ("default", "gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4",
+         "gigachat", "mellum", "a.x-4.0", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de", "jina-v1-en",
+         "jina-v2-code", "roberta-bpe"),
+        _GPT2,
+    ),
     # digits one by one, then GPT-2's regex
-    "smollm": _STARCODER,
-    "starcoder": _STARCODER,
-    "refact": _STARCODER,
-    "command-r": _STARCODER,
-    "codeshell": _STARCODER,
-    "exaone": _STARCODER,
-    "minerva-7b": _STARCODER,
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), _STARCODER),
     # Llama 3 family
-    "llama3": _LLAMA3,
-    "llama-v3": _LLAMA3,
-    "llama-bpe": _LLAMA3,
-    "falcon3": _LLAMA3,
-    "falcon-h1": _LLAMA3,
-    "pixtral": _LLAMA3,
-    "midm-2.0": _LLAMA3,
-    "lfm2": _LLAMA3,
-    "dbrx": _LLAMA3_LIKE,
-    "smaug-bpe": _LLAMA3_LIKE,
-    "chatglm-bpe": _LLAMA3_LIKE,
-    "glm4": _LLAMA3_LIKE,
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"), _LLAMA3
+    ),
+    **dict.fromkeys(("dbrx", "smaug-bpe", "chatglm-bpe", "glm4"), _LLAMA3_LIKE),
     # Qwen2 family
-    "qwen2": _QWEN2,
-    "deepseek-r1-qwen": _QWEN2,
-    "kormo": _QWEN2,
-    "megrez": _QWEN2,
-    "stablelm2": _QWEN2,
-    "hunyuan": _QWEN2,
-    "grok-2": _QWEN2,
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"), _QWEN2),
     "qwen35": PreTokenizerSpec(QWEN35_SPLIT),
     "tekken": PreTokenizerSpec(TEKKEN_SPLIT, ignore_merges=True, add_bos=True),
-    "gpt-4o": PreTokenizerSpec(GPT4O_SPLIT),
-    "llama4": PreTokenizerSpec(GPT4O_SPLIT),
-    "minimax-m2": PreTokenizerSpec(GPT4O_SPLIT),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), PreTokenizerSpec(GPT4O_SPLIT)),
 }
 
 
@@ -234,17 +208,15 @@ def build_from_gguf_metadata(metadata: dict[str, Any]) -> GGUFVocab:
     if not isinstance(metadata, dict):
         raise ModelLoadError(f"GGUF metadata must be a dict of fields, got {type(metadata).__name__}")
     model = metadata.get("tokenizer.ggml.model")
+    supported = ", ".join(f"{m} ({_MODEL_KINDS[m]})" for m in SUPPORTED_TOKENIZER_MODELS)
     if model is None:
         raise ModelLoadError(
-            "GGUF file has no tokenizer (no tokenizer.ggml.model field); "
-            f"supported tokenizer models: {', '.join(SUPPORTED_TOKENIZER_MODELS)}"
+            f"GGUF file has no tokenizer (no tokenizer.ggml.model field); supported tokenizer models: {supported}"
         )
     if model not in SUPPORTED_TOKENIZER_MODELS:
-        hint = " (SentencePiece vocabularies are not supported yet)" if model == "llama" else ""
-        raise ModelLoadError(
-            f"unsupported GGUF tokenizer model {model!r}{hint}; "
-            f"supported tokenizer models: {', '.join(SUPPORTED_TOKENIZER_MODELS)}"
-        )
+        raise ModelLoadError(f"unsupported GGUF tokenizer model {model!r}; supported tokenizer models: {supported}")
+    if model == "llama":
+        return _build_sentencepiece(metadata)
     return _build_byte_level_bpe(metadata)
 
 
@@ -354,16 +326,44 @@ def _build_byte_level_bpe(metadata: dict[str, Any]) -> GGUFVocab:
     vocab = _byte_level_vocab(tokens)
     backend = _bpe_backend(vocab, merges, spec)
     special_ids = _register_added_tokens(backend, tokens, token_types, vocab)
+    return _finish(metadata, backend, tokens, token_types, special_ids, pre_name, add_bos_default=spec.add_bos)
 
+
+def _build_sentencepiece(metadata: dict[str, Any]) -> GGUFVocab:
+    """The tokenizer of a SentencePiece (``llama``) vocabulary, encoding as llama.cpp's SPM tokenizer does."""
+    tokens, token_types = _read_tokens(metadata)
+    declared = {k[len("tokenizer.ggml."):-len("_token_id")] for k in metadata
+                if k.startswith("tokenizer.ggml.") and k.endswith("_token_id") and metadata[k] is not None}
+    token_types = llama_cpp_token_types(tokens, token_types, declared)
+    scores = check_scores(metadata.get("tokenizer.ggml.scores"), len(tokens))
+    unk = _token_id(metadata, "tokenizer.ggml.unknown_token_id", len(tokens))
+    unk = _SPM_DEFAULT_IDS["unknown"] if unk is None else unk
+    unk_token = tokens[unk] if unk < len(tokens) and tokens[unk] else None
+    backend, special_ids = build_spm_backend(
+        tokens, token_types, scores,
+        add_space_prefix=bool(_get(metadata, "tokenizer.ggml.add_space_prefix", True)),  # llama.cpp: true for SPM
+        unk_token=unk_token,
+        rstrip_specials=is_phi3(metadata.get("general.name")),
+    )
+    pre_name = _get(metadata, "tokenizer.ggml.pre", "default")  # llama.cpp ignores it for SPM
+    return _finish(metadata, backend, tokens, token_types, special_ids, pre_name, add_bos_default=True,
+                   default_ids=_SPM_DEFAULT_IDS)
+
+
+def _finish(metadata: dict[str, Any], backend: BackendTokenizer, tokens: list[str], token_types: list[int],
+            special_ids: set[int], pre_name: str, add_bos_default: bool,
+            default_ids: dict[str, int] | None = None) -> GGUFVocab:
+    """The special ids, the BOS/EOS flags and the post-processor that adds them, common to every model."""
     n = len(tokens)
-    bos = _token_id(metadata, "tokenizer.ggml.bos_token_id", n)
-    eos = _token_id(metadata, "tokenizer.ggml.eos_token_id", n)
-    unk = _token_id(metadata, "tokenizer.ggml.unknown_token_id", n)
-    pad = _token_id(metadata, "tokenizer.ggml.padding_token_id", n)
+    ids = {k: _token_id(metadata, f"tokenizer.ggml.{k}_token_id", n) for k in ("bos", "eos", "unknown", "padding")}
+    for key, default in (default_ids or {}).items():
+        if ids[key] is None and default < n:
+            ids[key] = default
+    bos, eos = ids["bos"], ids["eos"]
     extra_eos = tuple(
         i for i in (_token_id(metadata, f"tokenizer.ggml.{k}_token_id", n) for k in ("eot", "eom")) if i is not None
     )
-    add_bos = bool(_get(metadata, "tokenizer.ggml.add_bos_token", spec.add_bos)) and bos is not None
+    add_bos = bool(_get(metadata, "tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
     add_eos = bool(_get(metadata, "tokenizer.ggml.add_eos_token", False)) and eos is not None
     for tid in (bos, eos):
         if tid is not None and token_types[tid] == TOKEN_CONTROL:
@@ -381,8 +381,8 @@ def _build_byte_level_bpe(metadata: dict[str, Any]) -> GGUFVocab:
         token_types=token_types,
         bos_token_id=bos,
         eos_token_id=eos,
-        unk_token_id=unk,
-        pad_token_id=pad,
+        unk_token_id=ids["unknown"],
+        pad_token_id=ids["padding"],
         extra_eos_token_ids=extra_eos,
         add_bos=add_bos,
         add_eos=add_eos,

@@ -9,7 +9,7 @@ from typing import Any
 from tokenizers import Tokenizer as BackendTokenizer
 
 from quickdraft.errors import ModelLoadError, require_unicode
-from quickdraft.tokenizer.chat import render_chat_template
+from quickdraft.tokenizer.chat import default_template, render_chat_template
 from quickdraft.tokenizer.gguf_vocab import build_from_gguf_metadata
 
 # Tokens that end a chat turn or a document in common chat vocabularies. When one of them is a
@@ -239,7 +239,8 @@ class Tokenizer:
             "unk_token": None if self.unk_token_id is None else self._backend.id_to_token(self.unk_token_id),
             "pad_token": None if self.pad_token_id is None else self._backend.id_to_token(self.pad_token_id),
         }
-        return render_chat_template(self.chat_template, messages, add_generation_prompt, specials, **kwargs)
+        template = self.chat_template or default_template(lambda t: self.token_to_id(t) is not None)
+        return render_chat_template(template, messages, add_generation_prompt, specials, **kwargs)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,215 @@
+"""What each GGUF architecture means, as llama.cpp's converter writes it: the HF names of its tensors, and the
+ModelConfig fields its metadata (and a few small tensors) imply beyond Llama's.
+
+Tensor names (``hf_targets``). ``attn_norm`` and ``ffn_norm`` are the norms before attention and before the MLP. HF
+Llama calls the second ``post_attention_layernorm``; where a block also has ``post_attention_norm`` (Gemma's norms
+after attention and after the MLP, with ``post_ffw_norm``) HF calls it ``pre_feedforward_layernorm``. Phi-3 stores
+q/k/v as one ``attn_qkv`` (rows q, then k, then v) and gate/up as one ``ffn_up`` (rows gate, then up; its blocks have
+no ``ffn_gate``): each HF tensor is a row range of the stored one (``fused_rows``), and since GGUF stores rows whole,
+a contiguous byte range of it, so float and quantized loads both read only their own rows.
+
+Config (``family_fields``):
+
+* qwen3: q and k normed per head (``attn_q_norm``/``attn_k_norm``).
+* gemma3: norms around attention and MLP, q/k norms, GELU-tanh, embeddings times sqrt(hidden), a tied head. The file
+  stores no layer pattern, no local RoPE base and no query scale: like llama.cpp and transformers, every 6th layer is
+  full and the others slide over ``gemma3.attention.sliding_window`` (none when it is 0 or absent), sliding layers
+  use RoPE base 10000, and the attention scale is 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 62-layer 27B). Its
+  norm weights are stored as 1 + w, which is what the model multiplies by.
+* phi3: ``phi3.attention.sliding_window`` is ignored, as llama.cpp does (its converters fill it wrongly).
+
+RoPE scaling (``rope_scaling``): ``{arch}.rope.scaling.type`` linear (or absent, with a factor: llama.cpp's default)
+divides every frequency by the factor. Llama 3.1/3.2 files store the llama3 scaling as ``rope_freqs.weight``, a
+divisor per frequency: the same arithmetic as longrope with equal short and long factors. Phi-3 files store longrope
+as ``rope_factors_short``/``rope_factors_long`` with ``phi3.rope.scaling.original_context_length`` and
+``phi3.rope.scaling.attn_factor``. Anything else (yarn, a rotary part of the head, logit soft-capping) is refused
+rather than run as something it is not.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable, Container
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from quickdraft.config import ModelConfig, RopeScaling
+from quickdraft.errors import ModelLoadError
+from quickdraft.loading.gguf_metadata import MAX_CONTEXT, MAX_WIDTH, int_value, positive_float, show
+
+log = logging.getLogger(__name__)
+
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_NAMES = {  # GGUF name in a block -> the HF names it holds, in row order
+    "attn_q": ("self_attn.q_proj",),
+    "attn_k": ("self_attn.k_proj",),
+    "attn_v": ("self_attn.v_proj",),
+    "attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn_output": ("self_attn.o_proj",),
+    "attn_q_norm": ("self_attn.q_norm",),
+    "attn_k_norm": ("self_attn.k_norm",),
+    "ffn_gate": ("mlp.gate_proj",),
+    "ffn_up": ("mlp.up_proj",),
+    "ffn_down": ("mlp.down_proj",),
+    "attn_norm": ("input_layernorm",),
+    "ffn_norm": ("post_attention_layernorm",),
+    "post_attention_norm": ("post_attention_layernorm",),
+    "post_ffw_norm": ("post_feedforward_layernorm",),
+}
+LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# read into the config (RoPE factors), or not needed (rotary tables are recomputed)
+IGNORED = re.compile(r"(rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd.*)$")
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
+GEMMA3_PATTERN = 6  # every 6th layer attends to the whole context
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+SUPPORTED_ROPE = ("none", "linear (rope.scaling.type)", "llama3 (rope_freqs.weight)",
+                  "longrope (phi3 rope_factors_long/short.weight)")
+
+
+def hf_targets(gguf_name: str, names: Container[str]) -> tuple[str, ...]:
+    """HF names of the tensors a GGUF tensor holds: one, several in row order for a fused one, or none for a tensor
+    the model does not use. ``names``: the file's tensor names (a block's others tell what ffn_norm and ffn_up are)."""
+    if gguf_name in GLOBAL_NAMES:
+        return (GLOBAL_NAMES[gguf_name],)
+    m = LAYER_RE.match(gguf_name)
+    if m is None or m.group(2) not in LAYER_NAMES:
+        return ()
+    layer, kind, suffix = m.groups()
+    targets = LAYER_NAMES[kind]
+    if kind == "ffn_norm" and f"blk.{layer}.post_attention_norm.weight" in names:
+        targets = ("pre_feedforward_layernorm",)
+    elif kind == "ffn_up" and f"blk.{layer}.ffn_gate.weight" not in names:
+        targets = ("mlp.gate_proj", "mlp.up_proj")
+    return tuple(f"model.layers.{layer}.{t}.{suffix}" for t in targets)
+
+
+def fused_rows(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
+    """The rows each of ``targets`` (``hf_targets`` of one fused tensor) takes from it, in order."""
+    kv = cfg.num_kv_heads * cfg.head_dim
+    rows = {"q_proj": cfg.num_heads * cfg.head_dim, "k_proj": kv, "v_proj": kv,
+            "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+    return tuple(rows[t.split(".")[-2]] for t in targets)
+
+
+_END_OF_TURN = {  # besides <|im_end|>: the end-of-turn tokens llama.cpp and the HF generation configs stop on
+    "qwen2": ("<|endoftext|>",), "qwen3": ("<|endoftext|>",), "gemma3": ("<end_of_turn>",),
+    "phi3": ("<|end|>", "<|endoftext|>"),
+}
+
+
+def end_of_turn_texts(arch: str) -> tuple[str, ...]:
+    return ("<|im_end|>",) + _END_OF_TURN.get(arch, ())
+
+
+FloatReader = Callable[[str], np.ndarray]  # a small tensor of the file by GGUF name, as float64 values
+
+
+def family_fields(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path,
+                  base: dict[str, Any], read_floats: FloatReader) -> dict[str, Any]:
+    """The ModelConfig fields beyond Llama's that this family's metadata and tensors imply (see the module doc);
+    ``base``: the Llama fields already read (hidden size, heads, head_dim, layers, context)."""
+    out: dict[str, Any] = {
+        "rope_scaling": rope_scaling(arch, metadata, shapes, path, base["head_dim"],
+                                     base["max_position_embeddings"], read_floats),
+        "qk_norm": arch in QK_NORM_ARCHITECTURES,
+    }
+    if arch == "gemma3":
+        out.update(_gemma3(metadata, path, base))
+    elif arch == "phi3" and metadata.get("phi3.attention.sliding_window"):
+        log.info("%s: ignoring phi3.attention.sliding_window=%s, as llama.cpp does", path.name,
+                 metadata["phi3.attention.sliding_window"])
+    return out
+
+
+def _gemma3(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[str, Any]:
+    for key in ("gemma3.final_logit_softcapping", "gemma3.attn_logit_softcapping"):
+        value = metadata.get(key)
+        if value not in (None, 0, 0.0):
+            raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {show(value)}; logit soft-capping is not "
+                                 f"supported (Gemma 3 has none)")
+    layers, hidden, heads = base["num_layers"], base["hidden_size"], base["num_heads"]
+    out: dict[str, Any] = {
+        "sandwich_norms": True, "hidden_act": "gelu_tanh", "embedding_multiplier": math.sqrt(hidden),
+        # llama.cpp: 1/sqrt(n_embd_head_k), except 1/sqrt(n_embd/n_head) for the 27B (62 layers)
+        "query_pre_attn_scalar": float(hidden // heads if layers == 62 else base["head_dim"]),
+    }
+    window = int_value(metadata, "gemma3.attention.sliding_window", path, 0, MAX_CONTEXT, default=0)
+    if window:
+        out.update(sliding_window=window, local_rope_theta=GEMMA3_LOCAL_ROPE_THETA, layer_types=tuple(
+            "full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention" for i in range(layers)))
+    return out
+
+
+def rope_scaling(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path,
+                 head_dim: int, context: int, read_floats: FloatReader) -> RopeScaling | None:
+    """The RoPE scaling the file declares (see the module doc), or None; a kind this loader cannot run is refused."""
+    rotary = int_value(metadata, f"{arch}.rope.dimension_count", path, 0, MAX_WIDTH, default=head_dim)
+    if rotary != head_dim:
+        raise ModelLoadError(f"{path}: GGUF metadata '{arch}.rope.dimension_count' is {rotary:,} but the head "
+                             f"dimension is {head_dim:,}; RoPE over part of a head is not supported")
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise ModelLoadError(f"{path}: RoPE scaling {show(kind)} ({arch}.rope.scaling.type) is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ROPE)}")
+    factor_key = f"{arch}.rope.scaling.factor"
+    if factor_key not in metadata:
+        factor_key = f"{arch}.rope.scale_linear"  # the older name
+    factor = metadata.get(factor_key)
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                               or not 0 <= factor < math.inf):
+        raise ModelLoadError(f"{path}: GGUF metadata {factor_key!r} is {show(factor)}; it must be a positive "
+                             f"finite number (or 0: none)")
+    linear = kind != "none" and factor not in (None, 0, 1)  # llama.cpp scales by a factor unless the type is none
+    n = head_dim // 2
+    if arch == "phi3":
+        factors = _phi3_factors(metadata, shapes, path, n, context, read_floats)
+    elif "rope_freqs.weight" in shapes:
+        values = _factors("rope_freqs.weight", shapes, path, n, read_floats)
+        factors = RopeScaling("longrope", short_factor=values, long_factor=values,
+                              original_max_position_embeddings=context, attention_factor=1.0)
+    else:
+        factors = None
+    if linear and factors is not None:
+        raise ModelLoadError(f"{path}: GGUF declares both linear RoPE scaling ({factor_key}={factor}) and "
+                             f"per-frequency factors; one of them is supported at a time")
+    return RopeScaling("linear", factor=float(factor)) if linear else factors
+
+
+def _phi3_factors(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path, n: int, context: int,
+                  read_floats: FloatReader) -> RopeScaling | None:
+    names = ("rope_factors_short.weight", "rope_factors_long.weight")
+    present = [name for name in names if name in shapes]
+    if not present:
+        return None
+    if len(present) == 1:
+        raise ModelLoadError(f"{path}: GGUF has {present[0]} but not {(set(names) - set(present)).pop()}; "
+                             f"longrope needs both")
+    short, long = (_factors(name, shapes, path, n, read_floats) for name in names)
+    original = int_value(metadata, "phi3.rope.scaling.original_context_length", path, 1, MAX_CONTEXT)
+    attention = positive_float(metadata, "phi3.rope.scaling.attn_factor", path, None)
+    if attention is None:  # as transformers computes it
+        scale = context / original
+        attention = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 and original > 1 else 1.0
+    return RopeScaling("longrope", short_factor=short, long_factor=long, original_max_position_embeddings=original,
+                       attention_factor=attention)
+
+
+def _factors(name: str, shapes: dict[str, tuple[int, ...]], path: Path, n: int,
+             read_floats: FloatReader) -> tuple[float, ...]:
+    """The values of a per-frequency RoPE factor tensor: one positive finite number per frequency."""
+    if tuple(shapes[name]) != (n,):
+        raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(shapes[name])}; RoPE over a head of "
+                             f"{2 * n} needs ({n},), one factor per frequency")
+    values = np.asarray(read_floats(name), dtype=np.float64).reshape(-1)
+    bad = np.flatnonzero(~(np.isfinite(values) & (values > 0)))
+    if bad.size:
+        raise ModelLoadError(f"{path}: tensor {name} holds {values[bad[0]]} at index {bad[0]}; RoPE frequency "
+                             f"factors must be positive finite numbers")
+    return tuple(float(x) for x in values)

@@ -1,0 +1,178 @@
+"""A Hugging Face config.json as a ``ModelConfig``: one function per family difference, read from both the keys
+checkpoints on the Hub use (``rope_theta``, ``rope_scaling``, ``rope_local_base_freq``, ``sliding_window_pattern``)
+and the ones transformers 5 writes (``rope_parameters``, per layer type for Gemma 3, and ``layer_types``)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from quickdraft.config import LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeScaling
+from quickdraft.errors import ModelLoadError
+
+# model_type in config.json -> our architecture name
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+               "phi3": "phi3"}
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# transformers' older names for the same scalings
+_ROPE_ALIASES = {"su": "longrope", None: "default"}
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _rope_scaling(params: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling | None:
+    """One rope entry (``rope_scaling`` or one ``rope_parameters``) as a RopeScaling; None for plain RoPE."""
+    kind = params.get("rope_type", params.get("type"))
+    kind = _ROPE_ALIASES.get(kind, kind)
+    if kind not in ROPE_TYPES:
+        raise ModelLoadError(f"rope scaling {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if kind == "default":
+        return None
+    original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if kind == "dynamic":  # HF stretches from max_position_embeddings itself
+        original = original or cfg.get("max_position_embeddings")
+    factor = params.get("factor")
+    if kind == "longrope" and factor is None and original:
+        factor = cfg.get("max_position_embeddings", original) / original
+    return RopeScaling(
+        type=kind, factor=float(factor if factor is not None else 1.0),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(original) if original else None,
+        short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
+        long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
+        attention_factor=None if params.get("attention_factor") is None else float(params["attention_factor"]),
+    )
+
+
+def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta, rope_scaling (of full layers) and local_rope_theta (of sliding layers, if their own)."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    full, local = params, None
+    if any(t in params for t in LAYER_TYPES):  # transformers 5: one entry per layer type
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention")
+    scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else full
+    theta = cfg.get("rope_theta", full.get("rope_theta", 10000.0))
+    local_theta = cfg.get("rope_local_base_freq", (local or {}).get("rope_theta"))
+    if local and _rope_scaling(local, cfg) is not None:
+        raise ModelLoadError("rope scaling of sliding layers is not supported")
+    if float(cfg.get("partial_rotary_factor", full.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelLoadError("partial_rotary_factor other than 1 is not supported")
+    return dict(rope_theta=float(theta), rope_scaling=_rope_scaling(scaling, cfg),
+                local_rope_theta=None if local_theta is None else float(local_theta))
+
+
+def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """Each layer's attention and the sliding window, as transformers decides them per family."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        window = None  # Qwen configs carry a window that only use_sliding_window switches on
+    if window is None:
+        return (), None
+    if isinstance(types, list):
+        return tuple(types), int(window)
+    if arch == "gemma3":
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    elif arch in ("qwen2", "qwen3"):
+        first = int(cfg.get("max_window_layers", num_layers))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    else:
+        return (), int(window)  # Mistral, Phi-3: every layer slides
+    return tuple(types), int(window)
+
+
+def _gemma(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ModelLoadError(f"{key}={cfg[key]} is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError("use_bidirectional_attention=true (an embedding model) is not supported")
+    return dict(qk_norm=True, sandwich_norms=True, embedding_multiplier=hidden ** 0.5,
+                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)))
+
+
+def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) -> dict[str, Any]:
+    """ModelConfig keyword arguments from config.json (vocab size and bias are settled from the tensors)."""
+    where = path / "config.json"
+    model_type = cfg.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ModelLoadError(f"{where}: unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    arch = MODEL_TYPES[model_type]
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
+        if cfg.get("mlp_bias"):
+            raise ModelLoadError("mlp_bias=true is not supported")
+        act = cfg.get("hidden_activation", cfg.get("hidden_act", "silu"))
+        if act not in _ACTIVATIONS:
+            raise ModelLoadError(f"activation {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+        layer_types, window = _layer_types(cfg, arch, num_layers)
+        eos = _ids(cfg.get("eos_token_id")) + _ids(generation.get("eos_token_id"))
+        bos = cfg.get("bos_token_id")
+        kwargs = dict(
+            architecture=arch,
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
+            bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            hidden_act=_ACTIVATIONS[act],
+            sliding_window=window,
+            layer_types=layer_types,
+            qk_norm=arch == "qwen3",
+            **_rope(cfg),
+        )
+        if arch == "gemma3":
+            kwargs.update(_gemma(cfg, hidden))
+        scaling = kwargs["rope_scaling"]
+        if scaling is not None and scaling.type == "dynamic":  # the context it stretches to
+            stretched = int(scaling.original_max_position_embeddings * scaling.factor)
+            kwargs["max_position_embeddings"] = max(kwargs["max_position_embeddings"], stretched)
+        return kwargs
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{where}: {exc}") from exc
+    except KeyError as exc:
+        raise ModelLoadError(f"{where} is missing {exc.args[0]!r}") from exc
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ModelLoadError(f"{where} has an invalid value: {exc}") from exc
+
+
+def checkpoint_tensors(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """HF tensors under the names the model takes: Phi-3's fused q/k/v and gate/up split into row slices (views,
+    no copy)."""
+    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            prefix = name.removesuffix("qkv_proj.weight")
+            out.update({prefix + "q_proj.weight": t[:q], prefix + "k_proj.weight": t[q:q + kv],
+                        prefix + "v_proj.weight": t[q + kv:]})
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            prefix = name.removesuffix("gate_up_proj.weight")
+            out.update({prefix + "gate_proj.weight": t[:f], prefix + "up_proj.weight": t[f:]})
+        else:
+            out[name] = t
+    return out
+
+
+def is_offset_norm(name: str, cfg: ModelConfig) -> bool:
+    """Gemma's norms scale by 1 + weight; the model scales by its weight, so these get 1 added when loaded (GGUF
+    files store them so already)."""
+    return cfg.architecture == "gemma3" and name.endswith(("norm.weight",))

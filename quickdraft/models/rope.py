@@ -1,0 +1,67 @@
+"""Rotary position tables: cos and sin of every position's angles, for plain RoPE and each scaling a checkpoint
+may ask for (``config.RopeScaling``). The model and the C kernels read rows of these tables by position, so a
+scaling is only a different table, and a token's rotation depends on its position alone, never on the batch."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from quickdraft.config import RopeScaling
+
+
+def _inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: wavelengths longer than original/low_freq_factor are stretched by ``factor``, shorter than
+    original/high_freq_factor kept, the band between blended (HF's ``_compute_llama3_parameters``)."""
+    original = s.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    smooth = (original / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelength >= original / s.high_freq_factor) & (wavelength <= original / s.low_freq_factor)
+    return torch.where(medium, blended, scaled)
+
+
+def _angles(head_dim: int, theta: float, scaling: RopeScaling | None, positions: int) -> tuple[torch.Tensor, float]:
+    """[positions, head_dim / 2] angles in float64 and the factor cos and sin are scaled by."""
+    pos = torch.arange(positions, dtype=torch.float64)
+    inv_freq = _inverse_frequencies(head_dim, theta)
+    kind = scaling.type if scaling is not None else "default"
+    if kind == "default":
+        return torch.outer(pos, inv_freq), 1.0
+    if kind == "linear":
+        return torch.outer(pos, inv_freq / scaling.factor), 1.0
+    if kind == "llama3":
+        return torch.outer(pos, _llama3(inv_freq, scaling)), 1.0
+    original = scaling.original_max_position_embeddings
+    if kind == "dynamic":
+        # HF raises the base from the length a forward reaches; position p is first computed in a forward of
+        # length p + 1 when decoding, so each position gets the base of that length (plain up to the original)
+        length = torch.clamp(pos + 1, min=original)
+        f = scaling.factor
+        bases = theta * ((f * length / original) - (f - 1)) ** (head_dim / (head_dim - 2))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        return pos[:, None] / bases[:, None] ** exponents[None, :], 1.0
+    # longrope: short factors up to the original context, long ones from there
+    short = inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float64)
+    long = inv_freq / torch.tensor(scaling.long_factor, dtype=torch.float64)
+    angles = torch.where((pos >= original)[:, None], torch.outer(pos, long), torch.outer(pos, short))
+    attention = scaling.attention_factor
+    if attention is None:
+        factor = scaling.factor
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return angles, attention
+
+
+def rope_tables(head_dim: int, theta: float, scaling: RopeScaling | None, positions: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin, ``[positions, head_dim / 2]`` (rotate-half layout: entry i rotates dims i and i + D/2)."""
+    if scaling is not None and scaling.type == "longrope" and len(scaling.short_factor) != head_dim // 2:
+        raise ValueError(f"longrope factors have {len(scaling.short_factor)} entries; head_dim {head_dim} needs "
+                         f"{head_dim // 2}")
+    angles, attention = _angles(head_dim, theta, scaling, positions)
+    return (angles.cos() * attention).float(), (angles.sin() * attention).float()

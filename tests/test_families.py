@@ -1,0 +1,234 @@
+"""Every model family equals HF transformers on a tiny random checkpoint built here, in float32.
+
+Each family is built with transformers itself and saved with ``save_pretrained``; quickdraft loads the directory.
+Prompts are longer than the sliding window, and speculation (another family's random model drafting, so drafts are
+rejected and the cache rewinds, across the window's edge too) must not change a greedy token.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from conftest import write_word_tokenizer
+from quickdraft import LLM, SamplingParams
+from quickdraft.errors import ModelLoadError
+from test_parity import our_logits
+
+VOCAB, WINDOW = 96, 12
+# max abs difference of float32 logits (of magnitude ~10) allowed between two implementations' roundings
+TOLERANCE = 2e-3
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, max_position_embeddings=256, eos_token_id=0, bos_token_id=None)
+LONGROPE = dict(short_factor=[1.0 + i / 8 for i in range(8)], long_factor=[2.0 + i / 4 for i in range(8)])
+
+FAMILIES = {
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(num_hidden_layers=3, **SMALL)),
+    "qwen3-tied": (transformers.Qwen3ForCausalLM,
+                   transformers.Qwen3Config(num_hidden_layers=2, tie_word_embeddings=True, **SMALL)),
+    "llama3-rope": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        num_hidden_layers=2, rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                                                  low_freq_factor=1.0, high_freq_factor=4.0,
+                                                  original_max_position_embeddings=32), **SMALL)),
+    "llama-linear-rope": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        num_hidden_layers=2, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0), **SMALL)),
+    "llama-dynamic-rope": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        num_hidden_layers=2, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
+        **{**SMALL, "max_position_embeddings": 40})),
+    "mistral": (transformers.MistralForCausalLM,
+                transformers.MistralConfig(num_hidden_layers=2, sliding_window=WINDOW, **SMALL)),
+    "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
+        num_hidden_layers=3, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, **SMALL)),
+    "phi3-longrope": (transformers.Phi3ForCausalLM, transformers.Phi3Config(
+        num_hidden_layers=2, original_max_position_embeddings=32, sliding_window=WINDOW,
+        rope_scaling=dict(type="longrope", **LONGROPE), pad_token_id=0, **SMALL)),
+}
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    made: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def make(name: str) -> tuple[Path, torch.nn.Module]:
+        if name not in made:
+            cls, cfg = FAMILIES[name]
+            torch.manual_seed(0)
+            model = cls(cfg).eval()
+            with torch.no_grad():  # larger logits than the default init, so greedy choices are not near-ties
+                for p in model.parameters():
+                    if p.dim() == 1:  # norm weights away from their identity, as trained ones are
+                        p.add_(torch.randn_like(p) * 0.2)
+                model.get_output_embeddings().weight.mul_(8.0)
+            path = root / name
+            model.save_pretrained(path, safe_serialization=True)
+            write_word_tokenizer(path, VOCAB)
+            reloaded = cls.from_pretrained(path, dtype=torch.float32).eval()
+            made[name] = (path, reloaded)
+        return made[name]
+
+    return make
+
+
+def prompt(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_matches_transformers(family_dir, name):
+    path, hf = family_dir(name)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    # prompts of dynamic and longrope scalings stay within the original context, where HF rotates every position of
+    # a forward alike; past it HF's rotation depends on the forward's length, ours on the position (see rope.py)
+    length = 30 if name in ("llama-dynamic-rope", "phi3-longrope") else 5 * WINDOW
+    ids = prompt(length)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    diff = (our_logits(llm, ids) - ref).abs().max().item()
+    assert diff < TOLERANCE, f"{name}: max abs logit diff {diff}"
+    # greedy decoding runs past the window and (dynamic, longrope) past the original context
+    start = prompt(8, seed=2)
+    expected = hf_greedy(hf, start, 48)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    assert llm.generate([start], params)[0].token_ids == expected
+    # the model drafting for itself: every draft accepted, 4 tokens per verify pass, across the window's edge; another
+    # family's random model: drafts rejected, the cache rewinds every round
+    other = family_dir("llama-linear-rope" if name == "qwen3" else "qwen3")[0]
+    for draft, accepted in ((path, True), (other, False)):
+        spec = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", draft=str(draft), draft_weights="float32",
+                   num_speculative_tokens=3)
+        assert spec.generate([start], params)[0].token_ids == expected
+        stats = spec.spec_stats
+        assert stats.draft_tokens > 0 and (stats.accepted_tokens == stats.draft_tokens) == accepted
+
+
+def test_config_fields_of_each_family(family_dir):
+    cfg = LLM(str(family_dir("gemma3")[0]), dtype="float32", kv_cache_memory="16MiB").model.config
+    assert (cfg.architecture, cfg.sliding_window, cfg.local_rope_theta, cfg.rope_theta) == ("gemma3", WINDOW, 1e4, 1e6)
+    assert [cfg.window(i) for i in range(3)] == [WINDOW, None, WINDOW]
+    assert cfg.qk_norm and cfg.sandwich_norms and cfg.hidden_act == "gelu_tanh" and cfg.attention_scale == 24 ** -0.5
+    assert cfg.rope_scaling.type == "linear" and cfg.embedding_multiplier == 64 ** 0.5
+    phi = LLM(str(family_dir("phi3-longrope")[0]), dtype="float32", kv_cache_memory="16MiB").model.config
+    assert phi.rope_scaling.type == "longrope" and phi.rope_scaling.original_max_position_embeddings == 32
+    assert phi.rope_scaling.factor == 256 / 32 and [phi.window(i) for i in range(2)] == [WINDOW, WINDOW]
+
+
+def _edited(tmp_path: Path, source: Path, **changes) -> Path:
+    target = tmp_path / "edited"
+    target.mkdir()
+    for f in source.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((source / "config.json").read_text())
+    cfg.update(changes)
+    (target / "config.json").write_text(json.dumps(cfg))
+    return target
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model_type": "falcon"}, r"unsupported model_type 'falcon'; supported: llama, mistral, qwen2, qwen3, gemma3_text"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     r"rope scaling 'yarn' is not supported; supported: default, linear, dynamic, llama3, longrope"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4, "low_freq_factor": 4.0,
+                          "high_freq_factor": 1.0, "original_max_position_embeddings": 32}},
+     r"high_freq_factor > low_freq_factor"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": float("nan"), "rope_theta": 1e4}},
+     r"not a positive finite number"),
+    ({"hidden_act": "relu"}, r"activation 'relu' is not supported"),
+])
+def test_unsupported_configs_are_refused_by_name(family_dir, tmp_path, changes, message):
+    path = _edited(tmp_path, family_dir("qwen3")[0], **changes)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "mistral", "phi3-longrope", "llama3-rope"])
+def test_family_through_the_engine(family_dir, name, weights):
+    """Quantized and bfloat16 weights (the fused C layer where it applies): a batch equals each prompt alone, a
+    repeated prompt reads its cached prefix, and every drafter keeps greedy output unchanged."""
+    path = family_dir(name)[0]
+    prompts = [prompt(n, seed=n) for n in (5, 2 * WINDOW + 3, 40)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    options = dict(weights=weights, kv_cache_memory="16MiB")
+    if weights == "bfloat16":
+        options = dict(dtype="bfloat16", kv_cache_memory="16MiB")
+    llm = LLM(str(path), **options)
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == alone
+    hits = llm.engine.prefix_cache_hits
+    assert llm.generate([prompts[2]], params)[0].token_ids == alone[2]
+    assert llm.engine.prefix_cache_hits > hits  # its prompt's full blocks came from the prefix cache
+    for spec in (dict(speculative="ngram"), dict(speculative="self"), dict(draft=str(path), draft_weights=weights)):
+        if weights == "bfloat16" and "draft" in spec:
+            spec["draft_weights"] = "float32"
+        drafted = LLM(str(path), **options, num_speculative_tokens=3, **spec)
+        assert [o.token_ids for o in drafted.generate(prompts, params)] == alone, spec
+
+
+@pytest.mark.slow
+def test_gemma3_270m_gguf_matches_transformers():
+    """Real weights of a sliding-window family: the packaged Gemma 3 270M, dequantized to float32, gives
+    transformers' greedy tokens (transformers reads the same GGUF itself) for a prompt longer than its 512-key
+    window, and the file's own int4/int8 weights keep greedy output unchanged under speculation."""
+    from quickdraft.loading import resolve_model
+
+    try:
+        path = resolve_model("gemma3-270m")
+    except ModelLoadError as exc:
+        pytest.skip(f"Gemma 3 270M is not installed (make models-gemma): {exc}")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    llm = LLM(str(path), weights="float32", kv_cache_memory="128MiB")
+    text = Path(__file__).read_text()[:2400]  # this file's source: ~700 tokens of code
+    for ids in (llm.tokenizer.encode("The capital of France is"), llm.tokenizer.encode(text)):
+        assert llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].token_ids \
+            == hf_greedy(hf, ids, 16)
+    del hf
+    ids = llm.tokenizer.encode(text)
+    assert len(ids) > 512
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    default = LLM(str(path), kv_cache_memory="128MiB")
+    plain = default.generate([ids], params)[0].token_ids
+    for spec in (dict(speculative="ngram"), dict(draft=str(path))):
+        assert LLM(str(path), kv_cache_memory="128MiB", **spec).generate([ids], params)[0].token_ids == plain
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_sliding_window_on_torch_attention(family_dir, name, monkeypatch):
+    """Off quickdraft's CPU kernel (a GPU, or a head layout the kernel does not take) single tokens attend through
+    torch per key bucket: their window must hold there too."""
+    from quickdraft.kv import attention
+
+    monkeypatch.setattr(attention.native, "runs_attend", lambda q, cache: False)
+    path, hf = family_dir(name)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    start = prompt(8, seed=2)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    assert llm.generate([start], params)[0].token_ids == hf_greedy(hf, start, 48)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name", ["gemma3", "qwen3", "phi3-longrope"])
+def test_family_on_cuda(family_dir, name):
+    """The CUDA path (torch's attention with windows, RoPE tables on the device) gives transformers' greedy tokens."""
+    path, hf = family_dir(name)
+    llm = LLM(str(path), dtype="float32", device="cuda", kv_cache_memory="16MiB")
+    start = prompt(8, seed=2)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    assert llm.generate([start], params)[0].token_ids == hf_greedy(hf, start, 48)
+    spec = LLM(str(path), dtype="float32", device="cuda", kv_cache_memory="16MiB", speculative="self",
+               num_speculative_tokens=3)
+    assert spec.generate([start], params)[0].token_ids == hf_greedy(hf, start, 48)
