@@ -83,7 +83,9 @@ def run_paired(name: str, plain: LLM, run_one, prompts, tokens: int) -> list[dic
     return rows
 
 
-def load_hf(name: str, target: str, draft: str, dtype: str, tokens: int):
+def load_hf(name: str, target: str, draft: str, dtype: str, tokens: int, encode):
+    """``encode(text)``: the chat prompt's ids as quickdraft makes them, so both engines decode the same prompt (a
+    GGUF without a chat template has none in transformers)."""
     """HF transformers on the same GGUF weights; returns a function that times one prompt."""
     import transformers
     tpath = resolve_model(target)
@@ -100,14 +102,13 @@ def load_hf(name: str, target: str, draft: str, dtype: str, tokens: int):
         extra["prompt_lookup_num_tokens"] = 10
 
     def run_one(category: str, text: str) -> dict:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)
+        ids = torch.tensor([encode(text)])
         with torch.inference_mode():
             t0 = time.perf_counter()
-            out = model.generate(**ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                 pad_token_id=tok.eos_token_id, **extra)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                 min_new_tokens=tokens, do_sample=False, pad_token_id=tok.eos_token_id, **extra)
             seconds = time.perf_counter() - t0
-        new = out[0, ids["input_ids"].shape[1]:].tolist()
+        new = out[0, ids.shape[1]:].tolist()
         print(f"  {name:<14} {category:<16} {len(new) / seconds:6.2f} tok/s", flush=True)
         return {"config": name, "category": category, "tok_s": len(new) / seconds, "token_ids": new}
 
@@ -199,7 +200,7 @@ def main() -> None:
             rows += run_paired(name, plain, lambda c, t: run_ours(llm, name, c, t, args.tokens), prompts, args.tokens)
             del llm
         else:
-            run_one = load_hf(name, args.target, args.draft, args.dtype, args.tokens)
+            run_one = load_hf(name, args.target, args.draft, args.dtype, args.tokens, lambda t: chat_ids(plain, t))
             rows += run_paired(name, plain, run_one, prompts, args.tokens)
             del run_one
         gc.collect()
