@@ -7,7 +7,7 @@ counting only the pages actually resident, so a memory-mapped embedding counts t
 (llama-cpp-python, n_ctx 4096) loads the same GGUF in a separate process; the pair's llama.cpp figure is the two
 models alone, summed.
 
-    python bench/memory.py                                  # SmolLM2, the 0.5B, the 1.5B and the pair
+    python bench/memory.py                                  # SmolLM2, the 0.5B, the 1.5B, Gemma 3 270M, the pair
     python bench/memory.py --configs smollm2-135m --no-llamacpp
     python bench/memory.py --cold --no-llamacpp              # a first run: converting into an empty cache
 """
@@ -33,6 +33,7 @@ CONFIGS = {
     "smollm2-135m": {"model": "smollm2-135m"},
     "qwen2.5-coder-0.5b": {"model": "qwen2.5-coder-0.5b"},
     "qwen2.5-coder-1.5b": {"model": "qwen2.5-coder-1.5b"},
+    "gemma3-270m": {"model": "gemma3-270m"},
     "pair": {"model": PAIR[0], "draft": PAIR[1]},
 }
 PROMPT = "Write a Python function that checks whether a number is prime."

@@ -11,6 +11,10 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+# far beyond any checkpoint's values (factors of 1 to ~100, bases of 10^4 to 10^8), and within them every angle of a
+# 16M-position table stays finite
+FACTOR_RANGE = (1e-3, 1e6)
+THETA_RANGE = (1.0, 1e12)
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -41,8 +45,10 @@ class RopeScaling:
         numbers = [self.factor, self.low_freq_factor, self.high_freq_factor, *self.short_factor, *self.long_factor]
         if self.attention_factor is not None:
             numbers.append(self.attention_factor)
-        if not all(isinstance(x, (int, float)) and 0 < x < math.inf for x in numbers):
-            raise ValueError(f"rope scaling {self.type!r} has a factor that is not a positive finite number")
+        low, high = FACTOR_RANGE
+        if not all(isinstance(x, (int, float)) and low <= x <= high for x in numbers):
+            bad = next(x for x in numbers if not (isinstance(x, (int, float)) and low <= x <= high))
+            raise ValueError(f"rope scaling {self.type!r} has a factor {bad!r}; allowed: {low:g} to {high:g}")
         if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError("rope scaling 'llama3' needs high_freq_factor > low_freq_factor")
         if self.type in ("llama3", "longrope", "dynamic") and not self.original_max_position_embeddings:
@@ -104,7 +110,11 @@ class ModelConfig:
             raise ValueError(f"sliding_window={self.sliding_window}; it must be a positive number of tokens")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding layers but no sliding_window is set")
-        for name in ("rope_theta", "local_rope_theta", "embedding_multiplier", "query_pre_attn_scalar"):
+        for name in ("rope_theta", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not THETA_RANGE[0] < value <= THETA_RANGE[1]:
+                raise ValueError(f"{name}={value}; allowed: above {THETA_RANGE[0]:g} up to {THETA_RANGE[1]:g}")
+        for name in ("embedding_multiplier", "query_pre_attn_scalar"):
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:
                 raise ValueError(f"{name}={value}; it must be a positive finite number")

@@ -145,7 +145,13 @@ def _edited(tmp_path: Path, source: Path, **changes) -> Path:
                           "high_freq_factor": 1.0, "original_max_position_embeddings": 32}},
      r"high_freq_factor > low_freq_factor"),
     ({"rope_parameters": {"rope_type": "linear", "factor": float("nan"), "rope_theta": 1e4}},
-     r"not a positive finite number"),
+     r"rope scaling 'linear' has a factor nan; allowed: 0.001 to 1e\+06"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 1e-320, "rope_theta": 1e4}},  # angles would overflow
+     r"has a factor 1e-320; allowed"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e-300}}, r"rope_theta=1e-300; allowed: above 1"),
+    ({"sliding_window": 0, "use_sliding_window": True}, r"sliding_window=0; it must be a positive number of tokens"),
+    ({"layer_types": ["full_attention"], "sliding_window": 8, "use_sliding_window": True},
+     r"layer_types must name one of full_attention, sliding_attention for each of the 3 layers"),
     ({"hidden_act": "relu"}, r"activation 'relu' is not supported"),
 ])
 def test_unsupported_configs_are_refused_by_name(family_dir, tmp_path, changes, message):
@@ -232,3 +238,68 @@ def test_family_on_cuda(family_dir, name):
     spec = LLM(str(path), dtype="float32", device="cuda", kv_cache_memory="16MiB", speculative="self",
                num_speculative_tokens=3)
     assert spec.generate([start], params)[0].token_ids == hf_greedy(hf, start, 48)
+
+
+def test_gemma3_family_serves_and_resumes_sessions(family_dir, tmp_path):
+    """A sliding-window family behind the real HTTP server (the openai client, streaming and not) and in a session
+    saved to disk and resumed: the same greedy tokens as transformers."""
+    from test_server import serve
+
+    path, hf = family_dir("gemma3")
+    start = prompt(8, seed=2)
+    expected = hf_greedy(hf, start, 40)
+    with serve(path, "gemma", speculative="ngram") as server:
+        client = server.client()
+        text = " ".join(f"t{i}" for i in start)
+        done = client.completions.create(model="gemma", prompt=text, max_tokens=40, temperature=0.0,
+                                          extra_body={"ignore_eos": True})
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="gemma", prompt=text, max_tokens=40, temperature=0.0, stream=True, extra_body={"ignore_eos": True}))
+    assert done.choices[0].text == streamed
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    assert llm.tokenizer.encode(done.choices[0].text, add_special_tokens=False) == expected
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    with llm.session() as s:
+        first = s.generate(start, params).token_ids
+        s.save(tmp_path / "gemma.qds")
+    resumed = llm.load_session(tmp_path / "gemma.qds")
+    assert first + resumed.generate(None, params).token_ids == expected
+
+
+def test_rope_tables_cover_the_engines_context_only(family_dir):
+    """RoPE tables are made for the positions the engine reaches (its context plus a verify pass), not the model's
+    whole trained context; a position past them is refused, never read out of bounds."""
+    from quickdraft.kv import ForwardItem, SequenceKV
+
+    llm = LLM(str(family_dir("gemma3")[0]), dtype="float32", kv_cache_memory="16MiB", max_model_len=40,
+              num_speculative_tokens=3)
+    limit = llm.model.rope.max_positions  # the context, plus a verify pass's reach past it
+    assert limit == llm.model.local_rope.max_positions and 40 < limit <= 40 + 16 < llm.model.config.max_position_embeddings
+    assert llm.model.rope.cos.shape == (limit, 8)
+    out = llm.generate([prompt(8)], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 32  # up to max_model_len
+    with pytest.raises(ValueError, match=f"position {limit} is past the {limit} this model was limited to"):
+        llm.target.forward([ForwardItem(SequenceKV(), prompt(limit + 1), limit + 1)])
+
+
+def test_rope_tables_grow_with_the_positions_reached():
+    from quickdraft.config import RopeScaling
+    from quickdraft.models.rope import rope_tables
+    from quickdraft.models.transformer import RotaryEmbedding
+
+    scaling = RopeScaling("longrope", **{k: tuple(v) for k, v in LONGROPE.items()}, original_max_position_embeddings=300)
+    full = rope_tables(16, 1e4, scaling, 9000)  # computed 4096 rows at a time: rows never depend on the chunking
+    rope = RotaryEmbedding(16, 1e4, 9000, scaling)
+    for end, rows in ((10, 256), (256, 256), (300, 512), (5000, 5000), (5001, 9000)):
+        rope.reach(end)
+        assert len(rope.cos) == rows
+        assert torch.equal(rope.cos, full[0][:rows]) and torch.equal(rope.sin, full[1][:rows])
+    rope.limit(100)
+    rope.reach(100)
+    assert len(rope.cos) == 100
+
+
+def test_a_draft_of_another_vocabulary_is_refused_naming_both(family_dir, tiny_dir):
+    with pytest.raises(ModelLoadError, match=r"the draft model m\d+ has a vocabulary of 64 tokens and the target "
+                                             r"qwen3 one of 96; a draft model must share the target's tokenizer"):
+        LLM(str(family_dir("qwen3")[0]), draft=str(tiny_dir(vocab_size=64)), dtype="float32", kv_cache_memory="16MiB")

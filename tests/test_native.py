@@ -47,6 +47,7 @@ def test_rms_norm_matches_torch_and_rows_are_independent(dtype):
 def test_rope_matches_torch_and_rows_are_independent(dtype):
     torch.manual_seed(1)
     rope = RotaryEmbedding(64, 10000.0, 512)
+    rope.reach(512)  # tables for every position used below (they grow with the positions a forward reaches)
     qkv = torch.randn(6, 5 * 64).to(dtype)  # 3 query + 2 key heads of a fused projection, rotated in place
     positions = torch.tensor([3, 100, 101, 102, 400, 511])
     heads = qkv.clone().view(6, 5, 64)

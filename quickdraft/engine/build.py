@@ -188,7 +188,8 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     draft_checkpoint, draft_weights = None, None
     if o.draft is not None:
         draft_checkpoint = load_checkpoint(o.draft, dtype=FLOAT_FORMATS.get(draft_fmt, dtype))
-        check_same_vocabulary(tokenizer, tokenizer_for(draft_checkpoint))
+        check_same_vocabulary(tokenizer, tokenizer_for(draft_checkpoint), checkpoint.source.name,
+                              draft_checkpoint.source.name)
         draft_weights = draft_fmt or resolve_draft_weights("auto", weights, draft_checkpoint.config, o.device)
     self_layers = None
     if o.speculative == "self":
@@ -210,10 +211,12 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
         log.warning("the KV cache holds %d tokens of one sequence: max_model_len lowered from %d to that (raise "
                     "kv_cache_memory or max_memory for the model's full context)", capacity, max_model_len)
         max_model_len = capacity
+    positions = max_model_len + o.max_speculative_tokens + 2  # a verify pass reaches k + 1 past the context
+    target_model.limit_positions(positions)
     drafter = None
     if draft_checkpoint is not None:
         drafter = _draft_model_drafter(o, draft_checkpoint, draft_weights, dtype, plan.kv_caps["draft"],
-                                       cfg.vocab_size)
+                                       cfg.vocab_size, positions)
     elif o.speculative == "ngram":
         drafter = NgramDrafter(o.ngram_max, o.ngram_min)
     elif self_layers is not None:
@@ -279,24 +282,31 @@ def _keeps_float(fmt: str | None, device: str) -> bool:
 
 
 def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dtype: torch.dtype, kv_bytes: int,
-                         target_vocab: int) -> ModelDrafter:
-    """A draft model in ``fmt``, with a float copy where ``_keeps_float``."""
+                         target_vocab: int, positions: int) -> ModelDrafter:
+    """A draft model in ``fmt``, with a float copy where ``_keeps_float``; both reach positions below ``positions``."""
     keep_float = _keeps_float(fmt, o.device)
     draft_model = load_model(checkpoint, fmt, o.device, head_rows=o.draft_vocab,
                              **(DRAFT_INT4_OPTIONS if fmt == "int4" else {}))
+    draft_model.limit_positions(positions)
     long_model = load_model(checkpoint, dtype_name(dtype), o.device,
                             head_rows=o.draft_vocab) if keep_float else None
+    if long_model is not None:
+        long_model.limit_positions(positions)
     drafter_class = RunAheadDrafter if o.run_ahead else ModelDrafter
     return drafter_class(ModelRunner("draft", draft_model, kv_bytes, o.block_size, long_model=long_model,
                                      kv_dtype=_kv_dtype(o, checkpoint)), target_vocab)
 
 
-def check_same_vocabulary(target: Tokenizer, draft: Tokenizer) -> None:
+def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, target_name: str, draft_name: str) -> None:
     """Draft and target must share a tokenizer; checkpoint vocab sizes may differ by padding rows only."""
     step = max(1, target.vocab_size // 512)
     same = target.vocab_size == draft.vocab_size and all(
         target.decode([i]) == draft.decode([i]) for i in range(0, target.vocab_size, step))
     if not same:
+        differ = next((i for i in range(min(target.vocab_size, draft.vocab_size))
+                       if target.decode([i]) != draft.decode([i])), None)
+        where = f"; token {differ} is {draft.decode([differ])!r} in one and {target.decode([differ])!r} in the other" \
+            if differ is not None else ""
         raise ModelLoadError(
-            f"draft model tokenizer ({draft.vocab_size} tokens) does not match the target's "
-            f"({target.vocab_size} tokens); speculative decoding needs the same vocabulary")
+            f"the draft model {draft_name} has a vocabulary of {draft.vocab_size:,} tokens and the target "
+            f"{target_name} one of {target.vocab_size:,}{where}; a draft model must share the target's tokenizer")

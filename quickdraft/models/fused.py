@@ -109,8 +109,6 @@ class FusedLayer:
         norms = [norm.weight for norm in placed.values()]
         if attn.qkv_proj is None or mlp.gate_up_proj is None or not native.available():
             return None
-        if rope.cos.dtype != torch.float32:  # the kernel reads float32 tables
-            return None
         if any(w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) for w in norms):
             return None
         if len({w.dtype for w in norms}) != 1 or len({norm.eps for norm in placed.values()}) != 1:

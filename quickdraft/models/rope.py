@@ -26,9 +26,8 @@ def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def _angles(head_dim: int, theta: float, scaling: RopeScaling | None, positions: int) -> tuple[torch.Tensor, float]:
-    """[positions, head_dim / 2] angles in float64 and the factor cos and sin are scaled by."""
-    pos = torch.arange(positions, dtype=torch.float64)
+def _angles(head_dim: int, theta: float, scaling: RopeScaling | None, pos: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """[len(pos), head_dim / 2] angles (float64) of positions ``pos`` and the factor cos and sin are scaled by."""
     inv_freq = _inverse_frequencies(head_dim, theta)
     kind = scaling.type if scaling is not None else "default"
     if kind == "default":
@@ -57,11 +56,19 @@ def _angles(head_dim: int, theta: float, scaling: RopeScaling | None, positions:
     return angles, attention
 
 
+CHUNK = 4096  # positions computed at a time: the float64 intermediates stay small beside the float32 tables
+
+
 def rope_tables(head_dim: int, theta: float, scaling: RopeScaling | None, positions: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos and sin, ``[positions, head_dim / 2]`` (rotate-half layout: entry i rotates dims i and i + D/2)."""
     if scaling is not None and scaling.type == "longrope" and len(scaling.short_factor) != head_dim // 2:
         raise ValueError(f"longrope factors have {len(scaling.short_factor)} entries; head_dim {head_dim} needs "
                          f"{head_dim // 2}")
-    angles, attention = _angles(head_dim, theta, scaling, positions)
-    return (angles.cos() * attention).float(), (angles.sin() * attention).float()
+    cos, sin = torch.empty(positions, head_dim // 2), torch.empty(positions, head_dim // 2)
+    for start in range(0, positions, CHUNK):
+        pos = torch.arange(start, min(positions, start + CHUNK), dtype=torch.float64)
+        angles, attention = _angles(head_dim, theta, scaling, pos)
+        cos[start:start + len(pos)] = angles.cos() * attention
+        sin[start:start + len(pos)] = angles.sin() * attention
+    return cos, sin

@@ -44,14 +44,47 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half (NeoX) layout, as HF stores q/k projections; a table row per position (``rope.py``)."""
+    """Rotate-half (NeoX) layout, as HF stores q/k projections; a table row per position (``rope.py``).
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None) -> None:
+    The tables grow with the positions a forward reaches (``reach``), doubling, up to the engine's context (``limit``):
+    Gemma 3 270M's two tables for its whole 32k context, 256-wide heads, are 64 MiB beside 270M parameters, and a
+    short conversation needs a few hundred rows."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None,
+                 device: str | torch.device = "cpu") -> None:
         super().__init__()
-        cos, sin = rope_tables(head_dim, theta, scaling, max_positions)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.head_dim, self.theta, self.scaling, self.max_positions = head_dim, theta, scaling, max_positions
+        self.device = torch.device(device)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin [rows, D / 2]
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
+
+    def limit(self, positions: int) -> None:
+        """Keep rows for the first ``positions`` positions only (at most the model's own context)."""
+        positions = min(positions, self.max_positions)
+        if positions != self.max_positions:
+            self.max_positions, self._tables, self._rows = positions, None, None
+
+    def reach(self, end: int) -> None:
+        """Rows for positions below ``end`` (at most ``max_positions``) from now on; tables only ever grow, so a thread
+        sharing the model keeps rows for its own positions whenever another grows them."""
+        tables = self._tables  # one read: threads sharing the model may make them twice, never half
+        if tables is None or len(tables[0]) < end:
+            rows = min(self.max_positions, max(end, 256, 2 * len(tables[0]) if tables is not None else 0))
+            cos, sin = rope_tables(self.head_dim, self.theta, self.scaling, rows)
+            self._tables, self._rows = (cos.to(self.device), sin.to(self.device)), None
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None:
+            self.reach(1)
+        return self._tables
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.tables()[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.tables()[1]
 
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of ``positions`` as ``[T, 1, head_dim / 2]``, gathered once per step: every layer of a forward
@@ -63,8 +96,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]; may rotate x in place (x is a fresh projection output)."""
-        if native.runs_rope(x) and self.cos.dtype == torch.float32:  # the kernel reads float32 tables
-            return native.rope_(x, positions, self.cos, self.sin)
+        if native.runs_rope(x):
+            cos, sin = self.tables()
+            return native.rope_(x, positions, cos, sin)
         cos, sin = self.rows(positions)
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -214,6 +248,12 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, attn: Attention, num_layers: int | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; ``num_layers`` runs only the first layers
         (self-speculation drafts with a prefix of the target)."""
+        end = int(attn.positions.max()) + 1 if len(attn.positions) else 0
+        if end > self.rope.max_positions:  # the C kernels index the tables by position
+            raise ValueError(f"position {end - 1} is past the {self.rope.max_positions} this model was limited to")
+        for rope in (self.rope, self.local_rope):
+            if rope is not None:
+                rope.reach(end)
         x = self.model.embed_tokens(tokens)
         if self.config.embedding_multiplier != 1.0:  # rounded to x's dtype first, as HF's Gemma does
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
@@ -224,6 +264,12 @@ class Transformer(nn.Module):
         for layer in list(self.model.layers)[:num_layers]:  # slicing a ModuleList builds a new one
             x = layer(x, self.rope_of(layer), attn)
         return self.model.norm(x)
+
+    def limit_positions(self, positions: int) -> None:
+        """The engine reaches positions below ``positions`` only: RoPE tables for those alone."""
+        for rope in (self.rope, self.local_rope):
+            if rope is not None:
+                rope.limit(positions)
 
     def rope_of(self, layer: DecoderLayer) -> RotaryEmbedding:
         """Gemma 3's sliding layers rotate with their own base."""
@@ -262,19 +308,19 @@ def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], device: s
     model.load_state_dict({k: tensors[k].to(device) for k in expected}, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rope, model.local_rope = (r.to(device) if r is not None else None for r in _ropes(cfg))
+    model.rope, model.local_rope = _ropes(cfg, device)
     return model.eval().requires_grad_(False)
 
 
-def _ropes(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+def _ropes(cfg: ModelConfig, device: str | torch.device = "cpu") -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
     """The full layers' rotary tables, and the sliding layers' where they have their own base."""
-    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling, device)
     if cfg.local_rope_theta is None:
         return rope, None
-    return rope, RotaryEmbedding(cfg.head_dim, cfg.local_rope_theta, cfg.max_position_embeddings)
+    return rope, RotaryEmbedding(cfg.head_dim, cfg.local_rope_theta, cfg.max_position_embeddings, device=device)
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of parameters and weight buffers (packed and quantized layers keep weights as buffers)."""
-    tensors = list(module.parameters()) + [b for name, b in module.named_buffers() if not name.startswith(("rope.", "local_rope."))]
+    tensors = list(module.parameters()) + list(module.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
