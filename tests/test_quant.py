@@ -439,3 +439,14 @@ def test_cut_float_head_beside_quantized_layers(tiny_dir, tmp_path, monkeypatch,
         model = qz.load_model(ckpt, "int8", head_rows=40, lm_head=False, use_cache=use_cache)
         assert model.lm_head.out_features == 40
         assert torch.equal(_logits(model, ids), expected)
+
+
+def test_a_quantized_head_gives_float32_logits_from_bfloat16_activations(tiny_dir):
+    """Logits rounded to bfloat16 tie often (a step of 0.5 at 64-128), and greedy choices would hinge on it."""
+    from quickdraft import LLM
+    from test_parity import our_logits
+
+    llm = LLM(str(tiny_dir(arch="llama", vocab_size=96)), dtype="bfloat16", weights="int8", kv_cache_memory="16MiB")
+    assert llm.model.lm_head.float_output
+    logits = our_logits(llm, list(range(1, 40)))
+    assert logits.dtype == torch.float32 and not torch.equal(logits, logits.bfloat16().float())

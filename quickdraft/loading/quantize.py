@@ -170,6 +170,8 @@ def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "c
     model.quant_info = {**model.quant_info, "kernels": kernel_sources(model, names, checkpoint.tensor_types,
                                                                       checkpoint.quantization)}
     fuse_quant_linears(model)
+    if head_fmt is not None:  # logits in float32 (see _QuantLinearBase.float_output)
+        model.lm_head.float_output = True
     return model
 
 

@@ -116,16 +116,17 @@ class PartsCall:
         self._bias = (ctypes.c_void_p * n)(*[None if p.bias is None else p.bias.data_ptr() for p in parts])
         self.out_features = parts[0].out_features if swiglu else sum(p.out_features for p in parts)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K]`` (float32 or bfloat16) -> ``[M, out_features]`` in ``x``'s dtype."""
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [M, K]`` (float32 or bfloat16) -> ``[M, out_features]`` in ``out_dtype`` (float32 or bfloat16; default
+        ``x``'s dtype)."""
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         x = x.contiguous()
         m = x.shape[0]
-        y = torch.empty(m, self.out_features, dtype=x.dtype)
-        bf16 = int(x.dtype == torch.bfloat16)
-        rc = native.lib().qd_linear(x.data_ptr(), bf16, m, self.in_features, self.kpad, len(self.parts), self._w,
-                                    self._sz, self._bits, self._n, self._bias, int(self.swiglu), y.data_ptr(), bf16)
+        y = torch.empty(m, self.out_features, dtype=out_dtype or x.dtype)
+        rc = native.lib().qd_linear(x.data_ptr(), int(x.dtype == torch.bfloat16), m, self.in_features, self.kpad,
+                                    len(self.parts), self._w, self._sz, self._bits, self._n, self._bias,
+                                    int(self.swiglu), y.data_ptr(), int(y.dtype == torch.bfloat16))
         if rc != 0:
             raise RuntimeError(f"qd_linear failed ({'out of memory' if rc == -1 else 'bad arguments'}, code {rc})")
         return y

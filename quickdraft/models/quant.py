@@ -38,6 +38,9 @@ class _QuantLinearBase(nn.Module):
     out_features: int
     backend: str
     bits: int
+    # float32 output whatever the input's dtype: an lm_head's logits rounded to bfloat16 lose ties (at a logit of
+    # 64-128 a bfloat16 step is 0.5), so greedy choices would hinge on the rounding (set by the loader)
+    float_output: bool = False
 
     def _init_bias(self, bias: torch.Tensor | None) -> None:
         if bias is not None:
@@ -55,12 +58,13 @@ class _QuantLinearBase(nn.Module):
         call = self._call
         if call is None or call.parts[0].weight.data_ptr() != self.kweight.data_ptr():  # built once per weight
             call = self._call = qmatmul.PartsCall([self.kernel_part()], self.in_features)
-        return call(x2)
+        return call(x2, torch.float32 if self.float_output else None)
 
     def _finish(self, y: torch.Tensor, x: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
-        y = y.to(x.dtype)
+        dtype = torch.float32 if self.float_output else x.dtype
+        y = y.to(dtype)
         if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
+            y = y + self.bias.to(dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
