@@ -11,10 +11,27 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
-# far beyond any checkpoint's values (factors of 1 to ~100, bases of 10^4 to 10^8), and within them every angle of a
-# 16M-position table stays finite
+# Bounds far beyond any checkpoint's values (factors of 1 to ~100, bases of 10^4 to 10^8, widths of ~16k, contexts of
+# up to ~10M tokens): within them every RoPE angle stays finite and every size fits the C kernels' ints, and a damaged
+# value is refused at load rather than failing every request (or sizing a loop or an allocation) later.
 FACTOR_RANGE = (1e-3, 1e6)
 THETA_RANGE = (1.0, 1e12)
+SCALAR_RANGE = (1e-3, 1e9)  # query_pre_attn_scalar (attention scale = its -1/2 power) and the embedding multiplier
+MAX_WIDTH = 1 << 20
+MAX_CONTEXT = 1 << 24
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_number(value: object, low: float, high: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+
+
+def every_nth_full(num_layers: int, n: int) -> tuple[str, ...]:
+    """Gemma 3's interleave: every ``n``-th layer attends to the whole context, the others slide."""
+    return tuple("full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(num_layers))
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -23,9 +40,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 class RopeScaling:
     """How a checkpoint stretches RoPE past its training context (HF's ``rope_scaling`` / ``rope_parameters``).
 
-    ``linear`` divides every frequency by ``factor``; ``dynamic`` (NTK) raises the base for a context of
-    ``factor`` times the original, fixed for the model's whole context as vLLM does (HF recomputes it from each
-    forward's length, so the two agree up to the original context); ``llama3`` divides low frequencies by
+    ``linear`` divides every frequency by ``factor``; ``dynamic`` (NTK) raises the base past the original context:
+    position p gets the base HF computes for a forward of length p + 1, which is what HF gives a token decoded one at
+    a time (a prompt longer than the original context HF rotates wholly with its last position's base, so the two
+    agree up to the original context and in decoding); ``llama3`` divides low frequencies by
     ``factor`` and blends the middle band; ``longrope`` (Phi-3) divides each frequency by its own factor,
     ``short_factor`` up to the original context and ``long_factor`` from there (per position, so a token's
     rotation never depends on the batch), and scales cos and sin by ``attention_factor``."""
@@ -42,19 +60,33 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope scaling type {self.type!r}; supported: {', '.join(ROPE_TYPES)}")
+        for name in ("short_factor", "long_factor"):
+            if not isinstance(getattr(self, name), tuple) or len(getattr(self, name)) > MAX_WIDTH:
+                raise ValueError(f"rope scaling {name} must be a list of at most {MAX_WIDTH:,} numbers")
         numbers = [self.factor, self.low_freq_factor, self.high_freq_factor, *self.short_factor, *self.long_factor]
         if self.attention_factor is not None:
             numbers.append(self.attention_factor)
         low, high = FACTOR_RANGE
-        if not all(isinstance(x, (int, float)) and low <= x <= high for x in numbers):
-            bad = next(x for x in numbers if not (isinstance(x, (int, float)) and low <= x <= high))
+        bad = next((x for x in numbers if not _is_number(x, low, high)), None)
+        if bad is not None:
             raise ValueError(f"rope scaling {self.type!r} has a factor {bad!r}; allowed: {low:g} to {high:g}")
         if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError("rope scaling 'llama3' needs high_freq_factor > low_freq_factor")
-        if self.type in ("llama3", "longrope", "dynamic") and not self.original_max_position_embeddings:
-            raise ValueError(f"rope scaling {self.type!r} needs original_max_position_embeddings")
+        original = self.original_max_position_embeddings
+        if self.type in ("llama3", "longrope", "dynamic") and not _is_int(original, 2, MAX_CONTEXT):
+            raise ValueError(f"rope scaling {self.type!r} needs original_max_position_embeddings, an int in 2 to "
+                             f"{MAX_CONTEXT:,}; got {original!r}")
         if self.type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
             raise ValueError("rope scaling 'longrope' needs short_factor and long_factor lists of one length")
+
+    @property
+    def attention(self) -> float:
+        """What longrope scales cos and sin by: ``attention_factor``, else transformers' default from ``factor``."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
 
 
 @dataclass(frozen=True)
@@ -98,26 +130,48 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim"):
+            if not _is_int(getattr(self, name), 1, MAX_WIDTH):
+                raise ValueError(f"{name}={getattr(self, name)!r}; allowed: an int in 1 to {MAX_WIDTH:,}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim}; rotary embeddings need an even head dimension")
+        if not _is_int(self.max_position_embeddings, 1, MAX_CONTEXT):
+            raise ValueError(f"max_position_embeddings={self.max_position_embeddings!r}; allowed: an int in 1 to "
+                             f"{MAX_CONTEXT:,}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        self._check_layers()
+        self._check_scales()
+
+    def _check_layers(self) -> None:
         if self.layer_types and (len(self.layer_types) != self.num_layers
                                  or any(t not in LAYER_TYPES for t in self.layer_types)):
             raise ValueError(f"layer_types must name one of {', '.join(LAYER_TYPES)} for each of the "
                              f"{self.num_layers} layers")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window={self.sliding_window}; it must be a positive number of tokens")
+        if self.sliding_window is not None and not _is_int(self.sliding_window, 1, MAX_CONTEXT):
+            raise ValueError(f"sliding_window={self.sliding_window!r}; allowed: a number of tokens, an int in 1 to "
+                             f"{MAX_CONTEXT:,}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding layers but no sliding_window is set")
+
+    def _check_scales(self) -> None:
         for name in ("rope_theta", "local_rope_theta"):
             value = getattr(self, name)
-            if value is not None and not THETA_RANGE[0] < value <= THETA_RANGE[1]:
+            if value is not None and not (_is_number(value, *THETA_RANGE) and value > THETA_RANGE[0]):
                 raise ValueError(f"{name}={value}; allowed: above {THETA_RANGE[0]:g} up to {THETA_RANGE[1]:g}")
         for name in ("embedding_multiplier", "query_pre_attn_scalar"):
             value = getattr(self, name)
-            if value is not None and not 0 < value < math.inf:
-                raise ValueError(f"{name}={value}; it must be a positive finite number")
+            if value is not None and not _is_number(value, *SCALAR_RANGE):
+                raise ValueError(f"{name}={value!r}; allowed: {SCALAR_RANGE[0]:g} to {SCALAR_RANGE[1]:g}")
+        if not _is_number(self.rms_norm_eps, 0.0, 1.0) or not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r}; allowed: above 0 up to 1")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.type == "longrope" and len(scaling.short_factor) != self.head_dim // 2:
+            raise ValueError(f"longrope factors have {len(scaling.short_factor)} entries; head_dim {self.head_dim} "
+                             f"needs {self.head_dim // 2}, one per frequency")
 
     def is_sliding(self, layer: int) -> bool:
         """Whether ``layer`` attends within the sliding window."""

@@ -150,13 +150,37 @@ def _edited(tmp_path: Path, source: Path, **changes) -> Path:
     ({"rope_parameters": {"rope_type": "linear", "factor": 1e-320, "rope_theta": 1e4}},  # angles would overflow
      r"has a factor 1e-320; allowed"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e-300}}, r"rope_theta=1e-300; allowed: above 1"),
-    ({"sliding_window": 0, "use_sliding_window": True}, r"sliding_window=0; it must be a positive number of tokens"),
+    ({"sliding_window": 0, "use_sliding_window": True}, r"sliding_window=0; allowed: a number of tokens, an int in 1"),
+    # found by hostile review: each loaded, then failed every request, truncated in C, or gave NaN logits
+    ({"sliding_window": 2 ** 32 + 5, "use_sliding_window": True}, r"sliding_window=4294967301; allowed"),
+    ({"sliding_window": True, "use_sliding_window": True}, r"sliding_window=True; allowed"),
+    ({"sliding_window": 12.9, "use_sliding_window": True}, r"sliding_window=12.9; allowed"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 7,
+                          "long_factor": [1.0] * 7, "original_max_position_embeddings": 32}},
+     r"longrope factors have 7 entries; head_dim 16 needs 8, one per frequency"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": "12345678",
+                          "long_factor": [1.0] * 8, "original_max_position_embeddings": 32}},
+     r"short_factor is str '12345678'; it must be a list of numbers"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                          "long_factor": [1.0] * 8, "original_max_position_embeddings": 1}},
+     r"needs original_max_position_embeddings, an int in 2 to 16,777,216; got 1"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0,
+                          "original_max_position_embeddings": -40}}, r"an int in 2 to 16,777,216; got -40"),
+    ({"rope_parameters": {"rope_type": ["linear"], "rope_theta": 1e4}}, r"rope_type is \['linear'\]; supported"),
+    ({"rope_parameters": "linear"}, r"rope_parameters is str 'linear'; it must be an object"),
+    ({"rope_scaling": [4.0]}, r"rope_scaling is list \[4.0\]; it must be an object"),
+    ({"head_dim": 15, "hidden_size": 60}, r"head_dim=15; rotary embeddings need an even head dimension"),
+    ({"max_position_embeddings": 0}, r"max_position_embeddings=0; allowed: an int in 1 to 16,777,216"),
+    ({"max_position_embeddings": 1e300}, r"max_position_embeddings=1e\+300; allowed"),
+    ({"rms_norm_eps": -1.0}, r"rms_norm_eps=-1.0; allowed: above 0 up to 1"),
+    ({"num_attention_heads": 0, "num_key_value_heads": 0}, r"num_heads=0; allowed: an int in 1 to 1,048,576"),
+    ({"tie_word_embeddings": "false"}, r"tie_word_embeddings is 'false'; it must be true or false"),
     ({"layer_types": ["full_attention"], "sliding_window": 8, "use_sliding_window": True},
      r"layer_types must name one of full_attention, sliding_attention for each of the 3 layers"),
     ({"hidden_act": "relu"}, r"activation 'relu' is not supported"),
 ])
 def test_unsupported_configs_are_refused_by_name(family_dir, tmp_path, changes, message):
-    path = _edited(tmp_path, family_dir("qwen3")[0], **changes)
+    path = _edited(tmp_path, family_dir("qwen3")[0], **changes)  # qwen3: head_dim 16, 3 layers
     with pytest.raises(ModelLoadError, match=message):
         LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
 

@@ -131,6 +131,15 @@ def test_qwen3_reads_qk_norms_unpermuted(tmp_path, cache_dir):
     assert_mapped(ckpt, decoded, QWEN3_LAYER, 2)  # q/k rows as stored: qwen3 is not permuted
 
 
+def test_a_qwen3_file_labelled_llama_is_refused(tmp_path, cache_dir):
+    """Run as llama it would skip its q/k norms and write nonsense: a mapped tensor the arch has no use for is refused."""
+    path = tmp_path / "mislabelled.gguf"
+    write(path, "llama", {}, tensors_of(list(QWEN3_LAYER), 2, 16, np.random.default_rng(0)))
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.attn_k_norm\.weight is not part of a 'llama' model "
+                                             r"\(4 such tensors\); is general.architecture right\?"):
+        load_checkpoint(path)
+
+
 def test_qwen3_without_its_qk_norms_is_refused(tmp_path, cache_dir):
     path = tmp_path / "qwen3.gguf"
     tensors = tensors_of(list(QWEN3_LAYER), 2, 16, np.random.default_rng(0))
@@ -232,7 +241,7 @@ def test_phi3_fused_tensors_split_into_row_ranges(tmp_path, cache_dir, qtype):
     assert cfg.rope_scaling == RopeScaling(
         "longrope", short_factor=tuple(float(x) for x in factors["rope_factors_short.weight"]),
         long_factor=tuple(float(x) for x in factors["rope_factors_long.weight"]),
-        original_max_position_embeddings=128, attention_factor=1.25)
+        original_max_position_embeddings=128, attention_factor=1.25, factor=1024 / 128)
     q, kv = HEADS * 16, KV_HEADS * 16
     parts = {"self_attn.q_proj": ("attn_qkv", 0, q), "self_attn.k_proj": ("attn_qkv", q, q + kv),
              "self_attn.v_proj": ("attn_qkv", q + kv, q + 2 * kv), "mlp.gate_proj": ("ffn_up", 0, F),
@@ -295,7 +304,7 @@ def test_phi3_attention_factor_defaults_as_transformers_computes_it(tmp_path, ca
     write(path, "phi3", phi3_meta(), {**tensors_of(PHI3_LAYER, 2, 16, rng), **phi3_factors(rng)})
     scaling = load_checkpoint(path).config.rope_scaling
     assert scaling.type == "longrope" and scaling.original_max_position_embeddings == 128
-    assert math.isclose(scaling.attention_factor, math.sqrt(1 + math.log(1024 / 128) / math.log(128)))
+    assert scaling.attention_factor is None and math.isclose(scaling.attention, math.sqrt(1 + math.log(1024 / 128) / math.log(128)))
 
 
 @pytest.mark.parametrize("case,message", [

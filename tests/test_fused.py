@@ -164,6 +164,7 @@ class _Step:
             lengths += range(before + 1, before + new + 1)
             group_first.append(len(lengths))
         self.positions = torch.tensor(lengths) - 1
+        self.end = max(lengths)
         self.slot_mapping = torch.stack([row[p] for row, p in zip(rows, self.positions.tolist())])
         self.items = native.AttnItems(torch.arange(len(lengths)), torch.stack(rows), torch.tensor(lengths),
                                       torch.tensor(group_first))

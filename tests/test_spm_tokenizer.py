@@ -523,3 +523,12 @@ def test_gemma_round_trip_and_streaming(gemma, gemma_metadata):
     ids = gemma.encode("a 𠀀 b", add_special_tokens=False)
     assert [gemma.id_to_token(i) for i in ids][2:6] == ["<0xF0>", "<0xA0>", "<0x80>", "<0x80>"]
     assert _stream(gemma, ids) == ["a", " ", "", "", "", "𠀀", " b", ""]
+
+
+def test_a_vocabulary_with_a_huge_token_is_refused_before_deriving_merges():
+    """Merges are derived from every split of every token: a damaged file's megabyte token would load for hours."""
+    from quickdraft.tokenizer.spm_vocab import build_spm_backend
+
+    tokens = ["<unk>", "a", "b", "x" * 1_000_000]
+    with pytest.raises(ModelLoadError, match=r"SentencePiece token 3 has 1,000,000 characters; allowed: at most 1,024"):
+        build_spm_backend(tokens, [2, 1, 1, 1], [0.0, -1.0, -2.0, -3.0], add_space_prefix=False)

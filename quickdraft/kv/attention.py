@@ -83,7 +83,8 @@ class AttentionBatch:
         num_seqs = len(lengths)
         self.num_tokens = sum(lengths)
         totals = [s + n for s, n in zip(starts, lengths)]
-        width = -(-max(totals) // KEY_BUCKET) * KEY_BUCKET
+        self.end = max(totals)  # one past the largest position
+        width = -(-self.end // KEY_BUCKET) * KEY_BUCKET
         # slot of every position of every sequence, [B, width] (past a sequence's end: some slot, never read unmasked)
         table_width = -(-width // bs)
         table = torch.tensor([(t + [0] * table_width)[:table_width] for t in tables], dtype=torch.long)

@@ -14,21 +14,19 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
-from quickdraft.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from quickdraft.config import MAX_CONTEXT, MAX_WIDTH, SUPPORTED_ARCHITECTURES, ModelConfig
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading import weight_cache
 from quickdraft.loading.checkpoint import Checkpoint, LazyTensors, fingerprint
 from quickdraft.loading.dequant import SUPPORTED_TYPES, dequantize, qtype_name, supported_type_names
 from quickdraft.loading.gguf_families import (IGNORED, FloatReader, end_of_turn_texts, family_fields, fused_rows,
                                               hf_targets)
-from quickdraft.loading.gguf_metadata import (MAX_CONTEXT, MAX_WIDTH, GGUFHeader, int_value, positive_float,
-                                              read_header, show)
+from quickdraft.loading.gguf_metadata import GGUFHeader, int_value, positive_float, read_header, show
 
 log = logging.getLogger(__name__)
 
 # llama.cpp's converter permutes q/k rows of these architectures for its rotary layout.
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
-
 
 
 def hf_tensor_types(gguf_types: dict[str, str]) -> dict[str, str]:
@@ -133,8 +131,9 @@ def config_from_metadata(metadata: dict[str, Any], shapes: dict[str, tuple[int, 
         bos_token_id=bos,
         eos_token_ids=eos_token_ids(metadata, arch, vocab),
     )
+    family = family_fields(arch, metadata, shapes, path, base, read_floats)  # raises its own ModelLoadErrors
     try:
-        return ModelConfig(**base, **family_fields(arch, metadata, shapes, path, base, read_floats))
+        return ModelConfig(**base, **family)
     except (ValueError, ZeroDivisionError) as exc:
         raise ModelLoadError(f"{path}: inconsistent GGUF metadata: {exc}") from exc
 
@@ -245,6 +244,12 @@ def read_index(path: Path) -> GGUFIndex:
         parts = split_rows(whole, fused_rows(targets, cfg), path) if len(targets) > 1 else [whole]
         records.update(zip(targets, parts))
     check_tensor_set({target: r.shape for target, r in records.items()}, cfg, path)
+    expected = expected_shapes(cfg)
+    unused = sorted({r.gguf_name for target, r in records.items() if target not in expected})
+    if unused:  # e.g. a Qwen3 file labelled llama: run without its q/k norms, it would only write nonsense
+        raise ModelLoadError(f"{path}: tensor {unused[0]} is not part of a {cfg.architecture!r} model"
+                             f"{f' ({len(unused)} such tensors)' if len(unused) > 1 else ''}; is "
+                             f"general.architecture right?")
     unsupported = sorted({(qtype_name(r.qtype), r.gguf_name) for r in records.values() if r.qtype not in SUPPORTED_TYPES})
     if unsupported:
         types = sorted({tn for tn, _ in unsupported})
@@ -344,9 +349,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, use_cache
     makers = {name: functools.partial(dequantized, name) for name in records}
     if cfg.tie_word_embeddings:
         makers["lm_head.weight"] = makers["model.embed_tokens.weight"]
-    types = {name: qtype_name(r.qtype) for name, r in records.items()}  # = hf_tensor_types of the file's types
-    if cfg.tie_word_embeddings:
-        types["lm_head.weight"] = types["model.embed_tokens.weight"]
+    types = hf_tensor_types({r.gguf_name: qtype_name(r.qtype) for r in records.values()})
     return Checkpoint(
         config=cfg, tensors=LazyTensors(makers), source=path, fingerprint=fp,
         chat_template=index.metadata.get("tokenizer.chat_template"), gguf_metadata=index.metadata, hf_dir=None,

@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from quickdraft.config import ModelConfig, RopeScaling
+from quickdraft.config import MAX_CONTEXT, MAX_WIDTH, ModelConfig, RopeScaling, every_nth_full
 from quickdraft.errors import ModelLoadError
-from quickdraft.loading.gguf_metadata import MAX_CONTEXT, MAX_WIDTH, int_value, positive_float, show
+from quickdraft.loading.gguf_metadata import int_value, positive_float, show
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,8 @@ def _gemma3(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[
     }
     window = int_value(metadata, "gemma3.attention.sliding_window", path, 0, MAX_CONTEXT, default=0)
     if window:
-        out.update(sliding_window=window, local_rope_theta=GEMMA3_LOCAL_ROPE_THETA, layer_types=tuple(
-            "full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention" for i in range(layers)))
+        out.update(sliding_window=window, local_rope_theta=GEMMA3_LOCAL_ROPE_THETA,
+                   layer_types=every_nth_full(layers, GEMMA3_PATTERN))
     return out
 
 
@@ -193,12 +193,9 @@ def _phi3_factors(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], 
                              f"longrope needs both")
     short, long = (_factors(name, shapes, path, n, read_floats) for name in names)
     original = int_value(metadata, "phi3.rope.scaling.original_context_length", path, 1, MAX_CONTEXT)
-    attention = positive_float(metadata, "phi3.rope.scaling.attn_factor", path, None)
-    if attention is None:  # as transformers computes it
-        scale = context / original
-        attention = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 and original > 1 else 1.0
-    return RopeScaling("longrope", short_factor=short, long_factor=long, original_max_position_embeddings=original,
-                       attention_factor=attention)
+    attention = positive_float(metadata, "phi3.rope.scaling.attn_factor", path, None)  # None: transformers' default
+    return RopeScaling("longrope", factor=max(1.0, context / original), short_factor=short, long_factor=long,
+                       original_max_position_embeddings=original, attention_factor=attention)
 
 
 def _factors(name: str, shapes: dict[str, tuple[int, ...]], path: Path, n: int,

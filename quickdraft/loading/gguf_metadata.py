@@ -247,10 +247,6 @@ def tensor_types(path: str | Path) -> dict[str, str]:
     return {name: GGMLQuantizationType(raw).name for name, _, raw, _, _ in _checked_header(Path(path)).tensors}
 
 
-# Bounds on a config's sizes, far above any real model (widths of ~16k, contexts of up to ~10M tokens): a damaged
-# value is refused rather than sizing a loop or an allocation (the rotary table has a row per position).
-MAX_WIDTH = 1 << 20
-MAX_CONTEXT = 1 << 24
 
 
 # ---- checked metadata values (each failure a ModelLoadError naming the key, its value and what is allowed) ----

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from quickdraft.config import LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeScaling
+from quickdraft.config import LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeScaling, every_nth_full
 from quickdraft.errors import ModelLoadError
 
 # model_type in config.json -> our architecture name
@@ -27,9 +27,29 @@ def _ids(value: Any) -> list[int]:
     return []
 
 
+def _object(value: Any, what: str) -> dict[str, Any]:
+    """A JSON object of the config ({} where it is absent)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{what} is {type(value).__name__} {value!r:.60}; it must be an object")
+    return value
+
+
+def _numbers(value: Any, what: str) -> tuple:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ModelLoadError(f"{what} is {type(value).__name__} {value!r:.60}; it must be a list of numbers")
+    return tuple(value)
+
+
 def _rope_scaling(params: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling | None:
-    """One rope entry (``rope_scaling`` or one ``rope_parameters``) as a RopeScaling; None for plain RoPE."""
+    """One rope entry (``rope_scaling`` or one ``rope_parameters``) as a RopeScaling; None for plain RoPE. Values go
+    to RopeScaling as written, which checks their types and ranges."""
     kind = params.get("rope_type", params.get("type"))
+    if kind is not None and not isinstance(kind, str):
+        raise ModelLoadError(f"rope_type is {kind!r:.60}; supported: {', '.join(ROPE_TYPES)}")
     kind = _ROPE_ALIASES.get(kind, kind)
     if kind not in ROPE_TYPES:
         raise ModelLoadError(f"rope scaling {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
@@ -38,56 +58,58 @@ def _rope_scaling(params: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling | 
     original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
     if kind == "dynamic":  # HF stretches from max_position_embeddings itself
         original = original or cfg.get("max_position_embeddings")
-    factor = params.get("factor")
-    if kind == "longrope" and factor is None and original:
-        factor = cfg.get("max_position_embeddings", original) / original
-    return RopeScaling(
-        type=kind, factor=float(factor if factor is not None else 1.0),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(original) if original else None,
-        short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
-        long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
-        attention_factor=None if params.get("attention_factor") is None else float(params["attention_factor"]),
-    )
+    factor = params.get("factor", 1.0)
+    if kind == "longrope" and "factor" not in params and isinstance(original, int) and original > 0:
+        factor = max(1.0, cfg.get("max_position_embeddings", original) / original)  # transformers' default
+    try:
+        return RopeScaling(
+            type=kind, factor=factor, low_freq_factor=params.get("low_freq_factor", 1.0),
+            high_freq_factor=params.get("high_freq_factor", 4.0), original_max_position_embeddings=original,
+            short_factor=_numbers(params.get("short_factor"), "short_factor"),
+            long_factor=_numbers(params.get("long_factor"), "long_factor"),
+            attention_factor=params.get("attention_factor"),
+        )
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
     """rope_theta, rope_scaling (of full layers) and local_rope_theta (of sliding layers, if their own)."""
-    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    full, local = params, None
+    params = _object(cfg.get("rope_parameters"), "rope_parameters")
+    full, local = params, {}
     if any(t in params for t in LAYER_TYPES):  # transformers 5: one entry per layer type
-        full, local = params.get("full_attention") or {}, params.get("sliding_attention")
-    scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else full
-    theta = cfg.get("rope_theta", full.get("rope_theta", 10000.0))
-    local_theta = cfg.get("rope_local_base_freq", (local or {}).get("rope_theta"))
+        full = _object(params.get("full_attention"), "rope_parameters.full_attention")
+        local = _object(params.get("sliding_attention"), "rope_parameters.sliding_attention")
+    scaling = _object(cfg["rope_scaling"], "rope_scaling") if cfg.get("rope_scaling") is not None else full
     if local and _rope_scaling(local, cfg) is not None:
         raise ModelLoadError("rope scaling of sliding layers is not supported")
-    if float(cfg.get("partial_rotary_factor", full.get("partial_rotary_factor", 1.0))) != 1.0:
+    if cfg.get("partial_rotary_factor", full.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ModelLoadError("partial_rotary_factor other than 1 is not supported")
-    return dict(rope_theta=float(theta), rope_scaling=_rope_scaling(scaling, cfg),
-                local_rope_theta=None if local_theta is None else float(local_theta))
+    return dict(rope_theta=cfg.get("rope_theta", full.get("rope_theta", 10000.0)),
+                rope_scaling=_rope_scaling(scaling, cfg),
+                local_rope_theta=cfg.get("rope_local_base_freq", local.get("rope_theta")))
 
 
-def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
-    """Each layer's attention and the sliding window, as transformers decides them per family."""
+def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple[str, ...], Any]:
+    """Each layer's attention and the sliding window, as transformers decides them per family (ModelConfig checks
+    the values)."""
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
         window = None  # Qwen configs carry a window that only use_sliding_window switches on
     if window is None:
         return (), None
-    if isinstance(types, list):
-        return tuple(types), int(window)
+    if types is not None:
+        return tuple(_numbers(types, "layer_types")), window
     if arch == "gemma3":
-        pattern = int(cfg.get("sliding_window_pattern", 6))
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
-    elif arch in ("qwen2", "qwen3"):
-        first = int(cfg.get("max_window_layers", num_layers))
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    else:
-        return (), int(window)  # Mistral, Phi-3: every layer slides
-    return tuple(types), int(window)
+        pattern = cfg.get("sliding_window_pattern", 6)
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+            raise ModelLoadError(f"sliding_window_pattern={pattern!r}; it must be an int of at least 1")
+        return every_nth_full(num_layers, pattern), window
+    if arch in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", num_layers)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers)), window
+    return (), window  # Mistral, Phi-3: every layer slides
 
 
 def _gemma(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
@@ -97,7 +119,14 @@ def _gemma(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError("use_bidirectional_attention=true (an embedding model) is not supported")
     return dict(qk_norm=True, sandwich_norms=True, embedding_multiplier=hidden ** 0.5,
-                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)))
+                query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256))
+
+
+def _flag(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{key} is {value!r:.60}; it must be true or false")
+    return value
 
 
 def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -108,9 +137,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
         raise ModelLoadError(f"{where}: unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
     arch = MODEL_TYPES[model_type]
     try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        num_layers = int(cfg["num_hidden_layers"])
+        hidden, heads, num_layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
         if cfg.get("mlp_bias"):
             raise ModelLoadError("mlp_bias=true is not supported")
         act = cfg.get("hidden_activation", cfg.get("hidden_act", "silu"))
@@ -122,15 +149,15 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
         kwargs = dict(
             architecture=arch,
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=cfg["intermediate_size"],
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            attention_bias=_flag(cfg, "attention_bias", arch == "qwen2"),
+            tie_word_embeddings=_flag(cfg, "tie_word_embeddings", arch == "gemma3"),
             bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
             eos_token_ids=tuple(dict.fromkeys(eos)),
             hidden_act=_ACTIVATIONS[act],
@@ -150,7 +177,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
         raise ModelLoadError(f"{where}: {exc}") from exc
     except KeyError as exc:
         raise ModelLoadError(f"{where} is missing {exc.args[0]!r}") from exc
-    except (TypeError, ValueError, ZeroDivisionError) as exc:
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as exc:
         raise ModelLoadError(f"{where} has an invalid value: {exc}") from exc
 
 
@@ -160,6 +187,10 @@ def checkpoint_tensors(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, A
     q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     out = {}
     for name, t in tensors.items():
+        fused_and_split = name.replace("qkv_proj", "q_proj") if "qkv_proj" in name else \
+            name.replace("gate_up_proj", "gate_proj") if "gate_up_proj" in name else None
+        if fused_and_split is not None and fused_and_split in tensors:
+            raise ModelLoadError(f"the checkpoint holds both {name} and {fused_and_split}; one of them is extra")
         if name.endswith("self_attn.qkv_proj.weight"):
             prefix = name.removesuffix("qkv_proj.weight")
             out.update({prefix + "q_proj.weight": t[:q], prefix + "k_proj.weight": t[q:q + kv],
@@ -175,4 +206,4 @@ def checkpoint_tensors(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, A
 def is_offset_norm(name: str, cfg: ModelConfig) -> bool:
     """Gemma's norms scale by 1 + weight; the model scales by its weight, so these get 1 added when loaded (GGUF
     files store them so already)."""
-    return cfg.architecture == "gemma3" and name.endswith(("norm.weight",))
+    return cfg.architecture == "gemma3" and name.endswith("norm.weight")

@@ -49,11 +49,7 @@ def _angles(head_dim: int, theta: float, scaling: RopeScaling | None, pos: torch
     short = inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float64)
     long = inv_freq / torch.tensor(scaling.long_factor, dtype=torch.float64)
     angles = torch.where((pos >= original)[:, None], torch.outer(pos, long), torch.outer(pos, short))
-    attention = scaling.attention_factor
-    if attention is None:
-        factor = scaling.factor
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return angles, attention
+    return angles, scaling.attention
 
 
 CHUNK = 4096  # positions computed at a time: the float64 intermediates stay small beside the float32 tables
@@ -61,10 +57,8 @@ CHUNK = 4096  # positions computed at a time: the float64 intermediates stay sma
 
 def rope_tables(head_dim: int, theta: float, scaling: RopeScaling | None, positions: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos and sin, ``[positions, head_dim / 2]`` (rotate-half layout: entry i rotates dims i and i + D/2)."""
-    if scaling is not None and scaling.type == "longrope" and len(scaling.short_factor) != head_dim // 2:
-        raise ValueError(f"longrope factors have {len(scaling.short_factor)} entries; head_dim {head_dim} needs "
-                         f"{head_dim // 2}")
+    """float32 cos and sin, ``[positions, head_dim / 2]`` (rotate-half layout: entry i rotates dims i and i + D/2);
+    ``ModelConfig`` has checked the settings (longrope: one factor per frequency)."""
     cos, sin = torch.empty(positions, head_dim // 2), torch.empty(positions, head_dim // 2)
     for start in range(0, positions, CHUNK):
         pos = torch.arange(start, min(positions, start + CHUNK), dtype=torch.float64)

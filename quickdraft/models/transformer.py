@@ -7,6 +7,7 @@ who attends to what.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Mapping
 from typing import Protocol
 
@@ -22,6 +23,7 @@ from quickdraft.models.rope import rope_tables
 
 class Attention(Protocol):
     positions: torch.Tensor
+    end: int  # one past the largest position (known on the host: no device sync to size the RoPE tables)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                window: int | None = None) -> torch.Tensor:
@@ -56,6 +58,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.theta, self.scaling, self.max_positions = head_dim, theta, scaling, max_positions
         self.device = torch.device(device)
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin [rows, D / 2]
+        self._grow = threading.Lock()
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
 
     def limit(self, positions: int) -> None:
@@ -65,17 +68,21 @@ class RotaryEmbedding(nn.Module):
             self.max_positions, self._tables, self._rows = positions, None, None
 
     def reach(self, end: int) -> None:
-        """Rows for positions below ``end`` (at most ``max_positions``) from now on; tables only ever grow, so a thread
-        sharing the model keeps rows for its own positions whenever another grows them."""
-        tables = self._tables  # one read: threads sharing the model may make them twice, never half
-        if tables is None or len(tables[0]) < end:
-            rows = min(self.max_positions, max(end, 256, 2 * len(tables[0]) if tables is not None else 0))
-            cos, sin = rope_tables(self.head_dim, self.theta, self.scaling, rows)
-            self._tables, self._rows = (cos.to(self.device), sin.to(self.device)), None
+        """Rows for positions below ``end`` (at most ``max_positions``) from now on. Tables only ever grow (under a
+        lock: run-ahead drafting shares the model between threads), so every thread keeps rows for the positions it
+        reached itself whenever another grows them; a fused layer keeps the tables it was built on alive."""
+        tables = self._tables
+        if tables is not None and len(tables[0]) >= end:
+            return
+        with self._grow:
+            tables = self._tables
+            if tables is None or len(tables[0]) < end:
+                rows = min(self.max_positions, max(end, 256, 2 * len(tables[0]) if tables is not None else 0))
+                cos, sin = rope_tables(self.head_dim, self.theta, self.scaling, rows)
+                self._tables = (cos.to(self.device), sin.to(self.device))
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._tables is None:
-            self.reach(1)
+        self.reach(1)
         return self._tables
 
     @property
@@ -194,8 +201,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.uses_local_rope = cfg.is_sliding(layer) and cfg.local_rope_theta is not None
-        self._fused: FusedLayer | None = None
-        self._fused_key: tuple | None = None
+        # (key, fused layer) as one tuple: threads sharing the model (run-ahead self-drafting) read it in one go
+        self._fused: tuple[tuple, FusedLayer | None] | None = None
 
     def fused(self, rope: RotaryEmbedding) -> FusedLayer | None:
         """This layer as one C call (see fused.py), built on first use and again whenever its modules or weights
@@ -208,9 +215,10 @@ class DecoderLayer(nn.Module):
             mods.get("post_feedforward_layernorm"), attn.get("q_norm"), attn.get("k_norm")) if m is not None)
         key = (attn.get("qkv_proj"), attn["o_proj"], mlp.get("gate_up_proj"), mlp["down_proj"], norms,
                rope.cos.data_ptr())
-        if key != self._fused_key:
-            self._fused, self._fused_key = FusedLayer.build(self, rope), key
-        return self._fused
+        cached = self._fused
+        if cached is None or cached[0] != key:
+            cached = self._fused = (key, FusedLayer.build(self, rope))
+        return cached[1]
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         tokens = attn.single_tokens(self.self_attn.layer)
@@ -248,12 +256,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, attn: Attention, num_layers: int | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; ``num_layers`` runs only the first layers
         (self-speculation drafts with a prefix of the target)."""
-        end = int(attn.positions.max()) + 1 if len(attn.positions) else 0
-        if end > self.rope.max_positions:  # the C kernels index the tables by position
-            raise ValueError(f"position {end - 1} is past the {self.rope.max_positions} this model was limited to")
-        for rope in (self.rope, self.local_rope):
-            if rope is not None:
-                rope.reach(end)
+        self.reach(attn.end)
         x = self.model.embed_tokens(tokens)
         if self.config.embedding_multiplier != 1.0:  # rounded to x's dtype first, as HF's Gemma does
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
@@ -264,6 +267,15 @@ class Transformer(nn.Module):
         for layer in list(self.model.layers)[:num_layers]:  # slicing a ModuleList builds a new one
             x = layer(x, self.rope_of(layer), attn)
         return self.model.norm(x)
+
+    def reach(self, end: int) -> None:
+        """RoPE rows for positions below ``end``; a position past the model's limit is refused (the C kernels index
+        the tables by position, unchecked)."""
+        if end > self.rope.max_positions:
+            raise ValueError(f"position {end - 1} is past the {self.rope.max_positions} this model was limited to")
+        for rope in (self.rope, self.local_rope):
+            if rope is not None:
+                rope.reach(end)
 
     def limit_positions(self, positions: int) -> None:
         """The engine reaches positions below ``positions`` only: RoPE tables for those alone."""

@@ -96,6 +96,11 @@ def spm_vocab_dict(tokens: Sequence[str]) -> dict[str, int]:
     return {t: i for i, t in enumerate(tokens) if t}
 
 
+# Characters in one SentencePiece token, far above real vocabularies (Gemma's longest has 31): deriving the merges
+# tries every split of every token, so a damaged file's megabyte-long token would take hours to load.
+MAX_TOKEN_CHARS = 1024
+
+
 def spm_merges(vocab: dict[str, int], scores: Sequence[float]) -> list[tuple[str, str]]:
     """The BPE merges equivalent to llama.cpp's SPM bigram merging, best first.
 
@@ -108,9 +113,9 @@ def spm_merges(vocab: dict[str, int], scores: Sequence[float]) -> list[tuple[str
 
 @lru_cache(maxsize=2)
 def _bpe_model(tokens: tuple[str, ...], scores: tuple[float, ...], unk_token: str | None) -> BPE:
-    """The BPE model of one vocabulary. Deriving ~500k merges for a 262k vocabulary takes most of a
-    second, so the model is kept for the next build of the same vocabulary (a draft model sharing the
-    target's tokenizer, a reload). `tokenizers` models are immutable here and safe to share."""
+    """The BPE model of one vocabulary, kept for the next build of the same vocabulary (a draft model sharing the
+    target's tokenizer, a reload): deriving the merges of a large vocabulary is the slow part of loading its
+    tokenizer. `tokenizers` models are immutable here and safe to share."""
     vocab = spm_vocab_dict(tokens)
     return BPE(vocab=vocab, merges=spm_merges(vocab, scores), dropout=None, unk_token=unk_token, fuse_unk=False,
                byte_fallback=True, ignore_merges=False)
@@ -148,6 +153,10 @@ def build_spm_backend(tokens: list[str], token_types: list[int], scores: list[fl
     """The `tokenizers.Tokenizer` of a SentencePiece vocabulary, and the ids made special.
 
     No BOS/EOS handling here (gguf_vocab adds the post-processor)."""
+    longest = max(range(len(tokens)), key=lambda i: len(tokens[i]))
+    if len(tokens[longest]) > MAX_TOKEN_CHARS:
+        raise ModelLoadError(f"SentencePiece token {longest} has {len(tokens[longest]):,} characters; allowed: at "
+                             f"most {MAX_TOKEN_CHARS:,} (a damaged vocabulary?)")
     backend = BackendTokenizer(_bpe_model(tuple(tokens), tuple(scores), unk_token))
     steps = [normalizers.Replace(" ", SPACE)]
     if add_space_prefix:
