@@ -19,13 +19,30 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, max_toke
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-draft-tokens", type=int, default=None,
+                        help="cap each round's draft for these requests (0: no speculation); the output is the same")
+
+
+def request_params(args: argparse.Namespace):
+    """The sampling parameters the sampling arguments ask for."""
+    from quickdraft.sampling import SamplingParams
+    cap = args.max_draft_tokens
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed,
+                          speculative=True if cap is None else {"max_draft_tokens": cap})
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="packaged model name (see `quickdraft models`), GGUF file or HF directory")
-    spec = p.add_mutually_exclusive_group()
-    spec.add_argument("--draft", help="draft model for speculative decoding (same tokenizer as MODEL)")
-    spec.add_argument("--speculative", choices=["ngram", "self"], help="draft-free speculation")
+    p.add_argument("--draft", help="draft model for speculative decoding (same tokenizer as MODEL)")
+    p.add_argument("--speculative", choices=["ngram", "self", "suffix"],
+                   help="draft-free speculation; suffix (suffix decoding) also takes a --draft model for what it has "
+                        "no match for")
+    p.add_argument("--suffix-scope", default="global", choices=["request", "global"],
+                   help="--speculative suffix: match the request's own tokens only, or also earlier requests' outputs "
+                        "(default; faster on repeated work, and the speed-up is observable across clients)")
+    p.add_argument("--suffix-cache-tokens", type=int, default=None,
+                   help="--speculative suffix: tokens of earlier outputs kept (least recently used go first)")
     p.add_argument("--k", default="auto", help="tokens drafted per round: an int, or 'auto' (adaptive, default)")
     p.add_argument("--run-ahead", action="store_true",
                    help="with --draft or --speculative self: draft the next round in a background thread while "
@@ -69,11 +86,12 @@ def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):
     the same line instead)."""
     from quickdraft.llm import LLM
     k = args.k if args.k == "auto" else int(args.k)
+    cache = {} if args.suffix_cache_tokens is None else {"suffix_cache_tokens": args.suffix_cache_tokens}
     llm = LLM(args.model, draft=args.draft, speculative=args.speculative, num_speculative_tokens=k,
               dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, device=args.device,
               max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads,
               kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, max_memory=args.max_memory,
-              **extra)
+              suffix_scope=args.suffix_scope, **cache, **extra)
     if announce:
         draft = f"; draft: {llm.draft_weights}" if llm.draft_weights is not None else ""
         print(f"[{args.model}: {llm.weights_summary}{draft}; {llm.memory_summary}]", file=sys.stderr, flush=True)
@@ -111,9 +129,7 @@ def _file_columns(path: Path | None) -> tuple[str, str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from quickdraft.sampling import SamplingParams
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    params = request_params(args)
     llm = llm_from_args(args)
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     colour = args.show_drafts and sys.stdout.isatty()
@@ -150,9 +166,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive chat: user lines from stdin, replies streamed to stdout, the session saved after every turn."""
     from pathlib import Path
 
-    from quickdraft.sampling import SamplingParams
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    params = request_params(args)
     llm = llm_from_args(args)
     path = Path(args.session) if args.session else None
     if path is not None and path.exists():

@@ -110,7 +110,7 @@ def models(tiny_dir):
 
 def make_llm(models, drafter: str, weights: str = "float32", **options) -> LLM:
     target, poor = models
-    kwargs = {"ngram": {"speculative": "ngram"}, "self": {"speculative": "self", "self_draft_layers": 1},
+    kwargs = {"ngram": {"speculative": "ngram"}, "suffix": {"speculative": "suffix"}, "self": {"speculative": "self", "self_draft_layers": 1},
               "draft-poor": {"draft": str(poor)},  # the default int4 draft weights
               "draft-same": {"draft": str(target), "draft_weights": "float32"},
               # the target as its own draft, proposing among the first 5 of 8 tokens only: q is 0 where p is not
@@ -121,10 +121,11 @@ def make_llm(models, drafter: str, weights: str = "float32", **options) -> LLM:
                kv_cache_memory="32MiB", **kwargs, **options)
 
 
-FULL = [(d, t, x) for d in ("ngram", "self", "draft-poor", "draft-same") for t in (0.7, 1.0, 1.5) for x in TRANSFORMS]
+FULL = [(d, t, x) for d in ("ngram", "suffix", "self", "draft-poor", "draft-same") for t in (0.7, 1.0, 1.5) for x in TRANSFORMS]
 # CI runs a subset that still covers every drafter, temperature and transform; QUICKDRAFT_FULL_DIST=1 runs all 36.
 CI_SUBSET = [("draft-poor", 1.0, "plain"), ("draft-poor", 0.7, "topk_topp"), ("draft-poor", 1.5, "penalties"),
-             ("ngram", 1.0, "penalties"), ("self", 0.7, "plain"), ("draft-same", 1.5, "topk_topp")]
+             ("ngram", 1.0, "penalties"), ("self", 0.7, "plain"), ("draft-same", 1.5, "topk_topp"),
+             ("suffix", 1.0, "plain")]
 CASES = FULL if os.environ.get("QUICKDRAFT_FULL_DIST") else CI_SUBSET
 # quantized weights: the reference is the quantized target's own distribution
 CASES = [(*c, "float32") for c in CASES] + [("draft-poor", 1.0, "topk_topp", "int8"), ("ngram", 0.7, "penalties", "int4"),
@@ -160,3 +161,31 @@ def test_broken_verifier_fails_the_same_test(models, monkeypatch, drafter, tempe
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True, **TRANSFORMS[transform])
     dist = exact_distribution(llm, params)
     assert chi_square_pvalue(sample_engine(llm, params, SAMPLES), dist) < 0.001
+
+
+def sample_unseeded(llm: LLM, params: SamplingParams, n: int, waves: int = 4) -> list[tuple[int, ...]]:
+    """``n`` samples in ``waves`` batches: from the second on, the suffix drafter drafts from earlier outputs."""
+    out: list[tuple[int, ...]] = []
+    for _ in range(waves):
+        out += [tuple(o.token_ids) for o in llm.generate([PROMPT] * (n // waves), params)]
+    return out
+
+
+@pytest.mark.parametrize("transform", ["plain", "topk_topp"])
+def test_suffix_drafts_from_earlier_outputs_keep_the_target_distribution(models, transform):
+    """Unseeded requests draft from the outputs of the requests before them (a seeded one only from its own
+    tokens): the drafts change with what ran before, the distribution must not."""
+    llm = make_llm(models, "suffix")
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, **TRANSFORMS[transform])
+    dist = exact_distribution(llm, params)
+    samples = sample_unseeded(llm, params, SAMPLES)
+    assert llm.drafter.cache.tokens > 0 and llm.spec_stats.draft_tokens > 0
+    assert chi_square_pvalue(samples, dist) > 0.001
+
+
+def test_broken_verifier_fails_with_suffix_drafts_from_earlier_outputs(models, monkeypatch):
+    monkeypatch.setattr(engine_module, "verify_sampled", broken_verify_residual_is_p)
+    llm = make_llm(models, "suffix")
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    dist = exact_distribution(llm, params)
+    assert chi_square_pvalue(sample_unseeded(llm, params, SAMPLES), dist) < 0.001

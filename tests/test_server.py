@@ -126,13 +126,13 @@ def test_completion_greedy_usage(any_server):
     assert choice.finish_reason == "length" and len(choice.text.split()) == 24
     assert r.usage.prompt_tokens == 10 and r.usage.completion_tokens == 24 and r.usage.total_tokens == 34
     s = r.usage.speculative
-    assert set(s) == {"rounds", "draft_tokens", "accepted_tokens", "acceptance_rate"}
-    assert 1 <= s["rounds"] <= 24 and 0 <= s["accepted_tokens"] <= s["draft_tokens"]
+    assert set(s) == {"drafted_tokens", "accepted_tokens", "acceptance_rate", "target_passes"}
+    assert 1 <= s["target_passes"] <= 24 and 0 <= s["accepted_tokens"] <= s["drafted_tokens"]
     if model_of(any_server) == "tiny":
-        assert s == {"rounds": 24, "draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0}
+        assert s == {"drafted_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0, "target_passes": 24}
     else:
-        assert s["draft_tokens"] > 0 and s["rounds"] + s["accepted_tokens"] == 24
-        assert s["acceptance_rate"] == pytest.approx(s["accepted_tokens"] / s["draft_tokens"], abs=1e-3)
+        assert s["drafted_tokens"] > 0 and s["target_passes"] + s["accepted_tokens"] == 24
+        assert s["acceptance_rate"] == pytest.approx(s["accepted_tokens"] / s["drafted_tokens"], abs=1e-3)
     again = client.completions.create(model=model_of(any_server), prompt=prompt, max_tokens=24, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert again.choices[0].text == choice.text
@@ -287,6 +287,28 @@ def test_spec_metrics_count_drafts(spec):
         "quickdraft_spec_decode_num_draft_tokens_total"]
 
 
+def test_per_request_speculation_and_its_usage(spec):
+    """`speculative: false` decodes a request without drafts, an object caps them; the output is the same and usage
+    says what was drafted, also in the last chunk of a stream."""
+    client = spec.client()
+    kwargs = dict(model="tiny-spec", prompt="t1 t2 t3 t1 t2 t3 t1 t2 t3", max_tokens=24, temperature=0)
+    runs = {}
+    for name, value in {"on": True, "off": False, "capped": {"max_draft_tokens": 1}}.items():
+        r = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "speculative": value})
+        runs[name] = (r.choices[0].text, r.usage.speculative)
+    assert runs["on"][0] == runs["off"][0] == runs["capped"][0]
+    assert runs["on"][1]["drafted_tokens"] > 0 and runs["on"][1]["target_passes"] < 24
+    assert runs["off"][1] == {"drafted_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0, "target_passes": 24}
+    capped = runs["capped"][1]
+    assert 0 < capped["drafted_tokens"] <= capped["target_passes"] < 24
+    chunks = list(client.chat.completions.create(
+        model="tiny-spec", messages=[{"role": "user", "content": "t4 t5 t4 t5 t4 t5"}], max_completion_tokens=16,
+        temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 16 and usage.speculative["target_passes"] + \
+        usage.speculative["accepted_tokens"] == 16
+
+
 def test_smollm2_chat(smollm2):
     with serve(smollm2, "smollm2", dtype="auto", speculative="ngram", kv_cache_memory="64MiB",
                max_model_len=1024) as server:
@@ -325,6 +347,8 @@ BAD_REQUESTS = [
     ({"prompt": []}, 400, "prompt", "prompt must be"),
     ({"max_tokens": 3}, 400, "prompt", "prompt is required"),
     ({"prompt": [70, 1]}, 400, None, "token ids must be in [0, 64)"),
+    ({"prompt": "t1", "speculative": "fast"}, 400, "speculative", 'true, false or {"max_draft_tokens"'),
+    ({"prompt": "t1", "speculative": {"max_draft_tokens": 99}}, 400, "speculative", "[0, 32], got 99"),
 ]
 
 

@@ -25,12 +25,13 @@ from quickdraft.loading.weight_choice import planned_weight_bytes
 from quickdraft.models import Transformer, native, weight_bytes
 from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
 from quickdraft.speculative.run_ahead import RunAheadDrafter
+from quickdraft.speculative.suffix import DEFAULT_CACHE_TOKENS, SuffixDrafter, check_suffix_options
 from quickdraft.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SPECULATIVE = ("ngram", "self")
+SPECULATIVE = ("ngram", "self", "suffix")
 
 
 @dataclass
@@ -59,6 +60,8 @@ class EngineOptions:
     self_draft_layers: int | None = None
     ngram_max: int = 4
     ngram_min: int = 1
+    suffix_scope: str = "global"
+    suffix_cache_tokens: int = DEFAULT_CACHE_TOKENS
     run_ahead: bool = False
     threads: int | str = "auto"
 
@@ -70,8 +73,10 @@ class EngineOptions:
         if self.max_memory is not None:
             parse_size(self.max_memory, "max_memory")
         check_kv_cache_dtype(self.kv_cache_dtype)
-        if self.draft is not None and self.speculative is not None:
-            raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both")
+        if self.draft is not None and self.speculative not in (None, "suffix"):
+            raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both "
+                                        "(speculative='suffix' may take a draft model beside it)")
+        check_suffix_options(self.suffix_scope, self.suffix_cache_tokens)
         v = self.draft_vocab
         if v is not None and (self.draft is None or isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise InvalidParameterError(f"draft_vocab must be a positive int and needs draft=MODEL, got {v!r}"
@@ -217,6 +222,8 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     if draft_checkpoint is not None:
         drafter = _draft_model_drafter(o, draft_checkpoint, draft_weights, dtype, plan.kv_caps["draft"],
                                        cfg.vocab_size, positions)
+    if o.speculative == "suffix":  # suffix match first, the draft model (if any) where it has nothing
+        drafter = SuffixDrafter(o.suffix_scope, o.suffix_cache_tokens, model=drafter, max_k=o.max_speculative_tokens)
     elif o.speculative == "ngram":
         drafter = NgramDrafter(o.ngram_max, o.ngram_min)
     elif self_layers is not None:
@@ -292,7 +299,9 @@ def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dty
                             head_rows=o.draft_vocab) if keep_float else None
     if long_model is not None:
         long_model.limit_positions(positions)
-    drafter_class = RunAheadDrafter if o.run_ahead else ModelDrafter
+    # run-ahead drafts during the target pass for a model drafter alone (the suffix drafter proposes no model draft
+    # for most rounds of the texts it serves)
+    drafter_class = RunAheadDrafter if o.run_ahead and o.speculative != "suffix" else ModelDrafter
     return drafter_class(ModelRunner("draft", draft_model, kv_bytes, o.block_size, long_model=long_model,
                                      kv_dtype=_kv_dtype(o, checkpoint)), target_vocab)
 

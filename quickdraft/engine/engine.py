@@ -257,11 +257,11 @@ class LLMEngine:
     def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Proposal]:
         if self.drafter is None or not seqs:
             return [Proposal([]) for _ in seqs]
+        forecast = self.drafter.forecast(seqs)
         ks = self.controller.choose(seqs, base_tokens, catch_up=[self.drafter.lag(s) for s in seqs],
-                                    remaining=[s.params.max_tokens - len(s.output_ids) for s in seqs])
-        ks = [min(k, s.max_model_len - s.num_tokens - 1, s.params.max_tokens - len(s.output_ids) - 1)
-              for s, k in zip(seqs, ks)]
-        ks = [0 if s.spec.draft_failed else max(0, k) for s, k in zip(seqs, ks)]
+                                    remaining=[s.params.max_tokens - len(s.output_ids) for s in seqs],
+                                    forecast=forecast)
+        ks = [min(k, s.draft_room()) for s, k in zip(seqs, ks)]
         if not any(ks):
             return [Proposal([]) for _ in seqs]
         try:

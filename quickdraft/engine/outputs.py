@@ -34,6 +34,12 @@ class SpecMetrics:
                      "run_ahead_rounds", "run_ahead_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
+    def usage(self) -> dict[str, float]:
+        """The request's figures as the server's ``usage.speculative`` names them; ``target_passes`` counts the
+        target forwards that produced its tokens (a prompt read in several chunks counts once)."""
+        return {"drafted_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "acceptance_rate": round(self.acceptance_rate, 4), "target_passes": self.rounds}
+
     def as_dict(self) -> dict[str, float]:
         return {
             "rounds": self.rounds, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
@@ -51,6 +57,11 @@ class RequestMetrics:
     ttft_s: float | None = None  # time from arrival to the first generated token
     total_s: float = 0.0
     spec: SpecMetrics = field(default_factory=SpecMetrics)
+
+    @property
+    def speculative(self) -> dict[str, float]:
+        """Drafted and accepted tokens, acceptance rate and target passes of this sample (``SpecMetrics.usage``)."""
+        return self.spec.usage()
 
     @property
     def tokens_per_s(self) -> float:

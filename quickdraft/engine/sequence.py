@@ -105,6 +105,15 @@ class Sequence:
         self._stop_strings = self.params.stop or []
         self._holdback = max((len(s) - 1 for s in self._stop_strings), default=0)
 
+    def draft_room(self) -> int:
+        """The most tokens a round may draft for this sequence: what fits its context and max_tokens, within its
+        request's own cap (``SamplingParams.speculative``); none once the drafter failed for it."""
+        if self.spec.draft_failed:
+            return 0
+        room = min(self.max_model_len - self.num_tokens - 1, self.params.max_tokens - len(self.output_ids) - 1)
+        cap = self.params.max_draft_tokens
+        return max(0, room if cap is None else min(room, cap))
+
     def resume(self, output_ids: list[int], delivered_chars: int | None = None) -> None:
         """Continue an interrupted generation whose first ``output_ids`` were generated earlier (perhaps in
         another process): they count towards ``max_tokens``, feed the penalties and the detokenizer, and stop

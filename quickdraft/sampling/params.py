@@ -26,6 +26,7 @@ PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
 # range, and nothing is ever clamped silently, so the request is refused instead.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-3, 1e3
+MAX_DRAFT_TOKENS = 32  # the engine's own most (num_speculative_tokens)
 
 
 def _fail(name: str, allowed: str, value: Any, *, raw: bool = False) -> InvalidParameterError:
@@ -85,6 +86,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0
     deadline_s: float | None = None
+    # per request: False decodes it without drafts; {"max_draft_tokens": n} caps each round's draft (0..32); True
+    # (default) lets the engine's controller choose. The output is the same either way: only the speed changes.
+    speculative: bool | dict[str, int] = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -157,11 +161,25 @@ class SamplingParams:
 
         self.priority = _as_int("priority", self.priority, "an int")
 
+        self.speculative = self._check_speculative(self.speculative)
+
         if self.deadline_s is not None:
             d = _as_float("deadline_s", self.deadline_s, "a finite number of seconds > 0 or None")
             if d <= 0:
                 raise _fail("deadline_s", "> 0 seconds or None", self.deadline_s)
             self.deadline_s = d
+
+    @staticmethod
+    def _check_speculative(value: Any) -> bool | dict[str, int]:
+        allowed = f'true, false or {{"max_draft_tokens": an int in [0, {MAX_DRAFT_TOKENS}]}}'
+        if isinstance(value, bool):
+            return value
+        if not isinstance(value, Mapping) or set(value) != {"max_draft_tokens"}:
+            raise _fail("speculative", allowed, value)
+        cap = _as_int("speculative.max_draft_tokens", value["max_draft_tokens"], f"an int in [0, {MAX_DRAFT_TOKENS}]")
+        if not 0 <= cap <= MAX_DRAFT_TOKENS:
+            raise _fail("speculative.max_draft_tokens", f"an int in [0, {MAX_DRAFT_TOKENS}]", cap)
+        return {"max_draft_tokens": cap}
 
     @staticmethod
     def _check_logit_bias(bias: Any) -> dict[int, float] | None:
@@ -238,6 +256,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0: take the argmax (after bias and penalties)."""
         return self.temperature == 0.0
+
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """The most tokens a round may draft for this request (0: none), None: as the engine chooses."""
+        if isinstance(self.speculative, dict):
+            return self.speculative["max_draft_tokens"]
+        return None if self.speculative else 0
 
     @property
     def top_k_enabled(self) -> bool:

@@ -117,9 +117,7 @@ def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
     completion = sum(c.num_tokens for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
-            "speculative": {"rounds": spec.rounds, "draft_tokens": spec.draft_tokens,
-                            "accepted_tokens": spec.accepted_tokens,
-                            "acceptance_rate": round(spec.acceptance_rate, 4)}}
+            "speculative": spec.usage()}
 
 
 def response_head(id_: str, object_: str, created: int, model_name: str) -> dict:

@@ -49,6 +49,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
+    speculative: Any = None  # false, true or {"max_draft_tokens": n}: checked by SamplingParams
 
     @field_validator("stop")
     @classmethod
@@ -165,7 +166,7 @@ KNOWN_PARAMS = {
     "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
     "include_stop_str_in_output", "skip_special_tokens", "priority", "deadline_s", "prompt", "messages",
-    "top_logprobs", "max_completion_tokens", "model",
+    "top_logprobs", "max_completion_tokens", "model", "speculative",
 }
 
 

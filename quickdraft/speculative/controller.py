@@ -63,8 +63,11 @@ class SpeculationController:
     seeded_cost: CostModel | None = None  # deterministic plan for seeded requests (see CostModel.from_weight_bytes)
 
     def choose(self, seqs: Sequence[HasAcceptance], base_tokens: int, catch_up: Sequence[int] | None = None,
-               remaining: Sequence[int] | None = None) -> list[int]:
+               remaining: Sequence[int] | None = None, forecast: Sequence[float | None] | None = None) -> list[int]:
         """k per sequence; ``base_tokens`` is the number of tokens the step processes without any drafts.
+
+        ``forecast[i]``: the drafter's own per-token acceptance for ``seqs[i]``'s round (a suffix match knows
+        whether the text repeats), used instead of the sequence's history; None: the history.
 
         ``catch_up[i]``: tokens the draft must process before it can draft for ``seqs[i]`` (its prompt, or what
         was generated while speculation was off); ``remaining[i]``: tokens ``seqs[i]`` may still generate. A
@@ -74,26 +77,27 @@ class SpeculationController:
         if not seqs or not self.cost.calibrated:
             return [1] * len(seqs)
         seeded = [self.seeded_cost is not None and s.params.seed is not None for s in seqs]
-        own = [self._best_alone(s.spec.acceptance, self.seeded_cost if fixed else self.cost)
-               for s, fixed in zip(seqs, seeded)]
+        forecast = forecast or [None] * len(seqs)
+        acceptance = [s.spec.acceptance if f is None else f for s, f in zip(seqs, forecast)]
+        own = [self._best_alone(a, self.seeded_cost if fixed else self.cost) for a, fixed in zip(acceptance, seeded)]
         held = set()  # sequences kept from drafting by their catch-up: no probing either
         if catch_up is not None and remaining is not None and not self.draft_is_free:
             for i, s in enumerate(seqs):
-                if own[i] and not seeded[i] and not self._repays(s.spec.acceptance, own[i], catch_up[i], remaining[i],
+                if own[i] and not seeded[i] and not self._repays(acceptance[i], own[i], catch_up[i], remaining[i],
                                                                  base_tokens):
                     own[i] = 0
                     held.add(i)
         best_ks, best_rate, best_cap = list(own), -1.0, 0
         for cap in range(max(own, default=0) + 1):  # one batch-wide cap: at high load verification gets dearer
             ks = [k if fixed else min(cap, k) for k, fixed in zip(own, seeded)]
-            rate = self._throughput(seqs, ks, base_tokens)
+            rate = self._throughput(acceptance, ks, base_tokens)
             if rate > best_rate * (self.min_gain if cap and not best_cap else 1.0001):
                 best_ks, best_rate, best_cap = ks, rate, cap
         # a sequence whose own acceptance switched speculation off probes now and then, so a better acceptance
         # can be noticed; one switched off by the load alone does not (its acceptance is not in question, and
         # the plan turns it back on as soon as the costs allow)
         for i, s in enumerate(seqs):
-            if own[i] == 0 and i not in held:
+            if own[i] == 0 and i not in held and forecast[i] is None:
                 s.spec.rounds_off += 1
                 cost = self.seeded_cost if seeded[i] else self.cost
                 lag = catch_up[i] if catch_up is not None else 0
@@ -155,13 +159,13 @@ class SpeculationController:
                 best, best_rate = k, rate(k)
         return best if best_rate > rate(0) * self.min_gain else 0
 
-    def _throughput(self, seqs: Sequence[HasAcceptance], ks: list[int], base_tokens: int) -> float:
-        tokens = sum(expected_tokens(s.spec.acceptance, k) for s, k in zip(seqs, ks))
+    def _throughput(self, acceptance: Sequence[float], ks: list[int], base_tokens: int) -> float:
+        tokens = sum(expected_tokens(a, k) for a, k in zip(acceptance, ks))
         seconds = self.cost.target(base_tokens + sum(ks))
         if not self.draft_is_free:
             for step in range(max(ks, default=0)):
-                seconds += self.cost.draft(sum(1.0 - self._drafted_ahead(self.cost, s.spec.acceptance, k, step)
-                                               for s, k in zip(seqs, ks) if k > step))
+                seconds += self.cost.draft(sum(1.0 - self._drafted_ahead(self.cost, a, k, step)
+                                               for a, k in zip(acceptance, ks) if k > step))
         return tokens / seconds if seconds > 0 else 0.0
 
     @staticmethod

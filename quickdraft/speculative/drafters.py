@@ -85,6 +85,11 @@ class Drafter:
         """Tokens the drafter must take in before it can draft for ``seq`` (its catch-up)."""
         return 0
 
+    def forecast(self, seqs: Sequence[DraftableSequence]) -> list[float | None]:
+        """Per-token acceptance this drafter expects of each sequence's next round, asked once per step before
+        ``lag`` and ``propose``; None: the controller goes by the sequence's own history."""
+        return [None] * len(seqs)
+
     @property
     def is_free(self) -> bool:
         """Drafting costs no model pass, so only verification is priced."""

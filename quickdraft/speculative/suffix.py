@@ -1,0 +1,306 @@
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975): draft what most often followed the longest earlier match of
+the text's end, in the request's own prompt and output and in the outputs of earlier requests.
+
+Agent loops and edit-and-resend workloads repeat earlier *outputs* (file contents, diffs, tool calls), which prompt
+lookup cannot see. The match is searched in two token streams:
+
+- the request's own tokens (prompt and output so far);
+- a cache of the outputs of earlier requests (``scope="global"``), bounded in tokens, least recently used first out.
+
+Each stream is an implicit suffix tree: the occurrences of the longest suffix of the context (up to ``max_match``
+tokens) are found by narrowing the positions of its last token one token back at a time, and the draft walks the
+tree's most frequent branch from there, counting the following tokens of every occurrence that still matches.
+It stops where the walk's estimated probability (the product of each step's share of occurrences) falls below
+``min_prob`` or past ``spec_factor`` tokens per matched token, so a long, unanimous match drafts many tokens and a
+short or ambiguous one few. A stream costs 4 bytes a token, where an explicit tree of Python nodes costs hundreds
+of bytes per token and depth; the search reads the cache once per round (vectorised).
+
+Drafts from other requests' outputs change only how fast a request runs, never its tokens (verification is
+exact), but the speed is observable: see docs/SPECULATION.md, "Suffix decoding", for the timing side channel and
+``scope="request"``.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from quickdraft.errors import InvalidParameterError
+from quickdraft.speculative.drafters import DraftableSequence, Drafter, ModelDrafter, Proposal
+
+SCOPES = ("request", "global")
+DEFAULT_CACHE_TOKENS = 1 << 18  # 1 MiB of int32 tokens: a few hundred earlier answers of typical length
+MAX_CACHE_TOKENS = 1 << 28
+_GAP = -1  # between two outputs in the cache stream: never equal to a token, so no match crosses it
+
+
+@dataclass
+class SuffixDraft:
+    tokens: list[int]
+    score: float  # expected accepted tokens under the match's empirical distribution (sum of running products)
+    ends: np.ndarray | None = None  # stream positions of the matched occurrences that produced the draft
+    length: int = 0  # tokens matched
+
+
+def suffix_matches(stream: np.ndarray, context: np.ndarray, max_match: int) -> tuple[np.ndarray, int]:
+    """Positions in ``stream`` where the longest suffix of ``context`` (at most ``max_match`` tokens) ends, among
+    occurrences followed by at least one token, and that suffix's length (0: not even the last token occurs)."""
+    if not len(context) or len(stream) < 2:
+        return np.empty(0, dtype=np.int64), 0
+    ends = np.flatnonzero(stream[:-1] == context[-1])
+    length = 1 if len(ends) else 0
+    while len(ends) and length < min(max_match, len(context)):
+        reach = ends[ends >= length]  # occurrences with room for one more token before them
+        narrower = reach[stream[reach - length] == context[-1 - length]]
+        if not len(narrower):
+            break
+        ends, length = narrower, length + 1
+    return ends, length
+
+
+def most_frequent_walk(stream: np.ndarray, ends: np.ndarray, limit: int, min_prob: float) -> SuffixDraft:
+    """Follow the most frequent continuation of the occurrences ending at ``ends`` for up to ``limit`` tokens (ties:
+    the continuation seen last, as prompt lookup prefers the latest occurrence)."""
+    tokens: list[int] = []
+    prob, score = 1.0, 0.0
+    follow = ends + 1
+    while len(tokens) < limit:
+        follow = follow[follow < len(stream)]
+        if not len(follow):
+            break
+        nxt = stream[follow]
+        values, first_from_end, counts = np.unique(nxt[::-1], return_index=True, return_counts=True)
+        best = np.lexsort((-first_from_end, counts))[-1]
+        prob *= counts[best] / len(nxt)
+        if values[best] == _GAP or prob < min_prob:
+            break
+        tokens.append(int(values[best]))
+        score += prob
+        follow = follow[nxt == values[best]] + 1
+    return SuffixDraft(tokens, score, ends)
+
+
+class OutputCache:
+    """The outputs of earlier requests as one stream, at most ``capacity`` tokens; when full, the outputs used
+    least recently (added, or drafted from) go first."""
+
+    def __init__(self, capacity: int = DEFAULT_CACHE_TOKENS) -> None:
+        self.capacity = capacity
+        self._outputs: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._ids = 0
+        self.tokens = 0
+        self._stream: np.ndarray | None = None
+        self._starts: np.ndarray = np.empty(0, dtype=np.int64)  # stream offset of each output, in _order
+        self._order: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        if not len(tokens):
+            return
+        out = np.asarray(tokens[-self.capacity:], dtype=np.int32)
+        self._outputs[self._ids] = out
+        self._ids += 1
+        self.tokens += len(out)
+        while self.tokens > self.capacity:
+            _, dropped = self._outputs.popitem(last=False)
+            self.tokens -= len(dropped)
+        self._stream = None
+
+    def stream(self) -> np.ndarray:
+        """Every output, each followed by a gap (rebuilt after a change: outputs come far less often than rounds)."""
+        if self._stream is None:
+            self._order = list(self._outputs)
+            parts = []
+            for out in self._outputs.values():
+                parts += [out, np.array([_GAP], dtype=np.int32)]
+            self._stream = np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
+            sizes = np.array([len(o) + 1 for o in self._outputs.values()], dtype=np.int64)
+            self._starts = np.cumsum(sizes) - sizes
+        return self._stream
+
+    def touch(self, positions: np.ndarray) -> None:
+        """The outputs holding ``positions`` were drafted from: they are kept longest."""
+        for index in np.unique(np.searchsorted(self._starts, positions, side="right") - 1):
+            key = self._order[index]
+            if key in self._outputs:
+                self._outputs.move_to_end(key)
+
+    @property
+    def nbytes(self) -> int:
+        stream = self._stream.nbytes if self._stream is not None else 0
+        return stream + sum(o.nbytes for o in self._outputs.values())
+
+
+class _TokenArray:
+    """A sequence's tokens as a growing int32 array (a round appends a few tokens: no full copy per round)."""
+
+    def __init__(self) -> None:
+        self.array = np.empty(256, dtype=np.int32)
+        self.length = 0
+
+    def update(self, tokens: list[int]) -> np.ndarray:
+        n = len(tokens)
+        if n < self.length or (self.length and self.array[self.length - 1] != tokens[self.length - 1]):
+            self.length = 0  # not an extension of what we saw: read it again
+        if n > len(self.array):
+            grown = np.empty(max(n, 2 * len(self.array)), dtype=np.int32)
+            grown[:self.length] = self.array[:self.length]
+            self.array = grown
+        self.array[self.length:n] = tokens[self.length:n]
+        self.length = n
+        return self.array[:n]
+
+
+@dataclass
+class _SequenceState:
+    tokens: _TokenArray = field(default_factory=_TokenArray)
+    planned: SuffixDraft | None = None  # this step's suffix draft, found by forecast() and proposed by propose()
+    use_model: bool = False  # the draft model drafts this round (the suffix match expects too little)
+    proposed: tuple[int, list[int], int] | None = None  # (band, tokens, position) of this round's suffix draft
+    learned: bool = False  # its output went into the cache
+
+
+class SuffixDrafter(Drafter):
+    """Drafts by suffix match (see the module docstring); with ``model``, a draft model drafts wherever the suffix
+    match expects fewer than ``model_below`` accepted tokens (a new text, nothing repeated yet).
+
+    How many tokens a match is worth drafting is the controller's choice, from a per-token acceptance this drafter
+    forecasts for the round (``forecast``): the acceptance its drafts from matches of about that length met so far
+    (one estimate per power-of-two band of match length, learned as rounds commit). A sequence's own history would
+    mislead here: a text is repeated or it is not, and the match says which, round by round."""
+
+    PRIOR = (1.0, 1.0)  # (accepted, rejected) each band starts from: acceptance 0.5 until measured
+
+    def __init__(self, scope: str = "global", cache_tokens: int = DEFAULT_CACHE_TOKENS, max_match: int = 32,
+                 spec_factor: float = 1.0, min_prob: float = 0.1, model: ModelDrafter | None = None,
+                 model_below: float = 1.0, max_k: int = 32) -> None:
+        check_suffix_options(scope, cache_tokens)
+        self.scope, self.max_match, self.spec_factor, self.min_prob = scope, max_match, spec_factor, min_prob
+        self.cache = OutputCache(cache_tokens) if scope == "global" else None
+        self.model, self.model_below, self.max_k = model, model_below, max_k
+        self.name = "suffix" if model is None else f"suffix+{model.name}"
+        if model is not None:
+            self.runner, self.key = model.runner, model.key
+        self._state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> _SequenceState
+        self.bands = [list(self.PRIOR) for _ in range(max_match.bit_length())]
+
+    def _of(self, seq: DraftableSequence) -> "_SequenceState":
+        state = self._state.get(seq)
+        if state is None:
+            state = self._state[seq] = _SequenceState()
+        return state
+
+    def suffix_draft(self, seq: DraftableSequence, k: int) -> SuffixDraft:
+        """The better-scored of the request's own match and the cache's."""
+        context = self._of(seq).tokens.update(seq.token_ids)
+        best = self._walk(context, context, k)
+        # a seeded request drafts from its own tokens only: its sampled tokens then never depend on earlier requests
+        if self.cache is not None and len(self.cache) and seq.params.seed is None:
+            stream = self.cache.stream()
+            shared = self._walk(stream, context, k)
+            if shared.score > best.score:
+                self.cache.touch(shared.ends)
+                best = shared
+        return best
+
+    def _walk(self, stream: np.ndarray, context: np.ndarray, k: int) -> SuffixDraft:
+        ends, length = suffix_matches(stream, context, self.max_match)
+        if not length:
+            return SuffixDraft([], 0.0)
+        draft = most_frequent_walk(stream, ends, min(k, max(1, int(self.spec_factor * length))), self.min_prob)
+        draft.length = length
+        return draft
+
+    def _band(self, length: int) -> int:
+        return min(length.bit_length(), len(self.bands)) - 1
+
+    def _plan(self, seq: DraftableSequence) -> tuple["_SequenceState", float]:
+        """This round's suffix draft for ``seq``, whether the draft model drafts instead, and the per-token
+        acceptance the draft's band has met (a seeded request's plan uses the priors alone: it may not depend on
+        earlier requests)."""
+        state = self._of(seq)
+        draft = state.planned = self.suffix_draft(seq, self.max_k)
+        accepted, rejected = self.PRIOR if seq.params.seed is not None else self.bands[self._band(draft.length)]
+        a = accepted / (accepted + rejected) if draft.tokens else 0.0
+        expected = sum(a ** i for i in range(1, len(draft.tokens) + 1))
+        state.use_model = self.model is not None and expected < self.model_below
+        # what the match would draft is scored against what the round commits, whoever drafts it (the draft model,
+        # or nobody when the controller chose k = 0): a band then learns even while it is not trusted
+        state.proposed = (self._band(draft.length), draft.tokens, len(seq.token_ids)) if draft.tokens else None
+        return state, a
+
+    def forecast(self, seqs: Sequence[DraftableSequence]) -> list[float | None]:
+        out: list[float | None] = []
+        for seq in seqs:
+            state, a = self._plan(seq)
+            out.append(None if state.use_model else a)
+        return out
+
+    def lag(self, seq: DraftableSequence) -> int:
+        state = self._state.get(seq)
+        if self.model is None or (state is not None and not state.use_model):
+            return 0
+        return self.model.lag(seq)
+
+    def propose(self, seqs: Sequence[DraftableSequence], ks: Sequence[int]) -> list[Proposal]:
+        proposals, weak = [], []
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            state = self._of(seq)
+            if state.planned is None:  # not planned this step (the engine's calibration proposes directly)
+                state, _ = self._plan(seq)
+            draft, state.planned = state.planned, None
+            if state.use_model and k:
+                weak.append(i)
+            proposals.append(Proposal(draft.tokens[:k]))
+        if self.model is not None:
+            self.model.last_forward_costs = []
+            if weak:
+                for i, proposal in zip(weak, self.model.propose([seqs[i] for i in weak], [ks[i] for i in weak])):
+                    proposals[i] = proposal
+        return proposals
+
+    def rewind(self, seq: DraftableSequence) -> None:
+        """After a commit: learn how far the round's suffix draft agreed with the committed tokens (a draft longer
+        than what was committed counts only what can be judged), and take a finished output."""
+        if self.model is not None:
+            self.model.rewind(seq)
+        state = self._of(seq)
+        if state.proposed is not None:
+            band, tokens, base = state.proposed
+            state.proposed = None
+            committed = seq.token_ids[base:base + len(tokens)]
+            accepted = next((i for i, (a, b) in enumerate(zip(tokens, committed)) if a != b), len(committed))
+            counts = self.bands[band]
+            counts[0] = counts[0] * 0.99 + accepted
+            counts[1] = counts[1] * 0.99 + (1 if accepted < len(committed) else 0)
+        if seq.finished and self.cache is not None and not state.learned:
+            self.cache.add(seq.token_ids[len(seq.prompt_ids):])
+            state.learned = True
+
+    def release(self, seq: DraftableSequence) -> None:
+        self._state.pop(seq, None)
+        if self.model is not None:
+            self.model.release(seq)
+
+    # a draft model beside the suffix match: its costs are what the controller prices
+    def step_bytes(self) -> int:
+        return self.model.step_bytes() if self.model is not None else 0
+
+    def forward_costs(self) -> list[tuple[int, int, float]]:
+        return self.model.forward_costs() if self.model is not None else []
+
+    def bind_cancelled(self, cancelled) -> None:
+        if self.model is not None:
+            self.model.bind_cancelled(cancelled)
+
+
+def check_suffix_options(scope: str, cache_tokens: int) -> None:
+    if scope not in SCOPES:
+        raise InvalidParameterError(f"suffix_scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+    if isinstance(cache_tokens, bool) or not isinstance(cache_tokens, int) or not 1 <= cache_tokens <= MAX_CACHE_TOKENS:
+        raise InvalidParameterError(f"suffix_cache_tokens must be an int in 1..{MAX_CACHE_TOKENS}, got {cache_tokens!r}")
