@@ -73,3 +73,16 @@ def test_a_closed_pipe_stops_the_cli_quietly(tiny_dir, tmp_path):
     proc.stdout.close()  # what `head -c 1` does after its byte
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in stderr, stderr
+
+
+def test_generate_with_suffix_decoding_and_a_per_request_cap(tiny_dir, tmp_path):
+    model = str(tiny_dir(arch="llama", tie=True, vocab_size=96))
+    common = ["generate", model, "hello hello hello", "--max-tokens", "24", "--max-model-len", "256"]
+    plain = _run(common, tmp_path)
+    suffix = _run(common + ["--speculative", "suffix", "--suffix-scope", "request", "--k", "3"], tmp_path)
+    off = _run(common + ["--speculative", "suffix", "--k", "3", "--max-draft-tokens", "0"], tmp_path)
+    assert plain.returncode == suffix.returncode == off.returncode == 0, suffix.stderr + off.stderr
+    assert plain.stdout == suffix.stdout == off.stdout
+    assert "suffix: acceptance" in suffix.stderr and "suffix: acceptance 0%, mean accepted 0.00" in off.stderr
+    bad = _run(common + ["--max-draft-tokens", "99"], tmp_path)
+    assert bad.returncode == 2 and "speculative.max_draft_tokens must be an int in [0, 32], got 99" in bad.stderr

@@ -212,3 +212,34 @@ def test_the_suffix_drafter_with_a_draft_model_calibrates_and_is_exact(tiny_dir,
     llm = LLM(str(tiny_target), dtype="float32", kv_cache_memory=TINY_KV, speculative="suffix", draft=str(draft))
     assert llm.engine.cost.draft_catch_up.points and llm.engine.cost.draft.points
     assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == tiny_plain
+
+
+def test_sessions_with_the_suffix_drafter_are_exact_and_resume(tiny_target, tmp_path):
+    """Turn 2 asks turn 1's question again: its answer is drafted from turn 1's (in the session's own tokens), and
+    a snapshot taken in between resumes to the same tokens."""
+    prompt = list(range(1, 16))
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(tiny_target), dtype="float32", kv_cache_memory=TINY_KV)
+    with plain.session() as s:
+        expected = [s.generate(prompt, params).token_ids for _ in range(2)]
+    llm = LLM(str(tiny_target), dtype="float32", kv_cache_memory=TINY_KV, speculative="suffix")
+    with llm.session() as s:
+        first = s.generate(prompt, params)
+        s.save(tmp_path / "turn1.qds")
+        second = s.generate(prompt, params)
+    assert [first.token_ids, second.token_ids] == expected
+    assert second.metrics.speculative["accepted_tokens"] > 0
+    with llm.load_session(tmp_path / "turn1.qds") as s:
+        assert s.generate(prompt, params).token_ids == expected[1]
+
+
+def test_a_suffix_server_answers_repeated_requests_from_earlier_outputs(tiny_target):
+    from test_server import serve
+    with serve(tiny_target, "tiny-suffix", speculative="suffix") as server:
+        client = server.client()
+        kwargs = dict(model="tiny-suffix", prompt=" ".join(f"t{i}" for i in range(1, 16)), max_tokens=32,
+                      temperature=0, extra_body={"ignore_eos": True})
+        first, second = (client.completions.create(**kwargs) for _ in range(2))
+        assert first.choices[0].text == second.choices[0].text
+        assert second.usage.speculative["accepted_tokens"] >= 20, second.usage.speculative
+        assert second.usage.speculative["target_passes"] <= 12
