@@ -2,7 +2,7 @@
 
 Usage: python bench/speculative.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b] [--dtype bfloat16]
          [--tokens 128] [--humaneval 3] [--per-category 1]
-         [--draft-weights auto] [--configs plain,draft,draft-float,draft-runahead,ngram,self,self-runahead,hf,...]
+         [--draft-weights auto] [--configs plain,draft,draft-float,draft-runahead,ngram,suffix,self,self-runahead,hf,...]
          [--categories rag,summarization,...] [--name speculative]
 Sample: the first --humaneval public HumanEval prompts and the first --per-category public Spec-Bench prompts
 of each category (first turn). Greedy; tokens/s is the whole generate call (prefill included) divided by
@@ -34,8 +34,9 @@ from quickdraft.engine.outputs import SpecMetrics  # noqa: E402
 from quickdraft.loading import resolve_model  # noqa: E402
 
 OURS = {"plain": {}, "draft": None, "draft-float": None, "draft-runahead": None, "ngram": {"speculative": "ngram"},
+        "suffix": {"speculative": "suffix"},
         "self": {"speculative": "self"}, "self-runahead": {"speculative": "self", "run_ahead": True}}
-CONFIGS = ("plain", "draft", "draft-float", "draft-runahead", "ngram", "self", "self-runahead", "hf", "hf-assist", "hf-lookup")
+CONFIGS = ("plain", "draft", "draft-float", "draft-runahead", "ngram", "suffix", "self", "self-runahead", "hf", "hf-assist", "hf-lookup")
 
 
 def chat_ids(llm: LLM, text: str) -> list[int]:

@@ -122,7 +122,7 @@ def make_llm(models, drafter: str, weights: str = "float32", **options) -> LLM:
 
 
 FULL = [(d, t, x) for d in ("ngram", "suffix", "self", "draft-poor", "draft-same") for t in (0.7, 1.0, 1.5) for x in TRANSFORMS]
-# CI runs a subset that still covers every drafter, temperature and transform; QUICKDRAFT_FULL_DIST=1 runs all 36.
+# CI runs a subset that still covers every drafter, temperature and transform; QUICKDRAFT_FULL_DIST=1 runs all 45.
 CI_SUBSET = [("draft-poor", 1.0, "plain"), ("draft-poor", 0.7, "topk_topp"), ("draft-poor", 1.5, "penalties"),
              ("ngram", 1.0, "penalties"), ("self", 0.7, "plain"), ("draft-same", 1.5, "topk_topp"),
              ("suffix", 1.0, "plain")]
@@ -176,6 +176,7 @@ def test_suffix_drafts_from_earlier_outputs_keep_the_target_distribution(models,
     """Unseeded requests draft from the outputs of the requests before them (a seeded one only from its own
     tokens): the drafts change with what ran before, the distribution must not."""
     llm = make_llm(models, "suffix")
+    llm.drafter.cache.min_tokens = 1  # keep these 3-token outputs (the default leaves out outputs this short)
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, **TRANSFORMS[transform])
     dist = exact_distribution(llm, params)
     samples = sample_unseeded(llm, params, SAMPLES)
@@ -186,6 +187,7 @@ def test_suffix_drafts_from_earlier_outputs_keep_the_target_distribution(models,
 def test_broken_verifier_fails_with_suffix_drafts_from_earlier_outputs(models, monkeypatch):
     monkeypatch.setattr(engine_module, "verify_sampled", broken_verify_residual_is_p)
     llm = make_llm(models, "suffix")
+    llm.drafter.cache.min_tokens = 1
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
     dist = exact_distribution(llm, params)
     assert chi_square_pvalue(sample_unseeded(llm, params, SAMPLES), dist) < 0.001

@@ -349,6 +349,10 @@ BAD_REQUESTS = [
     ({"prompt": [70, 1]}, 400, None, "token ids must be in [0, 64)"),
     ({"prompt": "t1", "speculative": "fast"}, 400, "speculative", 'true, false or {"max_draft_tokens"'),
     ({"prompt": "t1", "speculative": {"max_draft_tokens": 99}}, 400, "speculative", "[0, 32], got 99"),
+    ('{"prompt": "t1", "speculative": ' + '{"a": ' * 900 + '1' + '}' * 900 + '}', 400, "speculative",
+     'speculative must be true, false or {"max_draft_tokens"'),
+    ({"prompt": "t1", "speculative": {"max_draft_tokens": [0] * 100_000}}, 400, "speculative", "an int in [0, 32]"),
+    ({"prompt": "t1", "speculative": {"max_draft_tokens": True}}, 400, "speculative", "an int in [0, 32]"),
 ]
 
 

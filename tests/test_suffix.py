@@ -42,11 +42,17 @@ def test_the_draft_stops_where_the_continuations_disagree():
 
 def test_a_match_never_crosses_a_gap_between_outputs():
     cache = OutputCache(100)
-    cache.add([1, 2, 3])
-    cache.add([4, 5, 6])
+    cache.add(list(range(1, 9)))
+    cache.add(list(range(11, 19)))
     stream = cache.stream()
-    assert walk(stream.tolist(), [2, 3]) == (2, [])  # 3 ends the first output: nothing follows it
-    assert walk(stream.tolist(), [9, 3, 4]) == (1, [5, 6])  # "3 4" never occurs across the gap
+    assert walk(stream.tolist(), [7, 8]) == (2, [])  # 8 ends the first output: nothing follows it
+    assert walk(stream.tolist(), [9, 8, 11]) == (1, list(range(12, 19)))  # "8 11" never occurs across the gap
+
+
+def test_short_outputs_are_not_kept():
+    cache = OutputCache(100)
+    cache.add([1, 2, 3])
+    assert len(cache) == 0 and cache.tokens == 0
 
 
 def test_no_match_drafts_nothing():
@@ -79,7 +85,7 @@ def test_the_cache_stays_within_its_tokens_over_ten_thousand_outputs():
 
 
 def test_outputs_drafted_from_are_evicted_last():
-    cache = OutputCache(capacity=30)
+    cache = OutputCache(capacity=33)  # three outputs of 10 tokens, each with its gap
     cache.add([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
     cache.add([11] * 10)
     stream = cache.stream()
@@ -89,6 +95,20 @@ def test_outputs_drafted_from_are_evicted_last():
     cache.add([13] * 10)  # over capacity: the second output (least recently used) goes, the first stays
     kept = cache.stream().tolist()
     assert 11 not in kept and 1 in kept and 12 in kept and 13 in kept
+
+
+def test_one_token_repeated_everywhere_stays_cheap():
+    """Every position of a long run of one token matches: the search keeps only the latest occurrences."""
+    cache = OutputCache(1 << 18)
+    for _ in range(60):
+        cache.add([7] * 4000)
+    drafter = SuffixDrafter()
+    drafter.cache = cache
+    context = np.array([7] * 20_000, dtype=np.int32)
+    ends, length = suffix_matches(cache.stream(), context, 32)
+    assert length == 32 and len(ends) <= 4096
+    draft = drafter._walk(cache.stream(), context, 8)
+    assert draft.tokens == [7] * 8
 
 
 # ---- options and per-request control --------------------------------------------------------------------------------

@@ -223,7 +223,8 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
         drafter = _draft_model_drafter(o, draft_checkpoint, draft_weights, dtype, plan.kv_caps["draft"],
                                        cfg.vocab_size, positions)
     if o.speculative == "suffix":  # suffix match first, the draft model (if any) where it has nothing
-        drafter = SuffixDrafter(o.suffix_scope, o.suffix_cache_tokens, model=drafter, max_k=o.max_speculative_tokens)
+        k = o.max_speculative_tokens if o.num_speculative_tokens == "auto" else o.num_speculative_tokens
+        drafter = SuffixDrafter(o.suffix_scope, o.suffix_cache_tokens, model=drafter, max_k=k)
     elif o.speculative == "ngram":
         drafter = NgramDrafter(o.ngram_max, o.ngram_min)
     elif self_layers is not None:

@@ -28,6 +28,7 @@ from quickdraft.speculative.controller import SpeculationController
 from quickdraft.speculative.cost import CostModel
 from quickdraft.models import weight_bytes
 from quickdraft.speculative.drafters import Drafter, Proposal
+from quickdraft.speculative.planner import DraftPlanner
 from quickdraft.speculative.verify import verify_greedy, verify_sampled
 from quickdraft.tokenizer import Tokenizer
 
@@ -66,6 +67,7 @@ class LLMEngine:
                                                 seeded_cost=CostModel.from_weight_bytes(
                                                     weight_bytes(target.model),
                                                     drafter.step_bytes() if drafter is not None else 0))
+        self.planner = DraftPlanner(drafter, self.controller, self.cost, self.vocab_size) if drafter else None
         self.stats = SpecMetrics()
         # the drafter's acceptance over recent rounds of every sequence: an unseeded request starts from it, so a
         # drafter that rarely hits (self-speculation on an untrained model) is not paid a prompt catch-up per request
@@ -190,7 +192,8 @@ class LLMEngine:
         sampling = [s for s, chunk in scheduled if s.kv["target"].num_cached + chunk == s.num_tokens]
         # the plan is for the decode batch: a prompt chunk makes this step's target pass dearer whatever is
         # drafted, and counting it would make drafting look cheap (and start draft catch-ups at high load)
-        proposals = self._draft(sampling, base_tokens=len(sampling))
+        proposals = self.planner.propose(sampling, base_tokens=len(sampling)) if self.planner else \
+            [Proposal([]) for _ in sampling]
         drafts = {id(s): p for s, p in zip(sampling, proposals)}
         items = []
         for seq, chunk in scheduled:
@@ -253,51 +256,6 @@ class LLMEngine:
     def prefix_cache_hits(self) -> int:
         """Prompt tokens served from the prefix cache instead of being recomputed."""
         return self.target.allocator.prefix_hit_blocks * self.target.block_size
-
-    def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Proposal]:
-        if self.drafter is None or not seqs:
-            return [Proposal([]) for _ in seqs]
-        forecast = self.drafter.forecast(seqs)
-        ks = self.controller.choose(seqs, base_tokens, catch_up=[self.drafter.lag(s) for s in seqs],
-                                    remaining=[s.params.max_tokens - len(s.output_ids) for s in seqs],
-                                    forecast=forecast)
-        ks = [min(k, s.draft_room()) for s, k in zip(seqs, ks)]
-        if not any(ks):
-            return [Proposal([]) for _ in seqs]
-        try:
-            proposals = self._checked(seqs, self.drafter.propose(seqs, ks))
-        except Exception:  # noqa: BLE001 - drafting is an optimisation: find the sequence, it decodes plainly
-            log.exception("the drafter failed on a batch of %d sequences; drafting for each alone", len(seqs))
-            return [self._draft_alone(s, k) for s, k in zip(seqs, ks)]
-        for num_seqs, fed, seconds in self.drafter.forward_costs():
-            if fed == num_seqs:
-                self.cost.draft.record(num_seqs, seconds)
-            else:
-                self.cost.draft_catch_up.record(fed, seconds)
-        return proposals
-
-    def _checked(self, seqs: list[Sequence], proposals: list[Proposal]) -> list[Proposal]:
-        """A proposal must be one per sequence, of ids the target can embed."""
-        if len(proposals) != len(seqs):
-            raise RuntimeError(f"the drafter returned {len(proposals)} proposals for {len(seqs)} sequences")
-        for p in proposals:
-            if any(not 0 <= t < self.vocab_size for t in p.tokens):
-                raise ValueError(f"the drafter proposed ids outside [0, {self.vocab_size}): {p.tokens}")
-        return proposals
-
-    def _draft_alone(self, seq: Sequence, k: int) -> Proposal:
-        """Draft for one sequence after a batched proposal failed; if it fails alone, it decodes plainly from now
-        on (its output is the same: speculation is exact), and its draft state is released."""
-        if k <= 0 or seq.spec.draft_failed:
-            return Proposal([])
-        self.drafter.rewind(seq)  # the failed batch may have fed part of a round into the draft cache
-        try:
-            return self._checked([seq], self.drafter.propose([seq], [k]))[0]
-        except Exception:  # noqa: BLE001
-            log.exception("the drafter failed for request %s; it decodes without speculation", seq.request_id)
-            seq.spec.draft_failed = True
-            self.drafter.release(seq)
-            return Proposal([])
 
     @contextlib.contextmanager
     def _run_ahead(self, seqs: list[Sequence], proposals: list[Proposal]) -> Iterator[None]:

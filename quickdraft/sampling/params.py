@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -175,7 +176,7 @@ class SamplingParams:
         if isinstance(value, bool):
             return value
         if not isinstance(value, Mapping) or set(value) != {"max_draft_tokens"}:
-            raise _fail("speculative", allowed, value)
+            raise _fail("speculative", allowed, reprlib.repr(value), raw=True)  # bounded: a client's value
         cap = _as_int("speculative.max_draft_tokens", value["max_draft_tokens"], f"an int in [0, {MAX_DRAFT_TOKENS}]")
         if not 0 <= cap <= MAX_DRAFT_TOKENS:
             raise _fail("speculative.max_draft_tokens", f"an int in [0, {MAX_DRAFT_TOKENS}]", cap)

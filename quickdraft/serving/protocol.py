@@ -60,6 +60,16 @@ class _SamplingFields(BaseModel):
             return value
         raise ValueError("stop must be a string or a list of strings")
 
+    @field_validator("speculative")
+    @classmethod
+    def _speculative(cls, value: Any) -> Any:
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, dict) and set(value) == {"max_draft_tokens"} and \
+                type(value["max_draft_tokens"]) is int:  # noqa: E721 - a JSON bool is not a count
+            return value  # the range is checked by SamplingParams
+        raise ValueError('speculative must be true, false or {"max_draft_tokens": an int in [0, 32]}')
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: Any) -> Any:

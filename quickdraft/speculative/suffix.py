@@ -32,16 +32,22 @@ from quickdraft.errors import InvalidParameterError
 from quickdraft.speculative.drafters import DraftableSequence, Drafter, ModelDrafter, Proposal
 
 SCOPES = ("request", "global")
-DEFAULT_CACHE_TOKENS = 1 << 18  # 1 MiB of int32 tokens: a few hundred earlier answers of typical length
-MAX_CACHE_TOKENS = 1 << 28
+DEFAULT_CACHE_TOKENS = 1 << 18  # 2 MiB (8 bytes a token: the outputs and their stream), a few hundred answers
+MAX_CACHE_TOKENS = 1 << 24
+MIN_OUTPUT_TOKENS = 8  # shorter outputs draft nothing worth their place (and a flood of them would crowd the cache)
+# occurrences a match keeps after its first narrowing step (the latest): a text of one repeated token matches
+# everywhere, and every round of every sequence would pay for all of them
+MAX_OCCURRENCES = 4096
 _GAP = -1  # between two outputs in the cache stream: never equal to a token, so no match crosses it
 
 
 @dataclass
 class SuffixDraft:
+    """What a match proposes, and how much it is worth."""
+
     tokens: list[int]
     score: float  # expected accepted tokens under the match's empirical distribution (sum of running products)
-    ends: np.ndarray | None = None  # stream positions of the matched occurrences that produced the draft
+    ends: np.ndarray | None = None  # stream positions where the occurrences that agree with the whole draft end
     length: int = 0  # tokens matched
 
 
@@ -57,7 +63,7 @@ def suffix_matches(stream: np.ndarray, context: np.ndarray, max_match: int) -> t
         narrower = reach[stream[reach - length] == context[-1 - length]]
         if not len(narrower):
             break
-        ends, length = narrower, length + 1
+        ends, length = narrower[-MAX_OCCURRENCES:], length + 1
     return ends, length
 
 
@@ -66,7 +72,7 @@ def most_frequent_walk(stream: np.ndarray, ends: np.ndarray, limit: int, min_pro
     the continuation seen last, as prompt lookup prefers the latest occurrence)."""
     tokens: list[int] = []
     prob, score = 1.0, 0.0
-    follow = ends + 1
+    follow = ends[-MAX_OCCURRENCES:] + 1
     while len(tokens) < limit:
         follow = follow[follow < len(stream)]
         if not len(follow):
@@ -80,15 +86,15 @@ def most_frequent_walk(stream: np.ndarray, ends: np.ndarray, limit: int, min_pro
         tokens.append(int(values[best]))
         score += prob
         follow = follow[nxt == values[best]] + 1
-    return SuffixDraft(tokens, score, ends)
+    return SuffixDraft(tokens, score, follow - 1 if tokens else follow[:0])
 
 
 class OutputCache:
     """The outputs of earlier requests as one stream, at most ``capacity`` tokens; when full, the outputs used
     least recently (added, or drafted from) go first."""
 
-    def __init__(self, capacity: int = DEFAULT_CACHE_TOKENS) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int = DEFAULT_CACHE_TOKENS, min_tokens: int = MIN_OUTPUT_TOKENS) -> None:
+        self.capacity, self.min_tokens = capacity, min_tokens
         self._outputs: OrderedDict[int, np.ndarray] = OrderedDict()
         self._ids = 0
         self.tokens = 0
@@ -100,9 +106,11 @@ class OutputCache:
         return len(self._outputs)
 
     def add(self, tokens: Sequence[int]) -> None:
-        if not len(tokens):
+        """Keep an output (its last ``capacity`` tokens, each output charged one token more for its gap)."""
+        keep = self.capacity - 1
+        if len(tokens) < self.min_tokens or keep < self.min_tokens:
             return
-        out = np.asarray(tokens[-self.capacity:], dtype=np.int32)
+        out = np.append(np.asarray(tokens[-keep:], dtype=np.int32), np.int32(_GAP))
         self._outputs[self._ids] = out
         self._ids += 1
         self.tokens += len(out)
@@ -115,16 +123,16 @@ class OutputCache:
         """Every output, each followed by a gap (rebuilt after a change: outputs come far less often than rounds)."""
         if self._stream is None:
             self._order = list(self._outputs)
-            parts = []
-            for out in self._outputs.values():
-                parts += [out, np.array([_GAP], dtype=np.int32)]
+            parts = list(self._outputs.values())
             self._stream = np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
-            sizes = np.array([len(o) + 1 for o in self._outputs.values()], dtype=np.int64)
+            sizes = np.fromiter((len(o) for o in parts), dtype=np.int64, count=len(parts))
             self._starts = np.cumsum(sizes) - sizes
         return self._stream
 
     def touch(self, positions: np.ndarray) -> None:
-        """The outputs holding ``positions`` were drafted from: they are kept longest."""
+        """The outputs holding ``positions`` (of the current stream) were drafted from: they are kept longest."""
+        if self._stream is None:  # an output came since: the positions no longer say which output they are in
+            return
         for index in np.unique(np.searchsorted(self._starts, positions, side="right") - 1):
             key = self._order[index]
             if key in self._outputs:
@@ -163,6 +171,7 @@ class _SequenceState:
     use_model: bool = False  # the draft model drafts this round (the suffix match expects too little)
     proposed: tuple[int, list[int], int] | None = None  # (band, tokens, position) of this round's suffix draft
     learned: bool = False  # its output went into the cache
+    bands: dict[int, list[float]] = field(default_factory=dict)  # band -> (accepted, rejected) of its own rounds
 
 
 class SuffixDrafter(Drafter):
@@ -170,17 +179,20 @@ class SuffixDrafter(Drafter):
     match expects fewer than ``model_below`` accepted tokens (a new text, nothing repeated yet).
 
     How many tokens a match is worth drafting is the controller's choice, from a per-token acceptance this drafter
-    forecasts for the round (``forecast``): the acceptance its drafts from matches of about that length met so far
-    (one estimate per power-of-two band of match length, learned as rounds commit). A sequence's own history would
-    mislead here: a text is repeated or it is not, and the match says which, round by round."""
+    forecasts for the round (``forecast``): the acceptance drafts from matches of about that length (a power-of-two
+    band of match length) met so far, in this sequence and, as a prior worth ``PRIOR_WEIGHT`` rounds, in every
+    sequence. A sequence's plain acceptance history would mislead here: a text is repeated or it is not, and the
+    match says which, round by round. A seeded request's forecast is its draft's own empirical probability instead
+    (its plan may not depend on earlier requests)."""
 
     PRIOR = (1.0, 1.0)  # (accepted, rejected) each band starts from: acceptance 0.5 until measured
+    PRIOR_WEIGHT = 4.0
 
     def __init__(self, scope: str = "global", cache_tokens: int = DEFAULT_CACHE_TOKENS, max_match: int = 32,
-                 spec_factor: float = 1.0, min_prob: float = 0.1, model: ModelDrafter | None = None,
+                 spec_factor: float = 2.0, min_prob: float = 0.1, model: ModelDrafter | None = None,
                  model_below: float = 1.0, max_k: int = 32) -> None:
         check_suffix_options(scope, cache_tokens)
-        self.scope, self.max_match, self.spec_factor, self.min_prob = scope, max_match, spec_factor, min_prob
+        self.max_match, self.spec_factor, self.min_prob = max_match, spec_factor, min_prob
         self.cache = OutputCache(cache_tokens) if scope == "global" else None
         self.model, self.model_below, self.max_k = model, model_below, max_k
         self.name = "suffix" if model is None else f"suffix+{model.name}"
@@ -217,7 +229,18 @@ class SuffixDrafter(Drafter):
         return draft
 
     def _band(self, length: int) -> int:
-        return min(length.bit_length(), len(self.bands)) - 1
+        return max(0, min(length.bit_length(), len(self.bands)) - 1)
+
+    def _acceptance(self, seq: DraftableSequence, state: "_SequenceState", draft: SuffixDraft) -> float:
+        if not draft.tokens:
+            return 0.0
+        if seq.params.seed is not None:
+            return draft.score / len(draft.tokens)
+        band = self._band(draft.length)
+        accepted, rejected = self.bands[band]
+        prior = self.PRIOR_WEIGHT / (accepted + rejected)
+        own_accepted, own_rejected = state.bands.get(band, (0.0, 0.0))
+        return (accepted * prior + own_accepted) / (self.PRIOR_WEIGHT + own_accepted + own_rejected)
 
     def _plan(self, seq: DraftableSequence) -> tuple["_SequenceState", float]:
         """This round's suffix draft for ``seq``, whether the draft model drafts instead, and the per-token
@@ -225,8 +248,7 @@ class SuffixDrafter(Drafter):
         earlier requests)."""
         state = self._of(seq)
         draft = state.planned = self.suffix_draft(seq, self.max_k)
-        accepted, rejected = self.PRIOR if seq.params.seed is not None else self.bands[self._band(draft.length)]
-        a = accepted / (accepted + rejected) if draft.tokens else 0.0
+        a = self._acceptance(seq, state, draft)
         expected = sum(a ** i for i in range(1, len(draft.tokens) + 1))
         state.use_model = self.model is not None and expected < self.model_below
         # what the match would draft is scored against what the round commits, whoever drafts it (the draft model,
@@ -274,10 +296,13 @@ class SuffixDrafter(Drafter):
             band, tokens, base = state.proposed
             state.proposed = None
             committed = seq.token_ids[base:base + len(tokens)]
-            accepted = next((i for i, (a, b) in enumerate(zip(tokens, committed)) if a != b), len(committed))
-            counts = self.bands[band]
-            counts[0] = counts[0] * 0.99 + accepted
-            counts[1] = counts[1] * 0.99 + (1 if accepted < len(committed) else 0)
+            if committed:  # nothing committed (a failed batch's retry): nothing to judge
+                accepted = next((i for i, (a, b) in enumerate(zip(tokens, committed)) if a != b), len(committed))
+                rejected = 1 if accepted < len(committed) else 0
+                counts = self.bands[band]
+                counts[0], counts[1] = counts[0] * 0.99 + accepted, counts[1] * 0.99 + rejected
+                own = state.bands.setdefault(band, [0.0, 0.0])
+                own[0], own[1] = own[0] * 0.9 + accepted, own[1] * 0.9 + rejected
         if seq.finished and self.cache is not None and not state.learned:
             self.cache.add(seq.token_ids[len(seq.prompt_ids):])
             state.learned = True
@@ -300,6 +325,7 @@ class SuffixDrafter(Drafter):
 
 
 def check_suffix_options(scope: str, cache_tokens: int) -> None:
+    """Refuse bad suffix options by name, before anything is loaded."""
     if scope not in SCOPES:
         raise InvalidParameterError(f"suffix_scope must be one of {', '.join(SCOPES)}, got {scope!r}")
     if isinstance(cache_tokens, bool) or not isinstance(cache_tokens, int) or not 1 <= cache_tokens <= MAX_CACHE_TOKENS:
