@@ -30,7 +30,8 @@ class LLM:
     def __init__(self, model: str, **options) -> None:
         """Load ``model`` (a packaged name, a GGUF file or an HF directory) with ``options`` (``EngineOptions``):
 
-        ``draft=MODEL`` or ``speculative='ngram'|'self'``: the drafter; ``num_speculative_tokens``: k, an int or
+        ``draft=MODEL`` or ``speculative='ngram'|'self'|'suffix'``: the drafter (``'suffix'`` may take a ``draft``
+        beside it; ``suffix_scope`` ``'global'|'request'`` and ``suffix_cache_tokens``: see docs/SPECULATION.md); ``num_speculative_tokens``: k, an int or
         ``'auto'`` (adaptive, up to ``max_speculative_tokens``); ``dtype`` (activations; ``'auto'``: bfloat16 where
         the CPU has AVX512-BF16/AMX or on CUDA, else float32); ``weights``: the linear layers' format, ``'auto'``
         (default: the file's own precision on CPU, so a Q4 GGUF runs int4 kernels, a Q5/Q6/Q8 one int8, a float
