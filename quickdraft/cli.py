@@ -38,7 +38,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", choices=["ngram", "self", "suffix"],
                    help="draft-free speculation; suffix (suffix decoding) also takes a --draft model for what it has "
                         "no match for")
-    p.add_argument("--suffix-scope", default="global", choices=["request", "global"],
+    p.add_argument("--suffix-scope", default=None, choices=["request", "global"],
                    help="--speculative suffix: match the request's own tokens only, or also earlier requests' outputs "
                         "(default; faster on repeated work, and the speed-up is observable across clients)")
     p.add_argument("--suffix-cache-tokens", type=int, default=None,
@@ -86,12 +86,11 @@ def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):
     the same line instead)."""
     from quickdraft.llm import LLM
     k = args.k if args.k == "auto" else int(args.k)
-    cache = {} if args.suffix_cache_tokens is None else {"suffix_cache_tokens": args.suffix_cache_tokens}
     llm = LLM(args.model, draft=args.draft, speculative=args.speculative, num_speculative_tokens=k,
               dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, device=args.device,
               max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads,
               kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, max_memory=args.max_memory,
-              suffix_scope=args.suffix_scope, **cache, **extra)
+              suffix_scope=args.suffix_scope, suffix_cache_tokens=args.suffix_cache_tokens, **extra)
     if announce:
         draft = f"; draft: {llm.draft_weights}" if llm.draft_weights is not None else ""
         print(f"[{args.model}: {llm.weights_summary}{draft}; {llm.memory_summary}]", file=sys.stderr, flush=True)

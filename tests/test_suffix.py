@@ -128,10 +128,13 @@ def test_per_request_speculation_values():
     assert SamplingParams(speculative={"max_draft_tokens": 3}).max_draft_tokens == 3
 
 
-@pytest.mark.parametrize("options,message", [({"suffix_scope": "tenant"}, "suffix_scope must be one of"),
-                                             ({"suffix_cache_tokens": 0}, "suffix_cache_tokens must be an int"),
-                                             ({"suffix_cache_tokens": "1GiB"}, "suffix_cache_tokens must be an int"),
-                                             ({"speculative": "ngram", "draft": "x"}, "not both")])
+@pytest.mark.parametrize("options,message", [({"speculative": "suffix", "suffix_scope": "tenant"}, "one of"),
+                                             ({"speculative": "suffix", "suffix_cache_tokens": 0}, "must be an int"),
+                                             ({"speculative": "suffix", "suffix_cache_tokens": "1"}, "must be an int"),
+                                             ({"speculative": "ngram", "draft": "x"}, "not both"),
+                                             ({"suffix_scope": "request"}, "need speculative='suffix'"),
+                                             ({"speculative": "ngram", "suffix_cache_tokens": 1000},
+                                              "need speculative='suffix'")])
 def test_bad_suffix_options_are_refused_before_loading(tiny_dir, options, message):
     with pytest.raises(InvalidParameterError, match=message):
         LLM(str(tiny_dir(arch="qwen2", vocab_size=64, layers=4)), **options)

@@ -60,8 +60,8 @@ class EngineOptions:
     self_draft_layers: int | None = None
     ngram_max: int = 4
     ngram_min: int = 1
-    suffix_scope: str = "global"
-    suffix_cache_tokens: int = DEFAULT_CACHE_TOKENS
+    suffix_scope: str | None = None  # None: "global" with speculative="suffix"
+    suffix_cache_tokens: int | None = None  # None: DEFAULT_CACHE_TOKENS with speculative="suffix"
     run_ahead: bool = False
     threads: int | str = "auto"
 
@@ -76,7 +76,9 @@ class EngineOptions:
         if self.draft is not None and self.speculative not in (None, "suffix"):
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both "
                                         "(speculative='suffix' may take a draft model beside it)")
-        check_suffix_options(self.suffix_scope, self.suffix_cache_tokens)
+        if self.speculative != "suffix" and (self.suffix_scope, self.suffix_cache_tokens) != (None, None):
+            raise InvalidParameterError("suffix_scope and suffix_cache_tokens need speculative='suffix'")
+        check_suffix_options(*self.suffix_options())
         v = self.draft_vocab
         if v is not None and (self.draft is None or isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise InvalidParameterError(f"draft_vocab must be a positive int and needs draft=MODEL, got {v!r}"
@@ -84,6 +86,11 @@ class EngineOptions:
         if self.speculative is not None and self.speculative not in SPECULATIVE:
             raise InvalidParameterError(
                 f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+
+    def suffix_options(self) -> tuple[str, int]:
+        """(scope, cache tokens) of the suffix drafter, defaults filled in."""
+        return (self.suffix_scope if self.suffix_scope is not None else "global",
+                self.suffix_cache_tokens if self.suffix_cache_tokens is not None else DEFAULT_CACHE_TOKENS)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -224,7 +231,7 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
                                        cfg.vocab_size, positions)
     if o.speculative == "suffix":  # suffix match first, the draft model (if any) where it has nothing
         k = o.max_speculative_tokens if o.num_speculative_tokens == "auto" else o.num_speculative_tokens
-        drafter = SuffixDrafter(o.suffix_scope, o.suffix_cache_tokens, model=drafter, max_k=k)
+        drafter = SuffixDrafter(*o.suffix_options(), model=drafter, max_k=k)
     elif o.speculative == "ngram":
         drafter = NgramDrafter(o.ngram_max, o.ngram_min)
     elif self_layers is not None:

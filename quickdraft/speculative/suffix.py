@@ -270,19 +270,20 @@ class SuffixDrafter(Drafter):
         return self.model.lag(seq)
 
     def propose(self, seqs: Sequence[DraftableSequence], ks: Sequence[int]) -> list[Proposal]:
-        proposals, weak = [], []
+        proposals, by_model = [], []
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             state = self._of(seq)
             if state.planned is None:  # not planned this step (the engine's calibration proposes directly)
                 state, _ = self._plan(seq)
             draft, state.planned = state.planned, None
             if state.use_model and k:
-                weak.append(i)
+                by_model.append(i)
             proposals.append(Proposal(draft.tokens[:k]))
         if self.model is not None:
             self.model.last_forward_costs = []
-            if weak:
-                for i, proposal in zip(weak, self.model.propose([seqs[i] for i in weak], [ks[i] for i in weak])):
+            if by_model:
+                drafted = self.model.propose([seqs[i] for i in by_model], [ks[i] for i in by_model])
+                for i, proposal in zip(by_model, drafted):
                     proposals[i] = proposal
         return proposals
 
