@@ -104,6 +104,16 @@ def make_tiny_checkpoint(directory: Path, arch: str = "llama", tie: bool = False
 
 
 @pytest.fixture(scope="session")
+def tiny_plain_greedy(tiny_dir) -> list[list[int]]:
+    """Plain greedy output of the tiny qwen2 target (64 tokens, 4 layers) for test_speculative's tiny_prompts(64, 6)
+    and GREEDY: the reference of the greedy-identity tests of every drafter (speculative, run-ahead, suffix)."""
+    from quickdraft import LLM
+    from test_speculative import GREEDY, TINY_KV, tiny_prompts
+    llm = LLM(str(tiny_dir(arch="qwen2", vocab_size=64, layers=4)), dtype="float32", kv_cache_memory=TINY_KV)
+    return [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)]
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> callable:
     """Factory: tiny_dir(arch=..., tie=..., ...) -> path of a cached tiny HF checkpoint."""
     root = tmp_path_factory.mktemp("tiny")

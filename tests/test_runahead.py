@@ -29,12 +29,6 @@ def target(tiny_dir):
     return tiny_dir(arch="qwen2", vocab_size=64, layers=4)
 
 
-@pytest.fixture(scope="module")
-def plain_greedy(target):
-    llm = LLM(str(target), dtype="float32", kv_cache_memory=TINY_KV)
-    return [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)]
-
-
 def drafter_kwargs(tiny_dir, target, kind: str) -> dict:
     if kind == "self":
         return {"speculative": "self"}
@@ -45,22 +39,22 @@ def drafter_kwargs(tiny_dir, target, kind: str) -> dict:
 
 @pytest.mark.parametrize("kind", ["self", "draft-poor", "draft-same"])
 @pytest.mark.parametrize("k", ["auto", 3])
-def test_greedy_identity_tiny(tiny_dir, target, plain_greedy, kind, k):
+def test_greedy_identity_tiny(tiny_dir, target, tiny_plain_greedy, kind, k):
     llm = LLM(str(target), dtype="float32", kv_cache_memory=TINY_KV, num_speculative_tokens=k, run_ahead=True,
               **drafter_kwargs(tiny_dir, target, kind))
     assert isinstance(llm.drafter, RunAheadDrafter)
-    assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
+    assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == tiny_plain_greedy
     # adaptive k may rightly not draft: a tiny model's drafts are poor, and a draft equal to the target costs
     # a target pass per token (break-even until run-ahead has been measured), so only a fixed k must draft
     if k == 3:
         assert llm.spec_stats.draft_tokens > 0 and llm.drafter.rounds_ahead > 0
 
 
-def test_run_ahead_reuses_work(target, plain_greedy):
+def test_run_ahead_reuses_work(target, tiny_plain_greedy):
     """Draft == target accepts everything: nearly every round after the first starts from run-ahead tokens."""
     llm = LLM(str(target), draft=str(target), draft_weights="float32", dtype="float32", num_speculative_tokens=3,
               run_ahead=True, kv_cache_memory=TINY_KV)
-    assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
+    assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == tiny_plain_greedy
     stats = llm.spec_stats
     assert stats.acceptance_rate > 0.95
     assert stats.run_ahead_rounds > stats.drafting_rounds / 2

@@ -44,14 +44,6 @@ TINY_KV = "16MiB"
 SMOLLM2_KV = "256MiB"
 
 
-@pytest.fixture(scope="module")
-def tiny_plain_greedy(tiny_dir):
-    """Plain greedy output of the tiny target for tiny_prompts(64, 6): the reference of every greedy-identity test."""
-    target = tiny_dir(arch="qwen2", vocab_size=64, layers=4)
-    llm = LLM(str(target), dtype="float32", kv_cache_memory=TINY_KV)
-    return [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)]
-
-
 @pytest.mark.parametrize("kind", ["ngram", "self", "draft-poor", "draft-same"])
 @pytest.mark.parametrize("k", ["auto", 3])
 def test_greedy_identity_tiny(tiny_dir, tiny_plain_greedy, kind, k):

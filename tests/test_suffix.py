@@ -146,22 +146,16 @@ def tiny_target(tiny_dir):
     return tiny_dir(arch="qwen2", vocab_size=64, layers=4)
 
 
-@pytest.fixture(scope="module")
-def tiny_plain(tiny_target):
-    llm = LLM(str(tiny_target), dtype="float32", kv_cache_memory=TINY_KV)
-    return [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)]
-
-
 @pytest.mark.parametrize("scope", ["request", "global"])
 @pytest.mark.parametrize("k", ["auto", 3])
-def test_greedy_identity_over_repeated_rounds(tiny_target, tiny_plain, scope, k):
+def test_greedy_identity_over_repeated_rounds(tiny_target, tiny_plain_greedy, scope, k):
     llm = LLM(str(tiny_target), dtype="float32", kv_cache_memory=TINY_KV, speculative="suffix", suffix_scope=scope,
               num_speculative_tokens=k)
     prompts = tiny_prompts(64, 6)
     first = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     again = [o.token_ids for o in llm.generate(prompts, GREEDY)]  # the same requests: their outputs are cached
     alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts[:2]]
-    assert first == again == tiny_plain and alone == tiny_plain[:2]
+    assert first == again == tiny_plain_greedy and alone == tiny_plain_greedy[:2]
     assert llm.spec_stats.draft_tokens > 0
     if scope == "global":
         assert len(llm.drafter.cache) == 14
@@ -180,24 +174,24 @@ def test_a_repeated_request_drafts_its_earlier_output(tiny_target):
     assert s["accepted_tokens"] >= 36 and s["target_passes"] <= 12, s  # 48 tokens in a quarter of the passes
 
 
-def test_the_suffix_drafter_with_a_draft_model_is_exact(tiny_dir, tiny_target, tiny_plain):
+def test_the_suffix_drafter_with_a_draft_model_is_exact(tiny_dir, tiny_target, tiny_plain_greedy):
     draft = tiny_dir(arch="llama", vocab_size=64, seed=3)
     llm = LLM(str(tiny_target), dtype="float32", kv_cache_memory=TINY_KV, speculative="suffix", draft=str(draft),
               num_speculative_tokens=3)
     assert llm.drafter.name == "suffix+draft"
     prompts = tiny_prompts(64, 6)
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == tiny_plain
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == tiny_plain
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == tiny_plain_greedy
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == tiny_plain_greedy
     assert llm.spec_stats.draft_tokens > 0
 
 
-def test_per_request_control_changes_drafts_not_tokens(tiny_target, tiny_plain):
+def test_per_request_control_changes_drafts_not_tokens(tiny_target, tiny_plain_greedy):
     llm = LLM(str(tiny_target), dtype="float32", kv_cache_memory=TINY_KV, speculative="suffix")
     prompts = tiny_prompts(64, 6)
     llm.generate(prompts, GREEDY)
     off = llm.generate(prompts, dataclasses.replace(GREEDY, speculative=False))
     capped = llm.generate(prompts, dataclasses.replace(GREEDY, speculative={"max_draft_tokens": 1}))
-    assert [o.token_ids for o in off] == [o.token_ids for o in capped] == tiny_plain
+    assert [o.token_ids for o in off] == [o.token_ids for o in capped] == tiny_plain_greedy
     assert all(o.metrics.speculative["drafted_tokens"] == 0 for o in off)
     assert all(o.metrics.speculative["target_passes"] == len(o.token_ids) for o in off)
     for o in capped:  # at most one drafted token per target pass
@@ -229,12 +223,12 @@ def test_greedy_identity_smollm2_benchmark_prompts(smollm2, smollm2_plain_greedy
     assert llm.spec_stats.accepted_tokens > 0
 
 
-def test_the_suffix_drafter_with_a_draft_model_calibrates_and_is_exact(tiny_dir, tiny_target, tiny_plain):
+def test_the_suffix_drafter_with_a_draft_model_calibrates_and_is_exact(tiny_dir, tiny_target, tiny_plain_greedy):
     """With k "auto" the engine times the draft model through the suffix drafter, then plans with it."""
     draft = tiny_dir(arch="llama", vocab_size=64, seed=3)
     llm = LLM(str(tiny_target), dtype="float32", kv_cache_memory=TINY_KV, speculative="suffix", draft=str(draft))
     assert llm.engine.cost.draft_catch_up.points and llm.engine.cost.draft.points
-    assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == tiny_plain
+    assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == tiny_plain_greedy
 
 
 def test_sessions_with_the_suffix_drafter_are_exact_and_resume(tiny_target, tmp_path):
