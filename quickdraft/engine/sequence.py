@@ -11,6 +11,7 @@ import torch
 from quickdraft.engine.outputs import CompletionOutput, RequestMetrics, StreamChunk
 from quickdraft.kv import SequenceKV
 from quickdraft.sampling import LogitsProcessor, SamplingParams
+from quickdraft.speculative.controller import AcceptanceCounts
 from quickdraft.tokenizer import StreamingDetokenizer, Tokenizer
 
 
@@ -21,29 +22,11 @@ class Status(enum.Enum):
 
 
 @dataclass
-class SpeculationState:
+class SpeculationState(AcceptanceCounts):
     """Per-sequence acceptance history the adaptive controller reads (decayed counts)."""
 
-    accepted: float = 3.0  # prior: acceptance 0.75 until measured
-    rejected: float = 1.0
     rounds_off: int = 0  # rounds since speculation was switched off for this sequence
     draft_failed: bool = False  # the drafter raised for this sequence: it decodes plainly from then on
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
-
-    def record(self, drafted: int, accepted: int, decay: float = 0.9) -> None:
-        if drafted == 0:
-            return
-        self.accepted = self.accepted * decay + accepted
-        self.rejected = self.rejected * decay + (1 if accepted < drafted else 0)
-
-    def as_prior(self, weight: float = 4.0) -> "SpeculationState":
-        """A new sequence's starting state with this state's acceptance and the weight of the default prior (so
-        a few rounds of its own outweigh it)."""
-        a = self.acceptance
-        return SpeculationState(accepted=weight * a, rejected=weight * (1.0 - a))
 
 
 @dataclass

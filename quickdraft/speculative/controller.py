@@ -39,6 +39,31 @@ class SpeculationStateLike(Protocol):
     rounds_off: int
 
 
+@dataclass
+class AcceptanceCounts:
+    """Decayed counts of accepted draft tokens and of rounds that ended in a rejection: the per-token acceptance
+    of a geometric model, kept per sequence (the controller) or per match band (the suffix drafter)."""
+
+    accepted: float = 3.0  # prior: acceptance 0.75 until measured
+    rejected: float = 1.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def record(self, drafted: int, accepted: int, decay: float = 0.9) -> None:
+        if drafted == 0:
+            return
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (1 if accepted < drafted else 0)
+
+    def as_prior(self, weight: float = 4.0) -> "AcceptanceCounts":
+        """A new history with this one's acceptance and the weight of the default prior (so a few rounds of its
+        own outweigh it)."""
+        a = self.acceptance
+        return type(self)(accepted=weight * a, rejected=weight * (1.0 - a))
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     if acceptance >= 0.999:
         return k + 1.0

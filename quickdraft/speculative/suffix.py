@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
 
 from quickdraft.errors import InvalidParameterError
+from quickdraft.speculative.controller import AcceptanceCounts
 from quickdraft.speculative.drafters import DraftableSequence, Drafter, ModelDrafter, Proposal
 
 SCOPES = ("request", "global")
@@ -171,7 +172,7 @@ class _SequenceState:
     use_model: bool = False  # the draft model drafts this round (the suffix match expects too little)
     proposed: tuple[int, list[int], int] | None = None  # (band, tokens, position) of this round's suffix draft
     learned: bool = False  # its output went into the cache
-    bands: dict[int, list[float]] = field(default_factory=dict)  # band -> (accepted, rejected) of its own rounds
+    bands: dict[int, AcceptanceCounts] = field(default_factory=dict)  # band -> counts of its own rounds
 
 
 class SuffixDrafter(Drafter):
@@ -185,7 +186,7 @@ class SuffixDrafter(Drafter):
     match says which, round by round. A seeded request's forecast is its draft's own empirical probability instead
     (its plan may not depend on earlier requests)."""
 
-    PRIOR = (1.0, 1.0)  # (accepted, rejected) each band starts from: acceptance 0.5 until measured
+    PRIOR = AcceptanceCounts(accepted=1.0, rejected=1.0)  # each band starts from acceptance 0.5 until measured
     PRIOR_WEIGHT = 4.0
 
     def __init__(self, scope: str = "global", cache_tokens: int = DEFAULT_CACHE_TOKENS, max_match: int = 32,
@@ -199,7 +200,7 @@ class SuffixDrafter(Drafter):
         if model is not None:
             self.runner, self.key = model.runner, model.key
         self._state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> _SequenceState
-        self.bands = [list(self.PRIOR) for _ in range(max_match.bit_length())]
+        self.bands = [replace(self.PRIOR) for _ in range(max_match.bit_length())]
 
     def _of(self, seq: DraftableSequence) -> "_SequenceState":
         state = self._state.get(seq)
@@ -237,15 +238,13 @@ class SuffixDrafter(Drafter):
         if seq.params.seed is not None:
             return draft.score / len(draft.tokens)
         band = self._band(draft.length)
-        accepted, rejected = self.bands[band]
-        prior = self.PRIOR_WEIGHT / (accepted + rejected)
-        own_accepted, own_rejected = state.bands.get(band, (0.0, 0.0))
-        return (accepted * prior + own_accepted) / (self.PRIOR_WEIGHT + own_accepted + own_rejected)
+        prior = self.bands[band].as_prior(self.PRIOR_WEIGHT)
+        own = state.bands.get(band, AcceptanceCounts(accepted=0.0, rejected=0.0))
+        return (prior.accepted + own.accepted) / (prior.accepted + prior.rejected + own.accepted + own.rejected)
 
     def _plan(self, seq: DraftableSequence) -> tuple["_SequenceState", float]:
         """This round's suffix draft for ``seq``, whether the draft model drafts instead, and the per-token
-        acceptance the draft's band has met (a seeded request's plan uses the priors alone: it may not depend on
-        earlier requests)."""
+        acceptance forecast for it (``_acceptance``)."""
         state = self._of(seq)
         draft = state.planned = self.suffix_draft(seq, self.max_k)
         a = self._acceptance(seq, state, draft)
@@ -299,11 +298,9 @@ class SuffixDrafter(Drafter):
             committed = seq.token_ids[base:base + len(tokens)]
             if committed:  # nothing committed (a failed batch's retry): nothing to judge
                 accepted = next((i for i, (a, b) in enumerate(zip(tokens, committed)) if a != b), len(committed))
-                rejected = 1 if accepted < len(committed) else 0
-                counts = self.bands[band]
-                counts[0], counts[1] = counts[0] * 0.99 + accepted, counts[1] * 0.99 + rejected
-                own = state.bands.setdefault(band, [0.0, 0.0])
-                own[0], own[1] = own[0] * 0.9 + accepted, own[1] * 0.9 + rejected
+                self.bands[band].record(len(committed), accepted, decay=0.99)
+                state.bands.setdefault(band, AcceptanceCounts(accepted=0.0, rejected=0.0)).record(
+                    len(committed), accepted)
         if seq.finished and self.cache is not None and not state.learned:
             self.cache.add(seq.token_ids[len(seq.prompt_ids):])
             state.learned = True
