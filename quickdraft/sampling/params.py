@@ -177,10 +177,11 @@ class SamplingParams:
             return value
         if not isinstance(value, Mapping) or set(value) != {"max_draft_tokens"}:
             raise _fail("speculative", allowed, reprlib.repr(value), raw=True)  # bounded: a client's value
-        cap = _as_int("speculative.max_draft_tokens", value["max_draft_tokens"], f"an int in [0, {MAX_DRAFT_TOKENS}]")
-        if not 0 <= cap <= MAX_DRAFT_TOKENS:
-            raise _fail("speculative.max_draft_tokens", f"an int in [0, {MAX_DRAFT_TOKENS}]", cap)
-        return {"max_draft_tokens": cap}
+        cap = value["max_draft_tokens"]
+        if isinstance(cap, bool) or not isinstance(cap, numbers.Integral) or not 0 <= cap <= MAX_DRAFT_TOKENS:
+            raise _fail("speculative.max_draft_tokens", f"an int in [0, {MAX_DRAFT_TOKENS}]", reprlib.repr(cap),
+                        raw=True)
+        return {"max_draft_tokens": int(cap)}
 
     @staticmethod
     def _check_logit_bias(bias: Any) -> dict[int, float] | None:

@@ -49,7 +49,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
-    speculative: Any = None  # false, true or {"max_draft_tokens": n}: checked by SamplingParams
+    speculative: Any = None  # false, true or {"max_draft_tokens": n}: checked (and shown bounded) by SamplingParams
 
     @field_validator("stop")
     @classmethod
@@ -59,16 +59,6 @@ class _SamplingFields(BaseModel):
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
         raise ValueError("stop must be a string or a list of strings")
-
-    @field_validator("speculative")
-    @classmethod
-    def _speculative(cls, value: Any) -> Any:
-        if value is None or isinstance(value, bool):
-            return value
-        if isinstance(value, dict) and set(value) == {"max_draft_tokens"} and \
-                type(value["max_draft_tokens"]) is int:  # noqa: E721 - a JSON bool is not a count
-            return value  # the range is checked by SamplingParams
-        raise ValueError('speculative must be true, false or {"max_draft_tokens": an int in [0, 32]}')
 
     @field_validator("logit_bias")
     @classmethod
