@@ -93,6 +93,7 @@ def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):
               suffix_scope=args.suffix_scope, suffix_cache_tokens=args.suffix_cache_tokens, **extra)
     if announce:
         draft = f"; draft: {llm.draft_weights}" if llm.draft_weights is not None else ""
+        draft += f" ({llm.loaded.draft_pairing})" if llm.loaded.draft_pairing else ""
         print(f"[{args.model}: {llm.weights_summary}{draft}; {llm.memory_summary}]", file=sys.stderr, flush=True)
     return llm
 

@@ -110,11 +110,11 @@ class Session:
         restored, plan = restore_plan(loaded, meta, tensors, path)  # everything checked; nothing allocated yet
         session.history, session.spec, session.generator = restored.history, restored.spec, restored.generator
         session.interrupted, session.messages, session.turns = restored.interrupted, restored.messages, restored.turns
-        for key, (runner, planes, n) in plan.items():
-            kv = SequenceKV()
+        for key, (runner, planes, n, ids) in plan.items():
+            kv = SequenceKV(tokens=ids)
             if n:
                 runner.swap_in(kv, (planes, n))
-                runner.publish(kv, session.history)
+                runner.publish(kv, ids if ids is not None else session.history)
             session.kv[key] = kv
         return session
 
@@ -288,6 +288,8 @@ class Session:
             cached[key] = n
             if n:
                 tensors |= {f"kv.{key}.{plane}": t for plane, t in runner.gather(kv).items()}
+            if n and kv.tokens is not None:  # a draft of another vocabulary: the ids its cache holds
+                tensors[f"kv.{key}.tokens"] = torch.tensor(kv.tokens[:n], dtype=torch.int64)
         meta = {
             "format": FORMAT, "version": FORMAT_VERSION,
             "identity": identity(self.loaded),

@@ -123,6 +123,8 @@ def restore_plan(loaded: LoadedEngine, meta: dict, tensors: dict[str, torch.Tens
         raise bad(f"caches for {short(sorted(cached))}, this LLM has {sorted(runners)}")
     expected = {"generator"} | {f"kv.{key}.{plane}" for key, n in cached.items() if n
                                 for plane in runners[key].pool.planes}
+    # a draft of another vocabulary also saves the ids its cache holds (its re-encoding of the history)
+    expected |= {f"kv.{key}.tokens" for key, n in cached.items() if n and f"kv.{key}.tokens" in tensors}
     if set(tensors) != expected:
         raise bad(f"tensors {short(sorted(tensors))}, expected {sorted(expected)}")
     plan = {}
@@ -137,8 +139,13 @@ def restore_plan(loaded: LoadedEngine, meta: dict, tensors: dict[str, torch.Tens
                 raise bad(f"{what} are {(tuple(t.shape), str(t.dtype))}, expected {shape} {plane.dtype}")
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise bad(f"{what} hold NaN or infinite numbers")
-        plan[key] = (runner, planes, n)
-    for key, (runner, _, n) in plan.items():
+        ids = tensors.get(f"kv.{key}.tokens") if n else None
+        if ids is not None and (tuple(ids.shape) != (n,) or ids.dtype != torch.int64
+                                or (n and not 0 <= int(ids.min()) <= int(ids.max()) < runner.vocab_size)):
+            raise bad(f"{key} token ids are {(tuple(ids.shape), str(ids.dtype))}, expected ({n},) int64 ids in "
+                      f"[0, {runner.vocab_size})")
+        plan[key] = (runner, planes, n, None if ids is None else ids.tolist())
+    for key, (runner, _, n, _) in plan.items():
         need = -(-n // runner.block_size)
         if need > runner.allocator.num_free:
             raise SessionError(

@@ -6,6 +6,7 @@ Every option is checked before any model is loaded, so a bad one fails at once.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from quickdraft.engine.engine import EngineConfig, LLMEngine
 from quickdraft.engine.memory import KVNeed, MemoryPlan, fmt_bytes, parse_size, plan_memory, return_freed_heap
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.threads import check_threads
-from quickdraft.errors import InvalidParameterError, ModelLoadError
+from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import KVPool, ModelRunner, check_kv_cache_dtype, resolve_kv_cache_dtype
 from quickdraft.loading import Checkpoint, load_checkpoint
 from quickdraft.loading.quant_convert import lm_head_format
@@ -26,6 +27,7 @@ from quickdraft.models import Transformer, native, weight_bytes
 from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
 from quickdraft.speculative.run_ahead import RunAheadDrafter
 from quickdraft.speculative.suffix import DEFAULT_CACHE_TOKENS, SuffixDrafter, check_suffix_options
+from quickdraft.speculative.vocab import CrossVocabulary, SharedVocabulary
 from quickdraft.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,8 @@ class LoadedEngine:
     draft_weights: str | None
     device: str
     memory: MemoryPlan  # what the weights and KV caps were planned to take
+    # e.g. "smollm2-135m drafts for qwen2.5-coder-1.5b over 39,234 shared tokens": a draft of another vocabulary
+    draft_pairing: str | None = None
 
     @property
     def target(self) -> ModelRunner:
@@ -197,11 +201,11 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     weights = fmt or dtype_name(dtype)
     tokenizer = tokenizer_for(checkpoint)
     cfg = checkpoint.config
-    draft_checkpoint, draft_weights = None, None
+    draft_checkpoint, draft_weights, vocab = None, None, None
     if o.draft is not None:
         draft_checkpoint = load_checkpoint(o.draft, dtype=FLOAT_FORMATS.get(draft_fmt, dtype))
-        check_same_vocabulary(tokenizer, tokenizer_for(draft_checkpoint), checkpoint.source.name,
-                              draft_checkpoint.source.name)
+        vocab = draft_vocabulary(tokenizer, tokenizer_for(draft_checkpoint), Path(model).name, Path(o.draft).name,
+                                 cfg.vocab_size)
         draft_weights = draft_fmt or resolve_draft_weights("auto", weights, draft_checkpoint.config, o.device)
     self_layers = None
     if o.speculative == "self":
@@ -228,7 +232,7 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     drafter = None
     if draft_checkpoint is not None:
         drafter = _draft_model_drafter(o, draft_checkpoint, draft_weights, dtype, plan.kv_caps["draft"],
-                                       cfg.vocab_size, positions)
+                                       cfg.vocab_size, positions, vocab)
     if o.speculative == "suffix":  # suffix match first, the draft model (if any) where it has nothing
         k = o.max_speculative_tokens if o.num_speculative_tokens == "auto" else o.num_speculative_tokens
         drafter = SuffixDrafter(*o.suffix_options(), model=drafter, max_k=k)
@@ -247,7 +251,7 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     engine = LLMEngine(target, tokenizer, config, drafter)
     return_freed_heap()
     return LoadedEngine(engine, tokenizer, target_model, checkpoint, draft_checkpoint, dtype, weights, draft_weights,
-                        o.device, plan)
+                        o.device, plan, None if vocab is None else vocab.pairing)
 
 
 def _memory_plan(o: EngineOptions, checkpoint: Checkpoint, fmt: str | None, draft: Checkpoint | None,
@@ -297,7 +301,7 @@ def _keeps_float(fmt: str | None, device: str) -> bool:
 
 
 def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dtype: torch.dtype, kv_bytes: int,
-                         target_vocab: int, positions: int) -> ModelDrafter:
+                         target_vocab: int, positions: int, vocab: SharedVocabulary | CrossVocabulary) -> ModelDrafter:
     """A draft model in ``fmt``, with a float copy where ``_keeps_float``; both reach positions below ``positions``."""
     keep_float = _keeps_float(fmt, o.device)
     draft_model = load_model(checkpoint, fmt, o.device, head_rows=o.draft_vocab,
@@ -311,19 +315,18 @@ def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dty
     # for most rounds of the texts it serves)
     drafter_class = RunAheadDrafter if o.run_ahead and o.speculative != "suffix" else ModelDrafter
     return drafter_class(ModelRunner("draft", draft_model, kv_bytes, o.block_size, long_model=long_model,
-                                     kv_dtype=_kv_dtype(o, checkpoint)), target_vocab)
+                                     kv_dtype=_kv_dtype(o, checkpoint)), target_vocab, vocab=vocab)
 
 
-def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, target_name: str, draft_name: str) -> None:
-    """Draft and target must share a tokenizer; checkpoint vocab sizes may differ by padding rows only."""
+def draft_vocabulary(target: Tokenizer, draft: Tokenizer, target_name: str, draft_name: str,
+                     target_vocab: int) -> SharedVocabulary | CrossVocabulary:
+    """The target's own vocabulary when the draft shares its tokenizer (checkpoint vocab sizes may differ by padding
+    rows only), else a bridge over the tokens both spell the same (refused when they share too few)."""
     step = max(1, target.vocab_size // 512)
     same = target.vocab_size == draft.vocab_size and all(
         target.decode([i]) == draft.decode([i]) for i in range(0, target.vocab_size, step))
-    if not same:
-        differ = next((i for i in range(min(target.vocab_size, draft.vocab_size))
-                       if target.decode([i]) != draft.decode([i])), None)
-        where = f"; token {differ} is {draft.decode([differ])!r} in one and {target.decode([differ])!r} in the other" \
-            if differ is not None else ""
-        raise ModelLoadError(
-            f"the draft model {draft_name} has a vocabulary of {draft.vocab_size:,} tokens and the target "
-            f"{target_name} one of {target.vocab_size:,}{where}; a draft model must share the target's tokenizer")
+    if same:
+        return SharedVocabulary(target_vocab)
+    bridge = CrossVocabulary(target, draft, target_name, draft_name, target_vocab)
+    log.info("%s", bridge.pairing)
+    return bridge

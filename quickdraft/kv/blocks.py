@@ -136,6 +136,9 @@ class SequenceKV:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     hashes: list[bytes] = field(default_factory=list)  # content hashes of the leading full, committed blocks
+    # the ids cached, kept by an owner whose ids can change under it (a draft of another vocabulary re-encodes the
+    # text); None: not kept. May run past num_cached while tokens are hidden.
+    tokens: list[int] | None = None
 
     def blocks_needed(self, new_length: int, block_size: int) -> int:
         return max(0, -(-new_length // block_size) - len(self.block_table))
@@ -167,6 +170,8 @@ class SequenceKV:
             # below committed tokens): the prefix cache must not hand it out for its old content any more
             allocator.forget(self.block_table[full])
         del self.hashes[full:]
+        if self.tokens is not None:
+            del self.tokens[length:]
         keep = -(-length // block_size)
         while len(self.block_table) > keep:
             allocator.release(self.block_table.pop())
@@ -189,7 +194,8 @@ class SequenceKV:
         """A child sharing this sequence's first ``length`` cached tokens (n > 1 samples of one prompt)."""
         length = min(length, self.num_cached)
         table = [allocator.share(b) for b in self.block_table[: -(-length // block_size)]]
-        return SequenceKV(table, length, self.hashes[: length // block_size])
+        return SequenceKV(table, length, self.hashes[: length // block_size],
+                          None if self.tokens is None else self.tokens[:length])
 
     def match_prefix(self, tokens: list[int], allocator: BlockAllocator, block_size: int) -> int:
         """Take cached full blocks that hold a prefix of ``tokens``; at least one token is left to compute."""

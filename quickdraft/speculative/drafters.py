@@ -22,6 +22,7 @@ from quickdraft.kv import ForwardItem, ModelRunner, OutOfBlocks, SequenceKV
 from quickdraft.models import weight_bytes
 from quickdraft.sampling import LogitsProcessor, SamplingParams
 from quickdraft.sampling.sampler import greedy, sample_with_uniforms
+from quickdraft.speculative.vocab import CrossVocabulary, SharedVocabulary
 
 
 class DraftableSequence(Protocol):
@@ -151,8 +152,11 @@ class ModelDrafter(Drafter):
     next time, so nothing is ever re-prefilled.
     """
 
-    def __init__(self, runner: ModelRunner, target_vocab: int, name: str = "draft") -> None:
+    def __init__(self, runner: ModelRunner, target_vocab: int, name: str = "draft",
+                 vocab: SharedVocabulary | CrossVocabulary | None = None) -> None:
         self.runner, self.target_vocab, self.name = runner, target_vocab, name
+        # the target's own vocabulary, or another one bridged over the tokens both share (speculative/vocab.py)
+        self.vocab = vocab or SharedVocabulary(target_vocab)
         self.key = f"draft:{runner.name}"
         # set by the engine: a sequence whose request was cancelled gets no further draft forwards (any thread)
         self.cancelled: Callable[[DraftableSequence], bool] = lambda seq: False
@@ -174,20 +178,11 @@ class ModelDrafter(Drafter):
     def _kv(self, seq: DraftableSequence) -> SequenceKV:
         return seq.kv.setdefault(self.key, SequenceKV())
 
-    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the target's vocabulary (padding rows differ between checkpoints)."""
-        width = logits.shape[-1]
-        if width == self.target_vocab:
-            return logits
-        if width > self.target_vocab:
-            return logits[..., : self.target_vocab]
-        pad = logits.new_full((*logits.shape[:-1], self.target_vocab - width), float("-inf"))
-        return torch.cat([logits, pad], dim=-1)
-
     def lag(self, seq: DraftableSequence) -> int:
         """Tokens the draft cache must take in before it can draft for ``seq``."""
         kv = seq.kv.get(self.key)
-        return len(seq.token_ids) - 1 - (kv.num_cached if kv is not None else 0)
+        context = self.vocab.view(seq)
+        return len(context) - 1 - (min(kv.num_cached, self.vocab.agree(kv, context)) if kv is not None else 0)
 
     def propose(self, seqs: Sequence[DraftableSequence], ks: Sequence[int]) -> list[Proposal]:
         self.last_forward_costs = []
@@ -206,25 +201,33 @@ class ModelDrafter(Drafter):
         qs: list[list[torch.Tensor]] = [list(p.q.unbind(0)) if p.q is not None else [] for p in starts]
         steps = 0
         while stop is None or not stop(steps):
-            active = [i for i, (seq, k) in enumerate(zip(seqs, ks)) if len(drafts[i]) < k and not self.cancelled(seq)]
+            active = [i for i, (seq, k) in enumerate(zip(seqs, ks))
+                      if len(drafts[i]) < k and not self.cancelled(seq) and self.vocab.can_draft(seq)]
             if not active:
                 break
             t0 = time.perf_counter()
-            items = []
+            items, contexts = [], []
             for i in active:
                 kv = self._kv(seqs[i])
-                context = seqs[i].token_ids + drafts[i]
+                context = self.vocab.view(seqs[i]) + self.vocab.to_draft(drafts[i])
                 if not kv.block_table:
                     self.runner.match_prefix(kv, context)
+                agreed = min(self.vocab.agree(kv, context), len(context) - 1)
+                if agreed < kv.num_cached:  # the re-encoded text changed below what the cache holds
+                    self.runner.truncate(kv, agreed)
+                self.vocab.record(kv, context)
                 items.append(ForwardItem(kv, context[kv.num_cached:], 1))
+                contexts.append(context)
             try:
                 rows = self.runner.forward(items)
             except OutOfBlocks:  # no room in the draft pool: verify what we have
                 break
             steps += 1
+            for item, context in zip(items, contexts):
+                self.vocab.record(item.kv, context)
             for i, row in zip(active, rows):
                 seq = seqs[i]
-                logits = seq.processor.process(self._widen(row), drafted=drafts[i], offset=len(drafts[i]))
+                logits = seq.processor.process(self.vocab.widen(row), drafted=drafts[i], offset=len(drafts[i]))
                 if seq.params.greedy:
                     token = greedy(logits[:1])[0]
                 else:
@@ -241,10 +244,12 @@ class ModelDrafter(Drafter):
     def rewind(self, seq: DraftableSequence) -> None:
         kv = seq.kv.get(self.key)
         if kv is not None:
-            self.runner.truncate(kv, min(kv.num_cached, len(seq.token_ids) - 1))
-            self.runner.publish(kv, seq.token_ids)
+            context = self.vocab.view(seq)
+            self.runner.truncate(kv, max(0, min(kv.num_cached, len(context) - 1, self.vocab.agree(kv, context))))
+            self.runner.publish(kv, context)
 
     def release(self, seq: DraftableSequence) -> None:
+        self.vocab.forget(seq)
         kv = seq.kv.pop(self.key, None)
         if kv is not None:
             self.runner.free(kv)

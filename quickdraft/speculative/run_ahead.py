@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from quickdraft.kv import ModelRunner
+from quickdraft.speculative.vocab import CrossVocabulary, SharedVocabulary
 from quickdraft.speculative.drafters import DraftableSequence, ModelDrafter, Proposal
 
 
@@ -47,8 +48,9 @@ class RunAheadDrafter(ModelDrafter):
     the engine waits at most about one draft step, and it skips cancelled requests.
     """
 
-    def __init__(self, runner: ModelRunner, target_vocab: int, name: str = "draft", min_steps: int = 2) -> None:
-        super().__init__(runner, target_vocab, name)
+    def __init__(self, runner: ModelRunner, target_vocab: int, name: str = "draft", min_steps: int = 2,
+                 vocab: SharedVocabulary | CrossVocabulary | None = None) -> None:
+        super().__init__(runner, target_vocab, name, vocab)
         self.min_steps = min_steps  # the guess plus one draft, even if the target pass finished first
         self._executor: ThreadPoolExecutor | None = None
         self._job: Future | None = None
@@ -127,12 +129,13 @@ class RunAheadDrafter(ModelDrafter):
             ready = self._ready.pop(seq, None)
             kv = seq.kv.get(self.key)
             committed = len(seq.token_ids)
-            start, length = Proposal([]), committed - 1
+            held = len(self.vocab.view(seq))  # the draft cache's length for the committed tokens, in draft ids
+            start, length = Proposal([]), held - 1
             if (ready is not None and k > 0 and kv is not None and ready.base == committed
-                    and kv.num_cached == committed - 1 and len(kv.block_table) * self.runner.block_size >= ready.cached):
+                    and kv.num_cached == held - 1 and len(kv.block_table) * self.runner.block_size >= ready.cached):
                 n = min(k, len(ready.tokens))
                 start = Proposal(ready.tokens[:n], None if ready.q is None else ready.q[:n], reused=n)
-                length = min(ready.cached, committed + n - 1)
+                length = min(ready.cached, held + n - 1)
                 kv.reveal(length, self.runner.block_size)  # the run-ahead tokens, hidden since the commit
                 self.rounds_kept += 1
                 self.tokens_reused += n
@@ -149,16 +152,17 @@ class RunAheadDrafter(ModelDrafter):
         _, ahead = self._ahead.pop(id(seq), (None, None))
         kv = seq.kv.get(self.key)
         committed = len(seq.token_ids)
+        view = self.vocab.view(seq)
         if (ahead is not None and kv is not None and not seq.finished and len(ahead.tokens) > 1
                 and committed == ahead.base + ahead.drafted + 1 and seq.token_ids[-1] == ahead.tokens[0]
-                and kv.num_cached == ahead.cached):
+                and kv.num_cached == ahead.cached and self.vocab.agree(kv, view) >= len(view) - 1):
             # everything drafted was accepted and the target's token is the guess: keep the rest. Until the
             # next proposal takes them, the cache reports only the committed prefix (its blocks stay), so
             # whoever looks at it meanwhile (a session snapshot, the prefix cache) sees committed tokens only.
             self._ready[seq] = _Ahead(committed, 0, ahead.tokens[1:], None if ahead.q is None else ahead.q[1:],
                                       ahead.cached)
-            kv.hide(committed - 1)
-            self.runner.publish(kv, seq.token_ids)
+            kv.hide(len(view) - 1)
+            self.runner.publish(kv, view)
             return
         super().rewind(seq)
 

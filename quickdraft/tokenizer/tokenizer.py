@@ -11,6 +11,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from quickdraft.errors import ModelLoadError, require_unicode
 from quickdraft.tokenizer.chat import default_template, render_chat_template
 from quickdraft.tokenizer.gguf_vocab import build_from_gguf_metadata
+from quickdraft.tokenizer.token_bytes import vocabulary_bytes
 
 # Tokens that end a chat turn or a document in common chat vocabularies. When one of them is a
 # special token of the vocabulary it stops generation along with the eos token.
@@ -73,6 +74,7 @@ class Tokenizer:
             if tid is not None and tid in self.special_token_ids and tid not in eos:
                 eos.append(tid)
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        self._token_bytes: list[bytes | None] | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -207,6 +209,13 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text for `ids`. Invalid UTF-8 (e.g. a cut multi-byte character) decodes to U+FFFD."""
         return self._backend.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self) -> list[bytes | None]:
+        """The bytes each id writes into the text (an added token: its text; None: a spelling this tokenizer's
+        decoder does not say), computed once (see token_bytes.py)."""
+        if self._token_bytes is None:
+            self._token_bytes = vocabulary_bytes(self._backend, self.vocab_size)
+        return self._token_bytes
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary entry spelled as the vocabulary spells it (e.g. 'Ġworld', '<|im_end|>')."""
