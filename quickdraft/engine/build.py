@@ -304,11 +304,12 @@ def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dty
                          target_vocab: int, positions: int, vocab: SharedVocabulary | CrossVocabulary) -> ModelDrafter:
     """A draft model in ``fmt``, with a float copy where ``_keeps_float``; both reach positions below ``positions``."""
     keep_float = _keeps_float(fmt, o.device)
-    draft_model = load_model(checkpoint, fmt, o.device, head_rows=o.draft_vocab,
+    head_rows = vocab.head_rows(o.draft_vocab)
+    draft_model = load_model(checkpoint, fmt, o.device, head_rows=head_rows,
                              **(DRAFT_INT4_OPTIONS if fmt == "int4" else {}))
     draft_model.limit_positions(positions)
     long_model = load_model(checkpoint, dtype_name(dtype), o.device,
-                            head_rows=o.draft_vocab) if keep_float else None
+                            head_rows=head_rows) if keep_float else None
     if long_model is not None:
         long_model.limit_positions(positions)
     # run-ahead drafts during the target pass for a model drafter alone (the suffix drafter proposes no model draft

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from array import array
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -43,14 +44,21 @@ def cache_layout(device: torch.device) -> str:
     return "nibbles"
 
 
+def rows_tag(rows: int | Sequence[int]) -> str:
+    """The lm_head rows kept, as a cache key: a count, or a digest of the rows listed."""
+    if isinstance(rows, int):
+        return str(rows)
+    return "rows-" + hashlib.sha256(array("q", rows).tobytes()).hexdigest()[:16]
+
+
 def quant_cache_entry(fingerprint: str, fmt: str, group_size: int, lm_head: str | None, source: str,
                       device: torch.device, dtype: torch.dtype, *, wide_sources: str,
-                      head_rows: int | None) -> tuple[Path, dict[str, str]]:
+                      head_rows: int | Sequence[int] | None) -> tuple[Path, dict[str, str]]:
     """The cache file for one source + format on ``device`` (its float tensors in ``dtype``) and the metadata an
     entry must carry to be used."""
     layout = cache_layout(device)
     key = f"{fingerprint}|{fmt}|g{group_size}|lm-{lm_head}|wide-{wide_sources}|{source}|{layout}|{dtype_name(dtype)}" \
-          f"|v{QUANT_CACHE_VERSION}" + (f"|head-rows-{head_rows}" if head_rows is not None else "")
+          f"|v{QUANT_CACHE_VERSION}" + (f"|head-rows-{rows_tag(head_rows)}" if head_rows is not None else "")
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     tag = f"{fmt}-g{group_size}" if fmt == "int4" else fmt
     path = cache_root() / "quantized" / f"{fingerprint}-{tag}-{digest}.safetensors"
@@ -58,7 +66,7 @@ def quant_cache_entry(fingerprint: str, fmt: str, group_size: int, lm_head: str 
             "wide_sources": wide_sources, "source": source, "layout": layout, "dtype": dtype_name(dtype),
             "quickdraft_quant_cache_version": QUANT_CACHE_VERSION}
     if head_rows is not None:
-        meta["head_rows"] = str(head_rows)
+        meta["head_rows"] = rows_tag(head_rows)
     return path, meta
 
 

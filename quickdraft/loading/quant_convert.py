@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,10 +176,17 @@ class Sources:
     block_types: Mapping[str, int] | None = None
     floats: Mapping[str, torch.Tensor] | None = None
     float_dtype: torch.dtype | None = None
+    # the file's rows an lm_head cut to listed rows holds (``restrict_lm_head``); None: its first rows
+    head_rows: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, checkpoint: Checkpoint) -> Sources:
-        return cls(checkpoint.blocks, checkpoint.block_types, checkpoint.tensors, checkpoint.dtype)
+    def of(cls, checkpoint: Checkpoint, head_rows: Sequence[int] | None = None) -> Sources:
+        rows = None if head_rows is None else torch.tensor(list(head_rows), dtype=torch.long)
+        return cls(checkpoint.blocks, checkpoint.block_types, checkpoint.tensors, checkpoint.dtype, rows)
+
+    def _rows(self, name: str, r0: int, r1: int) -> slice | torch.Tensor:
+        """The file's rows behind the module's rows r0..r1."""
+        return self.head_rows[r0:r1] if name == "lm_head" and self.head_rows is not None else slice(r0, r1)
 
     def _stored_key(self, name: str, cfg: ModelConfig) -> str | None:
         """The key of the file's blocks that hold this weight: its own, or the embedding a tied lm_head reads; None
@@ -196,14 +203,16 @@ class Sources:
         qtype = (self.block_types or {}).get(name + ".weight")
         return None if qtype is None else GGMLQuantizationType(int(qtype)).name
 
-    def _block_rows(self, key: str, shape: tuple[int, int], heads: int | None, r0: int, r1: int
+    def _block_rows(self, key: str, shape: tuple[int, int], heads: int | None, rows: slice | torch.Tensor
                     ) -> tuple[torch.Tensor, tuple[int, int]]:
-        """The stored bytes of rows r0..r1 and their shape (all rows where q/k rows must be unpermuted first)."""
+        """The stored bytes of ``rows`` and their shape (all rows where q/k rows must be unpermuted first)."""
         data = _as_bytes(self.blocks[key])
         if heads:
             return data, shape
         per_row = data.numel() // shape[0]
-        return data[r0 * per_row:r1 * per_row], (r1 - r0, shape[1])
+        if isinstance(rows, slice):
+            return data[rows.start * per_row:rows.stop * per_row], (rows.stop - rows.start, shape[1])
+        return data.view(shape[0], per_row)[rows].reshape(-1), (len(rows), shape[1])
 
     def float32(self, name: str, linear: nn.Linear, cfg: ModelConfig, rows: tuple[int, int] | None = None
                 ) -> torch.Tensor:
@@ -217,13 +226,13 @@ class Sources:
             from quickdraft.loading.gguf import unpermute_rows
 
             heads = _unpermute(name, cfg)
-            data, shape = self._block_rows(src, _source_shape(name, linear, cfg), heads, r0, r1)
+            data, shape = self._block_rows(src, _source_shape(name, linear, cfg), heads, self._rows(name, r0, r1))
             w = dequantize(data, self.block_types[src], shape)
             w = unpermute_rows(w, heads)[r0:r1] if heads else w
             tied = src != key  # the head the model holds: the embedding rounded to its dtype
             return w.to(self.float_dtype).float() if tied and self.float_dtype is not None else w
         if self.floats is not None and key in self.floats:
-            return self.floats[key][r0:r1].float()
+            return self.floats[key][self._rows(name, r0, r1)].float()
         return linear.weight.detach()[r0:r1].float()
 
     def int4(self, name: str, linear: nn.Linear, cfg: ModelConfig, group_size: int,
@@ -233,7 +242,7 @@ class Sources:
         r0, r1 = rows or (0, linear.out_features)
         if group_size == 32 and self.blocks is not None and self.block_types is not None and key in self.block_types:
             heads = _unpermute(name, cfg)
-            data, shape = self._block_rows(key, _source_shape(name, linear, cfg), heads, r0, r1)
+            data, shape = self._block_rows(key, _source_shape(name, linear, cfg), heads, self._rows(name, r0, r1))
             mapped = gguf_int4_params(data, self.block_types[key], shape)
             if mapped is not None:
                 if heads:

@@ -23,7 +23,8 @@ quantized matmul).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import reprlib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -94,27 +95,42 @@ def resolve_draft_weights(draft_weights: str, target_format: str, cfg: ModelConf
 DRAFT_INT4_OPTIONS = {"wide_sources": "int4", "lm_head": "int4"}
 
 
-def restrict_lm_head(model: Transformer, rows: int) -> None:
-    """Keep only the first ``rows`` rows of the lm_head (an own copy when tied; the embedding stays whole).
+def restrict_lm_head(model: Transformer, rows: int | Sequence[int]) -> None:
+    """Keep only some rows of the lm_head (an own copy when tied; the embedding stays whole): the first ``rows``, or
+    the rows listed, in that order.
 
-    For a draft model (FR-Spec style): it then proposes only among the first ``rows`` token ids, which in a
-    byte-level BPE vocabulary are the earliest, i.e. most frequent, merges, and its head reads that much less
-    per step. The target still verifies over the full vocabulary, so the output does not change; a sampled
-    draft's q is its distribution renormalised over those ids (0 elsewhere), which the verifier handles."""
+    For a draft model (FR-Spec style): it then proposes only among those token ids (the first ones of a byte-level
+    BPE vocabulary are its earliest, i.e. most frequent, merges; a draft of another vocabulary keeps the tokens it
+    shares with the target), and its head reads that much less per step. The target still verifies over the full
+    vocabulary, so the output does not change; a sampled draft's q is its distribution renormalised over those ids
+    (0 elsewhere), which the verifier handles."""
     vocab = model.config.vocab_size
-    if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= vocab:
-        raise InvalidParameterError(f"draft_vocab must be an int in 1..{vocab} (the draft's vocabulary), got {rows!r}")
-    if rows == model.lm_head.out_features:
-        return
+    if isinstance(rows, int) and not isinstance(rows, bool):
+        if not 1 <= rows <= vocab:
+            raise InvalidParameterError(f"draft_vocab must be an int in 1..{vocab} (the draft's vocabulary), got {rows!r}")
+        if rows == model.lm_head.out_features:
+            return
+        index: slice | torch.Tensor = slice(0, rows)
+        count = rows
+    elif isinstance(rows, Sequence) and rows and all(isinstance(r, int) and 0 <= r < vocab for r in rows):
+        index, count = torch.tensor(list(rows), dtype=torch.long), len(rows)
+    else:
+        raise InvalidParameterError(f"draft_vocab must be an int in 1..{vocab} (the draft's vocabulary), got "
+                                    f"{reprlib.repr(rows)}")
     head = model.lm_head
-    cut = nn.Linear(head.in_features, rows, bias=head.bias is not None, device="meta")
-    cut.weight = nn.Parameter(head.weight.detach()[:rows].clone(), requires_grad=False)
+    cut = nn.Linear(head.in_features, count, bias=head.bias is not None, device="meta")
+    cut.weight = nn.Parameter(head.weight.detach()[index].clone(), requires_grad=False)
     if head.bias is not None:
-        cut.bias = nn.Parameter(head.bias.detach()[:rows].clone(), requires_grad=False)
+        cut.bias = nn.Parameter(head.bias.detach()[index].clone(), requires_grad=False)
     model.lm_head = cut
 
 
-def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "cpu", *, head_rows: int | None = None,
+def listed_rows(rows: int | Sequence[int] | None) -> Sequence[int] | None:
+    """The rows of a head cut to listed rows (None for a head cut to its first rows, or whole)."""
+    return None if rows is None or isinstance(rows, int) else rows
+
+
+def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "cpu", *, head_rows: int | Sequence[int] | None = None,
                group_size: int = 32, lm_head: bool | str | None = None, wide_sources: str = "int8",
                use_cache: bool = True) -> Transformer:
     """``checkpoint`` as a Transformer on ``device`` whose linear layers run in ``fmt``: ``'int4'``/``'int8'``, or a
@@ -155,7 +171,7 @@ def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "c
     if entry is None and use_cache:
         # a float head is stored whole (the model built from the entry cuts it), a quantized one as cut
         skeleton = _built(checkpoint.tensors, cfg, "cpu", skip | {EMBED}, head_rows if head_fmt else None)
-        layers = quantized_layers(skeleton, fmt, Sources.of(checkpoint), device, **options)
+        layers = quantized_layers(skeleton, fmt, Sources.of(checkpoint, listed_rows(head_rows)), device, **options)
         info = functools.partial(quant_info, fmt, group_size, wide_sources, head_fmt)
         if write_quantized(path, meta, skeleton, layers, info, {EMBED: lambda: checkpoint.tensors[EMBED]}):
             entry = open_quantized(path, meta)
@@ -164,7 +180,7 @@ def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "c
         model = _built(entry.tensors, cfg, device, skip, head_rows)
         install_quantized(entry, model, group_size, device)
     else:  # no cache: converted in memory
-        model = quantize_model(_built(checkpoint.tensors, cfg, device, skip, head_rows), fmt, Sources.of(checkpoint),
+        model = quantize_model(_built(checkpoint.tensors, cfg, device, skip, head_rows), fmt, Sources.of(checkpoint, listed_rows(head_rows)),
                                **options)
     # which kernel each layer runs on, read before fuse_quant_linears groups them (for weights_summary)
     model.quant_info = {**model.quant_info, "kernels": kernel_sources(model, names, checkpoint.tensor_types,
@@ -182,14 +198,14 @@ def _linear_names(cfg: ModelConfig, lm_head: bool) -> list[str]:
 
 
 def _built(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, device: str | torch.device, skip: set[str],
-           head_rows: int | None) -> Transformer:
+           head_rows: int | Sequence[int] | None) -> Transformer:
     model = build_model(cfg, tensors, device, skip)
     if head_rows is not None:
         restrict_lm_head(model, head_rows)
     return model
 
 
-def _load_float(checkpoint: Checkpoint, device: str | torch.device, head_rows: int | None,
+def _load_float(checkpoint: Checkpoint, device: str | torch.device, head_rows: int | Sequence[int] | None,
                 use_cache: bool) -> Transformer:
     """Float weights: a GGUF's dequantized tensors mapped from the weight cache (written a tensor at a time on the
     first load), an HF directory's mapped safetensors; the linears packed, then the mapped pages they were read from

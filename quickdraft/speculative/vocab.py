@@ -58,6 +58,10 @@ class SharedVocabulary:
     def forget(self, seq) -> None:
         """The sequence is done: drop its view."""
 
+    def head_rows(self, draft_vocab: int | None) -> int | None:
+        """The lm_head rows the draft model needs: the first ``draft_vocab`` (None: all)."""
+        return draft_vocab
+
     def widen(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (padding rows differ between checkpoints)."""
         width = logits.shape[-1]
@@ -110,6 +114,7 @@ class CrossVocabulary:
         self._bos = bos if bos == [draft.bos_token_id] else []
         self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._columns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._head_cut = False  # see head_rows
 
     # ---- the draft's view of the text -------------------------------------------------------------------
     def view(self, seq) -> list[int]:
@@ -167,15 +172,28 @@ class CrossVocabulary:
         kv.tokens = list(context[:kv.num_cached])
 
     # ---- the draft's distribution -------------------------------------------------------------------------
+    def head_rows(self, draft_vocab: int | None) -> list[int]:
+        """The lm_head rows the draft model needs: the shared tokens (below ``draft_vocab`` if given), in draft-id
+        order. A head cut to them computes only the logits the restricted distribution uses (Gemma 3's 262k-row
+        head shrinks to the 96k rows it shares with Qwen), and ``widen`` then places its columns directly."""
+        keep = self.draft_ids < draft_vocab if draft_vocab is not None else torch.ones_like(self.draft_ids, dtype=torch.bool)
+        order = torch.argsort(self.draft_ids[keep])
+        self.target_ids, self.draft_ids = self.target_ids[keep][order], self.draft_ids[keep][order]
+        self._head_cut = True
+        return self.draft_ids.tolist()
+
     def widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits placed on the target ids of the shared tokens, -inf elsewhere: softmax then gives
         the draft's distribution restricted to the shared tokens and renormalised."""
+        out = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))
+        if self._head_cut:  # column j is the draft's logit of draft_ids[j]
+            out[..., self.target_ids.to(logits.device)] = logits
+            return out
         width = logits.shape[-1]
         if width not in self._columns:  # a draft head cut to its first rows (draft_vocab) drafts fewer tokens
             keep = self.draft_ids < width
             self._columns[width] = (self.target_ids[keep].to(logits.device), self.draft_ids[keep].to(logits.device))
         to, frm = self._columns[width]
-        out = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))
         out[..., to] = logits[..., frm]
         return out
 
