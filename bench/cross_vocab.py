@@ -104,7 +104,8 @@ def main() -> None:
         loads[config] = {"load_s": time.perf_counter() - t0, "pairing": llm.loaded.draft_pairing,
                          "memory": llm.memory_summary}
         print(f"{config}: loaded in {loads[config]['load_s']:.1f} s; {llm.loaded.draft_pairing or ''}", flush=True)
-        pair = run_paired(config, plain, lambda c, t: run_ours(llm, config, c, t, args.tokens), prompts, args.tokens)
+        pair = run_paired(config, plain, lambda c, t, llm=llm: run_ours(llm, config, c, t, args.tokens), prompts,
+                          args.tokens)
         rows += pair
         if plain_ids is None:
             plain_ids = [r["token_ids"] for r in pair if r["config"] == "plain"]
