@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,18 @@ def test_generate_with_suffix_decoding_and_a_per_request_cap(tiny_dir, tmp_path)
     assert "suffix: acceptance" in suffix.stderr and "suffix: acceptance 0%, mean accepted 0.00" in off.stderr
     bad = _run(common + ["--max-draft-tokens", "99"], tmp_path)
     assert bad.returncode == 2 and "speculative.max_draft_tokens must be an int in [0, 32], got 99" in bad.stderr
+
+
+def test_generate_with_a_draft_of_another_family():
+    """SmolLM2 (byte-level BPE) drafting for Gemma 3 (SentencePiece): the same text, and the load line says what the
+    pair shares."""
+    cache = Path(os.environ["QUICKDRAFT_CACHE_DIR"])  # the suite's: these models are converted once
+    common = ["generate", "gemma3-270m", "def fibonacci(n):", "--max-tokens", "24", "--max-model-len", "1024"]
+    plain = _run(common, cache)
+    if "not installed" in plain.stderr:
+        pytest.skip("Gemma 3 270M is not installed (make models-gemma)")
+    draft = _run(common + ["--draft", "smollm2-135m", "--k", "2"], cache)
+    assert plain.returncode == draft.returncode == 0, plain.stderr + draft.stderr
+    assert plain.stdout == draft.stdout and plain.stdout.strip()
+    assert re.search(r"\(smollm2-135m drafts for gemma3-270m over [\d,]+ shared tokens\)", draft.stderr), draft.stderr
+    assert re.search(r"draft: acceptance [1-9]", draft.stderr), draft.stderr

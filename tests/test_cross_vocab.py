@@ -15,7 +15,7 @@ from conftest import make_tiny_checkpoint
 from test_distribution import SAMPLES, TRANSFORMS, chi_square_pvalue, exact_distribution, sample_engine
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.errors import ModelLoadError
+from quickdraft.errors import InvalidParameterError, ModelLoadError
 from quickdraft.kv import SequenceKV
 from quickdraft.speculative.vocab import CrossVocabulary, complete_utf8, shared_tokens
 
@@ -107,6 +107,14 @@ def test_a_pair_sharing_too_little_is_refused_naming_both(tmp_path):
     with pytest.raises(ModelLoadError, match=r"the draft model d and the target t share 1 tokens \(of 8 and 8\); a "
                                              r"draft of another vocabulary needs at least 4 shared tokens"):
         LLM(str(target), draft=str(draft), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_draft_vocab_keeps_the_shared_tokens_below_it(pair):
+    llm = tiny_llm(pair, draft_vocab=4)  # draft ids below 4: a, b, c (abc is id 5)
+    assert llm.drafter.runner.model.lm_head.out_features == 3
+    with pytest.raises(InvalidParameterError, match=r"draft_vocab=1 keeps none of the 4 tokens the draft shares with "
+                                                    r"the target \(the lowest shared draft id is 1\)"):
+        tiny_llm(pair, draft_vocab=1)
 
 
 def test_complete_utf8_holds_back_a_partial_character():

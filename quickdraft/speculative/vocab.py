@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from quickdraft.errors import ModelLoadError
+from quickdraft.errors import InvalidParameterError, ModelLoadError
 from quickdraft.kv import SequenceKV
 from quickdraft.tokenizer import Tokenizer
 from quickdraft.tokenizer.token_bytes import is_byte_fallback
@@ -177,6 +177,10 @@ class CrossVocabulary:
         order. A head cut to them computes only the logits the restricted distribution uses (Gemma 3's 262k-row
         head shrinks to the 96k rows it shares with Qwen), and ``widen`` then places its columns directly."""
         keep = self.draft_ids < draft_vocab if draft_vocab is not None else torch.ones_like(self.draft_ids, dtype=torch.bool)
+        if not bool(keep.any()):
+            raise InvalidParameterError(f"draft_vocab={draft_vocab} keeps none of the {self.shared:,} tokens the draft "
+                                        f"shares with the target (the lowest shared draft id is "
+                                        f"{int(self.draft_ids.min())})")
         order = torch.argsort(self.draft_ids[keep])
         self.target_ids, self.draft_ids = self.target_ids[keep][order], self.draft_ids[keep][order]
         self._head_cut = True
