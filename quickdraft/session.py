@@ -288,7 +288,7 @@ class Session:
             cached[key] = n
             if n:
                 tensors |= {f"kv.{key}.{plane}": t for plane, t in runner.gather(kv).items()}
-            if n and kv.tokens is not None:  # a draft of another vocabulary: the ids its cache holds
+            if n and kv.tokens is not None and len(kv.tokens) >= n:  # a draft of another vocabulary: its cache's ids
                 tensors[f"kv.{key}.tokens"] = torch.tensor(kv.tokens[:n], dtype=torch.int64)
         meta = {
             "format": FORMAT, "version": FORMAT_VERSION,

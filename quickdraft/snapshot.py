@@ -124,7 +124,8 @@ def restore_plan(loaded: LoadedEngine, meta: dict, tensors: dict[str, torch.Tens
     expected = {"generator"} | {f"kv.{key}.{plane}" for key, n in cached.items() if n
                                 for plane in runners[key].pool.planes}
     # a draft of another vocabulary also saves the ids its cache holds (its re-encoding of the history)
-    expected |= {f"kv.{key}.tokens" for key, n in cached.items() if n and f"kv.{key}.tokens" in tensors}
+    expected |= {f"kv.{key}.tokens" for key, n in cached.items()
+                 if n and key != "target" and f"kv.{key}.tokens" in tensors}
     if set(tensors) != expected:
         raise bad(f"tensors {short(sorted(tensors))}, expected {sorted(expected)}")
     plan = {}

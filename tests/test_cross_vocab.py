@@ -99,6 +99,28 @@ def test_greedy_output_equals_the_target_alone(pair, run_ahead):
     assert llm.spec_stats.accepted_tokens > 0
 
 
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_a_view_longer_than_the_draft_positions_stops_drafting_not_the_engine(pair, run_ahead):
+    """Every target "ab" is two draft tokens: past the draft model's 512 positions the view cannot be drafted from,
+    and with run-ahead the worker must not hit that limit either."""
+    target, _ = pair
+    prompts, greedy = [[4] * 200], SamplingParams(max_tokens=250, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(target), dtype="float32", kv_cache_memory="32MiB").generate(prompts, greedy)[0].token_ids
+    llm = tiny_llm(pair, num_speculative_tokens=4, run_ahead=run_ahead)
+    assert llm.drafter.runner.model.rope.max_positions < 2 * 450  # the view outgrows the draft model
+    assert llm.generate(prompts, greedy)[0].token_ids == plain
+
+
+def test_seeded_sampling_is_the_same_with_and_without_run_ahead(pair):
+    """Run-ahead keeps its drafts only when the re-encoded text is exactly what it drafted from."""
+    prompts = [[3, 5, 2, 3, 5, 2, 3, 5], [4, 7, 1, 6]] * 4
+    params = [SamplingParams(max_tokens=64, temperature=0.7, seed=s, ignore_eos=True) for s in range(8)]
+    without = [o.token_ids for o in tiny_llm(pair, num_speculative_tokens=1).generate(prompts, params)]
+    llm = tiny_llm(pair, num_speculative_tokens=1, run_ahead=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == without
+    assert llm.spec_stats.run_ahead_rounds > 0
+
+
 def test_a_pair_sharing_too_little_is_refused_naming_both(tmp_path):
     target = make_tiny_checkpoint(tmp_path / "t", vocab_size=8, hidden=32, tokenizer_from=write_bpe_tokenizer(
         tmp_path / "tt", TARGET_TOKENS, TARGET_MERGES))

@@ -304,7 +304,7 @@ def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dty
                          target_vocab: int, positions: int, vocab: SharedVocabulary | CrossVocabulary) -> ModelDrafter:
     """A draft model in ``fmt``, with a float copy where ``_keeps_float``; both reach positions below ``positions``."""
     keep_float = _keeps_float(fmt, o.device)
-    head_rows = vocab.head_rows(o.draft_vocab)
+    head_rows = vocab.head_rows(o.draft_vocab, checkpoint.config.vocab_size)
     draft_model = load_model(checkpoint, fmt, o.device, head_rows=head_rows,
                              **(DRAFT_INT4_OPTIONS if fmt == "int4" else {}))
     draft_model.limit_positions(positions)

@@ -201,8 +201,11 @@ class ModelDrafter(Drafter):
         qs: list[list[torch.Tensor]] = [list(p.q.unbind(0)) if p.q is not None else [] for p in starts]
         steps = 0
         while stop is None or not stop(steps):
+            # a draft past the draft model's positions (its view can be longer than the target's tokens) stops
+            limit = self.runner.model.rope.max_positions
             active = [i for i, (seq, k) in enumerate(zip(seqs, ks))
-                      if len(drafts[i]) < k and not self.cancelled(seq) and self.vocab.can_draft(seq)]
+                      if len(drafts[i]) < k and not self.cancelled(seq) and self.vocab.can_draft(seq)
+                      and len(self.vocab.view(seq)) + len(drafts[i]) < limit]
             if not active:
                 break
             t0 = time.perf_counter()
@@ -212,6 +215,7 @@ class ModelDrafter(Drafter):
                 context = self.vocab.view(seqs[i]) + self.vocab.to_draft(drafts[i])
                 if not kv.block_table:
                     self.runner.match_prefix(kv, context)
+                    self.vocab.record(kv, context)  # a prefix-cache hit holds these ids: its block hashes say so
                 agreed = min(self.vocab.agree(kv, context), len(context) - 1)
                 if agreed < kv.num_cached:  # the re-encoded text changed below what the cache holds
                     self.runner.truncate(kv, agreed)

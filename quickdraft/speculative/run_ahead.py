@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
 from collections.abc import Iterator
@@ -14,6 +15,8 @@ import torch
 from quickdraft.kv import ModelRunner
 from quickdraft.speculative.vocab import CrossVocabulary, SharedVocabulary
 from quickdraft.speculative.drafters import DraftableSequence, ModelDrafter, Proposal
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,10 +115,10 @@ class RunAheadDrafter(ModelDrafter):
         self._target_done.set()
         try:
             results, steps = job.result()
-        except BaseException:
-            if discard:  # the step already failed: keep that error, drop the speculative work
-                return
-            raise
+        except Exception as exc:  # run-ahead is only ever ahead of need: drop it, never the step or its requests
+            if not discard:
+                log.warning("run-ahead drafting failed, dropped for this round: %s", exc)
+            return
         if discard:
             return
         self.rounds_ahead += 1
@@ -130,7 +133,7 @@ class RunAheadDrafter(ModelDrafter):
             kv = seq.kv.get(self.key)
             committed = len(seq.token_ids)
             held = len(self.vocab.view(seq))  # the draft cache's length for the committed tokens, in draft ids
-            start, length = Proposal([]), held - 1
+            start, length = Proposal([]), max(0, held - 1)
             if (ready is not None and k > 0 and kv is not None and ready.base == committed
                     and kv.num_cached == held - 1 and len(kv.block_table) * self.runner.block_size >= ready.cached):
                 n = min(k, len(ready.tokens))
@@ -155,7 +158,8 @@ class RunAheadDrafter(ModelDrafter):
         view = self.vocab.view(seq)
         if (ahead is not None and kv is not None and not seq.finished and len(ahead.tokens) > 1
                 and committed == ahead.base + ahead.drafted + 1 and seq.token_ids[-1] == ahead.tokens[0]
-                and kv.num_cached == ahead.cached and self.vocab.agree(kv, view) >= len(view) - 1):
+                and kv.num_cached == ahead.cached and self.vocab.can_draft(seq)
+                and self.vocab.agree(kv, view) >= len(view)):
             # everything drafted was accepted and the target's token is the guess: keep the rest. Until the
             # next proposal takes them, the cache reports only the committed prefix (its blocks stay), so
             # whoever looks at it meanwhile (a session snapshot, the prefix cache) sees committed tokens only.

@@ -23,6 +23,9 @@ from quickdraft.tokenizer.token_bytes import is_byte_fallback
 
 # draft tokens re-encoded after each commit: appended bytes can merge with the last tokens of the text
 REENCODE_TOKENS = 4
+# a view whose byte offsets stopped adding up (invalid UTF-8 in the text, a tokenizer that adds a prefix space) is
+# re-encoded whole after each commit, up to this many bytes of text; past it, that sequence stops drafting
+MAX_WHOLE_REENCODE_BYTES = 8192
 # a pair sharing fewer tokens than this (or than half the draft's vocabulary) is refused: it could never draft well
 MIN_SHARED_TOKENS = 1000
 
@@ -58,7 +61,7 @@ class SharedVocabulary:
     def forget(self, seq) -> None:
         """The sequence is done: drop its view."""
 
-    def head_rows(self, draft_vocab: int | None) -> int | None:
+    def head_rows(self, draft_vocab: int | None, model_rows: int) -> int | None:
         """The lm_head rows the draft model needs: the first ``draft_vocab`` (None: all)."""
         return draft_vocab
 
@@ -83,6 +86,7 @@ class TextView:
     ends: list[int] = field(default_factory=list)  # byte end of each draft id in text
     complete: int = 0  # bytes in ids: the text may end inside a UTF-8 character
     exact: bool = True  # ends add up (a normalizer or an unknown token can make them not)
+    stalled: bool = False  # inexact and too long to re-encode whole each time: no more drafts
 
 
 class CrossVocabulary:
@@ -92,6 +96,8 @@ class CrossVocabulary:
                  target_vocab: int) -> None:
         self.target_vocab, self.draft_tokenizer = target_vocab, draft
         target_ids, draft_ids = shared_tokens(target, draft)
+        inside = target_ids < target_vocab  # a tokenizer can name ids past its model's vocabulary
+        target_ids, draft_ids = target_ids[inside], draft_ids[inside]
         self.shared = len(target_ids)
         least = min(MIN_SHARED_TOKENS, draft.vocab_size // 2)
         if self.shared < least:
@@ -122,7 +128,7 @@ class CrossVocabulary:
 
     def can_draft(self, seq) -> bool:
         v = self._update(seq)
-        return bool(v.ids) and v.complete == len(v.text) and len(v.ids) > len(self._bos)
+        return (not v.stalled and v.complete == len(v.text) and len(v.ids) > len(self._bos))
 
     def forget(self, seq) -> None:
         self._views.pop(seq, None)
@@ -132,12 +138,15 @@ class CrossVocabulary:
         v = self._views.get(seq)
         if v is None or len(tokens) < len(v.tokens) or (v.tokens and tokens[len(v.tokens) - 1] != v.tokens[-1]):
             v = self._views[seq] = TextView(ids=list(self._bos), ends=[0] * len(self._bos))
-        if len(tokens) == len(v.tokens):
+        if len(tokens) == len(v.tokens) or v.stalled:
             return v
         new = tokens[len(v.tokens):]
         v.tokens.extend(new)
         v.text += b"".join(self._pieces[t] for t in new)
         end = complete_utf8(v.text)
+        if not v.exact and end > MAX_WHOLE_REENCODE_BYTES:
+            v.stalled = True
+            return v
         # re-encode the last few draft tokens with the new text: bytes appended to a word can merge with its end
         first = len(self._bos) if not v.exact else max(len(self._bos), len(v.ids) - REENCODE_TOKENS)
         start = v.ends[first - 1] if first else 0
@@ -157,7 +166,10 @@ class CrossVocabulary:
 
     # ---- the draft cache --------------------------------------------------------------------------------
     def to_draft(self, tokens: Sequence[int]) -> list[int]:
-        return [int(self._draft_of[t]) for t in tokens]
+        ids = [int(self._draft_of[t]) for t in tokens]
+        if -1 in ids:  # only shared tokens are ever drafted
+            raise ValueError(f"target token {tokens[ids.index(-1)]} is not shared with the draft's vocabulary")
+        return ids
 
     def agree(self, kv: SequenceKV, context: Sequence[int]) -> int:
         held, n = kv.tokens, kv.num_cached
@@ -172,18 +184,18 @@ class CrossVocabulary:
         kv.tokens = list(context[:kv.num_cached])
 
     # ---- the draft's distribution -------------------------------------------------------------------------
-    def head_rows(self, draft_vocab: int | None) -> list[int]:
+    def head_rows(self, draft_vocab: int | None, model_rows: int) -> list[int]:
         """The lm_head rows the draft model needs: the shared tokens (below ``draft_vocab`` if given), in draft-id
         order. A head cut to them computes only the logits the restricted distribution uses (Gemma 3's 262k-row
         head shrinks to the 96k rows it shares with Qwen), and ``widen`` then places its columns directly."""
-        keep = self.draft_ids < draft_vocab if draft_vocab is not None else torch.ones_like(self.draft_ids, dtype=torch.bool)
+        keep = self.draft_ids < min(model_rows, draft_vocab if draft_vocab is not None else model_rows)
         if not bool(keep.any()):
             raise InvalidParameterError(f"draft_vocab={draft_vocab} keeps none of the {self.shared:,} tokens the draft "
                                         f"shares with the target (the lowest shared draft id is "
                                         f"{int(self.draft_ids.min())})")
         order = torch.argsort(self.draft_ids[keep])
         self.target_ids, self.draft_ids = self.target_ids[keep][order], self.draft_ids[keep][order]
-        self._head_cut = True
+        self._head_cut, self._on_device = True, self.target_ids
         return self.draft_ids.tolist()
 
     def widen(self, logits: torch.Tensor) -> torch.Tensor:
@@ -191,7 +203,9 @@ class CrossVocabulary:
         the draft's distribution restricted to the shared tokens and renormalised."""
         out = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))
         if self._head_cut:  # column j is the draft's logit of draft_ids[j]
-            out[..., self.target_ids.to(logits.device)] = logits
+            if self._on_device.device != logits.device:
+                self._on_device = self.target_ids.to(logits.device)
+            out[..., self._on_device] = logits
             return out
         width = logits.shape[-1]
         if width not in self._columns:  # a draft head cut to its first rows (draft_vocab) drafts fewer tokens
@@ -233,7 +247,7 @@ def shared_tokens(target: Tokenizer, draft: Tokenizer) -> tuple[np.ndarray, np.n
 def vocabulary_hash(tok: Tokenizer) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     for b in tok.token_bytes():
-        h.update(b"\xff" if b is None else len(b).to_bytes(2, "little") + b)
+        h.update(b"\xff" if b is None else len(b).to_bytes(4, "little") + b)
     h.update(repr(sorted(tok.special_token_ids)).encode())
     return h.digest()
 
