@@ -6,8 +6,8 @@ Every option is checked before any model is loaded, so a bad one fails at once.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 

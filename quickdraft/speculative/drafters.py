@@ -219,7 +219,6 @@ class ModelDrafter(Drafter):
                 agreed = min(self.vocab.agree(kv, context), len(context) - 1)
                 if agreed < kv.num_cached:  # the re-encoded text changed below what the cache holds
                     self.runner.truncate(kv, agreed)
-                self.vocab.record(kv, context)
                 items.append(ForwardItem(kv, context[kv.num_cached:], 1))
                 contexts.append(context)
             try:

@@ -13,8 +13,8 @@ from typing import Sequence
 import torch
 
 from quickdraft.kv import ModelRunner
-from quickdraft.speculative.vocab import CrossVocabulary, SharedVocabulary
 from quickdraft.speculative.drafters import DraftableSequence, ModelDrafter, Proposal
+from quickdraft.speculative.vocab import CrossVocabulary, SharedVocabulary
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ with its own tokenizer (``TextView``), so it sees the text as it was trained to.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -80,7 +81,8 @@ class SharedVocabulary:
 class TextView:
     """One sequence's text as the draft tokenizer encodes it, kept up to date a few tokens at a time."""
 
-    tokens: list[int] = field(default_factory=list)  # the target ids taken in
+    taken: int = 0  # target tokens taken in
+    last: int = -1  # the last of them (a sequence whose tokens changed under the view starts a new one)
     text: bytearray = field(default_factory=bytearray)  # their bytes
     ids: list[int] = field(default_factory=list)  # draft ids of text[:complete] (a leading BOS included)
     ends: list[int] = field(default_factory=list)  # byte end of each draft id in text
@@ -106,8 +108,9 @@ class CrossVocabulary:
                 f"{draft.vocab_size:,} and {target.vocab_size:,}); a draft of another vocabulary needs at least "
                 f"{least:,} shared tokens to propose anything the target would accept")
         self.pairing = f"{draft_name} drafts for {target_name} over {self.shared:,} shared tokens"
-        self.target_ids = torch.from_numpy(target_ids.astype(np.int64))
-        self.draft_ids = torch.from_numpy(draft_ids.astype(np.int64))
+        order = np.argsort(draft_ids, kind="stable")  # the draft's head keeps these rows, in this order
+        self.target_ids = torch.from_numpy(target_ids[order].astype(np.int64))
+        self.draft_ids = torch.from_numpy(draft_ids[order].astype(np.int64))
         self._draft_of = np.full(target_vocab, -1, dtype=np.int64)
         self._draft_of[target_ids] = draft_ids
         # what each target id writes into the text: special tokens their text (the draft tokenizer turns its own
@@ -119,8 +122,7 @@ class CrossVocabulary:
         bos = draft.encode("", add_special_tokens=True)
         self._bos = bos if bos == [draft.bos_token_id] else []
         self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._columns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._head_cut = False  # see head_rows
+        self._on_device = self.target_ids  # target_ids where the draft's logits are (see widen)
 
     # ---- the draft's view of the text -------------------------------------------------------------------
     def view(self, seq) -> list[int]:
@@ -136,12 +138,12 @@ class CrossVocabulary:
     def _update(self, seq) -> TextView:
         tokens = seq.token_ids
         v = self._views.get(seq)
-        if v is None or len(tokens) < len(v.tokens) or (v.tokens and tokens[len(v.tokens) - 1] != v.tokens[-1]):
+        if v is None or len(tokens) < v.taken or (v.taken and tokens[v.taken - 1] != v.last):
             v = self._views[seq] = TextView(ids=list(self._bos), ends=[0] * len(self._bos))
-        if len(tokens) == len(v.tokens) or v.stalled:
+        if len(tokens) == v.taken or v.stalled:
             return v
-        new = tokens[len(v.tokens):]
-        v.tokens.extend(new)
+        new = tokens[v.taken:]
+        v.taken, v.last = len(tokens), tokens[-1]
         v.text += b"".join(self._pieces[t] for t in new)
         end = complete_utf8(v.text)
         if not v.exact and end > MAX_WHOLE_REENCODE_BYTES:
@@ -155,11 +157,9 @@ class CrossVocabulary:
             start = v.ends[first - 1] if first else 0
         tail = v.text[start:end].decode("utf-8", "replace")
         ids = self.draft_tokenizer.backend.encode(tail, add_special_tokens=False).ids if tail else []
-        ends, at = [], start
-        for i in ids:
-            at += self._draft_lengths[i] if 0 <= i < len(self._draft_lengths) else -1
-            ends.append(at)
-        v.exact = at == end and all(self._draft_lengths[i] >= 0 for i in ids)
+        lengths = [self._draft_lengths[i] if 0 <= i < len(self._draft_lengths) else -1 for i in ids]
+        ends = list(itertools.accumulate(lengths, initial=start))[1:]
+        v.exact = (ends[-1] if ends else start) == end and min(lengths, default=0) >= 0
         v.ids[first:], v.ends[first:] = ids, ends
         v.complete = end
         return v
@@ -187,32 +187,25 @@ class CrossVocabulary:
     def head_rows(self, draft_vocab: int | None, model_rows: int) -> list[int]:
         """The lm_head rows the draft model needs: the shared tokens (below ``draft_vocab`` if given), in draft-id
         order. A head cut to them computes only the logits the restricted distribution uses (Gemma 3's 262k-row
-        head shrinks to the 96k rows it shares with Qwen), and ``widen`` then places its columns directly."""
+        head shrinks to the 96k rows it shares with Qwen), and ``widen`` places its columns. The draft model must be
+        built with this head."""
         keep = self.draft_ids < min(model_rows, draft_vocab if draft_vocab is not None else model_rows)
         if not bool(keep.any()):
             raise InvalidParameterError(f"draft_vocab={draft_vocab} keeps none of the {self.shared:,} tokens the draft "
                                         f"shares with the target (the lowest shared draft id is "
                                         f"{int(self.draft_ids.min())})")
-        order = torch.argsort(self.draft_ids[keep])
-        self.target_ids, self.draft_ids = self.target_ids[keep][order], self.draft_ids[keep][order]
-        self._head_cut, self._on_device = True, self.target_ids
+        self.target_ids, self.draft_ids = self.target_ids[keep], self.draft_ids[keep]
+        self._on_device = self.target_ids
         return self.draft_ids.tolist()
 
     def widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits placed on the target ids of the shared tokens, -inf elsewhere: softmax then gives
-        the draft's distribution restricted to the shared tokens and renormalised."""
+        the draft's distribution restricted to the shared tokens and renormalised. Column j of ``logits`` is the
+        draft's logit of ``draft_ids[j]`` (its head has the rows ``head_rows`` gave)."""
+        if self._on_device.device != logits.device:
+            self._on_device = self.target_ids.to(logits.device)
         out = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))
-        if self._head_cut:  # column j is the draft's logit of draft_ids[j]
-            if self._on_device.device != logits.device:
-                self._on_device = self.target_ids.to(logits.device)
-            out[..., self._on_device] = logits
-            return out
-        width = logits.shape[-1]
-        if width not in self._columns:  # a draft head cut to its first rows (draft_vocab) drafts fewer tokens
-            keep = self.draft_ids < width
-            self._columns[width] = (self.target_ids[keep].to(logits.device), self.draft_ids[keep].to(logits.device))
-        to, frm = self._columns[width]
-        out[..., to] = logits[..., frm]
+        out[..., self._on_device] = logits
         return out
 
 
@@ -255,8 +248,8 @@ def vocabulary_hash(tok: Tokenizer) -> bytes:
 def _by_bytes(tok: Tokenizer) -> dict[bytes, int]:
     """bytes -> the id that spells them (ordinary tokens before byte-fallback ones, then the lowest id)."""
     out: dict[bytes, int] = {}
-    singles = []
-    for i, b in enumerate(tok.token_bytes()):
+    singles, spelled = [], tok.token_bytes()
+    for i, b in enumerate(spelled):
         if not b or i in tok.special_token_ids:
             continue
         if len(b) == 1:
@@ -265,5 +258,5 @@ def _by_bytes(tok: Tokenizer) -> dict[bytes, int]:
             out[b] = i
     fallback = is_byte_fallback(tok.backend, singles)
     for i, fb in sorted(zip(singles, fallback), key=lambda x: (x[1], x[0])):
-        out.setdefault(tok.token_bytes()[i], i)
+        out.setdefault(spelled[i], i)
     return out
