@@ -126,10 +126,11 @@ def test_completion_greedy_usage(any_server):
     assert choice.finish_reason == "length" and len(choice.text.split()) == 24
     assert r.usage.prompt_tokens == 10 and r.usage.completion_tokens == 24 and r.usage.total_tokens == 34
     s = r.usage.speculative
-    assert set(s) == {"drafted_tokens", "accepted_tokens", "acceptance_rate", "target_passes"}
+    assert set(s) == {"drafted_tokens", "accepted_tokens", "acceptance_rate", "target_passes", "forced_tokens"}
     assert 1 <= s["target_passes"] <= 24 and 0 <= s["accepted_tokens"] <= s["drafted_tokens"]
     if model_of(any_server) == "tiny":
-        assert s == {"drafted_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0, "target_passes": 24}
+        assert s == {"drafted_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0, "target_passes": 24,
+                     "forced_tokens": 0}
     else:
         assert s["drafted_tokens"] > 0 and s["target_passes"] + s["accepted_tokens"] == 24
         assert s["acceptance_rate"] == pytest.approx(s["accepted_tokens"] / s["drafted_tokens"], abs=1e-3)
@@ -298,7 +299,8 @@ def test_per_request_speculation_and_its_usage(spec):
         runs[name] = (r.choices[0].text, r.usage.speculative)
     assert runs["on"][0] == runs["off"][0] == runs["capped"][0]
     assert runs["on"][1]["drafted_tokens"] > 0 and runs["on"][1]["target_passes"] < 24
-    assert runs["off"][1] == {"drafted_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0, "target_passes": 24}
+    assert runs["off"][1] == {"drafted_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0, "target_passes": 24,
+                              "forced_tokens": 0}
     capped = runs["capped"][1]
     assert 0 < capped["drafted_tokens"] <= capped["target_passes"] < 24
     chunks = list(client.chat.completions.create(
@@ -380,8 +382,10 @@ BAD_CHAT = [
      "[0, 20]"),
     ({"messages": [{"role": "user", "content": "t1"}], "max_completion_tokens": 10 ** 6}, "max_tokens",
      "maximum context length"),
+    ({"messages": [{"role": "user", "content": "t1"}], "response_format": {"type": "xml"}},
+     "response_format", "'text', 'json_object' or 'json_schema'"),
     ({"messages": [{"role": "user", "content": "t1"}], "response_format": {"type": "json_object"}},
-     "response_format", "not supported"),
+     "structured_outputs", "needs the bytes each token writes"),  # the tiny model's word-level vocabulary
 ]
 
 

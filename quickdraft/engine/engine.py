@@ -23,16 +23,20 @@ from quickdraft.engine.threads import ThreadBudget
 from quickdraft.errors import InvalidParameterError, PromptTooLongError
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
 from quickdraft.sampling import LogitsProcessor, SamplingParams
+from quickdraft.sampling.grammar import compiler_for
 from quickdraft.sampling.sampler import greedy, make_generator, top_logprobs
 from quickdraft.speculative.controller import SpeculationController
 from quickdraft.speculative.cost import CostModel
 from quickdraft.models import weight_bytes
 from quickdraft.speculative.drafters import Drafter, Proposal
-from quickdraft.speculative.planner import DraftPlanner
+from quickdraft.speculative.planner import DraftPlanner, fit_to_grammar
 from quickdraft.speculative.verify import verify_greedy, verify_sampled
 from quickdraft.tokenizer import Tokenizer
 
 log = logging.getLogger("quickdraft.engine")
+
+# The most tokens the grammar may force after a constrained sequence's drafts in one round.
+FORCED_ROOM = 8
 
 
 @dataclass
@@ -106,12 +110,16 @@ class LLMEngine:
             raise InvalidParameterError(f"request id {request_id!r} is already in use")
         if carried is not None and params.n != 1:
             raise InvalidParameterError(f"a session generates one sample per turn (n=1), got n={params.n}")
+        # the constraint compiles (or comes from the cache) before anything is queued: a bad one is refused here
+        grammar = compiler_for(self.tokenizer).compile(params.structured_outputs) if params.structured_outputs \
+            else None
         seqs = []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             seq = Sequence(request_id=request_id, index=index, prompt=prompt, prompt_ids=list(prompt_ids),
                            params=params, tokenizer=self.tokenizer,
-                           processor=LogitsProcessor(params, prompt_ids, self.vocab_size),
+                           processor=LogitsProcessor(params, prompt_ids, self.vocab_size,
+                                                     grammar=grammar.fork() if grammar and index else grammar),
                            generator=make_generator(seed, "cpu"), max_model_len=self.config.max_model_len)
             if seed is not None:
                 seq.draft_nonce = seed % 2**64
@@ -185,7 +193,8 @@ class LLMEngine:
     def step(self) -> list[StreamChunk]:
         cancelled = self._apply_cancels() if self._cancelled else []
         self.threads.apply()
-        room = self.controller.max_k if self.drafter is not None else 0
+        constrained = any(s.processor.grammar is not None for seqs in self._groups.values() for s in seqs)
+        room = (self.controller.max_k if self.drafter is not None else 0) + (FORCED_ROOM if constrained else 0)
         scheduled = self.scheduler.schedule(draft_room=room)
         if not scheduled:
             return cancelled
@@ -194,6 +203,9 @@ class LLMEngine:
         # drafted, and counting it would make drafting look cheap (and start draft catch-ups at high load)
         proposals = self.planner.propose(sampling, base_tokens=len(sampling)) if self.planner else \
             [Proposal([]) for _ in sampling]
+        if constrained:
+            proposals = [fit_to_grammar(s, p, min(len(p.tokens) + FORCED_ROOM, s.draft_room()))
+                         if s.processor.grammar is not None else p for s, p in zip(sampling, proposals)]
         drafts = {id(s): p for s, p in zip(sampling, proposals)}
         items = []
         for seq, chunk in scheduled:
@@ -285,13 +297,17 @@ class LLMEngine:
         before = len(seq.output_ids)
         seq.append(new_tokens, [True] * accepted + [False], logprobs)
         produced = len(seq.output_ids) - before
-        round_stats = SpecMetrics(rounds=1, draft_tokens=len(drafted), accepted_tokens=min(accepted, produced),
-                                  drafting_rounds=1 if drafted else 0, generated_tokens=produced,
+        # forced tokens (the grammar's, after the drafts) are neither drafted nor part of the drafter's acceptance
+        num_drafted = proposal.drafted
+        accepted_drafts = min(accepted, num_drafted, produced)
+        round_stats = SpecMetrics(rounds=1, draft_tokens=num_drafted, accepted_tokens=accepted_drafts,
+                                  forced_tokens=max(0, min(accepted, produced) - num_drafted),
+                                  drafting_rounds=1 if num_drafted else 0, generated_tokens=produced,
                                   run_ahead_rounds=1 if proposal.reused else 0, run_ahead_tokens=proposal.reused)
         seq.metrics.spec.add(round_stats)
         self.stats.add(round_stats)
-        seq.spec.record(len(drafted), accepted)
-        self.pooled.record(len(drafted), accepted, decay=0.99)
+        seq.spec.record(num_drafted, min(accepted, num_drafted))
+        self.pooled.record(num_drafted, min(accepted, num_drafted), decay=0.99)
         self.target.truncate(seq.kv["target"], seq.num_tokens - 1)
         if self.drafter is not None:
             self.drafter.rewind(seq)

@@ -15,6 +15,7 @@ class SpecMetrics:
     generated_tokens: int = 0
     run_ahead_rounds: int = 0  # drafting rounds whose proposal began with tokens drafted ahead (run-ahead)
     run_ahead_tokens: int = 0  # proposed tokens that were drafted ahead, during the previous target pass
+    forced_tokens: int = 0  # tokens the request's grammar forced, verified beside the drafts (structured outputs)
 
     @property
     def acceptance_rate(self) -> float:
@@ -31,14 +32,15 @@ class SpecMetrics:
 
     def add(self, other: "SpecMetrics") -> None:
         for name in ("rounds", "draft_tokens", "accepted_tokens", "drafting_rounds", "generated_tokens",
-                     "run_ahead_rounds", "run_ahead_tokens"):
+                     "run_ahead_rounds", "run_ahead_tokens", "forced_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def usage(self) -> dict[str, float]:
         """The request's figures as the server's ``usage.speculative`` names them; ``target_passes`` counts the
         target forwards that produced its tokens (a prompt read in several chunks counts once)."""
         return {"drafted_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-                "acceptance_rate": round(self.acceptance_rate, 4), "target_passes": self.rounds}
+                "acceptance_rate": round(self.acceptance_rate, 4), "target_passes": self.rounds,
+                "forced_tokens": self.forced_tokens}
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -47,6 +49,7 @@ class SpecMetrics:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "tokens_per_pass": round(self.tokens_per_pass, 4),
             "run_ahead_rounds": self.run_ahead_rounds, "run_ahead_tokens": self.run_ahead_tokens,
+            "forced_tokens": self.forced_tokens,
         }
 
 

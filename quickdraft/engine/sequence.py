@@ -150,6 +150,9 @@ class Sequence:
             self.text += self.detokenizer.add(token)
             if self._stop_strings and self._check_stop_strings():
                 return
+            if self.processor.grammar_finished:  # only the end of the sequence could follow: end it now
+                self.finish("stop")
+                return
             if n_out >= params.max_tokens or len(self.token_ids) >= self.max_model_len:
                 self.finish("length")
                 return

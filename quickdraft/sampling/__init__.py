@@ -1,6 +1,7 @@
 """Sampling parameters, logits processing and token selection."""
 from quickdraft.sampling.params import SamplingParams
 from quickdraft.sampling.processors import LogitsProcessor
+from quickdraft.sampling.structured import StructuredOutputs
 from quickdraft.sampling.sampler import greedy, make_generator, sample, top_logprobs
 
-__all__ = ["SamplingParams", "LogitsProcessor", "greedy", "make_generator", "sample", "top_logprobs"]
+__all__ = ["SamplingParams", "StructuredOutputs", "LogitsProcessor", "greedy", "make_generator", "sample", "top_logprobs"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quickdraft.errors import InvalidParameterError, require_unicode
+from quickdraft.sampling.structured import StructuredOutputs
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -90,6 +91,9 @@ class SamplingParams:
     # per request: False decodes it without drafts; {"max_draft_tokens": n} caps each round's draft (0..32); True
     # (default) lets the engine's controller choose. The output is the same either way: only the speed changes.
     speculative: bool | dict[str, int] = True
+    # what the output must match (a JSON schema, any JSON object, a regex, a choice, a grammar), as vLLM's field:
+    # a dict such as {"json": schema} or a StructuredOutputs; the engine compiles it once per distinct constraint
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -163,6 +167,8 @@ class SamplingParams:
         self.priority = _as_int("priority", self.priority, "an int")
 
         self.speculative = self._check_speculative(self.speculative)
+
+        self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
 
         if self.deadline_s is not None:
             d = _as_float("deadline_s", self.deadline_s, "a finite number of seconds > 0 or None")

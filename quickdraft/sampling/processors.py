@@ -6,7 +6,7 @@ there, i.e. conditioned on the committed output *plus the drafted tokens before
 position i*. :class:`LogitsProcessor` does that: row ``i`` of ``process`` sees
 ``committed outputs + drafted[:offset + i]``.
 
-Order of transforms (as vLLM): logit_bias, repetition penalty (prompt + output
+Order of transforms (as vLLM): the grammar's mask (structured outputs), logit_bias, repetition penalty (prompt + output
 tokens), frequency and presence penalties (output tokens only), then for
 temperature > 0: temperature, top-k, top-p, min-p (masked entries become -inf).
 """
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from quickdraft.sampling.grammar import GrammarState
 from quickdraft.sampling.params import SamplingParams
 
 # Below this temperature the logits are shifted by their row max before the division, so a large logit over a
@@ -62,8 +63,10 @@ class LogitsProcessor:
         prompt_ids: Sequence[int] | Tensor,
         vocab_size: int,
         device: str | torch.device = "cpu",
+        grammar: GrammarState | None = None,
     ) -> None:
         self.params = params
+        self.grammar = grammar  # the request's structured-output constraint, followed token by token
         self.vocab_size = int(vocab_size)
         self.device = torch.device(device)
         self._prompt_ids = _ids(prompt_ids)
@@ -85,15 +88,25 @@ class LogitsProcessor:
         return list(self._output_ids)
 
     @property
-    def needs_history(self) -> bool:
-        """True when the transformed distribution depends on previous tokens (penalties)."""
-        return self._use_rep or self._use_counts
+    def grammar_finished(self) -> bool:
+        """The grammar is complete: nothing but the end of the sequence may follow."""
+        return self.grammar is not None and self.grammar.finished
+
+    def legal_drafts(self, drafted: Sequence[int]) -> int:
+        """How many leading drafted tokens the grammar allows (all without a grammar)."""
+        return len(drafted) if self.grammar is None else self.grammar.legal_prefix(drafted)
+
+    def forced_tokens(self, drafted: Sequence[int], limit: int) -> list[int]:
+        """Tokens the grammar forces after ``drafted`` (none without a grammar), at most ``limit``."""
+        return [] if self.grammar is None else self.grammar.forced(drafted, limit)
 
     def accept(self, token_ids: Sequence[int] | Tensor) -> None:
         """Commit generated tokens (after verification) to the output history."""
         ids = _ids(token_ids)
         if not ids:
             return
+        if self.grammar is not None:
+            self.grammar.accept(ids)
         self._output_ids.extend(ids)
         if self._hist is not None:
             cols, in_prompt, counts = self._hist
@@ -108,11 +121,15 @@ class LogitsProcessor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._output_ids = _ids(state["output_ids"])
         self._hist = None  # rebuilt lazily from the history
+        if self.grammar is not None:
+            self.grammar.reset()
+            self.grammar.accept(self._output_ids)
 
     def fork(self) -> "LogitsProcessor":
         """An independent copy (same params, prompt and history), e.g. for n > 1."""
         other = copy.copy(self)
         other._output_ids = list(self._output_ids)
+        other.grammar = None if self.grammar is None else self.grammar.fork()
         return other
 
     # ------------------------------------------------------------------ caches
@@ -161,6 +178,9 @@ class LogitsProcessor:
             if x.data_ptr() == logits.data_ptr():  # float() made no copy: the caller's logits stay as they are
                 x = x.clone()
             x[:, self.vocab_size:] = float("-inf")
+        if self.grammar is not None:
+            allowed = self.grammar.allowed(_ids(drafted), offset if start is None else start, n, width)
+            x = x.masked_fill(~allowed.to(x.device), float("-inf"))
 
         if self._use_bias or self._use_rep or self._use_counts:
             if self._use_bias:

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
+from quickdraft.sampling.structured import StructuredOutputs
+
 from quickdraft.errors import InvalidParameterError
 
 
@@ -50,6 +52,7 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     speculative: Any = None  # false, true or {"max_draft_tokens": n}: checked (and shown bounded) by SamplingParams
+    structured_outputs: Any = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}: StructuredOutputs
 
     @field_validator("stop")
     @classmethod
@@ -138,7 +141,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
-    response_format: dict | None = None
+    response_format: Any = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    tools: Any = None  # checked by serving/tools.py
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None  # accepted; the model decides how many calls it writes
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -166,7 +172,8 @@ KNOWN_PARAMS = {
     "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
     "include_stop_str_in_output", "skip_special_tokens", "priority", "deadline_s", "prompt", "messages",
-    "top_logprobs", "max_completion_tokens", "model", "speculative",
+    "top_logprobs", "max_completion_tokens", "model", "speculative", "structured_outputs", "response_format",
+    "tools", "tool_choice",
 }
 
 
@@ -174,3 +181,24 @@ def param_of(message: str) -> str | None:
     """The parameter an InvalidParameterError message starts with ('n must be ...' -> 'n')."""
     m = _PARAM.match(message)
     return m.group(1) if m and m.group(1) in KNOWN_PARAMS else None
+
+
+def response_format_constraint(value: Any) -> StructuredOutputs | None:
+    """OpenAI's ``response_format`` as a constraint: "text" none, "json_object" any JSON object, "json_schema" the
+    schema in ``json_schema.schema`` (``name`` is required, as OpenAI requires it; ``strict`` is accepted: the
+    output always follows the schema)."""
+    if value is None:
+        return None
+    allowed = "an object whose type is 'text', 'json_object' or 'json_schema'"
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidParameterError(f"response_format must be {allowed}, got {str(value)[:200]}")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return StructuredOutputs.of({"json_object": True}, "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise InvalidParameterError("response_format.json_schema must be an object with a non-empty 'name' and a "
+                                    "'schema'")
+    schema = spec.get("schema", {"type": "object"})
+    return StructuredOutputs.of({"json": schema}, "response_format.json_schema.schema")

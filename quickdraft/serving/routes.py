@@ -13,7 +13,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from quickdraft.errors import require_unicode
-from quickdraft.sampling import SamplingParams
+from quickdraft.sampling import SamplingParams, StructuredOutputs
+from quickdraft.sampling.grammar import compiler_for
 from quickdraft.sampling.params import MAX_LOGPROBS
 from quickdraft.serving.async_engine import AsyncEngine
 from quickdraft.serving.errors import invalid_parameter
@@ -24,7 +25,7 @@ from quickdraft.serving.openai_format import (ERROR_RESPONSES, Choice, Completio
                                               chat_choice, chat_chunk_fields, chat_opening, completion_choice,
                                               error_response, response_head, usage)
 from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError,
-                                         _SamplingFields)
+                                         _SamplingFields, response_format_constraint)
 from quickdraft.serving.sse import stream_response
 
 if TYPE_CHECKING:
@@ -102,7 +103,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = context_of(request)
     ctx.check_model(body.model)
     prompts = await _completion_prompts(ctx, body)
-    params = [_sampling_params(ctx, body, len(ids), body.max_tokens, body.logprobs, "prompt") for ids, _ in prompts]
+    constraint = await _constraint(ctx, body)
+    params = [_sampling_params(ctx, body, len(ids), body.max_tokens, body.logprobs, "prompt", constraint)
+              for ids, _ in prompts]
     job = Job.new("cmpl", prompts, params)
     await job.start(ctx.engine)
     echo = (lambda p: job.prompt_text(p, ctx.llm.tokenizer)) if body.echo else None
@@ -122,16 +125,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = context_of(request)
     ctx.check_model(body.model)
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise invalid_parameter(f"response_format {body.response_format.get('type')!r} is not supported (only "
-                                f"'text')", "response_format")
     top_logprobs = _chat_top_logprobs(body)
+    constraint = await _constraint(ctx, body, ("response_format", response_format_constraint(body.response_format)))
     try:
         ids = await asyncio.to_thread(ctx.llm.chat_prompt, [m.for_template() for m in body.messages])
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
         raise invalid_parameter(f"messages could not be rendered with the model's chat template: {exc}",
                                 "messages") from exc
-    params = _sampling_params(ctx, body, len(ids), body.requested_max_tokens, top_logprobs, "messages")
+    params = _sampling_params(ctx, body, len(ids), body.requested_max_tokens, top_logprobs, "messages", constraint)
     job = Job.new("chatcmpl", [(ids, None)], [params])
     await job.start(ctx.engine)
     logprobs = bool(body.logprobs)
@@ -190,8 +191,25 @@ def _chat_top_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
+async def _constraint(ctx: ServerContext, body: _SamplingFields,
+                      *others: tuple[str, StructuredOutputs | None]) -> StructuredOutputs | None:
+    """The request's one output constraint (``structured_outputs``, or ``response_format`` / a forced tool call on
+    chat), compiled here off the event loop: a bad one is a 400 before anything is queued, and the engine then finds
+    it compiled."""
+    given = [(name, spec) for name, spec in (("structured_outputs", StructuredOutputs.of(body.structured_outputs)),
+                                             *others) if spec is not None]
+    if len(given) > 1:
+        raise invalid_parameter(f"{given[0][0]} and {given[1][0]} both constrain the output: set only one",
+                                given[1][0])
+    if not given:
+        return None
+    await asyncio.to_thread(compiler_for(ctx.llm.tokenizer).compile, given[0][1])
+    return given[0][1]
+
+
 def _sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
-                     logprobs: int | None, prompt_param: str) -> SamplingParams:
+                     logprobs: int | None, prompt_param: str,
+                     constraint: StructuredOutputs | None = None) -> SamplingParams:
     """The engine's parameters for one prompt; the prompt and the completion must fit the context together."""
     limit = ctx.llm.max_model_len
     if prompt_len >= limit:
@@ -206,6 +224,7 @@ def _sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, 
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, priority=req.priority,
         deadline_s=req.deadline_s, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, speculative=req.speculative,
+        structured_outputs=constraint,
         max_tokens=limit - prompt_len if max_tokens is None else max_tokens)
     params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
     if prompt_len + params.max_tokens > limit:

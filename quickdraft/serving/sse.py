@@ -44,7 +44,8 @@ async def _events(job: Job, head: dict, include_usage: bool, choice_fields: Choi
             fields = choice_fields(p, idx, chunk)
             if fields is None:
                 continue
-            yield sse({**head, "choices": [{"index": idx, **fields, "finish_reason": c.finish_reason}], **extra})
+            # fields may name their own finish_reason (a chat choice that ended in tool calls)
+            yield sse({**head, "choices": [{"index": idx, "finish_reason": c.finish_reason, **fields}], **extra})
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(job.prompt_tokens, list(choices.values()))})
     except asyncio.CancelledError:

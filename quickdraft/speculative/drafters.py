@@ -44,6 +44,11 @@ class Proposal:
     tokens: list[int]
     q: torch.Tensor | None = None  # [len(tokens), target_vocab] draft probabilities, None when deterministic
     reused: int = 0  # leading tokens that were drafted ahead, during the previous round's target pass
+    forced: int = 0  # trailing tokens the request's grammar forces (not drafted: counted apart from acceptance)
+
+    @property
+    def drafted(self) -> int:
+        return len(self.tokens) - self.forced
 
 
 _DRAFT_KEY = b"quickdraft.draft"
@@ -200,11 +205,12 @@ class ModelDrafter(Drafter):
         drafts: list[list[int]] = [list(p.tokens) for p in starts]
         qs: list[list[torch.Tensor]] = [list(p.q.unbind(0)) if p.q is not None else [] for p in starts]
         steps = 0
+        ended: set[int] = set()  # sequences whose grammar allows nothing the draft can write
         while stop is None or not stop(steps):
             # a draft past the draft model's positions (its view can be longer than the target's tokens) stops
             limit = self.runner.model.rope.max_positions
             active = [i for i, (seq, k) in enumerate(zip(seqs, ks))
-                      if len(drafts[i]) < k and not self.cancelled(seq) and self.vocab.can_draft(seq)
+                      if len(drafts[i]) < k and i not in ended and not self.cancelled(seq) and self.vocab.can_draft(seq)
                       and len(self.vocab.view(seq)) + len(drafts[i]) < limit]
             if not active:
                 break
@@ -231,6 +237,9 @@ class ModelDrafter(Drafter):
             for i, row in zip(active, rows):
                 seq = seqs[i]
                 logits = seq.processor.process(self.vocab.widen(row), drafted=drafts[i], offset=len(drafts[i]))
+                if not bool(torch.isfinite(logits).any()):  # e.g. the grammar wants a token outside a cross vocab
+                    ended.add(i)
+                    continue
                 if seq.params.greedy:
                     token = greedy(logits[:1])[0]
                 else:

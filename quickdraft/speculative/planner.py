@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol, Sequence
 
+import torch
+
 from quickdraft.speculative.controller import SpeculationController
 from quickdraft.speculative.cost import CostModel
 from quickdraft.speculative.drafters import DraftableSequence, Drafter, Proposal
@@ -80,3 +82,22 @@ class DraftPlanner:
             seq.spec.draft_failed = True
             self.drafter.release(seq)
             return Proposal([])
+
+
+def fit_to_grammar(seq: PlannedSequence, proposal: Proposal, room: int) -> Proposal:
+    """A constrained sequence's proposal cut at its first token the grammar forbids (n-gram and suffix drafts are
+    not masked), then extended by the tokens the grammar forces next, up to ``room`` tokens in all. Forced tokens
+    are verified with the drafts in the same target pass (as deterministic drafts: q is one-hot on them)."""
+    legal = seq.processor.legal_drafts(proposal.tokens)
+    tokens = list(proposal.tokens[:legal])
+    q = None if proposal.q is None else proposal.q[:legal]
+    forced = seq.processor.forced_tokens(tokens, room - legal)
+    if forced:
+        tokens += forced
+        if q is not None:
+            one_hot = torch.zeros(len(forced), q.shape[-1], dtype=q.dtype, device=q.device)
+            one_hot[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
+            q = torch.cat([q, one_hot])
+    if legal == len(proposal.tokens) and not forced:
+        return proposal
+    return Proposal(tokens, q, reused=min(proposal.reused, legal), forced=len(forced))

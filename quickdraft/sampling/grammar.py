@@ -1,0 +1,188 @@
+"""Grammar constraints as token masks: compiled once per (tokenizer, constraint), one matcher state per sequence.
+
+llguidance does the work (chosen over xgrammar by measurement, see docs/MEASUREMENTS.md "Structured outputs": it
+compiles a schema in ~1.5 ms against xgrammar's 22-66 ms, bounds every compile and mask step by fuel, and installs
+without pulling triton and transformers). A ``GrammarState`` follows one sequence: its matcher holds the committed
+tokens plus a few speculative ones (``_ahead``), and ``allowed`` moves that cursor to whatever prefix a row is
+conditioned on, so the draft's q rows, the target's p rows and plain sampling all see the same masks. Rolling back
+a rejected draft is moving the cursor back.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from quickdraft.errors import InvalidParameterError
+from quickdraft.sampling.structured import StructuredOutputs
+from quickdraft.tokenizer import Tokenizer
+
+MAX_CACHED_GRAMMARS = 64
+_BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)  # bit i of an int32 word
+
+
+class _TokenizerAdapter:
+    """What llguidance's TokenizerWrapper reads: each id's bytes, the specials, and an encoder."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else \
+            (tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0)
+        self.bos_token_id = tokenizer.bos_token_id
+        self.tokens = [b if b is not None else b"" for b in tokenizer.token_bytes()]
+        self.special_token_ids = sorted(tokenizer.special_token_ids)
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")  # forced bytes may end mid-character: checked after
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; the llguidance tokenizer is built on first use (it reads the whole
+    vocabulary) and compiled matchers are kept by constraint, so a schema compiles once per process."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._ll_tokenizer = None
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()  # the server compiles off the engine thread
+
+    def _ll(self):
+        import llguidance
+
+        if self._ll_tokenizer is None:
+            spelled = sum(b is not None for b in self.tokenizer.token_bytes())
+            if spelled < self.tokenizer.vocab_size // 2:
+                raise InvalidParameterError(
+                    f"structured_outputs needs the bytes each token writes, and this model's tokenizer says them for "
+                    f"only {spelled} of {self.tokenizer.vocab_size} tokens (its decoder is neither byte-level BPE "
+                    f"nor SentencePiece)")
+            wrapper = llguidance.TokenizerWrapper(_TokenizerAdapter(self.tokenizer))
+            self._ll_tokenizer = llguidance.LLTokenizer(wrapper, n_vocab=self.tokenizer.vocab_size,
+                                                        eos_token=list(self.tokenizer.eos_token_ids) or None)
+        return self._ll_tokenizer
+
+    def compile(self, spec: StructuredOutputs) -> "GrammarState":
+        """A fresh state at the grammar's start; raises InvalidParameterError naming what the compiler rejected."""
+        import llguidance
+
+        key = spec.cache_key()
+        with self._lock:
+            matcher = self._compiled.get(key)
+            if matcher is None:
+                matcher = llguidance.LLMatcher(self._ll(), spec.grammar_text(), log_level=0)
+                if matcher.is_error():
+                    raise InvalidParameterError(
+                        f"structured_outputs.{spec.kind} was rejected by the grammar compiler: "
+                        f"{_first_lines(matcher.get_error())}")
+                self._compiled[key] = matcher
+                if len(self._compiled) > MAX_CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+            return GrammarState(matcher.deep_copy(), self.tokenizer.vocab_size)
+
+
+_COMPILERS: "weakref.WeakKeyDictionary[Tokenizer, GrammarCompiler]" = weakref.WeakKeyDictionary()
+
+
+def compiler_for(tokenizer: Tokenizer) -> GrammarCompiler:
+    """The one compiler of a tokenizer (its llguidance tokenizer takes ~0.1-1 s to build)."""
+    compiler = _COMPILERS.get(tokenizer)
+    if compiler is None:
+        compiler = _COMPILERS.setdefault(tokenizer, GrammarCompiler(tokenizer))
+    return compiler
+
+
+def _first_lines(message: str, lines: int = 4) -> str:
+    return "\n".join(message.strip().splitlines()[:lines])[:1000]
+
+
+class GrammarViolation(RuntimeError):
+    """A committed token the grammar does not allow (the sampler never picks one: this is a bug, not bad input)."""
+
+
+class GrammarState:
+    """One sequence's position in its grammar. The matcher has consumed the committed tokens and then ``_ahead``
+    (speculative tokens: a draft being built or verified); every query first moves it to the prefix it is about."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._ahead: list[int] = []
+        self._words = (vocab_size + 31) // 32
+
+    def fork(self) -> "GrammarState":
+        other = GrammarState(self._matcher.deep_copy(), self.vocab_size)
+        other._ahead = list(self._ahead)
+        return other
+
+    def _seek(self, prefix: Sequence[int]) -> int:
+        """Move to committed + ``prefix``; returns how many of ``prefix`` the grammar allows (the cursor stops at
+        the first illegal token, never entering the matcher's error state)."""
+        ahead = self._ahead
+        same = 0
+        while same < len(ahead) and same < len(prefix) and ahead[same] == prefix[same]:
+            same += 1
+        if same < len(ahead):
+            self._matcher.rollback(len(ahead) - same)
+            del ahead[same:]
+        if same < len(prefix):
+            rest = [int(t) for t in prefix[same:]]
+            taken = self._matcher.try_consume_tokens(rest)
+            ahead.extend(rest[:taken])
+        return len(ahead)
+
+    def allowed(self, drafted: Sequence[int], offset: int, rows: int, width: int) -> Tensor:
+        """[rows, width] bool: row i's allowed ids after committed + drafted[:offset + i] (none after an illegal
+        draft)."""
+        words = torch.zeros(rows, self._words, dtype=torch.int32)
+        for i in range(rows):
+            want = offset + i
+            if self._seek(drafted[:want]) == want and not self._matcher.is_error():
+                row = words[i]
+                self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+                if not bool(row.any()):  # a dead end: sampling from nothing would pick garbage
+                    raise GrammarViolation("the grammar allows no token of this tokenizer here (nothing it can "
+                                           "write continues the text, and the end is not allowed yet)")
+        bits = (words.unsqueeze(-1) & _BITS) != 0  # [rows, words, 32]
+        mask = bits.reshape(rows, -1)[:, :width]
+        if mask.shape[1] < width:
+            mask = torch.nn.functional.pad(mask, (0, width - mask.shape[1]), value=False)
+        return mask
+
+    def legal_prefix(self, drafted: Sequence[int]) -> int:
+        """How many leading drafted tokens the grammar allows (n-gram and suffix drafts are not masked)."""
+        return self._seek(drafted)
+
+    def forced(self, drafted: Sequence[int], limit: int) -> list[int]:
+        """The tokens the grammar forces after committed + ``drafted`` (llguidance's fast-forward tokens: the
+        forced bytes in their canonical tokenization), at most ``limit``."""
+        if limit <= 0 or self._seek(drafted) != len(drafted) or self._matcher.is_stopped():
+            return []
+        tokens = [t for t in self._matcher.compute_ff_tokens()[:limit] if 0 <= t < self.vocab_size]
+        taken = self._seek(list(drafted) + tokens) - len(drafted)
+        return tokens[:taken]
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Commit tokens: the cursor's speculative tokens become history where they agree."""
+        tokens = [int(t) for t in tokens]
+        if self._seek(tokens) != len(tokens):
+            raise GrammarViolation(f"token {tokens[len(self._ahead)]} is not allowed by the request's grammar "
+                                   f"here: {_first_lines(self._matcher.get_error() or 'no error recorded', 2)}")
+        self._ahead = []
+
+    @property
+    def finished(self) -> bool:
+        """The committed text is complete and nothing but the end of the sequence may follow."""
+        self._seek([])
+        return self._matcher.is_stopped()
+
+    def reset(self) -> None:
+        self._seek([])
+        self._matcher.reset()
