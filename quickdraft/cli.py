@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -21,6 +22,19 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, max_toke
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-draft-tokens", type=int, default=None,
                         help="cap each round's draft for these requests (0: no speculation); the output is the same")
+    parser.add_argument("--json-schema", default=None, metavar="FILE",
+                        help="the output is JSON following the JSON schema in FILE (structured outputs)")
+
+
+def _json_schema(path: str | None) -> dict | None:
+    """The --json-schema file's constraint; a file that cannot be read or parsed is named in the error."""
+    if path is None:
+        return None
+    from quickdraft.errors import InvalidParameterError
+    try:
+        return {"json": json.loads(Path(path).read_text(encoding="utf-8"))}
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InvalidParameterError(f"--json-schema {path}: not a readable JSON file ({exc})") from None
 
 
 def request_params(args: argparse.Namespace):
@@ -29,7 +43,8 @@ def request_params(args: argparse.Namespace):
     cap = args.max_draft_tokens
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed,
-                          speculative=True if cap is None else {"max_draft_tokens": cap})
+                          speculative=True if cap is None else {"max_draft_tokens": cap},
+                          structured_outputs=_json_schema(args.json_schema))
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -211,8 +211,8 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.chat_prompt(c) for c in conversations], params)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        return self.loaded.chat_prompt(messages)
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.loaded.chat_prompt(messages, tools)
 
     # ---- sessions ---------------------------------------------------------------------------
     def session(self) -> Session:

@@ -1,6 +1,7 @@
 """The `quickdraft` command as a new user runs it: every command works whatever is installed or cached."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -102,3 +103,17 @@ def test_generate_with_a_draft_of_another_family():
     assert plain.stdout == draft.stdout and plain.stdout.strip()
     assert re.search(r"\(smollm2-135m drafts for gemma3-270m over [\d,]+ shared tokens\)", draft.stderr), draft.stderr
     assert re.search(r"draft: acceptance [1-9]", draft.stderr), draft.stderr
+
+
+def test_generate_with_a_json_schema(tmp_path):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    (tmp_path / "city.json").write_text(json.dumps(schema))
+    cache = Path(os.environ["QUICKDRAFT_CACHE_DIR"])
+    common = ["generate", "smollm2-135m", "Where is the Eiffel tower? Answer as JSON.", "--chat", "--max-tokens", "60"]
+    out = _run(common + ["--json-schema", str(tmp_path / "city.json")], cache)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert set(answer) == {"city", "country"} and "finish=stop" in out.stderr
+    missing = _run(common + ["--json-schema", str(tmp_path / "nope.json")], cache)
+    assert missing.returncode == 2 and "--json-schema" in missing.stderr and "nope.json" in missing.stderr

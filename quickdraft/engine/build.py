@@ -163,9 +163,10 @@ class LoadedEngine:
         for runner in self.runners:
             runner.release_memory(keep_prefix_cache)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template, ready for the reply."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ready for the reply; ``tools``
+        (OpenAI's function list) reach the template as its ``tools``."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 

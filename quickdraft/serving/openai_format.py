@@ -17,6 +17,7 @@ from quickdraft.errors import PromptTooLongError, QuickdraftError
 from quickdraft.serving.errors import EngineError, EngineStoppedError, QueueFullError, RequestTimeoutError
 from quickdraft.serving.guard import error_body
 from quickdraft.serving.protocol import ErrorResponse, ModelNotFoundError, param_of
+from quickdraft.serving.tools import ToolCallStream, ToolSpec, parse_tool_calls
 
 TokenText = Callable[[int], str]
 ChoiceFields = Callable[[int, int, StreamChunk], dict | None]
@@ -183,11 +184,30 @@ def completion_choice(c: Choice, prefix: str, logprobs: bool, token_text: TokenT
     return {"index": c.index, "text": prefix + "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason}
 
 
-def chat_choice(c: Choice, logprobs: bool, token_text: TokenText) -> dict:
-    """A whole /v1/chat/completions choice."""
-    return {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+@dataclass(frozen=True)
+class ToolParsing:
+    """How a chat request's output is read for tool calls: its checked tools and its model's call style."""
+
+    spec: ToolSpec
+    style: str
+
+    def finish_reason(self, called: bool, reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" for an output that ended normally in calls."""
+        return "tool_calls" if called and reason == "stop" else reason
+
+
+def chat_choice(c: Choice, logprobs: bool, token_text: TokenText, tools: ToolParsing | None = None) -> dict:
+    """A whole /v1/chat/completions choice; with tools, calls in the text become ``message.tool_calls``."""
+    message: dict = {"role": "assistant", "content": "".join(c.text)}
+    finish_reason = c.finish_reason
+    if tools is not None:
+        content, calls = parse_tool_calls(message["content"], tools.spec, tools.style)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": [call.to_openai() for call in calls]}
+            finish_reason = tools.finish_reason(True, finish_reason)
+    return {"index": c.index, "message": message,
             "logprobs": chat_logprobs(c.logprobs, token_text) if logprobs else None,
-            "finish_reason": c.finish_reason}
+            "finish_reason": finish_reason}
 
 
 class CompletionChunkFields:
@@ -217,12 +237,34 @@ def chat_opening(n: int) -> list[dict]:
             for i in range(n)]
 
 
-def chat_chunk_fields(logprobs: bool, token_text: TokenText) -> ChoiceFields:
-    """What a chunk becomes in a /v1/chat/completions stream event: a content delta and chat logprobs."""
+def chat_chunk_fields(logprobs: bool, token_text: TokenText, tools: ToolParsing | None = None) -> ChoiceFields:
+    """What a chunk becomes in a /v1/chat/completions stream event: a content delta and chat logprobs; with tools,
+    a call's text becomes ``tool_calls`` deltas (``ToolCallStream``) and the finish reason "tool_calls"."""
+    streams: dict[int, ToolCallStream] = {}
+
     def fields(prompt_index: int, idx: int, chunk: StreamChunk) -> dict | None:
         lp = chat_logprobs(chunk.logprobs or [], token_text) if logprobs else None
-        if not chunk.text and not chunk.finished and not (lp and lp["content"]):
+        extra = {}
+        if tools is None:
+            delta = {"content": chunk.text} if chunk.text else {}
+        else:
+            stream = streams.setdefault(idx, ToolCallStream(tools.spec, tools.style))
+            delta = _merged(stream.feed(chunk.text) + (stream.finish() if chunk.finished else []))
+            if chunk.finished:
+                extra["finish_reason"] = tools.finish_reason(stream.called, chunk.finish_reason)
+        if not delta and not chunk.finished and not (lp and lp["content"]):
             return None
-        return {"delta": {"content": chunk.text} if chunk.text else {}, "logprobs": lp}
+        return {"delta": delta, "logprobs": lp, **extra}
 
     return fields
+
+
+def _merged(deltas: list[dict]) -> dict:
+    """One event's delta from several: content joined, tool-call pieces in order."""
+    out: dict = {}
+    for d in deltas:
+        if "content" in d:
+            out["content"] = out.get("content", "") + d["content"]
+        if "tool_calls" in d:
+            out.setdefault("tool_calls", []).extend(d["tool_calls"])
+    return out

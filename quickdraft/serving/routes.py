@@ -22,11 +22,12 @@ from quickdraft.serving.guard import ServerLimits
 from quickdraft.serving.jobs import ClientGone, Job
 from quickdraft.serving.metrics import CONTENT_TYPE, ServerMetrics
 from quickdraft.serving.openai_format import (ERROR_RESPONSES, Choice, CompletionChunkFields, TokenTexts,
-                                              chat_choice, chat_chunk_fields, chat_opening, completion_choice,
+                                              ToolParsing, chat_choice, chat_chunk_fields, chat_opening, completion_choice,
                                               error_response, response_head, usage)
 from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError,
                                          _SamplingFields, response_format_constraint)
 from quickdraft.serving.sse import stream_response
+from quickdraft.serving.tools import parse_tools, prepare_messages, tool_call_style
 
 if TYPE_CHECKING:
     from quickdraft.llm import LLM
@@ -126,9 +127,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ctx = context_of(request)
     ctx.check_model(body.model)
     top_logprobs = _chat_top_logprobs(body)
-    constraint = await _constraint(ctx, body, ("response_format", response_format_constraint(body.response_format)))
+    tool_spec = parse_tools(body.tools, body.tool_choice)
+    forced_call = tool_spec.constraint(body.parallel_tool_calls is not False) if tool_spec is not None else None
+    constraint = await _constraint(ctx, body, ("response_format", response_format_constraint(body.response_format)),
+                                   ("tool_choice", StructuredOutputs.of(forced_call, "tool_choice")))
+    template = ctx.llm.tokenizer.chat_template
+    messages, template_tools = prepare_messages([m.for_template() for m in body.messages], tool_spec, template)
     try:
-        ids = await asyncio.to_thread(ctx.llm.chat_prompt, [m.for_template() for m in body.messages])
+        ids = await asyncio.to_thread(ctx.llm.chat_prompt, messages, template_tools)
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
         raise invalid_parameter(f"messages could not be rendered with the model's chat template: {exc}",
                                 "messages") from exc
@@ -136,12 +142,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     job = Job.new("chatcmpl", [(ids, None)], [params])
     await job.start(ctx.engine)
     logprobs = bool(body.logprobs)
+    tools = None if tool_spec is None or tool_spec.choice == "none" else \
+        ToolParsing(tool_spec, tool_call_style(template))
     if body.stream:
         head = response_head(job.id, "chat.completion.chunk", job.created, ctx.model_name)
-        return stream_response(job, head, body.include_usage, chat_chunk_fields(logprobs, ctx.token_text),
+        return stream_response(job, head, body.include_usage, chat_chunk_fields(logprobs, ctx.token_text, tools),
                                chat_opening(job.n))
     head = response_head(job.id, "chat.completion", job.created, ctx.model_name)
-    return await _whole_response(request, job, head, lambda c: chat_choice(c, logprobs, ctx.token_text))
+    return await _whole_response(request, job, head, lambda c: chat_choice(c, logprobs, ctx.token_text, tools))
 
 
 async def _whole_response(request: Request, job: Job, head: dict, choice_json: Callable[[Choice], dict]) -> Response:

@@ -1,0 +1,438 @@
+"""OpenAI tool calling (quickdraft/serving/tools.py): request checks, constraints, prompts rendered with real chat
+templates (Qwen2.5's, which knows tools, and SmolLM2's, which does not), and the calls read back, whole or streamed."""
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+
+import pytest
+
+from quickdraft.errors import InvalidParameterError, ModelLoadError
+from quickdraft.serving.tools import (
+    ToolCall,
+    ToolCallStream,
+    ToolSpec,
+    parse_tool_calls,
+    parse_tools,
+    prepare_messages,
+    tool_call_style,
+)
+from quickdraft.tokenizer.chat import GEMMA_TEMPLATE, render_chat_template
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get.time-2"}}  # no parameters: the default schema
+TOOLS = [WEATHER, TIME]
+CALL_ID = re.compile(r"call_[0-9a-f]{24}")
+
+
+def _tokenizer(name: str):
+    from quickdraft.engine.build import tokenizer_for
+    from quickdraft.loading.load import load_checkpoint
+    from quickdraft.loading.registry import resolve_model
+
+    try:
+        return tokenizer_for(load_checkpoint(resolve_model(name)))
+    except ModelLoadError as exc:
+        pytest.skip(f"{name} is not installed: {exc}")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return _tokenizer("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return _tokenizer("smollm2-135m")
+
+
+def spec(choice=None, tools=TOOLS) -> ToolSpec:
+    return parse_tools(tools, choice)
+
+
+# ---- request checks --------------------------------------------------------------------------------------------
+def _tool(**function):
+    return {"type": "function", "function": {"name": "f", **function}}
+
+
+BAD_REQUESTS = [
+    ("get_weather", None, "tools must be a list"),
+    ({"type": "function"}, None, "tools must be a list"),
+    ([WEATHER, TIME, 5], None, "tools[2] must be"),
+    ([{"type": "fn", "function": {"name": "f"}}], None, "tools[0] must be"),
+    ([{"type": "function"}], None, "tools[0] must be"),
+    ([{"type": "function", "function": "f"}], None, "tools[0] must be"),
+    ([_tool(name="")], None, "tools[0].function.name must be"),
+    ([_tool(name="a b")], None, "tools[0].function.name must be"),
+    ([_tool(name="x" * 65)], None, "tools[0].function.name must be"),
+    ([_tool(name=7)], None, "tools[0].function.name must be"),
+    ([{"type": "function", "function": {}}], None, "tools[0].function.name must be"),
+    ([_tool(description=5)], None, "tools[0].function.description must be a string"),
+    ([_tool(description="\ud800")], None, "tools[0].function must be valid Unicode"),
+    ([_tool(parameters=[])], None, "tools[0].function.parameters must be"),
+    ([_tool(parameters={"type": "string"})], None, "tools[0].function.parameters must be"),
+    ([_tool(parameters={"type": "object", "properties": {"a": {"description": "\udfff"}}})], None,
+     "tools[0].function must be valid Unicode"),
+    ([_tool(strict="yes")], None, "tools[0].function.strict must be true or false"),
+    ([WEATHER, TIME, WEATHER], None, "tools[2].function.name 'get_weather' is taken"),
+    ([_tool(name=f"f{i}") for i in range(129)], None, "tools must hold at most 128"),
+    (TOOLS, "always", "tool_choice must be"),
+    (TOOLS, 1, "tool_choice must be"),
+    (TOOLS, {"type": "function"}, "tool_choice must be"),
+    (TOOLS, {"type": "function", "name": "get_weather"}, "tool_choice must be"),
+    (TOOLS, {"type": "other", "function": {"name": "get_weather"}}, "tool_choice must be"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name must be"),
+    (TOOLS, {"type": "function", "function": {"name": ["get_weather"]}}, "tool_choice.function.name must be"),
+    (None, "required", "tool_choice \"required\" needs tools"),
+    ([], "required", "tool_choice \"required\" needs tools"),
+    (None, {"type": "function", "function": {"name": "f"}}, "tool_choice.function.name must be"),
+]
+
+
+@pytest.mark.parametrize("tools, choice, message", BAD_REQUESTS)
+def test_bad_tools_and_tool_choice_are_refused_naming_the_field(tools, choice, message):
+    with pytest.raises(InvalidParameterError) as info:
+        parse_tools(tools, choice)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_a_hostile_deep_schema_is_refused_without_recursing():
+    deep: dict = {"type": "object"}
+    node = deep
+    for _ in range(5000):
+        node["items"] = {}
+        node = node["items"]
+    with pytest.raises(InvalidParameterError, match=r"^tools\[0\]\.function\.parameters is nested over"):
+        parse_tools([_tool(parameters=deep)], None)
+
+
+def test_checked_tools_are_normal_form():
+    assert parse_tools(None, None) is None
+    assert parse_tools([], "auto") is None
+    assert parse_tools(None, "none") is None
+    s = spec()
+    assert (s.choice, s.forced, s.named) == ("auto", False, None)
+    assert s.tools[1] == {"type": "function", "function": {
+        "name": "get.time-2", "parameters": {"type": "object", "properties": {}}}}
+    assert spec("none").choice == "none" and spec("required").choice == "required"
+    named = spec({"type": "function", "function": {"name": "get_weather"}})
+    assert (named.choice, named.forced, named.named) == ("get_weather", True, "get_weather")
+    # a tool may be called like a choice: the flag keeps them apart
+    auto = parse_tools([_tool(name="auto")], {"type": "function", "function": {"name": "auto"}})
+    assert auto.named == "auto" and auto.forced
+    strict = parse_tools([_tool(strict=True, parameters={"properties": {}})], None)
+    assert strict.tools[0]["function"]["strict"] is True
+    assert strict.tools[0]["function"]["parameters"]["type"] == "object"  # made explicit
+    assert "strict" not in strict.template_tools()[0]["function"]
+
+
+# ---- constraints -------------------------------------------------------------------------------------------------
+def test_constraints_accept_exactly_the_valid_calls():
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    assert spec().constraint() is None and spec("none").constraint() is None
+    named = spec({"type": "function", "function": {"name": "get_weather"}}).constraint()
+    assert named == {"json": {**WEATHER["function"]["parameters"], "additionalProperties": False}}
+    assert jsonschema_rs.is_valid(named["json"], {"city": "Paris"})
+    assert not jsonschema_rs.is_valid(named["json"], {"town": "Paris"})
+    assert not jsonschema_rs.is_valid(named["json"], {"city": "Paris", "weather": "invented"})
+    assert len(spec("required").constraint(parallel=False)["json"]["items"]["anyOf"]) == 2
+    assert spec("required").constraint(parallel=False)["json"]["maxItems"] == 1
+    required = spec("required").constraint()["json"]
+    ok = [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get.time-2", "arguments": {}}]
+    assert jsonschema_rs.is_valid(required, ok)
+    for bad in ([], [{"name": "nope", "arguments": {}}], [{"name": "get_weather", "arguments": {}}],
+                [{"name": "get.time-2"}], [{"name": "get.time-2", "arguments": {}, "extra": 1}],
+                {"name": "get.time-2", "arguments": {}}):
+        assert not jsonschema_rs.is_valid(required, bad), bad
+
+
+def test_constraints_compile_as_structured_outputs():
+    from quickdraft.sampling import structured
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        outputs = structured.StructuredOutputs.of(spec(choice).constraint(), "tool_choice")
+        assert outputs.grammar_text()
+
+
+# ---- prompts -------------------------------------------------------------------------------------------------------
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris and the time?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get.time-2", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    {"role": "tool", "tool_call_id": "call_2", "content": "12:00"},
+]
+
+
+def test_qwen_template_renders_tools_calls_and_results_itself(qwen):
+    assert tool_call_style(qwen.chat_template) == "qwen"
+    messages, tools = prepare_messages(CONVERSATION, spec(), qwen.chat_template)
+    time_tool = {"type": "function", "function": {"name": "get.time-2", "parameters": {"type": "object",
+                                                                                       "properties": {}}}}
+    assert tools == [WEATHER, time_tool]
+    # Qwen's template writes ``arguments | tojson``: it needs a dict, or the JSON text would be quoted again
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert messages[2]["content"] == "" and messages[3]["role"] == "tool"
+    prompt = qwen.apply_chat_template(messages, True, tools=tools)
+    assert prompt.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n")
+    assert "\n<tools>\n" + json.dumps(WEATHER) + "\n" + json.dumps(time_tool) + "\n</tools>" in prompt
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get.time-2", "arguments": {}}\n</tool_call><|im_end|>\n') in prompt
+    assert ('<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response>\n<tool_response>\n12:00\n'
+            '</tool_response><|im_end|>\n<|im_start|>assistant\n') in prompt
+    # "none": the tools are not shown, the earlier calls still render
+    messages, tools = prepare_messages(CONVERSATION, spec("none"), qwen.chat_template)
+    assert tools is None
+    prompt = qwen.apply_chat_template(messages, True)
+    assert "<tools>" not in prompt and '"arguments": {"city": "Paris"}' in prompt
+    assert CONVERSATION[2]["content"] is None  # the caller's messages are left alone
+
+
+def test_smollm2_template_gets_tools_as_text(smollm2):
+    template = smollm2.chat_template
+    assert tool_call_style(template) == "generic"
+    messages, tools = prepare_messages(CONVERSATION, spec(), template)
+    assert tools is None
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    system = messages[0]["content"]
+    assert system.startswith("You are terse.\n\n# Tools\n") and json.dumps(WEATHER) in system
+    assert "<tool_call>\n{\"name\": <function-name>" in system
+    assert messages[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                                      '</tool_call>\n<tool_call>\n{"name": "get.time-2", "arguments": {}}\n'
+                                      "</tool_call>")
+    assert messages[3]["content"] == ('Tool result (call call_1, get_weather): {"temp": 21}\n\n'
+                                      "Tool result (call call_2, get.time-2): 12:00")
+    prompt = smollm2.apply_chat_template(messages, True, tools=tools)
+    assert prompt.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n")
+    assert "You are a helpful AI assistant named SmolLM" not in prompt
+    assert "<|im_start|>user\nTool result (call call_1, get_weather)" in prompt
+    assert prompt.endswith("12:00<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_generic_instructions_follow_the_choice(smollm2):
+    template = smollm2.chat_template
+    user = [{"role": "user", "content": "Weather?"}]
+    auto, _ = prepare_messages(user, spec(), template)
+    assert auto[0]["role"] == "system" and auto[1] == user[0]  # a system message of its own
+    named, _ = prepare_messages(user, spec({"type": "function", "function": {"name": "get_weather"}}), template)
+    assert "Call the function get_weather now: answer only with its arguments" in named[0]["content"]
+    required, _ = prepare_messages(user, spec("required"), template)
+    assert "answer only with a JSON array of calls" in required[0]["content"]
+    none, _ = prepare_messages(user, spec("none"), template)
+    assert none == user
+    # a result with its name and no id, content None, and a Gemma-like template that alternates turns
+    turns = [*user, {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": "not json"}}]},
+             {"role": "tool", "name": "get_weather", "content": None}]
+    messages, _ = prepare_messages(turns, None, GEMMA_TEMPLATE)
+    assert messages[1]["content"] == ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": "not json"}\n'
+                                      "</tool_call>")
+    assert messages[2] == {"role": "user", "content": "Tool result (get_weather): "}
+    assert "<start_of_turn>user\nTool result (get_weather):" in render_chat_template(GEMMA_TEMPLATE, messages)
+    assert smollm2.apply_chat_template(prepare_messages(turns, spec(), template)[0])
+
+
+def test_a_template_printing_arguments_gets_json_text():
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+                "[{{ c.function.name }} {{ c.function.arguments }}]{% endfor %}{{ '\\n' }}{% endfor %}")
+    turns = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "b", "type": "function", "function": {"name": "get.time-2", "arguments": '{"x":1}'}}]},
+             {"role": "assistant", "content": "plain", "tool_calls": []}]
+    messages, tools = prepare_messages(turns, spec("none"), template)
+    assert tools is None and "tool_calls" not in messages[1]
+    expected = 'assistant:[get_weather {"city": "Paris"}][get.time-2 {"x":1}]\nassistant:plain\n'
+    assert render_chat_template(template, messages) == expected  # the client's text as sent
+
+
+@pytest.mark.parametrize("calls", ["x", [1], [{"function": {"name": 3}}], [{"function": {"name": "f", "arguments": 3}}],
+                                   [{"id": 5, "function": {"name": "f", "arguments": "{}"}}]])
+def test_bad_earlier_calls_are_refused(calls):
+    with pytest.raises(InvalidParameterError, match=r"^messages\[1\]\.tool_calls"):
+        prepare_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls}], spec(), None)
+
+
+def test_styles():
+    assert tool_call_style(None) == tool_call_style(GEMMA_TEMPLATE) == "generic"
+    assert tool_call_style("{{ '<|python_tag|>' }}") == "llama3"
+    assert tool_call_style('{{ "parameters" }} {% if role == "ipython" %}') == "llama3"
+
+
+# ---- parsing -------------------------------------------------------------------------------------------------------
+W = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+T = '{"name": "get.time-2", "parameters": {}}'
+PARIS = ("get_weather", '{"city":"Paris"}')
+
+# (style, text, content, [(name, arguments)]) for tool_choice "auto"
+AUTO_CASES = [
+    ("qwen", f"<tool_call>\n{W}\n</tool_call>", None, [PARIS]),
+    ("qwen", f"Let me check.\n<tool_call>\n{W}\n</tool_call>", "Let me check.\n", [PARIS]),
+    ("qwen", f"  \n<tool_call>\n{W}\n</tool_call>\n<tool_call>\n{T}\n</tool_call>", None,
+     [PARIS, ("get.time-2", "{}")]),
+    ("qwen", f"<tool_call>\n{W}", None, [PARIS]),  # the last block may lack its end
+    ("qwen", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>",
+     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>", []),
+    ("qwen", f"A<tool_call>{{\"name\": \"nope\", \"arguments\": {{}}}}</tool_call>\n<tool_call>{W}</tool_call>B",
+     "A<tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>B", [PARIS]),
+    ("qwen", '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',
+     '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>', []),
+    ("qwen", '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>', None, [PARIS]),
+    ("qwen", '<tool_call>{"name": "get_weather", "arguments": {"t": NaN}}</tool_call>',
+     '<tool_call>{"name": "get_weather", "arguments": {"t": NaN}}</tool_call>', []),  # not JSON
+    ("qwen", '<tool_call>{"name": "get_weather", "arguments": {"c": "\\ud800é"}}</tool_call>', None,
+     [("get_weather", '{"c":"?é"}')]),  # a lone surrogate has no UTF-8 to send
+    ("qwen", W, None, [PARIS]),  # a bare JSON call: the generic fallback reads it (small models skip the tags)
+    ("qwen", f"```json\n{W}\n```", None, [PARIS]),
+    ("qwen", "Just text, <tool no call.", "Just text, <tool no call.", []),
+    ("llama3", W, None, [PARIS]),
+    ("llama3", f"<|python_tag|>{T}; {W}", None, [("get.time-2", "{}"), PARIS]),
+    ("llama3", f"Sure.<|python_tag|>{W}", "Sure.", [PARIS]),
+    ("llama3", '{"name": "get_weather", "arguments": {"city": "<|python_tag|>"}}', None,
+     [("get_weather", '{"city":"<|python_tag|>"}')]),
+    ("llama3", '{"name": "nope", "parameters": {}}', '{"name": "nope", "parameters": {}}', []),
+    ("llama3", f"{W} and more", f"{W} and more", []),
+    ("llama3", f"{W}; {{\"name\": \"nope\", \"arguments\": {{}}}}", f"{W}; {{\"name\": \"nope\", \"arguments\": {{}}}}",
+     []),
+    ("generic", f"<tool_call>\n{W}\n</tool_call>", None, [PARIS]),
+    ("generic", f"```json\n{W}\n```", None, [PARIS]),
+    ("generic", f"\n```\n[{W}, {T}]\n```\n", None, [PARIS, ("get.time-2", "{}")]),
+    ("generic", f"```python\n{W}\n```", f"```python\n{W}\n```", []),
+    ("generic", '{"city": "Paris"}', '{"city": "Paris"}', []),
+    ("generic", "```\nprint(1)\n```", "```\nprint(1)\n```", []),
+    ("generic", "{not json", "{not json", []),
+    ("generic", "", "", []),
+]
+
+
+@pytest.mark.parametrize("style, text, content, calls", AUTO_CASES)
+def test_auto_calls_are_read_in_each_style(style, text, content, calls):
+    got_content, got = parse_tool_calls(text, spec(), style)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in got] == calls
+    assert all(CALL_ID.fullmatch(c.id) for c in got) and len({c.id for c in got}) == len(got)
+
+
+def test_named_and_required_outputs():
+    named = spec({"type": "function", "function": {"name": "get_weather"}})
+    content, calls = parse_tool_calls(' {"city": "Paris"} ', named, "qwen")
+    assert content is None and [(c.name, c.arguments) for c in calls] == [PARIS]
+    assert calls[0].to_openai() == {"id": calls[0].id, "type": "function",
+                                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    assert parse_tool_calls('{"city": "Par', named, "qwen") == ('{"city": "Par', [])
+    assert parse_tool_calls("[1]", named, "qwen") == ("[1]", [])
+    required = spec("required")
+    content, calls = parse_tool_calls(f"[{W}, {T}]", required, "generic")
+    assert content is None and [c.name for c in calls] == ["get_weather", "get.time-2"]
+    assert parse_tool_calls("[]", required, "generic") == ("[]", [])
+    assert parse_tool_calls(W, spec("none"), "qwen") == (W, [])
+    assert parse_tool_calls(W, None, "llama3") == (W, [])
+
+
+def test_hostile_outputs_are_read_in_linear_time():
+    names = spec()
+    texts = ["<tool_call>" * 200_000, "<tool_call>{" * 100_000 + "</tool_call>" * 50_000, "[" * 1_000_000,
+             "{" * 1_000_000, ";".join([W] * 20_000), "<|python_tag|>" + "1 " * 500_000, " " * 2_000_000,
+             "<tool_call>x</tool_call>" * 100_000, f"<tool_call>{W}</tool_call>" * 2_000]
+    for style in ("qwen", "llama3", "generic"):
+        for text in texts:
+            started = time.perf_counter()
+            content, calls = parse_tool_calls(text, names, style)
+            assert time.perf_counter() - started < 2.0, (style, text[:30])
+            assert len(calls) <= 128
+
+
+# ---- streaming -----------------------------------------------------------------------------------------------------
+def _run(stream: ToolCallStream, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[list[dict]]]:
+    per_feed = [stream.feed(p) for p in pieces] + [stream.finish()]
+    deltas = [d for batch in per_feed for d in batch]
+    content = "".join(d["content"] for d in deltas if "content" in d)
+    calls = [(d["tool_calls"][0]["function"]["name"], d["tool_calls"][0]["function"]["arguments"])
+             for d in deltas if "tool_calls" in d]
+    return content, calls, per_feed
+
+
+STREAM_CASES = [(style, text) for style, text, _, _ in AUTO_CASES] + [
+    ("qwen", "Hello <tool"), ("qwen", "<tool_cal"), ("qwen", "   "), ("llama3", "  <|python_ta"),
+    ("generic", "``"), ("generic", "```js"), ("generic", "```json\n  "), ("generic", "   {\"a\": 1} text"),
+    ("generic", "Hi\n" + f"<tool_call>{W}</tool_call> bye"), ("llama3", f"\n\n{W}\n"),
+]
+
+
+@pytest.mark.parametrize("style, text", STREAM_CASES)
+def test_a_stream_sends_what_the_whole_text_parses_to(style, text):
+    content, calls = parse_tool_calls(text, spec(), style)
+    expected = (content or "", [(c.name, c.arguments) for c in calls])
+    rng = random.Random(len(text))
+    cuts = sorted(rng.sample(range(1, len(text)), min(5, max(len(text) - 1, 0)))) if len(text) > 1 else []
+    for pieces in (list(text), [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]):
+        stream = ToolCallStream(spec(), style)
+        got_content, got_calls, _ = _run(stream, pieces)
+        assert (got_content, got_calls) == expected, pieces
+        assert stream.called == bool(calls)
+        assert [(c.name, c.arguments) for c in stream.calls] == expected[1]
+
+
+def test_streams_of_random_outputs_agree_with_the_whole_text():
+    fragments = [" ", "\n", "Hi", "<tool_call>", "</tool_call>", W, T, "<|python_tag|>", "```", "```json\n", "{", "}",
+                 "[", "]", ";", "<tool", "_call>", "<|python", "`", '{"name": "nope", "arguments": {}}']
+    rng = random.Random(0)
+    for _ in range(1500):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 8)))
+        style, tools = rng.choice(["qwen", "llama3", "generic"]), rng.choice([spec(), spec("required"), None])
+        content, calls = parse_tool_calls(text, tools, style)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 6))) if len(text) > 1 else []
+        got = _run(ToolCallStream(tools, style), [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+        assert got[:2] == (content or "", [(c.name, c.arguments) for c in calls]), (style, text)
+
+
+def test_content_streams_before_a_call_starts():
+    stream = ToolCallStream(spec(), "qwen")
+    text = f"Let me check the weather.\n<tool_call>\n{W}\n</tool_call>"
+    content, calls, per_feed = _run(stream, list(text))
+    assert content == "Let me check the weather.\n" and calls == [PARIS]
+    sent = "".join(d["content"] for batch in per_feed[:len("Let me check the weather.\n") + 1] for d in batch)
+    assert sent == "Let me check the weather.\n"  # before the tag was complete
+    final = per_feed[-1]
+    assert final[0]["tool_calls"][0]["index"] == 0 and CALL_ID.fullmatch(final[0]["tool_calls"][0]["id"])
+    assert final[0]["tool_calls"][0]["type"] == "function" and stream.called
+    # a partial tag is held back, then sent once it turns out to be text
+    stream = ToolCallStream(spec(), "qwen")
+    assert stream.feed("Hello <tool") == [{"content": "Hello "}]
+    assert stream.feed("s are fun") == [{"content": "<tools are fun"}]
+    assert stream.finish() == [] and not stream.called
+
+
+def test_a_json_start_waits_for_the_end_and_code_does_not():
+    stream = ToolCallStream(spec(), "llama3")
+    assert stream.feed('{"name": "get_weather", ') == [] and stream.feed('"parameters": {"city": "Paris"}}') == []
+    [delta] = stream.finish()
+    assert delta["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+    stream = ToolCallStream(spec(), "generic")
+    assert stream.feed("```python\n") == [{"content": "```python\n"}]
+
+
+def test_a_named_call_streams_its_arguments():
+    stream = ToolCallStream(spec({"type": "function", "function": {"name": "get_weather"}}), "qwen")
+    first = stream.feed('{"ci')
+    head = first[0]["tool_calls"][0]
+    assert head["index"] == 0 and CALL_ID.fullmatch(head["id"]) and head["type"] == "function"
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert first[1] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}
+    assert stream.called
+    assert stream.feed('ty": "Paris"}') == [{"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]}]
+    assert stream.finish() == []
+    assert stream.calls == [ToolCall("get_weather", '{"city":"Paris"}', head["id"])]
+
+
+def test_required_waits_and_no_tools_passes_through():
+    stream = ToolCallStream(spec("required"), "qwen")
+    assert stream.feed(f"[{W}") == [] and stream.feed("]") == []
+    assert [d["tool_calls"][0]["function"]["name"] for d in stream.finish()] == ["get_weather"]
+    for plain in (ToolCallStream(None, "qwen"), ToolCallStream(spec("none"), "qwen")):
+        assert plain.feed("<tool_call>") == [{"content": "<tool_call>"}] and plain.finish() == []
+        assert not plain.called
