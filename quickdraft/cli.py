@@ -96,16 +96,21 @@ def _int_or(word: str, means: object) -> Callable[[str], int | object]:
     return parse
 
 
+def llm_options(args: argparse.Namespace, **extra) -> dict:
+    """``LLM``'s keyword arguments from the model arguments (what every replica of a scaled-out server gets)."""
+    k = args.k if args.k == "auto" else int(args.k)
+    return dict(draft=args.draft, speculative=args.speculative, num_speculative_tokens=k, dtype=args.dtype,
+                weights=args.weights, draft_weights=args.draft_weights, device=args.device,
+                max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads,
+                kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, max_memory=args.max_memory,
+                suffix_scope=args.suffix_scope, suffix_cache_tokens=args.suffix_cache_tokens, **extra)
+
+
 def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):
     """The LLM the model arguments ask for; ``announce`` prints which kernels it runs to stderr (``serve`` logs
     the same line instead)."""
     from quickdraft.llm import LLM
-    k = args.k if args.k == "auto" else int(args.k)
-    llm = LLM(args.model, draft=args.draft, speculative=args.speculative, num_speculative_tokens=k,
-              dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, device=args.device,
-              max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads,
-              kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, max_memory=args.max_memory,
-              suffix_scope=args.suffix_scope, suffix_cache_tokens=args.suffix_cache_tokens, **extra)
+    llm = LLM(args.model, **llm_options(args, **extra))
     if announce:
         draft = f"; draft: {llm.draft_weights}" if llm.draft_weights is not None else ""
         draft += f" ({llm.loaded.draft_pairing})" if llm.loaded.draft_pairing else ""
@@ -237,11 +242,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    llm = llm_from_args(args, announce=False, policy=args.policy, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        prefill_tokens_while_decoding=args.prefill_tokens_while_decoding,
-                        preemption=args.preemption)
+    engine = dict(policy=args.policy, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  prefill_tokens_while_decoding=args.prefill_tokens_while_decoding, preemption=args.preemption)
     name = args.served_model_name or args.model
+    if args.replicas is not None or args.ray_address is not None:
+        return _serve_replicas(args, engine, name, limits)
+    llm = llm_from_args(args, announce=False, **engine)
     app = create_app(llm, name, limits=limits)
     spec = f", {llm.drafter.name} speculation" if llm.drafter is not None else ""
     print(f"serving {name} ({llm.max_model_len} tokens of context{spec}) on http://{args.host}:{args.port}/v1",
@@ -251,6 +258,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
+
+
+def _serve_replicas(args: argparse.Namespace, engine: dict, name: str, limits) -> int:
+    """``serve --replicas N``: the same server as N engine replicas on Ray Serve (docs/DEPLOY.md)."""
+    try:
+        from quickdraft.serving.ray.cluster import serve_replicas
+        from quickdraft.serving.ray.app import ReplicaOptions
+    except ImportError as exc:
+        print(f"error: --replicas needs Ray Serve ({exc}); install it with: pip install 'quickdraft[ray]'",
+              file=sys.stderr)
+        return 2
+    options = llm_options(args, **engine)
+    if args.threads == "auto":  # each replica gets its CPUs' worth of threads
+        options.pop("threads")
+    replicas = ReplicaOptions(num_replicas=args.replicas or 1, num_cpus=args.num_cpus_per_replica,
+                              num_gpus=args.num_gpus_per_replica, min_replicas=args.min_replicas,
+                              max_replicas=args.max_replicas, policy=args.routing,
+                              target_ongoing_requests=max(1, args.max_num_seqs // 2))
+    return serve_replicas(args.model, options, name, limits, replicas, args.host, args.port, args.ray_address)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,6 +322,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds a request may run before it is aborted (0: no limit)")
     s.add_argument("--max-prompts-per-request", type=int, default=64,
                    help="prompts one /v1/completions request may carry")
+    s.add_argument("--replicas", type=int, default=None,
+                   help="serve from N engine replicas on Ray Serve behind one endpoint (pip install quickdraft[ray])")
+    s.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local instance)")
+    s.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    s.add_argument("--num-gpus-per-replica", type=float, default=0.0)
+    s.add_argument("--min-replicas", type=int, default=None, help="autoscale on requests in flight, from ...")
+    s.add_argument("--max-replicas", type=int, default=None, help="... to this many replicas")
+    s.add_argument("--routing", default="prefix", choices=["prefix", "round_robin"],
+                   help="replicas: prefix-aware (cache affinity, bounded by load) or round-robin")
     s.add_argument("--shutdown-timeout", type=int, default=10,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     s.set_defaults(fn=cmd_serve)

@@ -261,11 +261,16 @@ def test_models_health_metrics(plain):
         "quickdraft_time_to_first_token_seconds_count"]
     assert m["quickdraft_inter_token_latency_seconds_count"] >= 2
     assert m["quickdraft_kv_blocks_free"] > 0
+    # vLLM's names, which gateways read: the same figures
+    assert m["vllm:num_requests_waiting"] == m["quickdraft_num_requests_waiting"]
+    assert m["vllm:num_requests_running"] == m["quickdraft_num_requests_running"]
+    used, free = m["quickdraft_kv_blocks_used"], m["quickdraft_kv_blocks_free"]
+    assert m["vllm:kv_cache_usage_perc"] == pytest.approx(used / (used + free))
 
 
 def test_reset_prefix_cache(spec):
     """A repeated prompt is served from the prefix cache; after POST /reset_prefix_cache it is computed again."""
-    prompt = words(random.Random(7), 40)
+    prompt = words(random.Random(7), 150)
 
     def hits_of_one_request() -> float:
         before = spec.metrics()["quickdraft_prefix_cache_hits_total"]
@@ -273,10 +278,29 @@ def test_reset_prefix_cache(spec):
         return spec.wait_idle()["quickdraft_prefix_cache_hits_total"] - before
 
     hits_of_one_request()
-    assert hits_of_one_request() >= 32  # two full 16-token blocks of the 40-token prompt
+    assert hits_of_one_request() == 128  # 9 full blocks of the 150-token prompt, cut back to a 64-token cell
     assert httpx.post(f"{spec.url}/reset_prefix_cache", timeout=60).json() == {"status": "ok"}
     assert hits_of_one_request() == 0
     assert spec.wait_idle()["quickdraft_kv_blocks_used"] == 0
+
+
+def test_usage_says_how_many_prompt_tokens_were_cached(spec):
+    """usage.prompt_tokens_details.cached_tokens: 0 for a new prompt, the cached full blocks when it comes again (chat
+    and completions, streaming or not)."""
+    httpx.post(f"{spec.url}/reset_prefix_cache", timeout=60)
+    client = spec.client()
+    prompt = words(random.Random(11), 150)
+    first = client.completions.create(model="tiny-spec", prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model="tiny-spec", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # 9 full 16-token blocks, cut back to a multiple of the 64-token prefill cell (kv/attention.py: exactness)
+    assert again.usage.prompt_tokens_details.cached_tokens == 128
+    messages = [{"role": "user", "content": words(random.Random(12), 150)}]
+    client.chat.completions.create(model="tiny-spec", messages=messages, max_tokens=2)
+    stream = client.chat.completions.create(model="tiny-spec", messages=messages, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True})
+    (last,) = [event for event in stream if event.usage is not None]
+    assert last.usage.prompt_tokens_details.cached_tokens >= 128
 
 
 def test_spec_metrics_count_drafts(spec):

@@ -60,6 +60,7 @@ class RequestMetrics:
     ttft_s: float | None = None  # time from arrival to the first generated token
     total_s: float = 0.0
     spec: SpecMetrics = field(default_factory=SpecMetrics)
+    cached_tokens: int | None = None  # prompt tokens found in the KV cache when first admitted (prefix, session)
 
     @property
     def speculative(self) -> dict[str, float]:

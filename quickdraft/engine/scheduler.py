@@ -118,6 +118,8 @@ class Scheduler:
                 before = self.target.allocator.num_free
                 cached = self.target.match_prefix(kv, seq.token_ids)
                 free -= before - self.target.allocator.num_free
+            if seq.metrics.cached_tokens is None:  # a preempted sequence's recompute is not a cache hit
+                seq.metrics.cached_tokens = min(cached, len(seq.prompt_ids))
             chunk = self._chunk(cached, seq.num_tokens - cached, min(budget, prompt_budget))
             if chunk == 0:
                 break

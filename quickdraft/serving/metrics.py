@@ -115,6 +115,15 @@ class ServerMetrics:
                stats.get("num_requests_running", 0))
         single("quickdraft_num_requests_waiting", "gauge", "Sequences queued (new or preempted).",
                stats.get("num_requests_waiting", 0))
+        # the same figures under vLLM's names, which gateways and autoscalers read (llm-d's inference scheduler,
+        # the Gateway API Inference Extension, KServe)
+        single("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+               stats.get("num_requests_running", 0))
+        single("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+               stats.get("num_requests_waiting", 0))
+        blocks = stats.get("kv_blocks_used", 0) + stats.get("kv_blocks_free", 0)
+        single("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+               stats.get("kv_blocks_used", 0) / blocks if blocks else 0.0)
         single("quickdraft_kv_blocks_used", "gauge", "Target-model KV cache blocks in use.",
                stats.get("kv_blocks_used", 0))
         single("quickdraft_kv_blocks_free", "gauge", "Target-model KV cache blocks free.",
@@ -179,3 +188,32 @@ def parse_metrics(text: str) -> dict[str, float]:
         name, _, value = line.rpartition(" ")
         values[name] = float(value)
     return values
+
+
+def merge_expositions(by_replica: Mapping[str, str], label: str = "replica") -> str:
+    """One exposition from several processes' (a Ray Serve application's replicas): every sample gets
+    ``label="<its replica>"``; each family's HELP and TYPE lines appear once, its samples from every replica after
+    them."""
+    heads: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for replica, text in by_replica.items():
+        family = ""
+        tag = f'{label}="{_escape(replica)}"'
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                family = line.split()[2]
+                lines = heads.setdefault(family, [])
+                if len(lines) < 2 and line not in lines:
+                    lines.append(line)
+                continue
+            if not line or line.startswith("#"):
+                continue
+            name, _, value = line.rpartition(" ")
+            base, brace, rest = name.partition("{")
+            labelled = f"{base}{{{tag},{rest}" if brace else f"{base}{{{tag}}}"
+            samples.setdefault(family or base, []).append(f"{labelled} {value}")
+    out: list[str] = []
+    for family in dict.fromkeys([*heads, *samples]):
+        out.extend(heads.get(family, []))
+        out.extend(samples.get(family, []))
+    return "\n".join(out) + "\n"

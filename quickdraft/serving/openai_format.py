@@ -101,6 +101,7 @@ class Choice:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     spec: SpecMetrics = field(default_factory=SpecMetrics)
+    cached_tokens: int = 0
 
     def count(self, chunk: StreamChunk) -> None:
         """Note the chunk's tokens and how the sample finished: what usage and finish_reason need."""
@@ -109,15 +110,19 @@ class Choice:
             self.finish_reason = chunk.finish_reason
             if chunk.metrics is not None:
                 self.spec = chunk.metrics.spec
+                self.cached_tokens = chunk.metrics.cached_tokens or 0
 
 
-def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
+def usage(prompt_tokens: int, choices: list[Choice], n: int = 1) -> dict:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens read from the KV cache (a cached
+    prefix), counted once per prompt (its first sample; the others share its blocks)."""
     spec = SpecMetrics()
     for c in choices:
         spec.add(c.spec)
     completion = sum(c.num_tokens for c in choices)
+    cached = sum(c.cached_tokens for c in choices if c.index % n == 0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached},
             "speculative": spec.usage()}
 
 

@@ -159,7 +159,7 @@ async def _whole_response(request: Request, job: Job, head: dict, choice_json: C
     except ClientGone:
         return Response(status_code=499)
     return JSONResponse({**head, "choices": [choice_json(c) for c in choices],
-                         "usage": usage(job.prompt_tokens, choices)})
+                         "usage": usage(job.prompt_tokens, choices, job.n)})
 
 
 async def _completion_prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[list[int], str | None]]:

@@ -47,7 +47,7 @@ async def _events(job: Job, head: dict, include_usage: bool, choice_fields: Choi
             # fields may name their own finish_reason (a chat choice that ended in tool calls)
             yield sse({**head, "choices": [{"index": idx, "finish_reason": c.finish_reason, **fields}], **extra})
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(job.prompt_tokens, list(choices.values()))})
+            yield sse({**head, "choices": [], "usage": usage(job.prompt_tokens, list(choices.values()), job.n)})
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - reported in the stream

@@ -1,0 +1,66 @@
+"""What the ingress hashes for routing: a request's prompt tokens, and once answered the conversation with the
+answer (the prefix the next turn's prompt starts with), cut into the KV cache's chained block hashes."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from quickdraft.kv.blocks import block_hash
+
+MAX_ANSWER_BYTES = 1 << 20  # a longer response is not read back for routing
+
+
+def block_hashes(ids: list[int], block_size: int) -> list[bytes]:
+    """The chained hashes of the full blocks a replica's prefix cache could hold for ``ids`` (as match_prefix)."""
+    hashes, parent = [], b""
+    for i in range((len(ids) - 1) // block_size):
+        parent = block_hash(parent, ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = [{k: v for k, v in m.items() if k in ("role", "content", "name")} for m in body["messages"]]
+    for m in messages:
+        if isinstance(m.get("content"), list):
+            m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+        m["content"] = m.get("content") or ""
+    return messages
+
+
+def prompt_ids(tokenizer: Any, path: str, body: dict, answer: str | None = None) -> list[int]:
+    """The token ids the replica computes for the request's (first) prompt, as far as routing needs them; with
+    ``answer``, the conversation continued by it."""
+    if path == "/v1/chat/completions":
+        messages = _messages(body)
+        if answer is None:
+            return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}],
+                                             add_generation_prompt=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    prompt = body["prompt"]
+    if isinstance(prompt, list):
+        prompt = prompt[0] if prompt and not isinstance(prompt[0], int) else prompt
+    if isinstance(prompt, list):
+        return list(prompt) + (tokenizer.encode(answer, add_special_tokens=False) if answer else [])
+    return tokenizer.encode(prompt + (answer or ""))
+
+
+def answer_text(path: str, response: bytes, events: bool) -> str | None:
+    """The first choice's text of a whole response or of a stream's events (None if it cannot be read)."""
+    key = "message" if path == "/v1/chat/completions" else None
+    try:
+        if not events:
+            choice = json.loads(response)["choices"][0]
+            return choice[key]["content"] if key else choice["text"]
+        parts = []
+        for line in response.decode("utf-8", "replace").splitlines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                if choice.get("index") == 0:
+                    piece = choice.get("delta", {}).get("content") if key else choice.get("text")
+                    parts.append(piece or "")
+        return "".join(parts)
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
