@@ -272,10 +272,15 @@ def _serve_replicas(args: argparse.Namespace, engine: dict, name: str, limits) -
     options = llm_options(args, **engine)
     if args.threads == "auto":  # each replica gets its CPUs' worth of threads
         options.pop("threads")
-    replicas = ReplicaOptions(num_replicas=args.replicas or 1, num_cpus=args.num_cpus_per_replica,
-                              num_gpus=args.num_gpus_per_replica, min_replicas=args.min_replicas,
-                              max_replicas=args.max_replicas, policy=args.routing,
-                              target_ongoing_requests=max(1, args.max_num_seqs // 2))
+    try:
+        replicas = ReplicaOptions(num_replicas=1 if args.replicas is None else args.replicas,
+                                  num_cpus=args.num_cpus_per_replica,
+                                  num_gpus=args.num_gpus_per_replica, min_replicas=args.min_replicas,
+                                  max_replicas=args.max_replicas, policy=args.routing,
+                                  target_ongoing_requests=max(1, args.max_num_seqs // 2))
+    except QuickdraftError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return serve_replicas(args.model, options, name, limits, replicas, args.host, args.port, args.ray_address)
 
 

@@ -23,11 +23,12 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from quickdraft.errors import InvalidParameterError
 from quickdraft.serving.guard import ServerLimits, error_body
 from quickdraft.serving.metrics import CONTENT_TYPE, merge_expositions
 from quickdraft.serving.ray.prefix import MAX_ANSWER_BYTES, answer_text, block_hashes, prompt_ids
 from quickdraft.serving.ray.replica import REPLICA_HEADER, EngineReplica, HttpCall
-from quickdraft.serving.ray.router import PrefixAffinity, PrefixAwareRouter, Route
+from quickdraft.serving.ray.router import POLICIES, PrefixAffinity, PrefixAwareRouter, Route
 
 log = logging.getLogger("quickdraft.serving")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -172,6 +173,22 @@ class ReplicaOptions:
     policy: str = "prefix"
     max_imbalance: int = 4
     max_ongoing_requests: int = 256
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.num_replicas < 1:
+            problems.append(f"replicas must be at least 1, got {self.num_replicas}")
+        if not self.num_cpus > 0 or not self.num_gpus >= 0:
+            problems.append(f"CPUs per replica must be > 0 and GPUs >= 0, got {self.num_cpus} and {self.num_gpus}")
+        low, high = self.min_replicas, self.max_replicas
+        if (low is not None and low < 0) or (high is not None and high < 1) or \
+                (low is not None and high is not None and low > high):
+            problems.append(f"autoscaling needs 0 <= min_replicas <= max_replicas and max_replicas >= 1, got "
+                            f"{low} and {high}")
+        if self.policy not in POLICIES:
+            problems.append(f"routing must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if problems:
+            raise InvalidParameterError("; ".join(problems))
 
 
 def build_app(model: str, llm_options: dict[str, Any] | None = None, served_name: str | None = None,
