@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import jsonschema_rs
@@ -89,7 +90,9 @@ def test_json_object_regex_choice_and_grammar(smol):
 
 @pytest.mark.parametrize("body,param,words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-     "structured_outputs", "rejected by the grammar compiler"),
+     "response_format", "response_format.json_schema.schema was rejected by the grammar compiler"),
+    ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False,
+      "response_format": {"type": "json_object"}}, "tool_choice", "both constrain the output"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "regex"),
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs", "missing_rule"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
@@ -160,3 +163,28 @@ def test_qwen_calls_a_tool_on_its_own_streaming_or_not():
             [("get_weather", {"city": "Paris", "unit": "celsius"})]
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             chat(qwen, messages=WEATHER_ASK, tools=[WEATHER], tool_choice="sometimes")
+
+
+def test_a_demanded_call_cut_short_is_the_same_streamed_or_not(smol):
+    """max_tokens cuts the arguments: both forms return the call as generated so far, finish_reason "length"."""
+    kwargs = dict(messages=WEATHER_ASK, tools=[WEATHER], max_tokens=6,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = chat(smol, **kwargs).choices[0]
+    content, calls, finish = streamed(smol, **kwargs)
+    assert whole.finish_reason == finish == "length" and not content
+    (call,) = whole.message.tool_calls
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(call.function.name, call.function.arguments)]
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+
+
+def test_the_schema_false_and_long_tool_histories_answer_at_once(smol):
+    t0 = time.monotonic()
+    r = httpx.post(f"{smol.url}/v1/chat/completions", timeout=30, json={
+        "model": "smol", "messages": ASK, "max_tokens": 4, "structured_outputs": {"json": "false"}})
+    assert r.status_code == 400 and "the schema false" in r.json()["error"]["message"]
+    history = [{"role": "user", "content": "go"}] + [{"role": "tool", "content": "r"}] * 20_000
+    r = httpx.post(f"{smol.url}/v1/chat/completions", timeout=60, json={
+        "model": "smol", "messages": history, "tools": [WEATHER], "max_tokens": 1})
+    assert r.status_code in (200, 400) and time.monotonic() - t0 < 30
+    assert httpx.get(f"{smol.url}/health", timeout=10).status_code == 200

@@ -218,3 +218,55 @@ def test_a_tokenizer_without_byte_spellings_is_refused_clearly(tiny_dir):
               kv_cache_memory="8MiB")
     with pytest.raises(InvalidParameterError, match="needs the bytes each token writes"):
         llm.generate([[1, 2]], SamplingParams(max_tokens=2, structured_outputs={"regex": "t1"}))
+
+
+# ---- found by a hostile review -------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec,words", [
+    ({"json": "false"}, "the schema false"),
+    ({"json": False}, "exactly one of"),
+    ({"json": {"$ref": "#"}}, "rejected by the grammar compiler"),
+    ({"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+     "rejected by the grammar compiler"),
+    ({"regex": "[^\\x00-\\x{10FFFF}]"}, "rejected by the grammar compiler"),
+    ({"grammar": "start: /[^\\s\\S]/"}, "rejected by the grammar compiler"),
+    ({"json": {"type": "string", "minLength": 10 ** 30}}, "rejected by the grammar compiler"),
+])
+def test_unsatisfiable_and_unbuildable_constraints_are_refused_before_model_work(smollm, spec, words):
+    before = smollm.spec_stats.rounds
+    with pytest.raises(InvalidParameterError, match=re.escape(words)):
+        smollm.generate(["hello"], SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert smollm.spec_stats.rounds == before
+    assert StructuredOutputs.of({"json": "true"}).json == {}  # the schema true: any JSON value
+
+
+def test_property_order_is_the_schema_s_own_whatever_ran_before(smollm):
+    a = {"type": "object", "properties": {"answer": {"type": "integer"}, "reasoning": {"type": "string",
+                                                                                      "maxLength": 20}},
+         "required": ["answer", "reasoning"], "additionalProperties": False}
+    b = {**a, "properties": dict(reversed(list(a["properties"].items())))}
+    for schema in (a, b):
+        out = smollm.generate(["Q: 2+2? Reply in JSON."], SamplingParams(temperature=0, max_tokens=60,
+                                                                           structured_outputs={"json": schema}))
+        assert list(json.loads(out[0].outputs[0].text)) == list(schema["properties"])
+
+
+def test_run_ahead_sampling_with_forced_tokens_keeps_q_in_step(monkeypatch):
+    """A round that drafts nothing but gets forced tokens, continued by the run-ahead: its q rows must line up
+    with its tokens (they were one row short, and verification failed or used the wrong rows)."""
+    llm = LLM("smollm2-135m", draft="smollm2-135m", num_speculative_tokens=4, run_ahead=True, dtype="float32",
+              kv_cache_memory="64MiB", max_model_len=1024)
+    controller = llm.engine.planner.controller
+    choose, calls = controller.choose, iter(range(10 ** 6))
+    monkeypatch.setattr(controller, "choose", lambda seqs, *a, **k: [0] * len(seqs) if next(calls) % 2 == 0
+                        else choose(seqs, *a, **k))  # the controller may always decide not to draft a round
+    schema = {"type": "object", "properties": {
+        "first_name_of_person": {"type": "string", "maxLength": 8}, "the_age_of_person_in_years": {"type": "integer"},
+        "home_city_name": {"type": "string", "maxLength": 8}},
+        "required": ["first_name_of_person", "the_age_of_person_in_years", "home_city_name"],
+        "additionalProperties": False}
+    for seed in range(6):
+        params = SamplingParams(temperature=1.0, max_tokens=60, seed=seed, structured_outputs={"json": schema})
+        o = llm.generate(["Describe a person as JSON:"], params)[0].outputs[0]
+        assert o.error is None and o.finish_reason == "stop", o.error
+        jsonschema_rs.validate(schema, json.loads(o.text))
+    assert llm.spec_stats.forced_tokens > 0 and llm.spec_stats.run_ahead_rounds > 0

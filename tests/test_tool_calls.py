@@ -12,6 +12,7 @@ import pytest
 from quickdraft.errors import InvalidParameterError, ModelLoadError
 from quickdraft.serving.tools import (
     ToolCall,
+    arguments_valid,
     ToolCallStream,
     ToolSpec,
     parse_tool_calls,
@@ -319,12 +320,15 @@ def test_auto_calls_are_read_in_each_style(style, text, content, calls):
 
 def test_named_and_required_outputs():
     named = spec({"type": "function", "function": {"name": "get_weather"}})
-    content, calls = parse_tool_calls(' {"city": "Paris"} ', named, "qwen")
-    assert content is None and [(c.name, c.arguments) for c in calls] == [PARIS]
+    content, calls = parse_tool_calls(' {"city": "Paris"} ', named, "qwen")  # the arguments as generated
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", ' {"city": "Paris"} ')]
     assert calls[0].to_openai() == {"id": calls[0].id, "type": "function",
-                                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
-    assert parse_tool_calls('{"city": "Par', named, "qwen") == ('{"city": "Par', [])
-    assert parse_tool_calls("[1]", named, "qwen") == ("[1]", [])
+                                    "function": {"name": "get_weather", "arguments": ' {"city": "Paris"} '}}
+    assert arguments_valid(calls[0])
+    # cut short or not an object: still the demanded call (a stream sent it already), marked not valid
+    for text in ('{"city": "Par', "[1]"):
+        (call,) = parse_tool_calls(text, named, "qwen")[1]
+        assert call.arguments == text and not arguments_valid(call)
     required = spec("required")
     content, calls = parse_tool_calls(f"[{W}, {T}]", required, "generic")
     assert content is None and [c.name for c in calls] == ["get_weather", "get.time-2"]
@@ -373,7 +377,6 @@ def test_a_stream_sends_what_the_whole_text_parses_to(style, text):
         stream = ToolCallStream(spec(), style)
         got_content, got_calls, _ = _run(stream, pieces)
         assert (got_content, got_calls) == expected, pieces
-        assert stream.called == bool(calls)
         assert [(c.name, c.arguments) for c in stream.calls] == expected[1]
 
 
@@ -399,12 +402,12 @@ def test_content_streams_before_a_call_starts():
     assert sent == "Let me check the weather.\n"  # before the tag was complete
     final = per_feed[-1]
     assert final[0]["tool_calls"][0]["index"] == 0 and CALL_ID.fullmatch(final[0]["tool_calls"][0]["id"])
-    assert final[0]["tool_calls"][0]["type"] == "function" and stream.called
+    assert final[0]["tool_calls"][0]["type"] == "function" and [(c.name, c.arguments) for c in stream.calls] == [PARIS]
     # a partial tag is held back, then sent once it turns out to be text
     stream = ToolCallStream(spec(), "qwen")
     assert stream.feed("Hello <tool") == [{"content": "Hello "}]
     assert stream.feed("s are fun") == [{"content": "<tools are fun"}]
-    assert stream.finish() == [] and not stream.called
+    assert stream.finish() == [] and not stream.calls
 
 
 def test_a_json_start_waits_for_the_end_and_code_does_not():
@@ -423,10 +426,14 @@ def test_a_named_call_streams_its_arguments():
     assert head["index"] == 0 and CALL_ID.fullmatch(head["id"]) and head["type"] == "function"
     assert head["function"] == {"name": "get_weather", "arguments": ""}
     assert first[1] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}
-    assert stream.called
     assert stream.feed('ty": "Paris"}') == [{"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]}]
     assert stream.finish() == []
-    assert stream.calls == [ToolCall("get_weather", '{"city":"Paris"}', head["id"])]
+    # the arguments as generated, as the whole response has them too
+    assert stream.calls == [ToolCall("get_weather", '{"city": "Paris"}', head["id"])]
+    named = spec({"type": "function", "function": {"name": "get_weather"}})
+    assert parse_tool_calls('{"city": "Paris"}', named, "qwen")[1][0].arguments == '{"city": "Paris"}'
+    cut = parse_tool_calls('{"city": "Pa', named, "qwen")[1]  # cut by max_tokens: still the call, not valid
+    assert cut[0].arguments == '{"city": "Pa' and not arguments_valid(cut[0])
 
 
 def test_required_waits_and_no_tools_passes_through():
@@ -435,4 +442,4 @@ def test_required_waits_and_no_tools_passes_through():
     assert [d["tool_calls"][0]["function"]["name"] for d in stream.finish()] == ["get_weather"]
     for plain in (ToolCallStream(None, "qwen"), ToolCallStream(spec("none"), "qwen")):
         assert plain.feed("<tool_call>") == [{"content": "<tool_call>"}] and plain.finish() == []
-        assert not plain.called
+        assert not plain.calls

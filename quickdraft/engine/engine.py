@@ -23,7 +23,7 @@ from quickdraft.engine.threads import ThreadBudget
 from quickdraft.errors import InvalidParameterError, PromptTooLongError
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
 from quickdraft.sampling import LogitsProcessor, SamplingParams
-from quickdraft.sampling.grammar import compiler_for
+from quickdraft.sampling.grammar import GrammarViolation, compiler_for
 from quickdraft.sampling.sampler import greedy, make_generator, top_logprobs
 from quickdraft.speculative.controller import SpeculationController
 from quickdraft.speculative.cost import CostModel
@@ -127,7 +127,11 @@ class LLMEngine:
             if seed is None:  # a seeded request's plan may not depend on earlier requests: it keeps the fixed prior
                 seq.spec = self.pooled.as_prior()
             if carried is not None:
-                carried.apply(seq)
+                try:
+                    carried.apply(seq)
+                except GrammarViolation as exc:  # resuming output the request's own constraint forbids
+                    raise InvalidParameterError(f"{params.structured_outputs.source}: the output to continue does "
+                                                f"not follow it ({exc})") from None
             seqs.append(seq)
         # extra samples wait until the first has prefilled the prompt, then share its blocks (copy-on-write)
         self.scheduler.add(seqs[0])

@@ -75,17 +75,33 @@ class GrammarCompiler:
         with self._lock:
             matcher = self._compiled.get(key)
             if matcher is None:
-                matcher = llguidance.LLMatcher(self._ll(), spec.grammar_text(), log_level=0)
-                if matcher.is_error():
-                    raise InvalidParameterError(
-                        f"structured_outputs.{spec.kind} was rejected by the grammar compiler: "
-                        f"{_first_lines(matcher.get_error())}")
+                try:
+                    grammar = spec.grammar_text()
+                except (ValueError, TypeError, RuntimeError) as exc:  # e.g. a number JSON cannot hold
+                    raise InvalidParameterError(f"{spec.source} was rejected by the grammar compiler: "
+                                                f"{_first_lines(str(exc))}") from None
+                matcher = llguidance.LLMatcher(self._ll(), grammar, log_level=0)
+                self._check_start(matcher, spec)
                 self._compiled[key] = matcher
                 if len(self._compiled) > MAX_CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)
             else:
                 self._compiled.move_to_end(key)
             return GrammarState(matcher.deep_copy(), self.tokenizer.vocab_size)
+
+    def _check_start(self, matcher, spec: StructuredOutputs) -> None:
+        """Refuse what the compiler rejected, and a constraint nothing can start: unsatisfiable (a schema that
+        refers only to itself, an empty character class) or past the compiler's limits at its first step."""
+        if not matcher.is_error():
+            probe = matcher.deep_copy()
+            mask = torch.zeros((self.tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
+            probe.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+            if not probe.is_error() and bool(mask.any()):
+                return
+            matcher = probe
+        reason = _first_lines(matcher.get_error()) if matcher.is_error() else \
+            "no output can satisfy it (no token of this model's vocabulary can start it)"
+        raise InvalidParameterError(f"{spec.source} was rejected by the grammar compiler: {reason}")
 
 
 _COMPILERS: "weakref.WeakKeyDictionary[Tokenizer, GrammarCompiler]" = weakref.WeakKeyDictionary()
@@ -144,9 +160,13 @@ class GrammarState:
         words = torch.zeros(rows, self._words, dtype=torch.int32)
         for i in range(rows):
             want = offset + i
-            if self._seek(drafted[:want]) == want and not self._matcher.is_error():
+            if self._seek(drafted[:want]) == want:  # after an illegal draft the row stays empty (p = 0 there)
                 row = words[i]
-                self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+                if not self._matcher.is_error():
+                    self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+                if self._matcher.is_error():  # e.g. past the compiler's limits mid-way
+                    raise GrammarViolation(f"the request's grammar failed here: "
+                                           f"{_first_lines(self._matcher.get_error(), 2)}")
                 if not bool(row.any()):  # a dead end: sampling from nothing would pick garbage
                     raise GrammarViolation("the grammar allows no token of this tokenizer here (nothing it can "
                                            "write continues the text, and the end is not allowed yet)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import reprlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from quickdraft.errors import InvalidParameterError, require_unicode
@@ -59,6 +59,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    source: str = field(default="structured_outputs", compare=False)  # the request field it came from (errors)
 
     @classmethod
     def of(cls, value: Any, field: str = "structured_outputs") -> "StructuredOutputs | None":
@@ -66,7 +67,9 @@ class StructuredOutputs:
         if value is None:
             return None
         if isinstance(value, StructuredOutputs):
-            value = {k: getattr(value, k) for k in KINDS if getattr(value, k) not in (None, False)}
+            value, field = {k: getattr(value, k) for k in KINDS if getattr(value, k) not in (None, False)}, \
+                value.source.removesuffix("." + value.kind) if value.source.startswith("structured_outputs.") \
+                else value.source
         if not isinstance(value, Mapping):
             raise _fail(field, f"an object with exactly one of {', '.join(KINDS)}", value)
         given = [k for k, v in value.items() if v is not None and v is not False]
@@ -78,7 +81,8 @@ class StructuredOutputs:
             raise InvalidParameterError(f"{field} must set exactly one of {', '.join(KINDS)}, got "
                                         f"{', '.join(given) or 'none'}")
         kind = given[0]
-        return cls(**{kind: cls._checked(kind, value[kind], f"{field}.{kind}")})
+        source = f"{field}.{kind}" if field == "structured_outputs" else field
+        return cls(**{kind: cls._checked(kind, value[kind], source)}, source=source)
 
     @staticmethod
     def _checked(kind: str, value: Any, field: str) -> Any:
@@ -89,7 +93,11 @@ class StructuredOutputs:
                     value = json.loads(value)
                 except (ValueError, RecursionError) as exc:
                     raise InvalidParameterError(f"{field} is not valid JSON: {exc}") from None
-            if not isinstance(value, Mapping) and not isinstance(value, bool):
+            if value is True:  # the schema that accepts any JSON value
+                value = {}
+            if value is False:
+                raise InvalidParameterError(f"{field} is the schema false: no output can satisfy it")
+            if not isinstance(value, Mapping):
                 raise _fail(field, "a JSON schema (an object)", value)
             if isinstance(value, Mapping):
                 _depth(value, field)
@@ -117,7 +125,10 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        kind = next((k for k in KINDS if getattr(self, k) not in (None, False)), None)
+        if kind is None:
+            raise InvalidParameterError(f"{self.source} must set exactly one of {', '.join(KINDS)}, got none")
+        return kind
 
     def grammar_text(self) -> str:
         """The llguidance grammar (its JSON form) this constraint compiles from."""
@@ -126,8 +137,7 @@ class StructuredOutputs:
         kind = self.kind
         options = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
         if kind == "json":
-            schema = self.json if isinstance(self.json, Mapping) else {} if self.json else {"not": {}}
-            return llguidance.LLMatcher.grammar_from_json_schema(dict(schema), defaults=options)
+            return llguidance.LLMatcher.grammar_from_json_schema(dict(self.json), defaults=options)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
         if kind == "regex":
@@ -145,5 +155,5 @@ class StructuredOutputs:
         return llguidance.LLMatcher.grammar_from_lark(text)
 
     def cache_key(self) -> str:
-        return self.kind + ":" + (json.dumps(self.json, sort_keys=True) if self.kind == "json"
-                                  else json.dumps(getattr(self, self.kind)))
+        # key order counts: llguidance writes an object's properties in the schema's order
+        return self.kind + ":" + json.dumps(getattr(self, self.kind))

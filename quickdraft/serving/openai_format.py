@@ -17,7 +17,7 @@ from quickdraft.errors import PromptTooLongError, QuickdraftError
 from quickdraft.serving.errors import EngineError, EngineStoppedError, QueueFullError, RequestTimeoutError
 from quickdraft.serving.guard import error_body
 from quickdraft.serving.protocol import ErrorResponse, ModelNotFoundError, param_of
-from quickdraft.serving.tools import ToolCallStream, ToolSpec, parse_tool_calls
+from quickdraft.serving.tools import ToolCall, ToolCallStream, ToolSpec, arguments_valid, parse_tool_calls
 
 TokenText = Callable[[int], str]
 ChoiceFields = Callable[[int, int, StreamChunk], dict | None]
@@ -196,9 +196,10 @@ class ToolParsing:
     spec: ToolSpec
     style: str
 
-    def finish_reason(self, called: bool, reason: str | None) -> str | None:
-        """OpenAI's "tool_calls" for an output that ended normally in calls."""
-        return "tool_calls" if called and reason == "stop" else reason
+    def finish_reason(self, calls: list[ToolCall], reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" for an output that ended normally in calls whose arguments are whole (a demanded
+        call cut by max_tokens keeps "length")."""
+        return "tool_calls" if calls and reason == "stop" and all(map(arguments_valid, calls)) else reason
 
 
 def chat_choice(c: Choice, logprobs: bool, token_text: TokenText, tools: ToolParsing | None = None) -> dict:
@@ -209,7 +210,7 @@ def chat_choice(c: Choice, logprobs: bool, token_text: TokenText, tools: ToolPar
         content, calls = parse_tool_calls(message["content"], tools.spec, tools.style)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": [call.to_openai() for call in calls]}
-            finish_reason = tools.finish_reason(True, finish_reason)
+            finish_reason = tools.finish_reason(calls, finish_reason)
     return {"index": c.index, "message": message,
             "logprobs": chat_logprobs(c.logprobs, token_text) if logprobs else None,
             "finish_reason": finish_reason}
@@ -256,7 +257,7 @@ def chat_chunk_fields(logprobs: bool, token_text: TokenText, tools: ToolParsing 
             stream = streams.setdefault(idx, ToolCallStream(tools.spec, tools.style))
             delta = _merged(stream.feed(chunk.text) + (stream.finish() if chunk.finished else []))
             if chunk.finished:
-                extra["finish_reason"] = tools.finish_reason(stream.called, chunk.finish_reason)
+                extra["finish_reason"] = tools.finish_reason(stream.calls, chunk.finish_reason)
         if not delta and not chunk.finished and not (lp and lp["content"]):
             return None
         return {"delta": delta, "logprobs": lp, **extra}

@@ -200,5 +200,7 @@ def response_format_constraint(value: Any) -> StructuredOutputs | None:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
         raise InvalidParameterError("response_format.json_schema must be an object with a non-empty 'name' and a "
                                     "'schema'")
+    if not isinstance(spec.get("strict", False), bool) and spec.get("strict") is not None:
+        raise InvalidParameterError("response_format.json_schema.strict must be true or false")
     schema = spec.get("schema", {"type": "object"})
     return StructuredOutputs.of({"json": schema}, "response_format.json_schema.schema")

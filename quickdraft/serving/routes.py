@@ -132,7 +132,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     constraint = await _constraint(ctx, body, ("response_format", response_format_constraint(body.response_format)),
                                    ("tool_choice", StructuredOutputs.of(forced_call, "tool_choice")))
     template = ctx.llm.tokenizer.chat_template
-    messages, template_tools = prepare_messages([m.for_template() for m in body.messages], tool_spec, template)
+    messages, template_tools = await asyncio.to_thread(prepare_messages, [m.for_template() for m in body.messages],
+                                                      tool_spec, template)
     try:
         ids = await asyncio.to_thread(ctx.llm.chat_prompt, messages, template_tools)
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:

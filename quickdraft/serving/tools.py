@@ -208,9 +208,13 @@ def prepare_messages(messages: list[dict], spec: ToolSpec | None,
             name = m.get("name") if isinstance(m.get("name"), str) else names.get(call_id or "")
             label = ", ".join(x for x in (call_id and f"call {call_id}", name) if x)
             text = f"Tool result ({label}): {m['content']}" if label else f"Tool result: {m['content']}"
-            m = {"role": "user", "content": f"{out.pop()['content']}\n\n{text}" if merge else text}
+            if merge:  # joined once at the end: a long run of results stays linear
+                out[-1]["parts"].append(text)
+                continue
+            m = {"role": "user", "parts": [text]}
         merge = message.get("role") == "tool" and not own_results
         out.append(m)
+    out = [{"role": m["role"], "content": "\n\n".join(m["parts"])} if "parts" in m else m for m in out]
     active = spec is not None and spec.choice != "none"
     if active and not own_tools:
         note = _instructions(spec)
@@ -231,6 +235,11 @@ class ToolCall:
 
     def to_openai(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def arguments_valid(call: "ToolCall") -> bool:
+    """The call's arguments are a JSON object (a demanded call cut by max_tokens or a stop string is not)."""
+    return _loads_object(call.arguments) is not None
 
 
 def _compact(arguments: dict) -> str:
@@ -293,9 +302,8 @@ def parse_tool_calls(text: str, spec: ToolSpec | None, style: str) -> tuple[str 
     if spec is None or spec.choice == "none":
         return text, []
     names = {t["function"]["name"] for t in spec.tools}
-    if spec.forced:
-        arguments = _loads_object(text)
-        calls = [ToolCall(spec.choice, _compact(arguments))] if arguments is not None else []
+    if spec.forced:  # the whole text is the call's arguments, as generated (as a stream sends them)
+        calls = [ToolCall(spec.choice, text)] if text else []
     elif spec.choice == "required":
         calls = _whole_calls(text, names, fenced=True)
     elif style == "llama3":  # the whole text, else what follows <|python_tag|> (content before it)
@@ -340,10 +348,6 @@ class ToolCallStream:
         rest = head[nl + 1:].lstrip()
         return False if head[3:nl].strip().lower() not in ("", "json") else (rest[0] in "{[" if rest else None)
 
-    @property
-    def called(self) -> bool:
-        """Whether a call was sent (the finish_reason is then "tool_calls")."""
-        return bool(self.calls) or self._announced
 
     def feed(self, delta: str) -> list[dict]:
         if not delta or self._done:
@@ -384,7 +388,7 @@ class ToolCallStream:
             return []
         content, self.calls = parse_tool_calls(text, self.spec, self.style)
         if self._mode == "named":  # the call went out as it came: only its record is left
-            self.calls = [ToolCall(c.name, c.arguments, self._id) for c in self.calls if self._announced]
+            self.calls = [ToolCall(c.name, c.arguments, self._id) for c in self.calls]
             return []
         out = [{"content": content[self._sent:]}] if content and len(content) > self._sent else []
         return out + [{"tool_calls": [{"index": i, **call.to_openai()}]} for i, call in enumerate(self.calls)]

@@ -92,12 +92,18 @@ def fit_to_grammar(seq: PlannedSequence, proposal: Proposal, room: int) -> Propo
     tokens = list(proposal.tokens[:legal])
     q = None if proposal.q is None else proposal.q[:legal]
     forced = seq.processor.forced_tokens(tokens, room - legal)
-    if forced:
-        tokens += forced
-        if q is not None:
-            one_hot = torch.zeros(len(forced), q.shape[-1], dtype=q.dtype, device=q.device)
-            one_hot[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
-            q = torch.cat([q, one_hot])
     if legal == len(proposal.tokens) and not forced:
         return proposal
-    return Proposal(tokens, q, reused=min(proposal.reused, legal), forced=len(forced))
+    if forced and q is None and not seq.params.greedy:
+        # a run-ahead continues this proposal and lines its q rows up with its tokens: every token gets its row
+        # (no q meant one-hot on each draft anyway)
+        q = _one_hot(tokens, seq.processor.vocab_size)
+    if forced and q is not None:
+        q = torch.cat([q, _one_hot(forced, q.shape[-1]).to(dtype=q.dtype, device=q.device)])
+    return Proposal(tokens + forced, q, reused=min(proposal.reused, legal), forced=len(forced))
+
+
+def _one_hot(tokens: list[int], width: int) -> torch.Tensor:
+    rows = torch.zeros(len(tokens), width)
+    rows[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+    return rows
