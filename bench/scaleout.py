@@ -1,7 +1,7 @@
 """Multi-turn chats through 1 and 2 engine replicas on Ray Serve: prefix-aware routing against round-robin.
 
 Usage: python bench/scaleout.py [--model smollm2-135m] [--conversations 32] [--concurrency 4] [--max-tokens 64]
-         [--configs 1:prefix,2:prefix,2:round_robin] [--name scaleout]
+         [--configs 1:prefix,2:prefix,2:round_robin,2:power_of_two] [--name scaleout]
 
 Each config starts ``quickdraft serve MODEL --replicas N --routing POLICY --num-cpus-per-replica 1`` (a local Ray
 instance), waits for its replicas, and plays the first --conversations public MT-Bench conversations (both turns
@@ -70,7 +70,9 @@ async def play(url: str, convs: list[list[str]], concurrency: int, max_tokens: i
 
     t0 = time.perf_counter()
     await asyncio.gather(*(conversation(i, turns) for i, turns in enumerate(convs)))
-    return results, time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    await client.close()
+    return results, wall
 
 
 def summarize(config: str, results: list[dict], wall_s: float) -> dict:
@@ -113,7 +115,7 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--configs", default="1:prefix,2:prefix,2:round_robin")
+    ap.add_argument("--configs", default="1:prefix,2:prefix,2:round_robin,2:power_of_two")
     ap.add_argument("--name", default="scaleout")
     args = ap.parse_args()
     info = machine()
@@ -128,10 +130,11 @@ def main() -> None:
     print(table(runs, ["config", "requests", "hit_rate", "turn2_hit_rate", "ttft_p50_s", "ttft_p99_s",
                        "throughput_tok_s", "wall_s"]))
     by = {r["config"]: r for r in runs}
-    if "2:prefix" in by and "2:round_robin" in by:
-        p, rr = by["2:prefix"], by["2:round_robin"]
-        print(f"2 replicas: prefix-aware hit rate {p['hit_rate'] / max(rr['hit_rate'], 1e-9):.2f}x round-robin's; "
-              f"TTFT p50 {p['ttft_p50_s'] * 1e3:.0f} ms vs {rr['ttft_p50_s'] * 1e3:.0f} ms")
+    for base in ("round_robin", "power_of_two"):
+        if "2:prefix" in by and f"2:{base}" in by:
+            p, other = by["2:prefix"], by[f"2:{base}"]
+            print(f"2 replicas: prefix-aware hit rate {p['hit_rate'] / max(other['hit_rate'], 1e-9):.2f}x {base}'s; "
+                  f"TTFT p50 {p['ttft_p50_s'] * 1e3:.0f} ms vs {other['ttft_p50_s'] * 1e3:.0f} ms")
     print(f"wrote {save(args.name, {'machine': info, 'args': vars(args), 'runs': runs})}")
 
 

@@ -334,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--num-gpus-per-replica", type=float, default=0.0)
     s.add_argument("--min-replicas", type=int, default=None, help="autoscale on requests in flight, from ...")
     s.add_argument("--max-replicas", type=int, default=None, help="... to this many replicas")
-    s.add_argument("--routing", default="prefix", choices=["prefix", "round_robin"],
-                   help="replicas: prefix-aware (cache affinity, bounded by load) or round-robin")
+    s.add_argument("--routing", default="prefix", choices=["prefix", "round_robin", "power_of_two"],
+                   help="replicas: prefix-aware (cache affinity, bounded by load), round-robin, or Ray Serve's "
+                        "default (power of two choices)")
     s.add_argument("--shutdown-timeout", type=int, default=10,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     s.set_defaults(fn=cmd_serve)

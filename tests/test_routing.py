@@ -6,7 +6,9 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+from quickdraft.errors import InvalidParameterError  # noqa: E402
 from quickdraft.kv.blocks import BlockAllocator, SequenceKV  # noqa: E402
+from quickdraft.serving.ray import ReplicaOptions  # noqa: E402
 from quickdraft.serving.metrics import merge_expositions, parse_metrics  # noqa: E402
 from quickdraft.serving.ray.prefix import answer_text, block_hashes  # noqa: E402
 from quickdraft.serving.ray.router import Balancer, PrefixAffinity, Route  # noqa: E402
@@ -62,6 +64,8 @@ def test_round_robin_ignores_preferences():
     assert [balancer.choose(["a", "b"], {}, "a") for _ in range(4)] == ["a", "b", "a", "b"]
     with pytest.raises(ValueError, match="policy must be one of"):
         Balancer(policy="random")
+    with pytest.raises(InvalidParameterError, match="routing must be one of"):
+        ReplicaOptions(policy="random")
 
 
 def test_the_tables_are_bounded():

@@ -204,13 +204,14 @@ def build_app(model: str, llm_options: dict[str, Any] | None = None, served_name
         scaling = {"autoscaling_config": AutoscalingConfig(
             min_replicas=low, max_replicas=high, initial_replicas=min(max(replicas.num_replicas, low), high),
             target_ongoing_requests=replicas.target_ongoing_requests)}
+    if replicas.policy != "power_of_two":  # else Ray Serve's default router
+        scaling["request_router_config"] = RequestRouterConfig(
+            request_router_class=f"{PrefixAwareRouter.__module__}:{PrefixAwareRouter.__name__}",
+            request_router_kwargs={"policy": replicas.policy, "max_imbalance": replicas.max_imbalance})
     engine = serve.deployment(
         EngineReplica, name="engine", ray_actor_options={"num_cpus": replicas.num_cpus,
                                                          "num_gpus": replicas.num_gpus},
         max_ongoing_requests=replicas.max_ongoing_requests, health_check_period_s=5, health_check_timeout_s=60,
-        request_router_config=RequestRouterConfig(
-            request_router_class=f"{PrefixAwareRouter.__module__}:{PrefixAwareRouter.__name__}",
-            request_router_kwargs={"policy": replicas.policy, "max_imbalance": replicas.max_imbalance}),
         **scaling).bind(model, options, served_name or model, limits)
     block_size = int(options.get("block_size", 16))
     return serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": 0},

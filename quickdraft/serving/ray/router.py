@@ -11,7 +11,8 @@ before.
 
 ``PrefixAwareRouter`` (Ray Serve's ``RequestRouter``, in the ingress's handle) then takes the preferred replica
 unless it has ``max_imbalance`` more requests in flight than the least-loaded one, in which case the least-loaded
-one takes it. ``policy="round_robin"`` ignores preferences: the baseline ``bench/scaleout.py`` compares with.
+one takes it. ``policy="round_robin"`` ignores preferences, and ``"power_of_two"`` is Ray Serve's own router (two
+random replicas, the less loaded): the baselines ``bench/scaleout.py`` compares with.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-POLICIES = ("prefix", "round_robin")
+POLICIES = ("prefix", "round_robin", "power_of_two")  # power_of_two: Ray Serve's own default router
 
 
 @dataclass
@@ -76,8 +77,8 @@ class Balancer:
     one chosen least recently, so an idle fleet spreads new prompts); or simply the next one, round-robin."""
 
     def __init__(self, policy: str = "prefix", max_imbalance: int = 4) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if policy not in POLICIES[:2]:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES[:2])}, got {policy!r}")
         self.policy, self.max_imbalance = policy, max_imbalance
         self._turn = itertools.count()
         self._last: dict[str, int] = {}  # replica -> the turn it was last chosen
