@@ -216,7 +216,6 @@ class SequenceKV:
         while PREFILL_CELL % block_size == 0 and len(self.block_table) * block_size % PREFILL_CELL:
             allocator.release(self.block_table.pop())
             self.hashes.pop()
-            allocator.prefix_hit_blocks -= 1  # computed again after all: not a hit
         self.num_cached = len(self.block_table) * block_size
         return self.num_cached
 

@@ -140,7 +140,7 @@ class ServerMetrics:
                stats.get("kv_bytes_cap", 0))
         for name, kind, text, value in process_metrics():
             single(name, kind, text, value)
-        single("quickdraft_prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache instead of being recomputed.",
+        single("quickdraft_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (a hit is used up to a 64-token prefill cell boundary; usage.prompt_tokens_details.cached_tokens counts what each request used).",
                stats.get("prefix_cache_hits", 0))
         single("quickdraft_num_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
                stats.get("num_preemptions", 0))
