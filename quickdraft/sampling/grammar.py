@@ -1,8 +1,8 @@
 """Grammar constraints as token masks: compiled once per (tokenizer, constraint), one matcher state per sequence.
 
 llguidance does the work (chosen over xgrammar by measurement, see docs/MEASUREMENTS.md "Structured outputs": it
-compiles a schema in ~1.5 ms against xgrammar's 22-66 ms, bounds every compile and mask step by fuel, and installs
-without pulling triton and transformers). A ``GrammarState`` follows one sequence: its matcher holds the committed
+compiles a schema several times faster, which every new schema pays on the request path, bounds every compile and
+mask step by fuel, and installs without pulling triton and transformers). A ``GrammarState`` follows one sequence: its matcher holds the committed
 tokens plus a few speculative ones (``_ahead``), and ``allowed`` moves that cursor to whatever prefix a row is
 conditioned on, so the draft's q rows, the target's p rows and plain sampling all see the same masks. Rolling back
 a rejected draft is moving the cursor back.
@@ -92,23 +92,18 @@ class GrammarCompiler:
     def _check_start(self, matcher, spec: StructuredOutputs) -> None:
         """Refuse what the compiler rejected, and a constraint nothing can start: unsatisfiable (a schema that
         refers only to itself, an empty character class) or past the compiler's limits at its first step."""
-        if not matcher.is_error():
-            probe = matcher.deep_copy()
-            mask = torch.zeros((self.tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
-            probe.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
-            if not probe.is_error() and bool(mask.any()):
-                return
-            matcher = probe
-        reason = _first_lines(matcher.get_error()) if matcher.is_error() else \
-            "no output can satisfy it (no token of this model's vocabulary can start it)"
-        raise InvalidParameterError(f"{spec.source} was rejected by the grammar compiler: {reason}")
+        vocab = self.tokenizer.vocab_size
+        try:
+            GrammarState(matcher.deep_copy(), vocab).allowed((), 0, 1, vocab)
+        except GrammarViolation as exc:
+            raise InvalidParameterError(f"{spec.source} was rejected by the grammar compiler: {exc}") from None
 
 
 _COMPILERS: "weakref.WeakKeyDictionary[Tokenizer, GrammarCompiler]" = weakref.WeakKeyDictionary()
 
 
 def compiler_for(tokenizer: Tokenizer) -> GrammarCompiler:
-    """The one compiler of a tokenizer (its llguidance tokenizer takes ~0.1-1 s to build)."""
+    """The one compiler of a tokenizer (its llguidance tokenizer reads the whole vocabulary: built once)."""
     compiler = _COMPILERS.get(tokenizer)
     if compiler is None:
         compiler = _COMPILERS.setdefault(tokenizer, GrammarCompiler(tokenizer))
@@ -164,12 +159,13 @@ class GrammarState:
                 row = words[i]
                 if not self._matcher.is_error():
                     self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-                if self._matcher.is_error():  # e.g. past the compiler's limits mid-way
+                if self._matcher.is_error():  # rejected by the compiler, or past its limits mid-way
                     raise GrammarViolation(f"the request's grammar failed here: "
-                                           f"{_first_lines(self._matcher.get_error(), 2)}")
+                                           f"{_first_lines(self._matcher.get_error())}")
                 if not bool(row.any()):  # a dead end: sampling from nothing would pick garbage
-                    raise GrammarViolation("the grammar allows no token of this tokenizer here (nothing it can "
-                                           "write continues the text, and the end is not allowed yet)")
+                    raise GrammarViolation("no output can satisfy it here: the grammar allows no token of this "
+                                           "tokenizer (nothing it can write continues the text, and the end is not "
+                                           "allowed yet)")
         bits = (words.unsqueeze(-1) & _BITS) != 0  # [rows, words, 32]
         mask = bits.reshape(rows, -1)[:, :width]
         if mask.shape[1] < width:

@@ -104,6 +104,4 @@ def fit_to_grammar(seq: PlannedSequence, proposal: Proposal, room: int) -> Propo
 
 
 def _one_hot(tokens: list[int], width: int) -> torch.Tensor:
-    rows = torch.zeros(len(tokens), width)
-    rows[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
-    return rows
+    return torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), width).float()

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from quickdraft.kv.blocks import block_hash
+from quickdraft.serving.protocol import ChatMessage
 
 MAX_ANSWER_BYTES = 1 << 20  # a longer response is not read back for routing
 
@@ -20,12 +21,9 @@ def block_hashes(ids: list[int], block_size: int) -> list[bytes]:
 
 
 def _messages(body: dict) -> list[dict]:
-    messages = [{k: v for k, v in m.items() if k in ("role", "content", "name")} for m in body["messages"]]
-    for m in messages:
-        if isinstance(m.get("content"), list):
-            m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
-        m["content"] = m.get("content") or ""
-    return messages
+    """The request's messages as the server reads them (text parts joined, no content as ""), roles and text only."""
+    return [{k: v for k, v in ChatMessage.model_validate(m).for_template().items() if k in ("role", "content", "name")}
+            for m in body["messages"]]
 
 
 def prompt_ids(tokenizer: Any, path: str, body: dict, answer: str | None = None) -> list[int]:
