@@ -166,3 +166,17 @@ def test_a_killed_replica_is_replaced_while_the_endpoint_answers(fleet):
             assert exc.status_code == 503, exc  # only an in-flight request of the dead replica may fail, clearly
     assert answered == 3, "the endpoint stopped answering after a replica died"
     fleet.wait_replicas(2, timeout=120)  # Serve started a new replica
+
+
+def test_a_body_past_the_cap_is_refused_at_the_ingress_whatever_its_length_header(fleet):
+    def chunks():
+        for _ in range(40):  # 40 MiB, chunked: no Content-Length to trust
+            yield b"x" * (1 << 20)
+
+    r = httpx.post(f"{fleet.url}/v1/completions", content=chunks(), timeout=120,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(f"{fleet.url}/v1/completions", content=b"{}", timeout=60,
+                   headers={"content-type": "application/json", "content-length": "2", "x-session-id": "s" * 5000})
+    assert r.status_code == 400  # the replica's own answer to a body with no prompt
+    assert fleet.health().get("replicas") == 2

@@ -72,14 +72,24 @@ class Ingress:
         if path == "/reset_prefix_cache" and request.method == "POST":
             await self._broadcast("reset_prefix_cache")
             return JSONResponse({"status": "ok"})
-        size = int(request.headers.get("content-length") or 0)
-        if size > self.limits.max_body_bytes:
-            return JSONResponse(error_body(f"the request body has {size} bytes; this server takes at most "
-                                           f"{self.limits.max_body_bytes}", code="request_too_large"), 413)
-        body = await request.body()
+        body = await self._body(request)
+        if body is None:
+            return JSONResponse(error_body(f"the request body is larger than this server takes (at most "
+                                           f"{self.limits.max_body_bytes} bytes)", code="request_too_large"), 413)
         call = HttpCall(request.method, path, request.url.query, list(request.headers.items()), body)
         route, parsed = await asyncio.to_thread(self._route, request, body)
         return await self._forward(call, route, parsed)
+
+    async def _body(self, request: Request) -> bytes | None:
+        """The body, read up to the cap whatever Content-Length says (None past it): a chunked upload must not
+        grow the ingress's memory without bound before a replica's guard would refuse it."""
+        cap, parts, size = self.limits.max_body_bytes, [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > cap:
+                return None
+            parts.append(part)
+        return b"".join(parts)
 
     def _route(self, request: Request, body: bytes) -> tuple[Route, dict | None]:
         route = Route(session=request.headers.get(SESSION_HEADER))
