@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-BENCH_DATA = Path(__file__).resolve().parents[2] / "shared" / "bench-data"
+BENCH_DATA = Path(__file__).resolve().parent / "data"  # the public prompt sets (bench/data/README.md)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -6,7 +6,7 @@ For each model and weight format:
   text sample, and how often the top-1 token agrees with bfloat16's;
 * perplexity on the text sample: the first ``--tokens`` tokens (tokenizer's default special tokens) of
   each of the first ``--articles`` Spec-Bench "summarization" articles
-  (/work/shared/bench-data/spec_bench.public.jsonl, the text after "Summarize: ");
+  (bench/data/spec_bench.public.jsonl, the text after "Summarize: ");
 * speed of one full-model forward through ``quickdraft.kv.ModelRunner``: a 1-token decode step and a
   5-token verify step (5 logits rows), each after a ``--context``-token prefix (min and median over
   ``--repeats`` rounds; the KV is rewound after each step so the context stays the same), plus a
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import humaneval_prompts, spec_bench_prompts  # noqa: E402
+from common import BENCH_DATA, humaneval_prompts, spec_bench_prompts  # noqa: E402
 
 from quickdraft import LLM, SamplingParams  # noqa: E402
 from quickdraft.models import weight_bytes  # noqa: E402
@@ -58,7 +58,7 @@ from quickdraft.loading.quantize import load_model  # noqa: E402
 from quickdraft.models import build_model  # noqa: E402
 from quickdraft.models.quant_backends import cpu_capability  # noqa: E402
 
-DATA = Path("/work/shared/bench-data/spec_bench.public.jsonl")
+DATA = BENCH_DATA / "spec_bench.public.jsonl"
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 
 

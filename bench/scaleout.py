@@ -25,10 +25,10 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, save, table  # noqa: E402
+from common import BENCH_DATA, machine, save, table  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "bench-data" / "mt_bench.public.jsonl"
+MT_BENCH = BENCH_DATA / "mt_bench.public.jsonl"
 
 
 def conversations(count: int) -> list[list[str]]:

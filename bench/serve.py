@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_process import ServerProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "bench-data" / "spec_bench.public.jsonl"
+DATA = ROOT / "bench" / "data" / "spec_bench.public.jsonl"
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 SERVED_NAME = "bench"
 

