@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -39,23 +40,23 @@ def memory_bandwidth_gbs(size_mib: int = 1024, repeats: int = 5) -> float:
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: every parameter except the embedding table (one row is read),
-    unless the LM head is tied to it, in which case the head reads it whole."""
+    """Bytes of weights one decode step of a quickdraft model reads (``quickdraft.models.step_weight_bytes``)."""
+    from quickdraft.models import step_weight_bytes
+    return step_weight_bytes(model)
+
+
+def gguf_step_bytes(path: Path) -> int:
+    """Bytes of a GGUF's tensors one decode step reads when each runs in the file's own type (as llama.cpp runs it):
+    every tensor but the embedding table, unless the head is tied to it and reads it whole."""
+    from quickdraft.loading.ggml_types import BY_NAME, ggml_type
+    from quickdraft.loading.gguf_metadata import tensor_shapes
+    table = tensor_shapes(path)
     total = 0
-    seen = set()
-    embed = model.model.embed_tokens.weight
-    head = getattr(model.lm_head, "weight", None)  # None: a packed or quantized head (its own buffers)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
+    for name, (kind, shape) in table.items():
+        if name == "token_embd.weight" and "output.weight" in table:
             continue
-        seen.add(id(p))
-        if p is embed and head is not embed:
-            continue
-        total += p.numel() * p.element_size()
-    for name, b in model.named_buffers():
-        if name.endswith(("qweight", "packed", "weight_packed", "weight_int", "scales", "scales_and_zeros",
-                          "kweight", "kscales")):
-            total += b.numel() * b.element_size()
+        t = ggml_type(BY_NAME[kind])
+        total += math.prod(shape) // t.block * t.type_size
     return total
 
 

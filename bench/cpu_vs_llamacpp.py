@@ -11,7 +11,8 @@ LlamaPromptLookupDecoding drafter. quickdraft runs each --weights (auto: its def
 in each mode (draft: --draft as draft model; a target no larger than the draft runs plain only).
 tokens/s = new tokens / wall time of the whole call (prefill included) for every configuration; plain
 configurations are also reported against the memory-bandwidth limit of the weights one decode step reads
-(measured bandwidth / bytes). Each target's configurations are loaded together and the prompts run in turn
+(measured bandwidth / bytes; read_MB: quickdraft's from the model it loaded, llama.cpp's the file's tensors but the
+embedding table, which a tied head reads whole). --targets takes packaged names or GGUF paths. Each target's configurations are loaded together and the prompts run in turn
 through all of them (the first configuration rotating from prompt to prompt), so a drift in the machine's speed
 over minutes, which is tens of percent on shared cloud hosts, falls on every configuration alike.
 --busy: every run is made twice, on the idle machine and with one CPU-bound process beside it (a Python busy
@@ -32,8 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (humaneval_prompts, machine, memory_bandwidth_gbs, save, spec_bench_prompts, table,  # noqa: E402
-                    weight_bytes_per_token)
+from common import (gguf_step_bytes, humaneval_prompts, machine, memory_bandwidth_gbs, save,  # noqa: E402
+                    spec_bench_prompts, table, weight_bytes_per_token)
 
 from quickdraft import LLM, SamplingParams  # noqa: E402
 from quickdraft.loading import resolve_model  # noqa: E402
@@ -96,8 +97,7 @@ def llamacpp_runner(target: str, mode: str, tokens: int, threads: int) -> Runner
                 break
         sec = time.perf_counter() - t0
         return {"engine": "llama.cpp", "config": f"{quant}/{mode}", "category": cat, "tok_s": len(out_ids) / sec,
-                "token_ids": out_ids,
-                "weight_bytes": resolve_model(target).stat().st_size}  # the whole GGUF: an upper bound
+                "token_ids": out_ids, "weight_bytes": gguf_step_bytes(resolve_model(target))}
     return run
 
 
@@ -131,7 +131,7 @@ def main() -> None:
             picked = [r for r in target_rows if group == "all" or (r["category"] == "humaneval") == (group == "humaneval")]
             summary += summarize(picked, f"{target} {group}", bandwidth)
     cols = ["group", "engine", "config", "tok_s", "vs_own_plain", "spread", "identical_to_own_plain", "acceptance",
-            "tokens_per_pass", "vs_best_llamacpp", "pct_of_bandwidth_limit"]
+            "tokens_per_pass", "vs_best_llamacpp", "read_MB", "pct_of_bandwidth_limit"]
     if args.busy:
         cols += ["busy_tok_s", "busy_slowdown"]
     print("\n" + table(summary, cols))
@@ -212,6 +212,7 @@ def summarize(all_rows: list[dict], group: str, bandwidth: float) -> list[dict]:
                     "identical_to_own_plain": f"{same}/{len(rs)}",
                     "acceptance": _mean([r.get("acceptance") for r in rs]),
                     "tokens_per_pass": _mean([r.get("tokens_per_pass") for r in rs]),
+                    "read_MB": rs[0]["weight_bytes"] / 1e6,
                     "pct_of_bandwidth_limit": 100 * tok_s / limit if key[1].endswith("/plain") else None})
         busy = [r["tok_s"] for r in all_rows if r["busy"] and (r["engine"], r["config"]) == key]
         if busy:

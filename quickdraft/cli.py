@@ -63,11 +63,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="with --draft or --speculative self: draft the next round in a background thread while "
                         "the target verifies the current one")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--weights", default="auto", choices=["auto", "int4", "int8", "bfloat16", "float32"],
-                   help="the linear layers' format (default auto: the file's own precision on CPU, i.e. int4 "
-                        "kernels for a Q4 GGUF, int8 for Q5/Q6/Q8, float weights in --dtype for a float GGUF or an "
-                        "HF directory); bfloat16/float32: float weights dequantized from the file")
-    p.add_argument("--draft-weights", default="auto", choices=["auto", "int4", "int8", "bfloat16", "float32"],
+    p.add_argument("--weights", default="auto", choices=["auto", "gguf", "int4", "int8", "bfloat16", "float32"],
+                   help="the linear layers' format (default auto: on CPU a quantized GGUF runs each tensor in its own "
+                        "type, read at the file's size ('gguf'); a float GGUF or an HF directory float weights in "
+                        "--dtype); int4/int8: requantized; bfloat16/float32: float weights dequantized from the file")
+    p.add_argument("--draft-weights", default="auto", choices=["auto", "gguf", "int4", "int8", "bfloat16", "float32"],
                    help="the --draft model's weight format (default auto: int4 on CPU; a draft's precision changes "
                         "acceptance, never the output)")
     p.add_argument("--device", default="cpu")
@@ -121,13 +121,14 @@ def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):
 def cmd_models(args: argparse.Namespace) -> int:
     from quickdraft.loading import list_models
     models = list_models()
-    print(f"{'name':<22} {'installed':<10} {'size':>10}  {'file layers':<20} {'default kernels':<20} "
-          f"path / how to install")
+    print(f"{'name':<22} {'installed':<10} {'size':>10}  {'file layers':<20} {'default kernels':<36} "
+          f"{'read/token':>10}  path / how to install")
     for m in models:
         where = str(m.path) if m.installed else f"`{m.install_hint}` in a quickdraft checkout"
         size = f"{m.size_bytes / 1e6:>8.0f}MB" if m.size_bytes else f"{'?':>10}"
-        stored, kernels = _file_columns(m.path)
-        print(f"{m.name:<22} {'yes' if m.installed else 'no':<10} {size}  {stored:<20} {kernels:<20} {where}")
+        stored, kernels, step = _file_columns(m.path)
+        read = f"{step / 1e6:>8.0f}MB" if step else f"{'?':>10}"
+        print(f"{m.name:<22} {'yes' if m.installed else 'no':<10} {size}  {stored:<20} {kernels:<36} {read}  {where}")
     missing = [m for m in models if not m.installed]
     if missing:
         print("\nanywhere else, install with pip:")
@@ -136,16 +137,17 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _file_columns(path: Path | None) -> tuple[str, str]:
-    """How a packaged GGUF stores its layers and what 'auto' runs them on, from its header; '?' where there is no
-    file to read yet (a split model not assembled) and 'unreadable' for a damaged one (listing never fails)."""
+def _file_columns(path: Path | None) -> tuple[str, str, int | None]:
+    """How a packaged GGUF stores its layers, what 'auto' runs them on and the weight bytes a decode step reads, from
+    its header; '?' where there is no file to read yet (a split model not assembled) and 'unreadable' for a damaged
+    one (listing never fails)."""
     from quickdraft.loading.quantize import file_defaults
     if path is None or not path.is_file():
-        return "?", "?"
+        return "?", "?", None
     try:
         return file_defaults(path)
     except QuickdraftError:
-        return "unreadable", "?"
+        return "unreadable", "?", None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

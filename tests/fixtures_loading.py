@@ -18,9 +18,12 @@ TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"tok{i}" for i in r
 # Byte offsets of the float16 scale fields in each block, kept finite in random blocks.
 F16_FIELDS = {
     QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,),
-    QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.Q2_K: (80, 82),
+    QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.Q2_K: (80, 82), QT.IQ4_NL: (0,), QT.IQ4_XS: (0,),
 }
-ALL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+# the supported types gguf-py can dequantize (our reference); Q1_0 and Q2_0, which it cannot, are checked against
+# llama.cpp's reference formulas in tests/test_block_formats.py
+ALL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+             QT.IQ4_NL, QT.IQ4_XS)
 
 
 def smollm_gguf() -> Path:
@@ -51,12 +54,12 @@ def random_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator) -> np.ndar
 
 def encode(w: np.ndarray, qtype: QT, rng: np.random.Generator) -> np.ndarray:
     """File bytes for a float32 [rows, cols] matrix in ``qtype`` (random blocks for the
-    K-quants, which gguf-py cannot quantize) as uint8 [rows, row_bytes], or typed for F32/F16."""
+    K-quants and IQ4 types, which gguf-py cannot quantize) as uint8 [rows, row_bytes], or typed for F32/F16."""
     if qtype == QT.F32:
         return w.astype(np.float32)
     if qtype == QT.F16:
         return w.astype(np.float16)
-    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K, QT.IQ2_XXS):
+    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K, QT.IQ2_XXS, QT.IQ4_NL, QT.IQ4_XS):
         block, type_size = GGML_QUANT_SIZES[qtype]
         n_blocks = w.size // block
         return random_blocks(qtype, n_blocks, rng).reshape(w.shape[0], -1)

@@ -58,7 +58,7 @@ def test_first_run_in_a_fresh_cache(smollm2, tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() and "tokens" in run.stderr and "Traceback" not in run.stderr
     # the default runs the file's own precision, and says so
-    assert "smollm2-135m: weights: int4 kernels for 210 tensors (Q4_1), int8 for 1 (Q8_0 lm_head)" in run.stderr
+    assert "smollm2-135m: weights: Q4_1 kernels for 210 tensors (Q4_1), Q8_0 for 1 (Q8_0 lm_head)" in run.stderr
     missing = _run(["generate", str(tmp_path / "no-such.gguf"), "hi"], cache)
     assert missing.returncode == 2 and missing.stderr.startswith("error: model ") and "Traceback" not in missing.stderr
 

@@ -295,7 +295,7 @@ def test_phi3_q4_0_model_maps_every_linear_exactly_to_int4(tmp_path, cache_dir):
     rng = np.random.default_rng(3)
     write(path, "phi3", phi3_meta(), {**tensors_of(PHI3_LAYER, 2, 16, rng), **phi3_factors(rng)}, QT.Q4_0)
     info = load_model(load_checkpoint(path), "int4").quant_info
-    assert info["exact_gguf_int4"] == 14 and info["kernels"] == {"int4": {"Q4_0": 14}, "int8": {"Q4_0 lm_head": 1}}
+    assert info["exact_from_file"] == 14 and info["kernels"] == {"int4": {"Q4_0": 14}, "int8": {"Q4_0 lm_head": 1}}
 
 
 def test_phi3_attention_factor_defaults_as_transformers_computes_it(tmp_path, cache_dir):

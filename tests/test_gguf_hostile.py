@@ -125,11 +125,12 @@ CASES = {
     "dims past the end": (gguf(infos=[tensor_info("token_embd.weight", [8, 4])[:-12]], data=None),
                           r"the type of tensor 'token_embd.weight' at byte \d+ needs bytes up to"),
     "tensor type 99": (gguf(infos=[tensor_info("token_embd.weight", [8, 4], ttype=99)]),
-                       r"tensor 'token_embd.weight' has unknown type 99; known GGML types: F32=0, F16=1, .*BF16=30"),
+                       r"tensor 'token_embd.weight' has GGML type id 99, a type quickdraft does not support; "
+                       r"supported: F32, F16, BF16, Q4_0, .*Q1_0, Q2_0"),
     "tensor type 4 (removed Q4_2)": (gguf(infos=[tensor_info("token_embd.weight", [32, 4], ttype=4)]),
-                                     r"has unknown type 4"),
+                                     r"has GGML type id 4, a type quickdraft does not support"),
     "tensor type 2^32-1": (gguf(infos=[tensor_info("token_embd.weight", [8, 4], ttype=0xFFFFFFFF)]),
-                           r"has unknown type 4294967295"),
+                           r"has GGML type id 4294967295, a type quickdraft does not support"),
     "rows not whole blocks": (gguf(infos=[tensor_info("token_embd.weight", [33, 4], ttype=QT.Q4_0)]),
                               r"shape \[33, 4\] of type Q4_0, whose row length .* must be a multiple of its block "
                               r"size 32"),

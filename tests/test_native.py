@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.models import native
-from quickdraft.models.quant import Int4Linear, Int8Linear, QuantGroup
+from quickdraft.models.quant import Int4Linear, Int8Linear
+from quickdraft.models.quant_group import QuantGroup
 from quickdraft.models.transformer import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="quickdraft's CPU kernels not built on this CPU")

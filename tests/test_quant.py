@@ -276,7 +276,7 @@ def test_quantized_smollm2_logits_close_to_bf16(smollm2_bf16, smollm2_reference,
     assert len(list((tmp_path / "quantized").glob("*.safetensors"))) == 1
     assert model.quant_info["format"] == fmt
     if fmt == "int4":
-        assert model.quant_info["exact_gguf_int4"] == 7 * ckpt.config.num_layers  # every layer is Q4_1
+        assert model.quant_info["exact_from_file"] == 7 * ckpt.config.num_layers  # every layer is Q4_1
     n_quant = sum(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
     # the tied head gets its own int8 copy (row-independent kernel); the embedding table stays bfloat16
     assert n_quant == 7 * ckpt.config.num_layers + 1 and isinstance(model.lm_head, Int8Linear)
@@ -349,7 +349,7 @@ def test_wide_gguf_sources_become_int8(tiny_dir):
         model = qz.quantize_model(build_model(ckpt.config, ckpt.tensors), "int4", Sources(raw, types),
                                   wide_sources=wide)
         assert all(isinstance(model.get_submodule(n.removesuffix(".weight")), cls) for n in names)
-        assert model.quant_info["exact_gguf_int4"] == 0
+        assert model.quant_info["exact_from_file"] == 0
         assert (_logits(model, ids) - ref).abs().max() < bound * ref.abs().max()
 
 
@@ -363,7 +363,7 @@ def test_gguf_int4_cache_round_trip(tmp_path, monkeypatch):
     ckpt = load_checkpoint(path, dtype=torch.bfloat16)
     ids = list(range(1, 30))
     first = qz.load_model(ckpt, "int4")
-    assert first.quant_info["exact_gguf_int4"] == 7 * ckpt.config.num_layers
+    assert first.quant_info["exact_from_file"] == 7 * ckpt.config.num_layers
     assert first.quant_info["kernels"]["int4"] == {"Q4_0": 7 * ckpt.config.num_layers}
     expected = _logits(first, ids)
     assert torch.equal(_logits(qz.load_model(ckpt, "int4", use_cache=False), ids), expected)
@@ -401,7 +401,7 @@ def test_float_formats_keep_float_weights_packed_for_onednn(tiny_dir, tmp_path, 
 
 def test_resolve_weights():
     q4 = {f"model.layers.0.{name}.weight": "Q4_K" for name in LAYER_LINEARS}
-    assert qz.resolve_weights("auto", "cpu", q4) == "int4"  # auto follows the file (tests/test_default_weights.py)
+    assert qz.resolve_weights("auto", "cpu", q4) == ("gguf" if qmatmul.available() else "int4")  # tests/test_default_weights.py
     assert qz.resolve_weights("auto", "cpu") is None  # no GGUF types (an HF directory): float weights
     assert qz.resolve_weights("auto", "cuda:0", q4) is None  # off CPU: float weights
     for w in ("int4", "int8", "bfloat16", "float32"):

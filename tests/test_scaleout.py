@@ -114,7 +114,7 @@ def fleet(tmp_path_factory):
         assert not ray_processes(), f"Ray processes left behind: {ray_processes()}"
 
 
-QUESTIONS = ["Describe the city of Paris for a first-time visitor.", "Explain how a bicycle works.",
+QUESTIONS = ["Describe the city of Paris for a first-time visitor.", "Describe how a train works.",
              "Describe the life cycle of a butterfly.", "Explain why the sky is blue.",
              "Describe a typical day of a farmer.", "Explain how bread is made."]
 

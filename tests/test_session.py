@@ -292,7 +292,7 @@ def test_chat_turns_match_llm_chat_and_recompute_only_new_tokens(smollm2, tmp_pa
     llm = LLM(str(smollm2), dtype="float32", kv_cache_memory="64MiB")
     params = SamplingParams(max_tokens=12, temperature=0.0)
     user1 = {"role": "user", "content": "What is the capital of France?"}
-    user2 = {"role": "user", "content": "And of Italy?"}
+    user2 = {"role": "user", "content": "And the capital of Italy?"}
     forwards = []
     original = llm.target.forward
     llm.target.forward = lambda items: forwards.append(sum(len(i.tokens) for i in items)) or original(items)

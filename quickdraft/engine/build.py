@@ -18,11 +18,10 @@ from quickdraft.engine.threads import check_threads
 from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import KVPool, ModelRunner, check_kv_cache_dtype, resolve_kv_cache_dtype
 from quickdraft.loading import Checkpoint, load_checkpoint
-from quickdraft.loading.quant_convert import lm_head_format
-from quickdraft.loading.quantize import (DEFAULT_LM_HEAD, DRAFT_INT4_OPTIONS, FLOAT_FORMATS, QUANT_FORMATS, load_model,
+from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, default_lm_head, FLOAT_FORMATS, QUANT_FORMATS, load_model,
                                         resolve_draft_weights, resolve_weights, weights_summary)
 from quickdraft.loading.weight_cache import dtype_name
-from quickdraft.loading.weight_choice import planned_weight_bytes
+from quickdraft.loading.weight_choice import head_kernel, planned_weight_bytes
 from quickdraft.models import Transformer, native, weight_bytes
 from quickdraft.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
 from quickdraft.speculative.run_ahead import RunAheadDrafter
@@ -259,7 +258,7 @@ def _memory_plan(o: EngineOptions, checkpoint: Checkpoint, fmt: str | None, draf
                  draft_fmt: str | None, self_layers: int | None, max_model_len: int) -> MemoryPlan:
     """Weights and KV caps of this configuration, from the headers alone (see ``memory.plan_memory``)."""
     cfg = checkpoint.config
-    head = lm_head_format(DEFAULT_LM_HEAD)
+    head = head_kernel(fmt, default_lm_head(fmt), checkpoint.tensor_types)
     weights = {"target": planned_weight_bytes(cfg, checkpoint.tensor_types, fmt, head, checkpoint.dtype)}
     # a sequence of the full context holds its drafts too (see the capacity check in build_engine)
     blocks = -(-(max_model_len + o.max_speculative_tokens + 1) // o.block_size)
@@ -274,7 +273,8 @@ def _memory_plan(o: EngineOptions, checkpoint: Checkpoint, fmt: str | None, draf
         dc = draft.config
         int4 = draft_fmt == "int4"
         quantized = draft_fmt if draft_fmt in QUANT_FORMATS else None
-        weights["draft"] = planned_weight_bytes(dc, draft.tensor_types, quantized, "int4" if int4 else head,
+        draft_head = "int4" if int4 else head_kernel(quantized, default_lm_head(quantized), draft.tensor_types)
+        weights["draft"] = planned_weight_bytes(dc, draft.tensor_types, quantized, draft_head,
                                                 draft.dtype, "int4" if int4 else "int8")
         if _keeps_float(draft_fmt, o.device):
             weights["draft float copy"] = planned_weight_bytes(dc, draft.tensor_types, None, None, draft.dtype)
@@ -297,7 +297,7 @@ def _kv_dtype(o: EngineOptions, checkpoint: Checkpoint) -> torch.dtype:
 def _keeps_float(fmt: str | None, device: str) -> bool:
     """A quantized draft keeps float weights too, for long prompts (see ModelRunner), except where the int4 kernel is
     faster at every length (``wide_int8_dot_products``)."""
-    int4_everywhere = fmt == "int4" and str(device).startswith("cpu") and native.wide_int8_dot_products()
+    int4_everywhere = fmt in ("int4", "gguf") and str(device).startswith("cpu") and native.wide_int8_dot_products()
     return fmt in QUANT_FORMATS and not int4_everywhere
 
 

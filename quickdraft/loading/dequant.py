@@ -2,7 +2,8 @@
 
 Every function takes the raw little-endian block bytes of a whole tensor and
 works on all blocks at once with tensor ops, matching ``gguf.quants.dequantize``
-bit for bit (same float32 operations in the same order). Large tensors are
+bit for bit (same float32 operations in the same order); the types newer than gguf-py (Q1_0, Q2_0) as llama.cpp's
+reference code computes them. Large tensors are
 processed in chunks of blocks only to bound the memory of the intermediates.
 """
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
 from quickdraft.errors import ModelLoadError
+from quickdraft.loading.ggml_types import BY_NAME, TYPES, type_name
+from quickdraft.models import block_formats
 
 QK_K = 256
 # Elements decoded per chunk: keeps the small uint8 temporaries cache-friendly and bounded.
@@ -133,51 +134,48 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     o.sub_(32).mul_(dl)
 
 
-_BLOCK_FUNCS: dict[GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor], None]] = {
-    GGMLQuantizationType.Q4_0: _q4_0,
-    GGMLQuantizationType.Q4_1: _q4_1,
-    GGMLQuantizationType.Q5_0: _q5_0,
-    GGMLQuantizationType.Q5_1: _q5_1,
-    GGMLQuantizationType.Q8_0: _q8_0,
-    GGMLQuantizationType.Q4_K: _q4_k,
-    GGMLQuantizationType.Q5_K: _q5_k,
-    GGMLQuantizationType.Q6_K: _q6_k,
+def _kernel_format(name: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A type the kernel reads whose float32 weights ``block_formats.dequantize`` gives (IQ4_NL, IQ4_XS, Q1_0, Q2_0:
+    the same products as gguf-py's and llama.cpp's reference code, one rounding each)."""
+    def func(blocks: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(block_formats.dequantize(name, blocks.reshape(-1), 1, out.numel()).reshape(out.shape))
+
+    return func
+
+
+_BLOCK_FUNCS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+    **{name: _kernel_format(name) for name in ("IQ4_NL", "IQ4_XS", "Q1_0", "Q2_0")},
 }
 
-SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.BF16,
-    *_BLOCK_FUNCS,
-)
+SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", *_BLOCK_FUNCS)
+SUPPORTED_IDS: frozenset[int] = frozenset(BY_NAME[name] for name in SUPPORTED_TYPES)
 
 
 def supported_type_names() -> str:
-    return ", ".join(t.name for t in SUPPORTED_TYPES)
+    return ", ".join(SUPPORTED_TYPES)
 
 
-def qtype_name(qtype: int | GGMLQuantizationType) -> str:
-    try:
-        return GGMLQuantizationType(int(qtype)).name
-    except ValueError:
-        return f"unknown type id {int(qtype)}"
+def qtype_name(qtype: int) -> str:
+    return type_name(qtype)
 
 
-def check_supported(qtype: int | GGMLQuantizationType, what: str = "tensor") -> GGMLQuantizationType:
-    """Return the enum member, or raise ModelLoadError naming the type and the supported list."""
-    try:
-        qt = GGMLQuantizationType(int(qtype))
-    except ValueError:
-        qt = None
-    if qt not in SUPPORTED_TYPES:
-        raise ModelLoadError(
-            f"{what} uses unsupported GGUF quantization type {qtype_name(qtype)}; "
-            f"supported: {supported_type_names()}"
-        )
-    return qt
+def check_supported(qtype: int, what: str = "tensor") -> str:
+    """The type's name, or raise ModelLoadError naming the type and the supported list."""
+    name = type_name(qtype)
+    if name not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"{what} uses unsupported GGUF quantization type {name}; supported: {supported_type_names()}")
+    return name
 
 
-def _as_bytes(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
+def as_bytes(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
     """Flat uint8 view of the raw data (no copy for numpy arrays and memmaps)."""
     if isinstance(raw, torch.Tensor):
         t = raw.detach().contiguous().reshape(-1)
@@ -189,7 +187,7 @@ def _as_bytes(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
-def dequantize(raw: np.ndarray | torch.Tensor, qtype: int | GGMLQuantizationType, shape: Sequence[int]) -> torch.Tensor:
+def dequantize(raw: np.ndarray | torch.Tensor, qtype: int, shape: Sequence[int]) -> torch.Tensor:
     """Decode a whole GGUF tensor to a new float32 tensor of ``shape``.
 
     ``raw`` is the tensor's data as stored in the file (uint8 block bytes, or
@@ -199,22 +197,23 @@ def dequantize(raw: np.ndarray | torch.Tensor, qtype: int | GGMLQuantizationType
     qt = check_supported(qtype)
     shape = tuple(int(s) for s in shape)
     n_elements = math.prod(shape)
-    block_size, type_size = GGML_QUANT_SIZES[qt]
+    geometry = TYPES[BY_NAME[qt]]
+    block_size, type_size = geometry.block, geometry.type_size
     if n_elements % block_size:
-        raise ModelLoadError(f"{qt.name} tensor of shape {shape} is not a whole number of {block_size}-element blocks")
-    data = _as_bytes(raw)
+        raise ModelLoadError(f"{qt} tensor of shape {shape} is not a whole number of {block_size}-element blocks")
+    data = as_bytes(raw)
     expected = n_elements // block_size * type_size
     if data.numel() != expected:
         raise ModelLoadError(
-            f"{qt.name} tensor of shape {shape} needs {expected} bytes but {data.numel()} were given "
+            f"{qt} tensor of shape {shape} needs {expected} bytes but {data.numel()} were given "
             "(corrupt or truncated file?)"
         )
 
-    if qt == GGMLQuantizationType.F32:
+    if qt == "F32":
         return data.view(torch.float32).clone().reshape(shape)
-    if qt == GGMLQuantizationType.F16:
+    if qt == "F16":
         return data.view(torch.float16).float().reshape(shape)
-    if qt == GGMLQuantizationType.BF16:
+    if qt == "BF16":
         return (data.view(torch.int16).to(torch.int32) << 16).view(torch.float32).reshape(shape)
 
     func = _BLOCK_FUNCS[qt]

@@ -12,13 +12,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+from gguf import LlamaFileType
 
 from quickdraft.config import MAX_CONTEXT, MAX_WIDTH, SUPPORTED_ARCHITECTURES, ModelConfig
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading import weight_cache
 from quickdraft.loading.checkpoint import Checkpoint, LazyTensors, fingerprint
-from quickdraft.loading.dequant import SUPPORTED_TYPES, dequantize, qtype_name, supported_type_names
+from quickdraft.loading.dequant import SUPPORTED_IDS, dequantize, qtype_name, supported_type_names
+from quickdraft.loading.ggml_types import TYPES
 from quickdraft.loading.gguf_families import (IGNORED, FloatReader, end_of_turn_texts, family_fields, fused_rows,
                                               hf_targets)
 from quickdraft.loading.gguf_metadata import GGUFHeader, int_value, positive_float, read_header, show
@@ -250,14 +251,14 @@ def read_index(path: Path) -> GGUFIndex:
         raise ModelLoadError(f"{path}: tensor {unused[0]} is not part of a {cfg.architecture!r} model"
                              f"{f' ({len(unused)} such tensors)' if len(unused) > 1 else ''}; is "
                              f"general.architecture right?")
-    unsupported = sorted({(qtype_name(r.qtype), r.gguf_name) for r in records.values() if r.qtype not in SUPPORTED_TYPES})
+    unsupported = sorted({(qtype_name(r.qtype), r.gguf_name) for r in records.values() if r.qtype not in SUPPORTED_IDS})
     if unsupported:
         types = sorted({tn for tn, _ in unsupported})
         raise ModelLoadError(
             f"{path}: unsupported GGUF quantization type {', '.join(types)} (e.g. tensor {unsupported[0][1]}); "
             f"supported: {supported_type_names()}"
         )
-    counts = Counter(GGMLQuantizationType(r.qtype).name for r in records.values())
+    counts = Counter(qtype_name(r.qtype) for r in records.values())
     return GGUFIndex(cfg, header.metadata, quantization_name(header.metadata, counts), records)
 
 
@@ -268,7 +269,7 @@ def split_rows(whole: TensorRecord, rows: tuple[int, ...], path: Path) -> list[T
         raise ModelLoadError(f"{path}: tensor {whole.gguf_name} has shape {whole.shape}; the model config needs "
                              f"{' + '.join(f'{n:,}' for n in rows)} = {sum(rows):,} rows in it (its parts one after "
                              f"another)")
-    if len(whole.shape) == 1 and GGML_QUANT_SIZES[GGMLQuantizationType(whole.qtype)][0] != 1:
+    if len(whole.shape) == 1 and TYPES[whole.qtype].block != 1:
         raise ModelLoadError(f"{path}: tensor {whole.gguf_name} is a 1-D {qtype_name(whole.qtype)} tensor; a fused "
                              f"vector must be stored in a float type to be split")
     per_row = whole.nbytes // whole.shape[0]
@@ -286,7 +287,7 @@ def _float_reader(path: Path, header: GGUFHeader) -> FloatReader:
 
     def read(name: str) -> np.ndarray:
         dims, qtype, offset, nbytes = places[name]
-        if qtype not in SUPPORTED_TYPES:
+        if qtype not in SUPPORTED_IDS:
             raise ModelLoadError(f"{path}: tensor {name} has type {qtype_name(qtype)}; supported: "
                                  f"{supported_type_names()}")
         raw = np.fromfile(path, dtype=np.uint8, count=nbytes, offset=offset)

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGUFValueType
 
 from quickdraft.errors import ModelLoadError
+from quickdraft.loading.dequant import supported_type_names
+from quickdraft.loading.ggml_types import ggml_type, type_name
 
 SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit counts
 # Limits far above any real model's header, so a hostile count is refused before anything is read:
@@ -201,15 +203,15 @@ def _walk(path: Path, buf: mmap.mmap | bytes, decode: bool) -> GGUFHeader:
     data_start = -(-h.pos // alignment) * alignment
     tensors = []
     for name, dims, raw_type, offset in infos:
-        try:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
-        except (ValueError, KeyError):
-            known = ", ".join(f"{t.name}={int(t)}" for t in GGML_QUANT_SIZES)
-            raise h.error(f"tensor {name!r} has unknown type {raw_type}; known GGML types: {known}") from None
+        known = ggml_type(raw_type)
+        if known is None:  # a type newer than this reader: its blocks' size is unknown, so nothing after it can be read
+            raise ModelLoadError(f"{path}: tensor {name!r} has GGML type id {raw_type}, a type quickdraft does not "
+                                 f"support; supported: {supported_type_names()}")
+        block, type_size = known.block, known.type_size
         if 0 in dims:
             raise h.error(f"tensor {name!r} has shape {dims}; every dimension must be at least 1")
         if dims[0] % block:
-            raise h.error(f"tensor {name!r} has shape {dims} of type {GGMLQuantizationType(raw_type).name}, whose "
+            raise h.error(f"tensor {name!r} has shape {dims} of type {known.name}, whose "
                           f"row length (the first dimension) must be a multiple of its block size {block}")
         n_bytes = math.prod(dims) // block * type_size
         if offset % alignment:
@@ -241,10 +243,15 @@ def read_header(path: str | Path) -> GGUFHeader:
     return _checked_header(Path(path), decode=True)
 
 
+def tensor_shapes(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """(GGML type name, shape in torch order) of every tensor by GGUF name, from the checked header alone."""
+    return {name: (type_name(raw), tuple(reversed(dims))) for name, dims, raw, _, _ in _checked_header(Path(path)).tensors}
+
+
 def tensor_types(path: str | Path) -> dict[str, str]:
     """GGML type name (``'Q4_1'``, ``'F32'``, ...) of every tensor by GGUF name, from the checked header alone:
     cheap enough to describe a file without reading its tensors or its metadata into Python values."""
-    return {name: GGMLQuantizationType(raw).name for name, _, raw, _, _ in _checked_header(Path(path)).tensors}
+    return {name: type_name(raw) for name, _, raw, _, _ in _checked_header(Path(path)).tensors}
 
 
 

@@ -22,6 +22,8 @@ from torch import nn
 from quickdraft.loading.quant_convert import set_module
 from quickdraft.loading.tensor_file import TensorFile, TensorFileWriter, open_tensor_file
 from quickdraft.loading.weight_cache import cache_root, dtype_name
+from quickdraft.models.block_formats import FORMATS
+from quickdraft.models.block_linear import BlockLinear
 from quickdraft.models.quant import Int4Linear, Int8Linear
 from quickdraft.models.quant_backends import cpu_capability, default_backend
 from quickdraft.models.quant_formats import unpack_nibbles
@@ -30,7 +32,7 @@ from quickdraft.models.transformer import Transformer
 log = logging.getLogger(__name__)
 
 # Bump when the quantization (rounding, mapping, stored layout) changes.
-QUANT_CACHE_VERSION = "6"
+QUANT_CACHE_VERSION = "7"
 
 
 def cache_layout(device: torch.device) -> str:
@@ -38,7 +40,7 @@ def cache_layout(device: torch.device) -> str:
     packing (which depends on the ISA and possibly the torch version), or portable nibbles off CPU."""
     backend = default_backend(device)
     if backend == "qmatmul":
-        return "qmatmul-v2"
+        return "qmatmul-v3"
     if backend == "torch":
         return f"cpu-{cpu_capability()}-torch{torch.__version__.split('+')[0]}"
     return "nibbles"
@@ -72,8 +74,9 @@ def quant_cache_entry(fingerprint: str, fmt: str, group_size: int, lm_head: str 
 
 def _module_tensors(name: str, mod: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a quantized layer is cached as: each kernel's own layout, loaded back without conversion."""
-    if mod.backend == "qmatmul":
-        return {f"{name}.kweight": mod.kweight, f"{name}.kscales": mod.kscales}
+    if mod.backend == "qmatmul":  # a BlockLinear keeps its scales inside its rows
+        kernel = {f"{name}.kweight": mod.kweight, f"{name}.kscales": mod.kscales}
+        return {key: t for key, t in kernel.items() if t is not None}
     if isinstance(mod, Int8Linear):
         return {f"{name}.qweight": mod.qweight, f"{name}.scales": mod.scales}
     assert isinstance(mod, Int4Linear)
@@ -99,7 +102,7 @@ def write_quantized(path: Path, meta: dict[str, str], model: Transformer, layers
             for name, mod, is_exact in layers:
                 for key, t in _module_tensors(name, mod).items():
                     writer.add(key, t)
-                kinds[name] = "int4" if isinstance(mod, Int4Linear) else "int8"
+                kinds[name] = mod.kernel_name
                 exact += is_exact
                 del mod  # written: not held while the next one is made
             for name, make in late.items():
@@ -138,9 +141,11 @@ def _cached_layer(f: dict[str, torch.Tensor], keys: set[str], name: str, kind: s
     """The quantized layer cached under ``name``, built straight from the kernel's own tensors where it runs."""
     bias = None if old.bias is None else old.bias.detach()
     out_f, in_f = old.weight.shape
-    if f"{name}.kweight" in keys and device.type == "cpu":
+    if kind in FORMATS:
+        mod: nn.Module = BlockLinear(f[f"{name}.kweight"], kind, in_f, bias)
+    elif f"{name}.kweight" in keys and device.type == "cpu":
         cls = Int8Linear if kind == "int8" else Int4Linear
-        mod: nn.Module = cls.from_kernel_tensors(f[f"{name}.kweight"], f[f"{name}.kscales"], in_f, bias)
+        mod = cls.from_kernel_tensors(f[f"{name}.kweight"], f[f"{name}.kscales"], in_f, bias)
     elif kind == "int8":
         mod = Int8Linear(f[f"{name}.qweight"].to(device), f[f"{name}.scales"].to(device), bias)
     elif f"{name}.packed" in keys and device.type == "cpu":

@@ -1,34 +1,36 @@
-"""Checkpoint tensors -> Int4Linear / Int8Linear layers in a built Transformer (``quantize_model``).
+"""Checkpoint tensors -> quantized layers in a built Transformer (``quantize_model``), in one of three formats:
 
-int4 from a GGUF: Q4_0, Q4_1 and Q4_K tensors are already affine int4 over 32-element (sub-)blocks
-along the input dimension, exactly the kernel's ``(q - 8) * scale + zero`` with group size 32:
+* ``gguf``: every tensor of a GGUF in its own GGML type, repacked for the kernel at the file's size (``BlockLinear``,
+  ``models/block_formats.py``); a tensor the file stores in a float type becomes int8.
+* ``int4``: Q4_0, Q4_1 and Q4_K tensors map exactly onto quickdraft's int4 (``gguf_int4.py``); tensors the GGUF
+  stores with more bits (Q5_*, Q6_K, Q8_0, F16, ...) become int8 by default (``wide_sources='int8'``; ``'int4'``
+  requantizes them).
+* ``int8``: every tensor requantized per output channel.
 
-* Q4_0 ``d * (q - 8)``                -> scale ``d``,      zero ``0``
-* Q4_1 ``d * q + m``                  -> scale ``d``,      zero ``m + 8 d``
-* Q4_K ``d sc_j * q - dmin m_j``      -> scale ``d sc_j``, zero ``8 d sc_j - dmin m_j``
-
-so their 4-bit values are taken as they are and only scale/zero are rounded to bfloat16 (the kernel's
-scale dtype). Tensors the GGUF stores with more bits (Q5_*, Q6_K, Q8_0, F16, ...) become int8 by default
-(``wide_sources='int8'``; ``'int4'`` requantizes them). Requantization (those, int8, other group sizes, HF
-checkpoints) starts from the float32-dequantized GGUF weights, not from the possibly bfloat16 model weights:
-round to nearest, per-channel absmax (int8) or per-group min/max (int4).
+Requantization (int8, int4 of other types or group sizes, HF checkpoints) starts from the float32-dequantized GGUF
+weights, not from the possibly bfloat16 model weights: round to nearest, per-channel absmax (int8) or per-group
+min/max (int4).
 """
 from __future__ import annotations
 
 import logging
-import warnings
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import InvalidParameterError
 from quickdraft.loading.checkpoint import Checkpoint
+from quickdraft.loading.ggml_types import type_name
 from quickdraft.loading.gguf import single_thread
+from quickdraft.loading.dequant import as_bytes
+from quickdraft.loading.gguf_int4 import INT4_TYPES, gguf_int4_params
+from quickdraft.models.block_formats import FORMATS, repack
+from quickdraft.models.block_linear import BlockLinear
 from quickdraft.models.quant import Int4Linear, Int8Linear
 from quickdraft.models.quant_backends import default_backend
 from quickdraft.models.quant_formats import INT4_GROUP_SIZES, quantize_int4, quantize_int8
@@ -36,7 +38,7 @@ from quickdraft.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
-QUANT_FORMATS = ("int4", "int8")
+QUANT_FORMATS = ("gguf", "int4", "int8")
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -60,87 +62,16 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
-# ---- GGUF int4 blocks -> (q, scale, zero) ------------------------------------------------------------------
-
-
-def _as_bytes(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """A tensor's raw block data as flat uint8, without a copy."""
-    if isinstance(raw, torch.Tensor):
-        return raw.detach().contiguous().reshape(-1).view(torch.uint8)
-    arr = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only memmap: never written through
-        return torch.from_numpy(arr)
-
-
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """Pairs of bytes read as float16, widened to float32."""
-    return b.contiguous().view(torch.float16).float()
-
-
-def _low_high(qs: torch.Tensor, group: int) -> torch.Tensor:
-    """[n, c*group] bytes -> [n, c, 2, group]: low nibbles then high nibbles of each ``group`` bytes."""
-    q = qs.reshape(qs.shape[0], -1, 1, group)
-    return torch.cat((q & 0x0F, q >> 4), dim=2)
-
-
-def gguf_int4_types() -> tuple:
-    """The GGUF types that map exactly to int4 with group 32."""
-    from gguf import GGMLQuantizationType as T
-
-    return (T.Q4_0, T.Q4_1, T.Q4_K)
-
-
-INT4_TYPES = tuple(t.name for t in gguf_int4_types())  # Q4_0, Q4_1, Q4_K: mapped exactly to int4 (group 32)
-
-
 def layer_kernel(fmt: str, stored: str | None, wide_sources: str = "int8") -> str:
-    """The kernel a decoder-layer linear runs on in a model of format ``fmt``, given the GGML type its file stores it
-    in (``stored``; None: not a GGUF tensor): an int4 model keeps a tensor stored with more bits than 4 (Q5_*, Q6_K,
-    Q8_0, F16, ...) in int8 where ``wide_sources='int8'``. One rule for the conversion and for the plans made from a
-    file's header (``weight_choice.planned_kernels``, ``planned_weight_bytes``)."""
+    """The kernel a linear runs on in a model of format ``fmt``, given the GGML type its file stores it in
+    (``stored``; None: not a GGUF tensor): ``gguf`` runs each tensor on its own type's kernel (``int8`` for a float
+    or HF tensor); an int4 model keeps a tensor stored with more bits than 4 (Q5_*, Q6_K, Q8_0, F16, ...) in int8
+    where ``wide_sources='int8'``. One rule for the conversion and for the plans made from a file's header
+    (``weight_choice.planned_kernels``, ``planned_weight_bytes``)."""
+    if fmt == "gguf":
+        return stored if stored in FORMATS else "int8"
     wide = stored is not None and stored not in INT4_TYPES
     return "int8" if fmt == "int4" and wide_sources == "int8" and wide else fmt
-
-
-def gguf_int4_params(raw: np.ndarray | torch.Tensor, qtype: int, shape: tuple[int, int]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Exact group-32 affine form of a Q4_0 / Q4_1 / Q4_K tensor: ``(q uint8 [N, K], scale, zero)`` with
-    float32 ``[N, K // 32]`` scale/zero such that ``(q - 8) * scale + zero`` equals the GGUF dequantization
-    (up to one float32 rounding in ``zero``). None for any other type."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-
-    try:
-        qt = T(int(qtype))
-    except ValueError:
-        return None
-    if qt not in gguf_int4_types():
-        return None
-    n, k = (int(s) for s in shape)
-    block, type_size = GGML_QUANT_SIZES[qt]
-    data = _as_bytes(raw)
-    if k % block or data.numel() != n * k // block * type_size:
-        raise ValueError(f"{qt.name} data of {data.numel()} bytes does not fit shape {(n, k)}")
-    blocks = data.reshape(-1, type_size)
-    nb = blocks.shape[0]
-    if qt == T.Q4_0:
-        q = _low_high(blocks[:, 2:], 16).reshape(nb, 32)
-        scale = _f16(blocks[:, :2])
-        zero = torch.zeros_like(scale)
-    elif qt == T.Q4_1:
-        q = _low_high(blocks[:, 4:], 16).reshape(nb, 32)
-        scale = _f16(blocks[:, :2])
-        zero = _f16(blocks[:, 2:4]) + 8.0 * scale
-    else:  # Q4_K: 8 sub-blocks of 32 with 6-bit scales and mins
-        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-        s = blocks[:, 4:16].reshape(nb, 3, 4)
-        s0, s1, s2 = s[:, 0], s[:, 1], s[:, 2]
-        sc = torch.cat((s0 & 0x3F, (s2 & 0x0F) | ((s0 >> 2) & 0x30)), dim=-1).float()
-        mn = torch.cat((s1 & 0x3F, (s2 >> 4) | ((s1 >> 2) & 0x30)), dim=-1).float()
-        q = _low_high(blocks[:, 16:], 32).reshape(nb * 8, 32)
-        scale = (d * sc).reshape(-1, 1)
-        zero = (8.0 * scale - (dmin * mn).reshape(-1, 1))
-    return q.reshape(n, k), scale.reshape(n, k // 32), zero.reshape(n, k // 32)
 
 
 # ---- model conversion --------------------------------------------------------------------------------------
@@ -196,17 +127,16 @@ class Sources:
             key = EMBED
         return key if self.blocks is not None and key in types else None
 
-    def stored_type(self, name: str) -> str | None:
-        """The GGML type name the file stores this weight in (None: not in the file's blocks)."""
-        from gguf import GGMLQuantizationType
-
-        qtype = (self.block_types or {}).get(name + ".weight")
-        return None if qtype is None else GGMLQuantizationType(int(qtype)).name
+    def stored_type(self, name: str, cfg: ModelConfig) -> str | None:
+        """The GGML type name the file stores this weight in (a tied lm_head: the embedding's; None: not in the
+        file's blocks)."""
+        key = self._stored_key(name, cfg)
+        return None if key is None else type_name(self.block_types[key])
 
     def _block_rows(self, key: str, shape: tuple[int, int], heads: int | None, rows: slice | torch.Tensor
                     ) -> tuple[torch.Tensor, tuple[int, int]]:
         """The stored bytes of ``rows`` and their shape (all rows where q/k rows must be unpermuted first)."""
-        data = _as_bytes(self.blocks[key])
+        data = as_bytes(self.blocks[key])
         if heads:
             return data, shape
         per_row = data.numel() // shape[0]
@@ -252,6 +182,19 @@ class Sources:
                 return (*mapped, True)
         return (*quantize_int4(self.float32(name, linear, cfg, (r0, r1)), group_size), False)
 
+    def kernel_rows(self, name: str, linear: nn.Linear, cfg: ModelConfig, kernel: str, rows: tuple[int, int]
+                    ) -> torch.Tensor:
+        """Rows ``rows`` of the file's blocks of ``name`` (stored as ``kernel``, a GGML type) repacked for the kernel:
+        ``[r1 - r0, row_bytes]`` uint8 (q/k rows unpermuted; a tied head: the embedding's rows)."""
+        from quickdraft.loading.gguf import unpermute_rows
+
+        r0, r1 = rows
+        src = self._stored_key(name, cfg)
+        heads = _unpermute(name, cfg)
+        data, (n, k) = self._block_rows(src, _source_shape(name, linear, cfg), heads, self._rows(name, r0, r1))
+        packed = repack(kernel, data, n, k)
+        return unpermute_rows(packed, heads)[r0:r1].contiguous() if heads else packed
+
     def reads_rows(self, name: str, cfg: ModelConfig) -> bool:
         """A block of this weight's rows can be read without the rest: the file's blocks hold it (or the embedding
         a tied head reads) and no q/k permutation mixes its rows."""
@@ -265,7 +208,7 @@ def _source_shape(name: str, linear: nn.Linear, cfg: ModelConfig) -> tuple[int, 
 
 def check_quant_options(model: Transformer, fmt: str, group_size: int, lm_head: bool | str, wide_sources: str) -> None:
     """Raise InvalidParameterError for a format, group size or option the model's layers cannot take."""
-    if wide_sources not in QUANT_FORMATS:
+    if wide_sources not in ("int4", "int8"):
         raise InvalidParameterError(f"wide_sources must be 'int4' or 'int8', got {wide_sources!r}")
     if fmt not in QUANT_FORMATS:
         raise InvalidParameterError(f"quantized weight format must be one of {', '.join(QUANT_FORMATS)}, got {fmt!r}")
@@ -283,14 +226,18 @@ def quantized_layers(model: Transformer, fmt: str, sources: Sources, device: tor
                      lm_head: bool | str = False, wide_sources: str = "int8") -> Iterator[tuple[str, nn.Module, bool]]:
     """``(name, quantized layer, exact)`` for each linear to replace, made one at a time (at most one float32 weight
     alive), on ``device``; the model is not changed (its linears may be meta placeholders). ``exact``: int4 values
-    taken as they are from GGUF Q4 blocks."""
+    taken as they are from the file's blocks (GGUF Q4 blocks as int4, every GGML type the kernel reads in ``gguf``)."""
     check_quant_options(model, fmt, group_size, lm_head, wide_sources)
     cfg = model.config
     head_fmt = lm_head_format(lm_head)
     with single_thread():
         for name, linear in quantizable_linears(model, head_fmt is not None).items():
-            f = head_fmt if name == "lm_head" else layer_kernel(fmt, sources.stored_type(name), wide_sources)
-            yield (name, *_quantized(name, linear, f, sources, cfg, group_size, device))
+            if name == "lm_head" and head_fmt != "gguf":
+                kernel = head_fmt
+            else:
+                kernel = layer_kernel(head_fmt if name == "lm_head" else fmt, sources.stored_type(name, cfg),
+                                      wide_sources)
+            yield (name, *_quantized(name, linear, kernel, sources, cfg, group_size, device))
 
 
 def _quantized(name: str, linear: nn.Linear, fmt: str, sources: Sources, cfg: ModelConfig, group_size: int,
@@ -300,6 +247,12 @@ def _quantized(name: str, linear: nn.Linear, fmt: str, sources: Sources, cfg: Mo
     no float32 copy of the whole matrix is ever made (``CHUNK_BYTES`` of it at a time)."""
     bias = None if linear.bias is None else linear.bias.detach().to(device)
     n = linear.out_features
+    if fmt in FORMATS:  # the file's own blocks, repacked a block of rows at a time (q/k rows unpermuted whole)
+        kweight = torch.empty(n, FORMATS[fmt].row_bytes(linear.in_features), dtype=torch.uint8)
+        step = max(1, CHUNK_BYTES // linear.in_features) if sources.reads_rows(name, cfg) else n
+        for r0 in range(0, n, step):
+            kweight[r0:r0 + step] = sources.kernel_rows(name, linear, cfg, fmt, (r0, min(n, r0 + step)))
+        return BlockLinear(kweight, fmt, linear.in_features, bias), True
 
     def part(rows: tuple[int, int] | None, part_bias: torch.Tensor | None) -> tuple[nn.Module, bool]:
         if fmt == "int8":
@@ -331,13 +284,13 @@ def _quantized(name: str, linear: nn.Linear, fmt: str, sources: Sources, cfg: Mo
 def quant_info(fmt: str, group_size: int, wide_sources: str, head_fmt: str | None, kinds: dict[str, str],
                exact: int) -> dict[str, Any]:
     """What ``Transformer.quant_info`` records of a conversion (kept with the cached layers); ``kinds``: each
-    replaced layer's format by name."""
-    if fmt == "int4":
-        log.info("int4: %d of %d linear layers mapped exactly from GGUF Q4 blocks, the rest requantized",
-                 exact, len(kinds))
-    counts = {f: sum(1 for k in kinds.values() if k == f) for f in QUANT_FORMATS}
-    return {"format": fmt, "group_size": group_size if fmt == "int4" else None, "exact_gguf_int4": exact,
-            "layers": counts, "wide_sources": wide_sources, "lm_head": head_fmt if "lm_head" in kinds else None}
+    replaced layer's kernel (``int4``, ``int8`` or a GGML type) by name."""
+    if fmt != "int8":
+        log.info("%s: %d of %d linear layers taken exactly from the file's blocks, the rest requantized",
+                 fmt, exact, len(kinds))
+    return {"format": fmt, "group_size": group_size if fmt == "int4" else None, "exact_from_file": exact,
+            "layers": dict(Counter(kinds.values())), "wide_sources": wide_sources,
+            "lm_head": head_fmt if "lm_head" in kinds else None}
 
 
 def quantize_model(model: Transformer, fmt: str, sources: Sources | None = None, *, group_size: int = 32,
@@ -358,17 +311,18 @@ def quantize_model(model: Transformer, fmt: str, sources: Sources | None = None,
     for name, mod, is_exact in quantized_layers(model, fmt, sources or Sources(), device, group_size=group_size,
                                                 lm_head=lm_head, wide_sources=wide_sources):
         set_module(model, name, mod)
-        kinds[name], exact = ("int4" if isinstance(mod, Int4Linear) else "int8"), exact + is_exact
+        kinds[name], exact = mod.kernel_name, exact + is_exact
     model.quant_info = quant_info(fmt, group_size, wide_sources, lm_head_format(lm_head), kinds, exact)
     return model
 
 
 def lm_head_format(lm_head: bool | str | None) -> str | None:
-    """The lm_head's quantized format from the ``lm_head`` option; None keeps it in the model dtype."""
+    """The lm_head's quantized format from the ``lm_head`` option (``'gguf'``: the file's own type); None keeps it in
+    the model dtype."""
     if lm_head is None or lm_head is False:
         return None
     if lm_head is True:
         return "int8"
     if lm_head in QUANT_FORMATS:
         return lm_head
-    raise InvalidParameterError(f"lm_head must be False, True, 'int8' or 'int4', got {lm_head!r}")
+    raise InvalidParameterError(f"lm_head must be False, True, 'gguf', 'int8' or 'int4', got {lm_head!r}")

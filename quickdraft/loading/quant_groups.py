@@ -2,7 +2,7 @@
 in place, whether just converted or loaded from the cache."""
 from __future__ import annotations
 
-from quickdraft.models.quant import QuantGroup, QuantLinear
+from quickdraft.models.quant_group import QuantGroup, QuantLinear
 from quickdraft.models.transformer import Transformer
 
 

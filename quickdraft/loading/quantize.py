@@ -23,6 +23,7 @@ quantized matmul).
 from __future__ import annotations
 
 import functools
+import math
 import reprlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,13 +35,14 @@ from quickdraft.config import ModelConfig
 from quickdraft.errors import InvalidParameterError
 from quickdraft.loading.checkpoint import Checkpoint
 from quickdraft.loading.gguf import hf_tensor_types
-from quickdraft.loading.gguf_metadata import tensor_types as gguf_tensor_types
+from quickdraft.loading.gguf_metadata import tensor_shapes, tensor_types as gguf_tensor_types
 from quickdraft.loading.pack_float import pack_float_linears
 from quickdraft.loading.quant_cache import install_quantized, open_quantized, quant_cache_entry, write_quantized
 from quickdraft.loading.quant_convert import (
     EMBED,
     QUANT_FORMATS,
     Sources,
+    layer_kernel,
     lm_head_format,
     quant_info,
     quantizable_linears,
@@ -49,29 +51,41 @@ from quickdraft.loading.quant_convert import (
 )
 from quickdraft.loading.weight_cache import dtype_name, float_weights
 from quickdraft.loading.quant_groups import fuse_quant_linears
-from quickdraft.loading.weight_choice import (auto_format, describe_float, describe_kernels, kernel_sources,
-                                             layer_linear_types, planned_kernels)
+from quickdraft.loading.weight_choice import (auto_format, describe_float, describe_kernels, head_kernel,
+                                             kernel_sources, layer_linear_types, planned_kernel_bytes,
+                                             planned_kernels)
+from quickdraft.models import qmatmul
 from quickdraft.models.quant_formats import INT4_GROUP_SIZES
-from quickdraft.models.transformer import Transformer, build_model
+from quickdraft.models.transformer import Transformer, build_model, step_weight_bytes
 
-WEIGHT_FORMATS = ("auto", "int4", "int8", "bfloat16", "float32")
+WEIGHT_FORMATS = ("auto", "gguf", "int4", "int8", "bfloat16", "float32")
 FLOAT_FORMATS = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-# lm_head (tied or not) in load_model: int8 (see bench/quant_accuracy.py for the trade-off).
+# lm_head (tied or not) in load_model of an int4/int8 model: int8 (see bench/quant_accuracy.py for the trade-off); a
+# gguf model keeps the file's own type there too.
 DEFAULT_LM_HEAD: bool | str = "int8"
 
 
+def default_lm_head(fmt: str | None) -> str:
+    """The lm_head's format ``load_model`` gives a model in ``fmt`` by default."""
+    return "gguf" if fmt == "gguf" else DEFAULT_LM_HEAD
+
+
 def resolve_weights(weights: str, device: str = "cpu", tensor_types: Mapping[str, str] | None = None) -> str | None:
-    """The weight format to run: ``'int4'``, ``'int8'``, ``'bfloat16'``, ``'float32'``, or None for float weights
-    in the model dtype.
+    """The weight format to run: ``'gguf'``, ``'int4'``, ``'int8'``, ``'bfloat16'``, ``'float32'``, or None for float
+    weights in the model dtype.
 
     ``'auto'`` on CPU follows the checkpoint whose ``tensor_types`` are given (``weight_choice.auto_format``): a
-    decode step reads about the bytes the file holds, not its dequantized size. A Q4 GGUF runs int4, a Q5/Q6/Q8
-    one int8, a float GGUF or an HF directory float weights. Off CPU it keeps float weights (the quantized layers
-    only have a slow dequantize fallback there)."""
+    decode step reads the bytes the file holds, not its dequantized size. A quantized GGUF runs ``'gguf'`` (each
+    tensor in its own type), a float GGUF or an HF directory float weights. Off CPU it keeps float weights (the
+    quantized layers only have a slow dequantize fallback there). ``'gguf'`` needs the qmatmul kernel on CPU."""
     if not isinstance(weights, str) or weights not in WEIGHT_FORMATS:
         raise InvalidParameterError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     if weights == "auto":
         return auto_format(tensor_types) if str(device).startswith("cpu") else None
+    if weights == "gguf" and not (str(device).startswith("cpu") and qmatmul.available()):
+        raise InvalidParameterError(f"weights='gguf' runs the file's own quantization on quickdraft's CPU kernel, "
+                                    f"which is unavailable here ({qmatmul.unavailable_reason() or f'device {device}'});"
+                                    f" use 'int4', 'int8' or a float format")
     return weights
 
 
@@ -160,7 +174,7 @@ def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "c
                                     f"got {fmt!r}")
     device = torch.device(device)
     cfg = checkpoint.config
-    head_fmt = lm_head_format(DEFAULT_LM_HEAD if lm_head is None else lm_head)
+    head_fmt = lm_head_format(default_lm_head(fmt) if lm_head is None else lm_head)
     names = _linear_names(cfg, head_fmt is not None)
     skip = {name + ".weight" for name in names}  # made from the file's blocks, never as float weights
     options = {"group_size": group_size, "lm_head": head_fmt or False, "wide_sources": wide_sources}
@@ -225,18 +239,44 @@ def _load_float(checkpoint: Checkpoint, device: str | torch.device, head_rows: i
 
 
 def weights_summary(model: Transformer, checkpoint: Checkpoint, weights: str) -> str:
-    """One line on the kernels ``model`` (built from ``checkpoint`` in format ``weights``) runs, e.g.
-    ``'weights: int4 kernels for 210 tensors (Q4_1), int8 for 1 (Q8_0 lm_head)'``."""
+    """One line on the kernels ``model`` (built from ``checkpoint`` in format ``weights``) runs and the weight bytes a
+    decode step reads, e.g. ``'weights: Q4_K kernels for 169 tensors (Q4_K), Q6_K for 29 (28 Q6_K, Q6_K lm_head);
+    1.09 GB read per token'``."""
     kernels = model.quant_info.get("kernels")
     if weights in QUANT_FORMATS and kernels:
-        return describe_kernels(kernels)
-    return describe_float(checkpoint.tensor_types, checkpoint.config.num_layers, weights, checkpoint.quantization)
+        line = describe_kernels(kernels)
+    else:
+        line = describe_float(checkpoint.tensor_types, checkpoint.config.num_layers, weights, checkpoint.quantization)
+    return f"{line}; {step_weight_bytes(model) / 1e9:.3g} GB read per token"
 
 
-def file_defaults(path: str | Path) -> tuple[str, str]:
+def file_defaults(path: str | Path) -> tuple[str, str, int | None]:
     """(how a GGUF file stores its decoder-layer linears, e.g. ``'Q4_K+Q6_K'``; the kernels ``'auto'`` runs them
-    on, e.g. ``'int4 x168, int8 x29'`` counting the lm_head, or ``'float'``), from the file's header alone."""
+    on, e.g. ``'Q4_K x169, Q6_K x29'`` counting the lm_head, or ``'float'``; the weight bytes a decode step of those
+    kernels reads, None for float weights), from the file's header alone."""
     types = hf_tensor_types(gguf_tensor_types(path))
     stored = "+".join(t for t, _ in layer_linear_types(types).most_common()) or "?"
     kernels = planned_kernels(types, lm_head_format(DEFAULT_LM_HEAD))
-    return stored, "float" if kernels is None else ", ".join(f"{k} x{n}" for k, n in kernels.items())
+    if kernels is None:
+        return stored, "float", None
+    return stored, ", ".join(f"{k} x{n}" for k, n in kernels.items()), planned_step_bytes(path)
+
+
+def planned_step_bytes(path: str | Path) -> int:
+    """Weight bytes one decode step of the kernels ``'auto'`` runs a GGUF on reads, from the header alone: every
+    linear in its kernel's layout (the lm_head too: a tied one reads the embedding's rows whole), norms as float32;
+    the embedding table is left out (a step reads one row of it per token)."""
+    table = tensor_shapes(path)
+    types = hf_tensor_types({name: t for name, (t, _) in table.items()})
+    fmt = auto_format(types)
+    head = head_kernel(fmt, default_lm_head(fmt), types)
+    total = 0
+    for name, (stored, shape) in table.items():
+        if name == "token_embd.weight" and "output.weight" in table:
+            continue
+        kernel = head if name in ("output.weight", "token_embd.weight") else layer_kernel(fmt, stored) if fmt else None
+        if len(shape) == 2 and kernel is not None:
+            total += planned_kernel_bytes(shape, kernel)
+        else:
+            total += math.prod(shape) * 4
+    return total

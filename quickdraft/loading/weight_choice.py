@@ -3,12 +3,12 @@
 ``'auto'`` follows the file, judged by the GGML types of the decoder layers' linear weights
 (``Checkpoint.tensor_types``, kept with the checkpoint, so nothing is read again):
 
-* any stored as Q4_0 / Q4_1 / Q4_K -> ``'int4'``: those blocks map exactly onto the int4 kernel, and the layers the
-  file stores with more bits (Q5_*, Q6_K, Q8_0, F16) run int8 (``load_model``'s ``wide_sources='int8'``),
-  so no layer runs on fewer bits than the file gives it and a decode step reads close to the file's bytes, not
-  its dequantized size;
-* else any quantized (Q5_*, Q6_K, Q8_0) -> ``'int8'``;
-* else (F32 / F16 / BF16 GGUFs, Hugging Face directories) -> float weights in the model dtype.
+* any stored in a type the qmatmul kernel reads (``block_formats.FORMATS``: Q4_0 .. Q8_0, the K-quants, IQ4_NL,
+  IQ4_XS, Q1_0, Q2_0) -> ``'gguf'``: every tensor runs in its own type, lm_head included, so a decode step reads
+  the file's bytes (a tensor stored in a float type runs int8);
+* without the kernel (no compiler, not x86-64): Q4_0 / Q4_1 / Q4_K -> ``'int4'`` (those blocks map exactly onto
+  torch's int4 kernel, wider layers int8), any other quantized type -> ``'int8'``;
+* else (F32 / F16 / BF16 GGUFs, HF directories) -> float weights in the model dtype.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from quickdraft.config import ModelConfig
 from quickdraft.loading.gguf import expected_shapes
 from quickdraft.loading.quant_convert import INT4_TYPES, LAYER_LINEARS, layer_kernel
 from quickdraft.models import qmatmul
-from quickdraft.models.quant import Int4Linear, Int8Linear
+from quickdraft.models.block_formats import FORMATS
 from quickdraft.models.transformer import Transformer
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
@@ -39,6 +39,8 @@ def auto_format(tensor_types: Mapping[str, str] | None) -> str | None:
     """The format ``'auto'`` runs a checkpoint with these tensor types in on CPU (see the module doc):
     ``'int4'``, ``'int8'``, or None for float weights in the model dtype (also for None: no GGUF types)."""
     types = layer_linear_types(tensor_types)
+    if qmatmul.available() and any(t in FORMATS for t in types):
+        return "gguf"
     if any(t in INT4_TYPES for t in types):
         return "int4"
     if any(t not in FLOAT_TYPES for t in types):
@@ -46,44 +48,58 @@ def auto_format(tensor_types: Mapping[str, str] | None) -> str | None:
     return None
 
 
-def planned_kernels(tensor_types: Mapping[str, str] | None, head_kernel: str | None) -> dict[str, int] | None:
+def head_kernel(fmt: str | None, head_fmt: str | None, tensor_types: Mapping[str, str] | None) -> str | None:
+    """The kernel of the lm_head of a model in ``fmt`` (None: float weights): ``head_fmt``, or with ``'gguf'`` the
+    type the file stores it in (a tied head: the embedding's)."""
+    if fmt is None or head_fmt is None:
+        return None
+    return layer_kernel("gguf", (tensor_types or {}).get("lm_head.weight")) if head_fmt == "gguf" else head_fmt
+
+
+def planned_kernels(tensor_types: Mapping[str, str] | None, head_fmt: str | None) -> dict[str, int] | None:
     """Linear layers per kernel that ``'auto'`` runs a file with these types on, read from the types alone (the
-    rule of ``quantize_model`` with ``wide_sources='int8'``), the lm_head on ``head_kernel``; None: float weights."""
+    rule of ``quantize_model`` with ``wide_sources='int8'``), the lm_head in ``head_fmt`` (``'gguf'`` in a ``'gguf'``
+    model) included; None: float weights."""
     fmt = auto_format(tensor_types)
     if fmt is None:
         return None
-    layers = layer_linear_types(tensor_types)
-    counts = Counter({"int4": 0, "int8": 0})
-    for t, n in layers.items():
+    counts: Counter = Counter()
+    for t, n in layer_linear_types(tensor_types).items():
         counts[layer_kernel(fmt, t)] += n
-    if head_kernel is not None:
-        counts[head_kernel] += 1
-    return {k: n for k, n in counts.items() if n}
+    head = head_kernel(fmt, "gguf" if fmt == "gguf" else head_fmt, tensor_types)
+    if head is not None:
+        counts[head] += 1
+    return dict(counts.most_common())
+
+
+def planned_kernel_bytes(shape: tuple[int, ...], kernel: str) -> int:
+    """Bytes of an ``[N, K]`` linear on ``kernel`` (a GGML type, ``int4`` or ``int8``) in the qmatmul layout."""
+    if kernel in FORMATS:
+        return shape[0] * FORMATS[kernel].row_bytes(shape[1])
+    return qmatmul.packed_bytes(shape[0], shape[1], 4 if kernel == "int4" else 8)
 
 
 def planned_weight_bytes(cfg: ModelConfig, tensor_types: Mapping[str, str] | None, fmt: str | None,
-                         head_kernel: str | None, dtype: torch.dtype, wide_sources: str = "int8") -> int:
+                         head: str | None, dtype: torch.dtype, wide_sources: str = "int8") -> int:
     """Bytes the weights of a model built in ``fmt`` (None: float weights in ``dtype``) will hold, from its config and
     the file's tensor types alone (before loading): linears in the qmatmul layout or in ``dtype``, the lm_head on
-    ``head_kernel`` (a tied one as its own copy), the embedding table, norms and biases in ``dtype``."""
+    the kernel ``head`` (a tied one as its own copy), the embedding table, norms and biases in ``dtype``."""
     types = tensor_types or {}
-
-    def kernel_bytes(shape: tuple[int, ...], kernel: str) -> int:
-        return qmatmul.packed_bytes(shape[0], shape[1], 4 if kernel == "int4" else 8)
+    kernel_bytes = planned_kernel_bytes
 
     total = 0
     for name, shape in expected_shapes(cfg).items():
         if fmt is not None and _LAYER_LINEAR.fullmatch(name):
             total += kernel_bytes(shape, layer_kernel(fmt, types.get(name), wide_sources))
-        elif fmt is not None and head_kernel is not None and name == "lm_head.weight":
-            total += kernel_bytes(shape, head_kernel)
+        elif fmt is not None and head is not None and name == "lm_head.weight":
+            total += kernel_bytes(shape, head)
         else:
             total += math.prod(shape) * dtype.itemsize
-    head = (cfg.vocab_size, cfg.hidden_size)
+    head_shape = (cfg.vocab_size, cfg.hidden_size)
     if cfg.tie_word_embeddings and fmt is None:  # packed float layers give the head its own copy
-        total += math.prod(head) * dtype.itemsize
-    elif cfg.tie_word_embeddings and head_kernel is not None:
-        total += kernel_bytes(head, head_kernel)
+        total += math.prod(head_shape) * dtype.itemsize
+    elif cfg.tie_word_embeddings and head is not None:
+        total += kernel_bytes(head_shape, head)
     return total
 
 
@@ -94,8 +110,7 @@ def kernel_sources(model: Transformer, names: Iterable[str], tensor_types: Mappi
     tensor the GGUF types do not cover (an HF checkpoint)."""
     out: dict[str, dict[str, int]] = {}
     for name in names:
-        mod = model.get_submodule(name)
-        kernel = "int4" if isinstance(mod, Int4Linear) else "int8" if isinstance(mod, Int8Linear) else None
+        kernel = getattr(model.get_submodule(name), "kernel_name", None)  # quantized layers name their kernel
         if kernel is None:
             continue
         label = (tensor_types or {}).get(name + ".weight", fallback) + (" lm_head" if name == "lm_head" else "")

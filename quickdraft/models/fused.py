@@ -21,7 +21,7 @@ from torch import nn
 
 from quickdraft.models import native, qmatmul
 from quickdraft.models.packed import PackedLinear
-from quickdraft.models.quant import QuantGroup, QuantLinear
+from quickdraft.models.quant_group import QuantGroup, QuantLinear
 
 _QUANTIZED, _BF16 = 1, 2
 _P = ctypes.c_void_p
@@ -46,7 +46,7 @@ class SingleTokens:
 class _LinearDesc(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("in_features", ctypes.c_int), ("padded_in", ctypes.c_int),
                 ("nparts", ctypes.c_int), ("swiglu", ctypes.c_int), ("out_features", ctypes.c_int),
-                ("weights", _P), ("scales_zeros", _P), ("bits", _P), ("part_rows", _P), ("biases", _P),
+                ("weights", _P), ("scales_zeros", _P), ("formats", _P), ("part_rows", _P), ("biases", _P),
                 ("dense", _P), ("dense_bias", _P)]
 
 
@@ -89,7 +89,7 @@ def _linear(module: nn.Module) -> tuple[_LinearDesc, object] | None:
     desc = _LinearDesc(kind=_QUANTIZED, in_features=call.in_features, padded_in=call.kpad, nparts=len(call.parts),
                        swiglu=int(call.swiglu), out_features=call.out_features,
                        weights=ctypes.addressof(call._w), scales_zeros=ctypes.addressof(call._sz),
-                       bits=ctypes.addressof(call._bits), part_rows=ctypes.addressof(call._n),
+                       formats=ctypes.addressof(call._fmt), part_rows=ctypes.addressof(call._n),
                        biases=ctypes.addressof(call._bias))
     return desc, call
 

@@ -15,7 +15,7 @@
 #include "kv.h"
 
 int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, const uint8_t *const *w,
-              const uint16_t *const *scales_zeros, const int *bits, const int *N, const float *const *bias,
+              const uint16_t *const *scales_zeros, const int *formats, const int *N, const float *const *bias,
               int swiglu, void *y, int y_bf16);
 int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int N, const float *bias, uint16_t *y);
 int qd_rmsnorm(const void *x, int x_bf16, const void *w, int w_bf16, int M, int D, float eps, void *y);
@@ -32,7 +32,7 @@ typedef struct {
     int kind, in_features, padded_in, nparts, swiglu, out_features;
     const uint8_t *const *weights;
     const uint16_t *const *scales_zeros;
-    const int *bits, *part_rows;
+    const int *formats, *part_rows; /* qformats.h */
     const float *const *biases;
     const uint16_t *dense;
     const float *dense_bias;
@@ -55,7 +55,7 @@ typedef struct {
 
 static int run_linear(const qd_linear_desc *d, const void *x, int bf16, int M, void *y) {
     if (d->kind == QD_QUANTIZED)
-        return qd_linear(x, bf16, M, d->in_features, d->padded_in, d->nparts, d->weights, d->scales_zeros, d->bits,
+        return qd_linear(x, bf16, M, d->in_features, d->padded_in, d->nparts, d->weights, d->scales_zeros, d->formats,
                          d->part_rows, d->biases, d->swiglu, y, bf16);
     if (d->kind == QD_BF16 && bf16) return qd_linear_bf16(x, M, d->in_features, d->dense, d->out_features, d->dense_bias, y);
     return -2;

@@ -1,6 +1,7 @@
 """quickdraft's CPU kernels in C: built on first use, loaded, called.
 
-Four sources make one library: ``qmatmul.c`` (weight-only int4/int8 linear layers, see ``qmatmul.py``),
+Four sources make one library: ``qmatmul.c`` (weight-only quantized linear layers: int4/int8 and the GGML block
+formats of ``qformats.h``, see ``qmatmul.py``),
 ``cpu_ops.c`` (RMSNorm, rotary embedding, the MLP's gated activation: the small per-token operations whose torch
 dispatch cost as much as the matmuls in a decode step), ``attention.c`` (decode and verify attention over the paged
 cache, in its stored format, whole or within a sliding window; ``kv.h``) and ``layer.c`` (a whole decoder layer in
@@ -9,12 +10,12 @@ one call). Each computes every result row with the same operations whatever the 
 
 The library is compiled with the system C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``)
 into ``cache_root()/kernels/`` and linked against the OpenMP runtime torch already loaded, so it shares
-torch's threads and ``torch.set_num_threads``. It needs AVX2 and FMA (every x86-64 server CPU since 2013-2015)
-and uses AVX512, AVX512-VNNI / AVX-VNNI and AVX512-BF16 where the CPU has them; the integer dot products of the
-quantized kernel give the same sums on every ISA. Where it cannot be built (no compiler, no AVX2, not x86-64)
-``available()`` is False and the model runs torch's operations; ``QUICKDRAFT_KERNELS=0`` turns it off. A
-compiler that runs longer than ``COMPILE_TIMEOUT_S`` is killed (the same fallback, with a warning), and a cached
-library that no longer matches the checksum recorded beside it (``.sha256``), or does not load, is rebuilt once.
+torch's threads. It needs AVX2, FMA and F16C (x86-64 server CPUs since 2013-2015) and uses AVX512, AVX512-VNNI /
+AVX-VNNI and AVX512-BF16 where the CPU has them; the quantized kernel's integer sums are the same on every ISA.
+Where it cannot be built (no compiler, no AVX2, not x86-64) ``available()`` is False and the model runs torch's
+operations; ``QUICKDRAFT_KERNELS=0`` turns it off. A compiler that runs longer than ``COMPILE_TIMEOUT_S`` is
+killed (the same fallback, with a warning), and a cached library that no longer matches the checksum recorded
+beside it (``.sha256``), or does not load, is rebuilt once.
 """
 from __future__ import annotations
 
@@ -40,11 +41,13 @@ from quickdraft.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "cpu_ops.c", "attention.c", "layer.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("floats.h", "kv.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("floats.h", "kv.h", "qformats.h"))
 DISABLE_ENV = "QUICKDRAFT_KERNELS"
 # -ffp-contract=off: an auto-vectorized loop and its scalar prologue (whose length depends on the address) then
 # round alike, so a row's result never depends on where its buffer lies
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+ISA_ENV = "QUICKDRAFT_KERNEL_ISA"  # =avx2: no AVX-512 or AVX-VNNI, the code CPUs without them run (measured here)
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
 COMPILE_TIMEOUT_S = 300.0  # a compiler that hangs must not hang the first model load with it
 MAX_HEAD_DIM = 256
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # the cache formats the kernels read (kv.h)
@@ -67,7 +70,9 @@ _SIGNATURES = {
     "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P],
     "qd_argmax": [_P, _I, _I, _L, _P],
     "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _L, _L, _P],
+    "qd_row_bytes": [_I, _I],
 }
+_RESTYPES = {"qd_row_bytes": ctypes.c_long}  # the others return 0 or an error code
 
 
 @functools.cache
@@ -84,7 +89,8 @@ def wide_int8_dot_products() -> bool:
     """True where the quantized kernel runs 512-bit VNNI dot products (AVX512-VNNI/BW/VL/DQ, the ``WIDE`` build of
     qmatmul.c). There an int4 forward beats a bfloat16 one at every prompt length measured, so a quantized draft keeps
     no float copy for long prompts (docs/MEASUREMENTS.md)."""
-    return available() and {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
+    wide = {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
+    return available() and wide and "-mno-avx512f" not in build_flags()
 
 
 def _cpu_identity() -> str:
@@ -106,13 +112,18 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
             out, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
-                if hasattr(os, "killpg"):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                else:
-                    proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL) if hasattr(os, "killpg") else proc.kill()
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def build_flags() -> tuple[str, ...]:
+    """``FLAGS`` and those of ``QUICKDRAFT_KERNEL_ISA`` (``native``, the default, or ``avx2``)."""
+    isa = os.environ.get(ISA_ENV, "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: must be one of {', '.join(ISA_FLAGS)}")
+    return FLAGS + ISA_FLAGS[isa]
 
 
 def _library_path(compiler: str) -> Path:
@@ -120,7 +131,7 @@ def _library_path(compiler: str) -> Path:
     version = _run([compiler, "--version"])
     if version.returncode != 0:
         raise RuntimeError(f"{compiler} --version failed: {version.stderr.strip()[-400:]}")
-    key = "\n".join([*(s.read_text() for s in SOURCES + HEADERS), compiler, version.stdout, " ".join(FLAGS),
+    key = "\n".join([*(s.read_text() for s in SOURCES + HEADERS), compiler, version.stdout, " ".join(build_flags()),
                      _cpu_identity()])
     return cache_root() / "kernels" / f"quickdraft-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
@@ -141,7 +152,7 @@ def _compile(compiler: str, target: Path) -> None:
     build_dir = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
         out = build_dir / target.name
-        proc = _run([compiler, *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"])
+        proc = _run([compiler, *build_flags(), "-o", str(out), *map(str, SOURCES), "-lm"])
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-400:]}")
         checksum = build_dir / "checksum"
@@ -167,7 +178,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+        fn.restype, fn.argtypes = _RESTYPES.get(name, ctypes.c_int), argtypes
     return lib
 
 

@@ -1,22 +1,22 @@
 /* y = x @ W.T (+ bias) for weight-only quantized W, on x86-64 CPUs with AVX2 and FMA (VNNI used where present).
  *
- * W is affine per group of 32 input columns: w[n, k] = scale[n, g] * (q[n, k] - off) + zero[n, g],
- * q unsigned (4 bits: 0..15, off 8; 8 bits: 0..255, off 128), scale/zero bfloat16. x is quantized per
- * row and per group of 32 to int8 (absmax / 127, round to nearest even), so each group's dot product is
- * an exact int32 sum computed with vpdpbusd (u8 x s8), or on AVX2 without VNNI with vpmaddubsw + vpmaddwd on
- * 4-bit values, exact too (see dot_block), so every ISA gives the same integer sums:
- *     y[m, n] = sum_g  scale * xs[m, g] * sum_k q x8  +  (zero - off * scale) * xsum[m, g]
+ * W is one of the formats of qformats.h: quickdraft's own int4/int8 (affine per group of 32 input columns, bfloat16
+ * scales and zeros), or a GGML block format read at the file's own size (Q4_0 .. Q8_0, the K-quants, IQ4_NL /
+ * IQ4_XS, Q1_0 / Q2_0), each repacked so that a group's dot product is one int32 lane. Every format is
+ * w = scale * v + shift per group with v an unsigned byte. x is quantized per row and per group of 32 to int8
+ * (absmax / 127, round to nearest even), so each group's dot product is an exact int32 sum computed with vpdpbusd
+ * (u8 x s8), or on AVX2 without VNNI with vpmaddubsw + vpmaddwd, exact too (the sums never saturate, see dot8), so
+ * every ISA gives the same integer sums:
+ *     y[m, n] = sum_g  scale * xs[m, g] * sum_k v x8  +  shift * xsum[m, g]
  * with xsum[m, g] = xs[m, g] * sum_k x8[m, k].
  *
- * Layout: K is padded to a multiple of 256 (a block of 8 groups). A block is 8 chunks of 32 bytes; chunk t
- * holds elements 32 j + 4 t + i (group j, i = 0..3) at byte 4 j + i, so after the dot products of a block
- * int32 lane j holds the whole dot product of group j and one fma per block applies 8 group scales.
- * Chunks are stored in the order t = 0, 2, 1, 3, 4, 6, 5, 7 (in the quantized x rows and the 8-bit
- * weights), so that one 64-byte load takes chunks (0, 2), (1, 3), (4, 6) or (5, 7).
- * 4-bit weights store blocks of 128 bytes: the low nibbles of bytes 32 s .. 32 s + 31 are chunk 2 s, the
- * high nibbles chunk 2 s + 1; so the low and high nibbles of a 64-byte load are chunks (0, 2) and (1, 3),
- * or (4, 6) and (5, 7).
- * scales_zeros: [N][K / 256][16] bfloat16 bits, 8 scales then 8 zeros per block.
+ * Layout: K is cut into blocks of 256 (8 groups). In a block, chunk t holds elements 32 j + 4 t + i (group j,
+ * i = 0..3) at byte 4 j + i, so after the dot products of a block int32 lane j holds the whole dot product of group
+ * j and one fma per block applies 8 group scales. Chunks are stored in the order t = 0, 2, 1, 3, 4, 6, 5, 7 (in the
+ * quantized x rows and the weights), so that one 64-byte load takes chunks (0, 2), (1, 3), (4, 6) or (5, 7). How
+ * each format packs its values and scales into a block: qformats.h. int4/int8 pad K to a multiple of 256 (scales:
+ * [N][K / 256][16] bfloat16 bits, 8 scales then 8 zeros per block); the GGML formats keep the columns past the last
+ * whole block as tail records in element order, read against a copy of x's last groups in element order.
  *
  * Every output element is computed by one thread with the same sequence of operations whatever M, the
  * row tile it falls in and the thread count are: a row's result is bit-identical whether it is alone in
@@ -28,14 +28,18 @@
 #include <math.h>
 
 #include "floats.h"
+#include "qformats.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define WIDE 1 /* 512-bit dot products: half the instructions per block */
-#elif !defined(__AVX2__) || !defined(__FMA__)
-#error "quickdraft's CPU kernels need AVX2 and FMA"
+#elif !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "quickdraft's CPU kernels need AVX2, FMA and F16C"
 #endif
-
-static const int CHUNK_AT[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* stored position of chunk t (its own inverse) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD256(acc, a, b) _mm256_dpbusd_epi32(acc, a, b)
+#elif defined(__AVXVNNI__)
+#define DPBUSD256(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#endif
 
 #define BLOCK 256
 #define GROUP 32
@@ -57,9 +61,12 @@ static const int CHUNK_AT[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* stored position of c
 #define K_CHUNK 8 /* blocks (of 256 columns) per pass over a task's output columns, when x has several rows */
 #define ROW_TILE 8      /* rows of x that share one unpacked weight block (a verify pass of up to 8 tokens) */
 
+/* The quantized x rows: xq row m at m * xrow (the block layout over Kpad columns, then, when K % 256 != 0, the last
+ * groups again in element order for the tail records); per group g: xs (scale), xsum, and xhalf (per block: the 8
+ * groups' sums over their first 16 columns, then over their last 16, times xs: Q6_K's scales are per 16). */
 typedef struct {
     int8_t *xq;
-    float *xs, *xsum;
+    float *xs, *xsum, *xhalf;
     size_t cap_q, cap_f;
 } workspace;
 
@@ -74,16 +81,20 @@ static int reserve(size_t nq, size_t nf) {
     if (nf > ws.cap_f) {
         free(ws.xs);
         free(ws.xsum);
+        free(ws.xhalf);
         ws.xs = aligned_alloc(64, (nf * 4 + 63) / 64 * 64);
         ws.xsum = aligned_alloc(64, (nf * 4 + 63) / 64 * 64);
-        ws.cap_f = ws.xs && ws.xsum ? nf : 0;
+        ws.xhalf = aligned_alloc(64, (nf * 8 + 63) / 64 * 64);
+        ws.cap_f = ws.xs && ws.xsum && ws.xhalf ? nf : 0;
     }
-    return ws.xq && ws.xs && ws.xsum;
+    return ws.xq && ws.xs && ws.xsum && ws.xhalf;
 }
 
 /* One group of x whose values are all inside the row, vectorized: the same operations as the scalar loop of
- * quantize_row (one float multiply, round to nearest even, clamp), so both give the same bytes. */
-static inline void quantize_group8x4(const void *x, int bf16, size_t at, int8_t *dst, float *xs, float *xsum) {
+ * quantize_row (one float multiply, round to nearest even, clamp), so both give the same bytes. nat: where the
+ * group's bytes also go in element order (a tail group), or NULL. */
+static inline void quantize_group8x4(const void *x, int bf16, size_t at, int8_t *dst, int8_t *nat, float *xs,
+                                     float *xsum, float *half_lo, float *half_hi) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 v[4], mx = _mm256_setzero_ps();
     for (int j = 0; j < 4; j++) {
@@ -99,30 +110,44 @@ static inline void quantize_group8x4(const void *x, int bf16, size_t at, int8_t 
     /* the low byte of each int32, packed to the first 4 bytes of each 128-bit lane */
     const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    __m256i sum = _mm256_setzero_si256();
+    __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* elements 0..15, 16..31 */
     for (int j = 0; j < 4; j++) { /* elements 8 j .. 8 j + 7: chunks 2 j and 2 j + 1 */
         __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], scale));
         q = _mm256_min_epi32(_mm256_max_epi32(q, lo), hi);
-        sum = _mm256_add_epi32(sum, q);
+        sum[j / 2] = _mm256_add_epi32(sum[j / 2], q);
         const __m256i bytes = _mm256_shuffle_epi8(q, low_bytes);
         const int32_t first = _mm256_extract_epi32(bytes, 0), second = _mm256_extract_epi32(bytes, 4);
-        __builtin_memcpy(dst + 32 * CHUNK_AT[2 * j], &first, 4);
-        __builtin_memcpy(dst + 32 * CHUNK_AT[2 * j + 1], &second, 4);
+        __builtin_memcpy(dst + 32 * QF_CHUNK_AT[2 * j], &first, 4);
+        __builtin_memcpy(dst + 32 * QF_CHUNK_AT[2 * j + 1], &second, 4);
+        if (nat) {
+            __builtin_memcpy(nat + 8 * j, &first, 4);
+            __builtin_memcpy(nat + 8 * j + 4, &second, 4);
+        }
     }
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    int total[2];
+    for (int h = 0; h < 2; h++) {
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum[h]), _mm256_extracti128_si256(sum[h], 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        total[h] = _mm_cvtsi128_si32(s4);
+    }
     *xs = amax / 127.f;
-    *xsum = *xs * (float)_mm_cvtsi128_si32(s4);
+    *xsum = *xs * (float)(total[0] + total[1]);
+    *half_lo = *xs * (float)total[0];
+    *half_hi = *xs * (float)total[1];
 }
 
-/* One row of x -> int8 groups in the block layout, per-group scale and scaled sum. */
+/* One row of x -> int8 groups in the block layout (and its tail groups in element order at Kpad), per-group scale,
+ * scaled sum and scaled half sums. */
 static void quantize_row(const void *x, int bf16, size_t row_off, int K, int Kpad, int8_t *xq, float *xs,
-                         float *xsum) {
+                         float *xsum, float *xhalf) {
+    const int first_tail = K / BLOCK * (BLOCK / GROUP); /* groups from here on are also kept in element order */
     for (int g = 0; g < Kpad / GROUP; g++) {
         int8_t *dst = xq + (g / 8) * BLOCK + 4 * (g % 8);
+        int8_t *nat = g >= first_tail && g * GROUP < K ? xq + Kpad + (size_t)(g - first_tail) * GROUP : NULL;
+        float *lo_half = xhalf + (g / 8) * 16 + g % 8, *hi_half = lo_half + 8;
         if ((g + 1) * GROUP <= K) {
-            quantize_group8x4(x, bf16, row_off + (size_t)g * GROUP, dst, xs + g, xsum + g);
+            quantize_group8x4(x, bf16, row_off + (size_t)g * GROUP, dst, nat, xs + g, xsum + g, lo_half, hi_half);
             continue;
         }
         float v[GROUP], amax = 0.f;
@@ -132,49 +157,80 @@ static void quantize_row(const void *x, int bf16, size_t row_off, int K, int Kpa
             amax = fmaxf(amax, fabsf(v[e]));
         }
         float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
+        int sum[2] = {0, 0};
         for (int e = 0; e < GROUP; e++) {
             int q = (int)nearbyintf(v[e] * inv);
             q = q > 127 ? 127 : q < -127 ? -127 : q;
-            dst[32 * CHUNK_AT[e / 4] + (e % 4)] = (int8_t)q;
-            sum += q;
+            dst[32 * QF_CHUNK_AT[e / 4] + (e % 4)] = (int8_t)q;
+            if (nat) nat[e] = (int8_t)q;
+            sum[e / 16] += q;
         }
         xs[g] = amax / 127.f;
-        xsum[g] = xs[g] * (float)sum;
+        xsum[g] = xs[g] * (float)(sum[0] + sum[1]);
+        *lo_half = xs[g] * (float)sum[0];
+        *hi_half = xs[g] * (float)sum[1];
     }
 }
 
+/* The int32 dot products of one tail group: 32 values w (u8) with 32 x (s8), in 8 lanes of partial sums. */
+static inline __attribute__((always_inline)) __m256i dot32(int F, __m256i w, __m256i x) {
+#ifdef DPBUSD256
+    (void)F;
+    return DPBUSD256(_mm256_setzero_si256(), w, x);
+#else
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    if (qf_max_value(F) <= 63) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones); /* pairs <= 2 * 63 * 127 */
+    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, low), x), ones);
+    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low), x), ones);
+    return _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4));
+#endif
+}
+
 #ifndef WIDE
-/* Lane j = the int32 dot product of group j of one block: weight chunks w[0..7] (by stored position, u8) with the
- * quantized x chunks at xb (s8, 32 bytes each). */
-static inline __m256i dot_block(const __m256i w[8], int bits, const int8_t *xb) {
-#ifdef __AVXVNNI__
-    (void)bits;
-    __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256(); /* two chains: dpbusd latency */
-    for (int c = 0; c < 8; c += 2) {
-        d0 = _mm256_dpbusd_avx_epi32(d0, w[c], _mm256_load_si256((const __m256i *)(xb + 32 * c)));
-        d1 = _mm256_dpbusd_avx_epi32(d1, w[c + 1], _mm256_load_si256((const __m256i *)(xb + 32 * c + 32)));
+/* Lane j = the int32 dot product of group j of one block: w[0..7] (by stored position, u8) with the quantized x
+ * chunks at xb (s8, 32 bytes each); for Q6_K, *hi gets the groups' last 16 columns and the result their first 16
+ * (stored positions 0..3 hold elements 0..15 of each group, 4..7 elements 16..31). */
+static inline __attribute__((always_inline)) __m256i dot8(int F, const __m256i w[8], const int8_t *xb, __m256i *hi) {
+    __m256i x[8];
+    for (int c = 0; c < 8; c++) x[c] = _mm256_load_si256((const __m256i *)(xb + 32 * c));
+#ifdef DPBUSD256
+    if (F == QF_Q6_K) {
+        __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) a = DPBUSD256(a, w[c], x[c]), b = DPBUSD256(b, w[c + 4], x[c + 4]);
+        *hi = b;
+        return a;
     }
+    __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256(); /* two chains: dpbusd latency */
+    for (int c = 0; c < 8; c += 2) d0 = DPBUSD256(d0, w[c], x[c]), d1 = DPBUSD256(d1, w[c + 1], x[c + 1]);
     return _mm256_add_epi32(d0, d1);
 #else
-    /* AVX2: vpmaddubsw sums two u8 x s8 products in 16 bits with saturation, which never happens for 4-bit
-     * values: 16-bit lane i of chunk c holds 2 products of at most 15 * 127, and summing the 8 chunks keeps
-     * 16 such products per lane (at most 30480 < 32767); vpmaddwd then adds the lane pairs into int32 lane j
-     * = group j. 8-bit weights are split into nibbles: q = 16 * hi + lo. */
+    /* vpmaddubsw sums two u8 x s8 products in 16 bits with saturation, which must never happen: 16-bit lane i of
+     * chunk c holds 2 products of at most max_value * 127, so values <= 15 add 8 chunks (30480 < 32767), <= 31 four
+     * chunks, <= 63 two chunks before vpmaddwd adds the lane pairs into int32 lane j = group j; 8-bit values are
+     * split into nibbles (v = 16 hi + lo). */
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
-    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
-    for (int c = 0; c < 8; c++) {
-        const __m256i x = _mm256_load_si256((const __m256i *)(xb + 32 * c));
-        if (bits == 4) {
-            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w[c], x));
-        } else {
-            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(w[c], low), x));
-            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w[c], 4), low), x));
+    const int vmax = qf_max_value(F);
+    if (vmax == 255) {
+        __m256i lo = _mm256_setzero_si256(), hi8 = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(w[c], low), x[c]));
+            hi8 = _mm256_add_epi16(hi8, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w[c], 4), low), x[c]));
         }
+        return _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_slli_epi32(_mm256_madd_epi16(hi8, ones), 4));
     }
-    __m256i dot = _mm256_madd_epi16(lo, ones);
-    if (bits == 8) dot = _mm256_add_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(hi, ones), 4));
-    return dot;
+    const int run = vmax == 15 ? 8 : vmax == 31 ? 4 : 2; /* chunks summed in 16 bits */
+    __m256i part[4], sum32 = _mm256_setzero_si256();
+    for (int c0 = 0; c0 < 8; c0 += run) {
+        __m256i s16 = _mm256_maddubs_epi16(w[c0], x[c0]);
+        for (int c = c0 + 1; c < c0 + run; c++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], x[c]));
+        part[c0 / 2] = _mm256_madd_epi16(s16, ones);
+    }
+    if (F == QF_Q6_K) {
+        *hi = _mm256_add_epi32(part[2], part[3]);
+        return _mm256_add_epi32(part[0], part[1]);
+    }
+    for (int c0 = 0; c0 < 8; c0 += run) sum32 = _mm256_add_epi32(sum32, part[c0 / 2]);
+    return sum32;
 #endif
 }
 #endif
@@ -183,130 +239,216 @@ static inline __m256i dot_block(const __m256i w[8], int bits, const int8_t *xb) 
 typedef struct {
 #ifdef WIDE
     __m512 dot[ROW_TILE];
-    __m256 shift[ROW_TILE];
 #else
     __m256 dot[ROW_TILE];
 #endif
+    __m256 part[ROW_TILE]; /* WIDE: the shift terms; both: the tail groups' dot products */
+    float tail_shift[ROW_TILE];
 } tile_sums;
 
 static inline float tile_total(const tile_sums *t, int r) {
 #ifdef WIDE
-    return _mm512_reduce_add_ps(t->dot[r]) + hsum(t->shift[r]);
+    return _mm512_reduce_add_ps(t->dot[r]) + hsum(t->part[r]) + t->tail_shift[r];
 #else
-    return hsum(t->dot[r]);
+    return hsum(t->dot[r]) + hsum(t->part[r]) + t->tail_shift[r];
 #endif
 }
 
-/* Blocks b0 .. b1 - 1 of rows m0 .. m0 + TILE - 1 of y[:, n], added to st (which they start when b0 = 0); TILE is a constant after inlining,
- * so the sums stay in registers within the call. */
-static inline __attribute__((always_inline)) void tile(int TILE, int bits, const uint8_t *wrow,
-                                                        const uint16_t *szrow, int b0, int b1, const int8_t *xq,
-                                                        const float *xs, const float *xsum, int Kpad, int m0,
+/* What every tile of a call reads of x (written by quantize_row first). */
+typedef struct {
+    int8_t *xq;
+    float *xs, *xsum, *xhalf;
+    size_t xrow;
+    int Kpad, ngroups;
+} x_rows;
+
+/* Blocks b0 .. b1 - 1 of rows m0 .. m0 + TILE - 1 of y[:, n], added to st (which they start when b0 = 0), then when
+ * b1 = nblk the ntail tail groups; TILE and F are constants after inlining, so the sums stay in registers within
+ * the call. */
+static inline __attribute__((always_inline)) void tile(int TILE, int F, const uint8_t *wrow, const uint16_t *szrow,
+                                                        int b0, int b1, int nblk, int ntail, const x_rows *X, int m0,
                                                         tile_sums *st) {
-    const __m256 off = _mm256_set1_ps(bits == 4 ? 8.f : 128.f);
-    const int ngroups = Kpad / GROUP;
+    const int BB = qf_block_bytes(F);
 #ifdef WIDE
-    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[ROW_TILE];
-    __m256 acc_shift[ROW_TILE];
-    for (int r = 0; r < TILE; r++) {
-        acc[r] = b0 ? st->dot[r] : _mm512_setzero_ps();
-        acc_shift[r] = b0 ? st->shift[r] : _mm256_setzero_ps();
-    }
-    for (int b = b0; b < b1; b++) {
-        __m512i w[4]; /* chunk pairs (0, 2), (1, 3), (4, 6), (5, 7) */
-        const uint8_t *ahead = wrow + (size_t)b * BLOCK * bits / 8 + PREFETCH_BYTES; /* weight rows are contiguous */
-        for (int c = 0; c < BLOCK * bits / 8; c += 64) _mm_prefetch((const char *)ahead + c, _MM_HINT_T0);
-        _mm_prefetch((const char *)(szrow + 16 * b) + PREFETCH_BYTES / 4, _MM_HINT_T0);
-        if (bits == 4) {
-            const uint8_t *wb = wrow + (size_t)b * (BLOCK / 2);
-            for (int h = 0; h < 2; h++) {
-                __m512i l = _mm512_loadu_si512((const void *)(wb + 64 * h));
-                w[2 * h] = _mm512_and_si512(l, low);
-                w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(l, 4), low);
-            }
-        } else {
-            const uint8_t *wb = wrow + (size_t)b * BLOCK;
-            for (int u = 0; u < 4; u++) w[u] = _mm512_loadu_si512((const void *)(wb + 64 * u));
-        }
-        const __m256 scale = bf16x8(szrow + 16 * b);
-        const __m256 shift = _mm256_fnmadd_ps(off, scale, bf16x8(szrow + 16 * b + 8)); /* zero - off * scale */
-        const __m512 scale2 = _mm512_insertf32x8(_mm512_castps256_ps512(scale), scale, 1);
-        for (int r = 0; r < TILE; r++) {
-            const int8_t *xb = xq + (size_t)(m0 + r) * Kpad + (size_t)b * BLOCK;
-            __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512((const void *)xb));
-            __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_load_si512((const void *)(xb + 64)));
-            d0 = _mm512_dpbusd_epi32(d0, w[2], _mm512_load_si512((const void *)(xb + 128)));
-            d1 = _mm512_dpbusd_epi32(d1, w[3], _mm512_load_si512((const void *)(xb + 192)));
-            /* lane j and lane 8 + j both hold parts of group j's dot product: both get its scale */
-            const size_t gi = (size_t)(m0 + r) * ngroups + 8 * b;
-            const __m512 s = _mm512_mul_ps(scale2, _mm512_broadcast_f32x8(_mm256_load_ps(xs + gi)));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), s, acc[r]);
-            acc_shift[r] = _mm256_fmadd_ps(shift, _mm256_load_ps(xsum + gi), acc_shift[r]);
-        }
-    }
-    for (int r = 0; r < TILE; r++) st->dot[r] = acc[r], st->shift[r] = acc_shift[r];
+    for (int r = 0; r < TILE; r++) acc[r] = b0 ? st->dot[r] : _mm512_setzero_ps();
 #else
-    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[ROW_TILE];
     for (int r = 0; r < TILE; r++) acc[r] = b0 ? st->dot[r] : _mm256_setzero_ps();
+#endif
+    __m256 part[ROW_TILE];
+    for (int r = 0; r < TILE; r++) part[r] = b0 ? st->part[r] : _mm256_setzero_ps();
     for (int b = b0; b < b1; b++) {
-        __m256i w[8]; /* by stored position */
-        if (bits == 4) {
-            const uint8_t *wb = wrow + (size_t)b * (BLOCK / 2);
-            for (int s = 0; s < 4; s++) {
-                __m256i l = _mm256_loadu_si256((const __m256i *)(wb + 32 * s));
-                w[CHUNK_AT[2 * s]] = _mm256_and_si256(l, low);
-                w[CHUNK_AT[2 * s + 1]] = _mm256_and_si256(_mm256_srli_epi16(l, 4), low);
-            }
-        } else {
-            const uint8_t *wb = wrow + (size_t)b * BLOCK;
-            for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(wb + 32 * c));
-        }
-        __m256 scale = bf16x8(szrow + 16 * b);
-        __m256 shift = _mm256_fnmadd_ps(off, scale, bf16x8(szrow + 16 * b + 8)); /* zero - off * scale */
+        const uint8_t *blk = wrow + (size_t)b * BB;
+#ifdef WIDE
+        const uint8_t *ahead = blk + PREFETCH_BYTES; /* weight rows are contiguous */
+        for (int c = 0; c < BB; c += 64) _mm_prefetch((const char *)ahead + c, _MM_HINT_T0);
+        if (qf_padded(F)) _mm_prefetch((const char *)(szrow + 16 * b) + PREFETCH_BYTES / 4, _MM_HINT_T0);
+        __m512i w[4];
+        qf_decode4(F, blk, w);
+#else
+        __m256i w[8];
+        qf_decode8(F, blk, w);
+#endif
+        const block_scales s = qf_scales(F, blk, qf_padded(F) ? szrow + 16 * b : NULL);
+#ifdef WIDE
+        const __m512 scale2 = _mm512_insertf32x8(_mm512_castps256_ps512(s.scale), s.scale, 1);
+        const __m512 scale2_hi = _mm512_insertf32x8(_mm512_castps256_ps512(s.scale_hi), s.scale_hi, 1);
+#endif
         for (int r = 0; r < TILE; r++) {
-            const __m256i dot = dot_block(w, bits, xq + (size_t)(m0 + r) * Kpad + (size_t)b * BLOCK);
-            size_t gi = (size_t)(m0 + r) * ngroups + 8 * b;
-            __m256 s = _mm256_mul_ps(scale, _mm256_load_ps(xs + gi));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r]);
-            acc[r] = _mm256_fmadd_ps(shift, _mm256_load_ps(xsum + gi), acc[r]);
+            const int8_t *xb = X->xq + (size_t)(m0 + r) * X->xrow + (size_t)b * BLOCK;
+            const size_t gi = (size_t)(m0 + r) * X->ngroups + 8 * b;
+#ifdef WIDE
+            const __m512i x0 = _mm512_load_si512((const void *)xb), x1 = _mm512_load_si512((const void *)(xb + 64)),
+                          x2 = _mm512_load_si512((const void *)(xb + 128)), x3 = _mm512_load_si512((const void *)(xb + 192));
+            const __m512 xs2 = _mm512_broadcast_f32x8(_mm256_load_ps(X->xs + gi));
+            if (F == QF_Q6_K) { /* w[0], w[1]: each group's first 16 columns; w[2], w[3]: its last 16 */
+                const __m512i lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x0), w[1], x1);
+                const __m512i hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2], x2), w[3], x3);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale2, xs2), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale2_hi, xs2), acc[r]);
+                const float *half = X->xhalf + 2 * gi;
+                part[r] = _mm256_fmadd_ps(s.shift, _mm256_load_ps(half), part[r]);
+                part[r] = _mm256_fmadd_ps(s.shift_hi, _mm256_load_ps(half + 8), part[r]);
+                continue;
+            }
+            __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x0);
+            __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], x1);
+            d0 = _mm512_dpbusd_epi32(d0, w[2], x2);
+            d1 = _mm512_dpbusd_epi32(d1, w[3], x3);
+            /* lane j and lane 8 + j both hold parts of group j's dot product: both get its scale */
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), _mm512_mul_ps(scale2, xs2), acc[r]);
+            part[r] = _mm256_fmadd_ps(s.shift, _mm256_load_ps(X->xsum + gi), part[r]);
+#else
+            const __m256 xs8 = _mm256_load_ps(X->xs + gi);
+            __m256i hi;
+            const __m256i dot = dot8(F, w, xb, &hi);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s.scale, xs8), acc[r]);
+            if (F == QF_Q6_K) {
+                const float *half = X->xhalf + 2 * gi;
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s.scale_hi, xs8), acc[r]);
+                acc[r] = _mm256_fmadd_ps(s.shift, _mm256_load_ps(half), acc[r]);
+                acc[r] = _mm256_fmadd_ps(s.shift_hi, _mm256_load_ps(half + 8), acc[r]);
+            } else {
+                acc[r] = _mm256_fmadd_ps(s.shift, _mm256_load_ps(X->xsum + gi), acc[r]);
+            }
+#endif
         }
     }
-    for (int r = 0; r < TILE; r++) st->dot[r] = acc[r];
-#endif
+    float tail_shift[ROW_TILE];
+    for (int r = 0; r < TILE; r++) tail_shift[r] = b0 ? st->tail_shift[r] : 0.f;
+    if (qf_tail_cols(F) && b1 == nblk && ntail) {
+        const uint8_t *tail = wrow + (size_t)nblk * BB;
+        const int per_record = qf_tail_cols(F) / GROUP;
+        for (int g = 0; g < ntail; g++) {
+            const uint8_t *rec = tail + (size_t)(g / per_record) * qf_tail_bytes(F);
+            const __m256i w = qf_tail_values(F, rec, g % per_record);
+            float scale, shift;
+            qf_tail_scale(F, rec, &scale, &shift);
+            for (int r = 0; r < TILE; r++) {
+                const __m256i x = _mm256_load_si256((const __m256i *)(X->xq + (size_t)(m0 + r) * X->xrow + X->Kpad +
+                                                                      (size_t)g * GROUP));
+                const size_t gi = (size_t)(m0 + r) * X->ngroups + 8 * nblk + g;
+                part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(F, w, x)), _mm256_set1_ps(scale * X->xs[gi]), part[r]);
+                tail_shift[r] += shift * X->xsum[gi];
+            }
+        }
+    }
+    for (int r = 0; r < TILE; r++) st->dot[r] = acc[r], st->part[r] = part[r], st->tail_shift[r] = tail_shift[r];
+}
+
+/* One tile of every row count for format F, in its own function (a switch over formats of inlined tiles would be
+ * one very large function). */
+#define TILES_OF(F, name)                                                                                           \
+    static void name(int rows, const uint8_t *wrow, const uint16_t *szrow, int b0, int b1, int nblk, int ntail,    \
+                     const x_rows *X, int m0, tile_sums *st) {                                                       \
+        switch (rows) {                                                                                             \
+        case 8: tile(8, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                     \
+        case 7: tile(7, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                     \
+        case 6: tile(6, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                     \
+        case 5: tile(5, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                     \
+        case 4: tile(4, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                     \
+        case 3: tile(3, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                     \
+        case 2: tile(2, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                     \
+        default: tile(1, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                    \
+        }                                                                                                           \
+    }
+TILES_OF(QF_INT4, tiles_int4)
+TILES_OF(QF_INT8, tiles_int8)
+TILES_OF(QF_Q4_0, tiles_q4_0)
+TILES_OF(QF_Q4_1, tiles_q4_1)
+TILES_OF(QF_Q5_0, tiles_q5_0)
+TILES_OF(QF_Q5_1, tiles_q5_1)
+TILES_OF(QF_Q8_0, tiles_q8_0)
+TILES_OF(QF_Q4_K, tiles_q4_k)
+TILES_OF(QF_Q5_K, tiles_q5_k)
+TILES_OF(QF_Q6_K, tiles_q6_k)
+TILES_OF(QF_IQ4_NL, tiles_iq4_nl)
+TILES_OF(QF_IQ4_XS, tiles_iq4_xs)
+TILES_OF(QF_Q1_0, tiles_q1_0)
+TILES_OF(QF_Q2_0, tiles_q2_0)
+
+typedef void (*tiles_fn)(int, const uint8_t *, const uint16_t *, int, int, int, int, const x_rows *, int, tile_sums *);
+
+static tiles_fn tiles_for(int f) {
+    switch (f) {
+    case QF_INT4: return tiles_int4;
+    case QF_INT8: return tiles_int8;
+    case QF_Q4_0: return tiles_q4_0;
+    case QF_Q4_1: return tiles_q4_1;
+    case QF_Q5_0: return tiles_q5_0;
+    case QF_Q5_1: return tiles_q5_1;
+    case QF_Q8_0: return tiles_q8_0;
+    case QF_Q4_K: return tiles_q4_k;
+    case QF_Q5_K: return tiles_q5_k;
+    case QF_Q6_K: return tiles_q6_k;
+    case QF_IQ4_NL: return tiles_iq4_nl;
+    case QF_IQ4_XS: return tiles_iq4_xs;
+    case QF_Q1_0: return tiles_q1_0;
+    case QF_Q2_0: return tiles_q2_0;
+    default: return NULL;
+    }
 }
 
 #define MAX_PARTS 8
 
+/* Bytes of one row of a part in format f (qformats.h), or 0 when f cannot take K columns; -1 for an unknown f. */
+long qd_row_bytes(int f, int K) {
+    if (!qf_known(f) || K <= 0) return -1;
+    return (long)qf_row_bytes(f, K, (K + BLOCK - 1) / BLOCK * BLOCK);
+}
+
 /* Several weights that read the same x (q/k/v, gate/up), computed in one call: x is quantized once and one
- * parallel loop covers every part. Part p (w[p], scales_zeros[p], bits[p], N[p] rows, bias[p] or NULL) fills
- * columns offset .. offset + N[p] of y, offset = N[0] + .. + N[p-1]. swiglu = 1 (two parts of equal N):
- * y has N[0] columns, silu(part 0) * part 1, computed in float32 and rounded once.
+ * parallel loop covers every part. Part p (w[p], its format fmt[p] (qformats.h), N[p] rows, bias[p] or NULL;
+ * scales_zeros[p] for INT4/INT8, unused by the others) fills columns offset .. offset + N[p] of y,
+ * offset = N[0] + .. + N[p-1]. swiglu = 1 (two parts of equal N): y has N[0] columns, silu(part 0) * part 1,
+ * computed in float32 and rounded once.
  * Returns 0 on success, -1 when the workspace cannot be allocated, -2 on bad arguments. */
 int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, const uint8_t *const *w,
-              const uint16_t *const *scales_zeros, const int *bits, const int *N, const float *const *bias,
+              const uint16_t *const *scales_zeros, const int *fmt, const int *N, const float *const *bias,
               int swiglu, void *y, int y_bf16) {
-    if (M < 0 || K <= 0 || Kpad % BLOCK || Kpad < K || nparts < 1 || nparts > MAX_PARTS) return -2;
+    if (M < 0 || K <= 0 || Kpad % BLOCK || Kpad < K || Kpad >= K + BLOCK || nparts < 1 || nparts > MAX_PARTS)
+        return -2;
     if (swiglu && (nparts != 2 || N[0] != N[1])) return -2;
     int first_task[MAX_PARTS + 1], offset[MAX_PARTS + 1];
     first_task[0] = offset[0] = 0;
     for (int p = 0; p < nparts; p++) {
-        if (N[p] <= 0 || (bits[p] != 4 && bits[p] != 8)) return -2;
+        if (N[p] <= 0 || !qf_known(fmt[p]) || !qf_row_bytes(fmt[p], K, Kpad)) return -2;
         const int tasks = swiglu && p == 1 ? 0 : (N[p] + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
         first_task[p + 1] = first_task[p] + tasks;
         offset[p + 1] = offset[p] + N[p];
     }
     if (M == 0) return 0;
     const int ldy = swiglu ? N[0] : offset[nparts];
-    const int nblk = Kpad / BLOCK, ngroups = Kpad / GROUP;
-    if (!reserve((size_t)M * Kpad, (size_t)M * ngroups)) return -1;
-    int8_t *xq = ws.xq;
-    float *xs = ws.xs, *xsum = ws.xsum;
+    const int ngroups = Kpad / GROUP;
+    const size_t xrow = (size_t)Kpad + (K % BLOCK ? BLOCK : 0);
+    if (!reserve((size_t)M * xrow, (size_t)M * ngroups)) return -1;
+    /* ws is per thread: the parallel loops below use this thread's buffers through X */
+    const x_rows X = {ws.xq, ws.xs, ws.xsum, ws.xhalf, xrow, Kpad, ngroups};
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int m = 0; m < M; m++)
-        quantize_row(x, x_bf16, (size_t)m * K, K, Kpad, xq + (size_t)m * Kpad, xs + (size_t)m * ngroups,
-                     xsum + (size_t)m * ngroups);
+        quantize_row(x, x_bf16, (size_t)m * K, K, Kpad, X.xq + (size_t)m * xrow, X.xs + (size_t)m * ngroups,
+                     X.xsum + (size_t)m * ngroups, X.xhalf + (size_t)m * ngroups * 2);
 #pragma omp parallel for schedule(static)
     for (int task = 0; task < first_task[nparts]; task++) {
         int p = 0;
@@ -319,23 +461,19 @@ int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, con
             /* a tile whose x rows are large: blocks in chunks, so the chunk of x rows stays in L1 while every output
              * column of the task reads it; otherwise each weight row streamed whole (what the prefetcher likes). The
              * sums are carried exactly between chunks: the chunking never changes a result. */
-            const int chunk = rows <= STREAM_ROWS || (size_t)rows * Kpad <= STREAM_X_BYTES ? nblk : K_CHUNK;
-            for (int b0 = 0; b0 < nblk; b0 += chunk) {
-                const int b1 = b0 + chunk < nblk ? b0 + chunk : nblk;
+            const int full = Kpad / BLOCK;
+            const int chunk = rows <= STREAM_ROWS || (size_t)rows * Kpad <= STREAM_X_BYTES ? full : K_CHUNK;
+            for (int b0 = 0; b0 < full; b0 += chunk) {
                 for (int n = n0; n < n1; n++) {
                     for (int part = p; part < p + 1 + swiglu; part++) {
-                        const size_t wbytes = (size_t)Kpad * bits[part] / 8;
-                        const uint8_t *wrow = w[part] + (size_t)n * wbytes;
-                        const uint16_t *szrow = scales_zeros[part] + (size_t)n * nblk * 16;
-                        tile_sums *st = &sums[part - p][n - n0];
-/* bits as a constant: with it known, each tile keeps its weight chunks and sums in registers (a run-time bits
- * spilled them to the stack and read markedly slower) */
-#define TILE_CASE(T) case T: if (bits[part] == 4) tile(T, 4, wrow, szrow, b0, b1, xq, xs, xsum, Kpad, m0, st); \
-                                    else tile(T, 8, wrow, szrow, b0, b1, xq, xs, xsum, Kpad, m0, st); break;
-                        switch (rows) {
-                            TILE_CASE(8) TILE_CASE(7) TILE_CASE(6) TILE_CASE(5) TILE_CASE(4) TILE_CASE(3) TILE_CASE(2)
-                            default: TILE_CASE(1)
-                        }
+                        const int f = fmt[part];
+                        const int nblk = qf_padded(f) ? full : K / BLOCK; /* the tail records follow block nblk */
+                        const int b1 = b0 + chunk < nblk ? b0 + chunk : nblk;
+                        if (!(b0 < b1 || (b0 == 0 && nblk == 0))) continue; /* a row of tail records alone: once */
+                        const uint8_t *wrow = w[part] + (size_t)n * qf_row_bytes(f, K, Kpad);
+                        const uint16_t *szrow = qf_padded(f) ? scales_zeros[part] + (size_t)n * full * 16 : NULL;
+                        tiles_for(f)(rows, wrow, szrow, b0, b1, nblk, qf_padded(f) ? 0 : (K % BLOCK) / GROUP, &X, m0,
+                                     &sums[part - p][n - n0]);
                     }
                 }
             }

@@ -1,5 +1,8 @@
 """Weight-only quantized linear layers on CPU with quickdraft's own kernel (``qmatmul.c``): layout and call.
 
+The kernel reads quickdraft's own int4/int8 (``pack``) and the GGML block formats at the file's own size
+(``block_formats.py``, ``qformats.h``); each weight of a call names its format.
+
 Why a kernel of our own: torch's packed CPU kernels (``_weight_int4pack_mm_for_cpu``,
 ``_weight_int8pack_mm``) stream a decode step's weights far below the memory bandwidth, and their cost
 grows steeply from 1 to 5 rows (docs/MEASUREMENTS.md), which is what makes speculative verification
@@ -89,13 +92,23 @@ def unpack(weight: torch.Tensor, scales_zeros: torch.Tensor, bits: int, in_featu
     return q.contiguous(), sz[..., 0].contiguous(), sz[..., 1].contiguous()
 
 
+def row_bytes(code: int, in_features: int) -> int:
+    """Bytes of one weight row of format ``code`` in the kernel's layout, as the kernel computes it (0: the format
+    cannot take rows of ``in_features`` columns)."""
+    n = int(native.lib().qd_row_bytes(code, in_features))
+    if n < 0:
+        raise ValueError(f"unknown qmatmul format code {code}")
+    return n
+
+
 @dataclass
 class Part:
-    """One weight of a ``linear_parts`` call, in the kernel's layout (see ``pack``)."""
+    """One weight of a ``linear_parts`` call, in the kernel's layout: ``fmt`` a format code of qformats.h; int4/int8
+    (``pack``) with their ``scales_zeros``, a GGML format (``block_formats.repack``) with None."""
 
     weight: torch.Tensor
-    scales_zeros: torch.Tensor
-    bits: int
+    scales_zeros: torch.Tensor | None
+    fmt: int
     out_features: int
     bias: torch.Tensor | None = None  # float32 [out_features]
 
@@ -110,8 +123,8 @@ class PartsCall:
         self.kpad = padded_width(in_features)
         n = len(parts)
         self._w = (ctypes.c_void_p * n)(*[p.weight.data_ptr() for p in parts])
-        self._sz = (ctypes.c_void_p * n)(*[p.scales_zeros.data_ptr() for p in parts])
-        self._bits = (ctypes.c_int * n)(*[p.bits for p in parts])
+        self._sz = (ctypes.c_void_p * n)(*[None if p.scales_zeros is None else p.scales_zeros.data_ptr() for p in parts])
+        self._fmt = (ctypes.c_int * n)(*[p.fmt for p in parts])
         self._n = (ctypes.c_int * n)(*[p.out_features for p in parts])
         self._bias = (ctypes.c_void_p * n)(*[None if p.bias is None else p.bias.data_ptr() for p in parts])
         self.out_features = parts[0].out_features if swiglu else sum(p.out_features for p in parts)
@@ -125,7 +138,7 @@ class PartsCall:
         m = x.shape[0]
         y = torch.empty(m, self.out_features, dtype=out_dtype or x.dtype)
         rc = native.lib().qd_linear(x.data_ptr(), int(x.dtype == torch.bfloat16), m, self.in_features, self.kpad,
-                                    len(self.parts), self._w, self._sz, self._bits, self._n, self._bias,
+                                    len(self.parts), self._w, self._sz, self._fmt, self._n, self._bias,
                                     int(self.swiglu), y.data_ptr(), int(y.dtype == torch.bfloat16))
         if rc != 0:
             raise RuntimeError(f"qd_linear failed ({'out of memory' if rc == -1 else 'bad arguments'}, code {rc})")

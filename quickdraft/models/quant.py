@@ -3,7 +3,7 @@
 Weights stay quantized in memory, in the layout of the backend each layer runs on (``quant_backends.py``:
 quickdraft's ``qmatmul`` kernel, torch's packed CPU kernels, or dequantize-then-matmul elsewhere); the number
 formats themselves are in ``quant_formats.py``. Every backend computes each output row independently of the
-other rows of the call.
+other rows of the call. A GGUF's own block formats are ``block_linear.BlockLinear``, on the same base.
 """
 from __future__ import annotations
 
@@ -32,12 +32,15 @@ from quickdraft.models.quant_formats import (
 
 
 class _QuantLinearBase(nn.Module):
-    """What Int8Linear and Int4Linear share: the bias (added after the matmul), the qmatmul call, the output."""
+    """What the quantized layers (Int8Linear, Int4Linear, BlockLinear) share: the bias (added after the matmul),
+    the qmatmul call, the output."""
 
     in_features: int
     out_features: int
     backend: str
-    bits: int
+    # the kernel's format: a code of qformats.h and a name (``int4``, ``int8``, or the GGML type of a BlockLinear)
+    format_code: int
+    kernel_name: str
     # float32 output whatever the input's dtype: an lm_head's logits rounded to bfloat16 lose ties (at a logit of
     # 64-128 a bfloat16 step is 0.5), so greedy choices would hinge on the rounding (set by the loader)
     float_output: bool = False
@@ -52,7 +55,7 @@ class _QuantLinearBase(nn.Module):
     def kernel_part(self) -> qmatmul.Part:
         """This layer as one part of a qmatmul call (``qmatmul`` backend only)."""
         bias = None if self.bias is None else self.bias.float().contiguous()
-        return qmatmul.Part(self.kweight, self.kscales, self.bits, self.out_features, bias)
+        return qmatmul.Part(self.kweight, self.kscales, self.format_code, self.out_features, bias)
 
     def _qmatmul(self, x2: torch.Tensor) -> torch.Tensor:
         call = self._call
@@ -78,7 +81,7 @@ class Int8Linear(_QuantLinearBase):
     Buffers: ``qweight`` int8 ``[N, K]`` and ``scales`` bfloat16 ``[N]`` (``torch``/``reference`` backends), or the
     qmatmul layout ``kweight``/``kscales`` (``q + 128`` as 8-bit values, the row's scale in every group, zero 0)."""
 
-    bits = 8
+    format_code, kernel_name = 8, "int8"
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *,
                  kernel: bool | str | None = None) -> None:
@@ -171,7 +174,7 @@ class Int4Linear(_QuantLinearBase):
     ``scales_and_zeros`` ``[K // G, N, 2]`` bfloat16; ``reference``: nibbles ``qweight`` ``[N, K // 2]`` (even
     column in the low nibble) with ``scales_and_zeros``. Build the layer on the device it will run on."""
 
-    bits = 4
+    format_code, kernel_name = 4, "int4"
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 32,
                  bias: torch.Tensor | None = None, *, kernel: bool | str | None = None) -> None:
@@ -329,28 +332,3 @@ class Int4Linear(_QuantLinearBase):
             w = ((q - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]).reshape(n, k)
             y = F.linear(x2, w)
         return self._finish(y, x, lead)
-
-
-QuantLinear = (Int8Linear, Int4Linear)
-
-
-class QuantGroup(nn.Module):
-    """Quantized layers that read the same input (q/k/v, gate/up) run as one qmatmul call: the input is
-    quantized once and one parallel loop covers all the weights. The output is the layers' outputs side by side,
-    or with ``swiglu`` (gate, up) ``silu(gate) * up`` computed in the kernel. Each layer keeps its own format
-    (a Q4_K_M GGUF stores some v projections with more bits than q and k) and its own tensors (no copy)."""
-
-    def __init__(self, layers: list[nn.Module], swiglu: bool = False) -> None:
-        super().__init__()
-        if not all(isinstance(m, QuantLinear) and m.backend == "qmatmul" for m in layers):
-            raise ValueError("QuantGroup needs Int4Linear/Int8Linear layers on the qmatmul backend")
-        if len({m.in_features for m in layers}) != 1:
-            raise ValueError(f"QuantGroup layers must share in_features, got {[m.in_features for m in layers]}")
-        self.layers = nn.ModuleList(layers)
-        self.in_features = layers[0].in_features
-        self.call = qmatmul.PartsCall([m.kernel_part() for m in layers], self.in_features, swiglu)
-        self.out_features = self.call.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        return self.call(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)

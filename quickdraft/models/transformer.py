@@ -336,3 +336,11 @@ def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of parameters and weight buffers (packed and quantized layers keep weights as buffers)."""
     tensors = list(module.parameters()) + list(module.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def step_weight_bytes(model: Transformer) -> int:
+    """Bytes of weights one decode step reads: all of them but the embedding table, of which a step reads one row per
+    token; a head that is the embedding table itself (float weights, tied) reads it whole."""
+    embed = model.model.embed_tokens.weight
+    total = weight_bytes(model)
+    return total if getattr(model.lm_head, "weight", None) is embed else total - embed.numel() * embed.element_size()

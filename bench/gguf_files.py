@@ -1,0 +1,141 @@
+"""The GGUF files the format benchmarks run, written by llama.cpp's own quantizer (``llama_cpp.llama_model_quantize``
+of ``pip install llama-cpp-python``), into ``cache_root()/bench-files/``:
+
+* the packaged models in other formats, requantized from their own files (``allow_requantize``: the speed of a
+  format does not depend on where its values came from): Qwen2.5-Coder-1.5B as Q5_K_M and Q6_K, SmolLM2-135M as
+  Q5_0 and IQ4_XS;
+* a model of the Bonsai 1.7B shape (Qwen3: hidden 2048, 28 layers, 16 heads, 8 KV heads of 128, intermediate 6144,
+  vocabulary 151936, tied embeddings; random weights of standard deviation 0.02, the Qwen2.5 tokenizer) written as
+  F16, then as Q1_0 and Q2_0, the 1-bit and ternary formats of the Bonsai models.
+
+Usage: python bench/gguf_files.py [--only NAME[,NAME...]]; prints each file's path (an existing file is kept).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from quickdraft.loading import resolve_model
+from quickdraft.loading.gguf_metadata import read_header
+from quickdraft.paths import cache_root
+
+FTYPES = {"Q5_0": 8, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30, "Q1_0": 40, "Q2_0": 41}  # llama.h LLAMA_FTYPE_MOSTLY_*
+BONSAI = dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=6144, vocab=151936)
+
+
+def folder() -> Path:
+    path = cache_root() / "bench-files"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def quantize(src: Path, dst: Path, ftype: str) -> Path:
+    """``dst``: ``src`` written in ``ftype`` by llama.cpp's quantizer (its own choice of types per tensor)."""
+    if dst.is_file():
+        return dst
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[ftype]
+    params.allow_requantize = True
+    params.nthread = 2
+    tmp = dst.with_suffix(".tmp")
+    t0 = time.perf_counter()
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize {src} -> {ftype} failed ({rc})")
+    tmp.replace(dst)
+    print(f"  {dst.name}: {dst.stat().st_size / 1e6:.0f} MB in {time.perf_counter() - t0:.0f} s", flush=True)
+    return dst
+
+
+def bonsai_f16(path: Path) -> Path:
+    """A random-weight F16 GGUF of the Bonsai 1.7B shape, with the tokenizer of the packaged Qwen2.5 model."""
+    if path.is_file():
+        return path
+    from gguf import GGUFWriter
+    s = BONSAI
+    tokenizer = {k: v for k, v in read_header(resolve_model("qwen2.5-coder-0.5b")).metadata.items()
+                 if k.startswith("tokenizer.")}
+    writer = GGUFWriter(str(path.with_suffix(".tmp")), "qwen3")
+    writer.add_block_count(s["layers"])
+    writer.add_context_length(40960)
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(s["ffn"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_key_length(s["head_dim"])
+    writer.add_value_length(s["head_dim"])
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_file_type(1)
+    for key, value in tokenizer.items():  # arrays take their element type from the first element
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+    rng = np.random.default_rng(0)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    def norm(size: int) -> np.ndarray:
+        return (1 + 0.05 * rng.standard_normal(size)).astype(np.float32)
+
+    d, hd, q, kv = s["hidden"], s["head_dim"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    writer.add_tensor("token_embd.weight", mat(s["vocab"], d))
+    writer.add_tensor("output_norm.weight", norm(d))
+    for i in range(s["layers"]):
+        p = f"blk.{i}."
+        for name, tensor in (("attn_norm.weight", norm(d)), ("attn_q.weight", mat(q, d)), ("attn_k.weight", mat(kv, d)),
+                             ("attn_v.weight", mat(kv, d)), ("attn_output.weight", mat(d, q)),
+                             ("attn_q_norm.weight", norm(hd)), ("attn_k_norm.weight", norm(hd)),
+                             ("ffn_norm.weight", norm(d)), ("ffn_gate.weight", mat(s["ffn"], d)),
+                             ("ffn_up.weight", mat(s["ffn"], d)), ("ffn_down.weight", mat(d, s["ffn"]))):
+            writer.add_tensor(p + name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path.with_suffix(".tmp").replace(path)
+    return path
+
+
+def files(only: set[str] | None = None) -> dict[str, Path]:
+    """Every benchmark file by name, written where missing (``only``: just these names)."""
+    out: dict[str, Path] = {}
+    root = folder()
+    wanted = lambda name: only is None or name in only  # noqa: E731
+    for ftype in ("Q5_K_M", "Q6_K"):
+        if wanted(f"qwen1.5b-{ftype}"):
+            out[f"qwen1.5b-{ftype}"] = quantize(resolve_model("qwen2.5-coder-1.5b"), root / f"qwen1.5b-{ftype}.gguf",
+                                                ftype)
+    for ftype in ("Q5_0", "IQ4_XS"):
+        if wanted(f"smollm2-{ftype}"):
+            out[f"smollm2-{ftype}"] = quantize(resolve_model("smollm2-135m"), root / f"smollm2-{ftype}.gguf", ftype)
+    if any(wanted(f"bonsai-{t}") for t in ("Q1_0", "Q2_0")):
+        f16 = bonsai_f16(root / "bonsai1.7b-F16.gguf")
+        for ftype in ("Q1_0", "Q2_0"):
+            if wanted(f"bonsai-{ftype}"):
+                out[f"bonsai-{ftype}"] = quantize(f16, root / f"bonsai1.7b-{ftype}.gguf", ftype)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=None, help="comma-separated names (qwen1.5b-Q5_K_M, smollm2-IQ4_XS, bonsai-Q1_0..)")
+    args = ap.parse_args()
+    for name, path in files(set(args.only.split(",")) if args.only else None).items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

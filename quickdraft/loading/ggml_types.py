@@ -1,0 +1,31 @@
+"""GGML tensor types by id: name and block geometry. gguf-py's table, plus the types llama.cpp writes that this gguf-py
+does not know yet (Q2_0, the ternary Bonsai format), so a file of those is read, not called damaged."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    name: str
+    block: int  # elements per block
+    type_size: int  # bytes per block
+
+
+# llama.cpp's ggml.h ids of types newer than gguf-py's table
+_NEWER = {42: GGMLType("Q2_0", 64, 18)}
+
+TYPES: dict[int, GGMLType] = {**_NEWER, **{int(t): GGMLType(t.name, b, s) for t, (b, s) in GGML_QUANT_SIZES.items()}}
+BY_NAME: dict[str, int] = {t.name: i for i, t in TYPES.items()}
+
+
+def type_name(type_id: int) -> str:
+    """``'Q4_K'``, or ``'unknown type id N'``."""
+    t = TYPES.get(int(type_id))
+    return t.name if t is not None else f"unknown type id {int(type_id)}"
+
+
+def ggml_type(type_id: int) -> GGMLType | None:
+    return TYPES.get(int(type_id))

@@ -1,0 +1,350 @@
+/* The weight formats qmatmul.c reads: how one block of 256 input columns (8 groups of 32) of one output row is
+ * stored, and how it becomes unsigned byte values and per-group float scales for the int8 dot products.
+ *
+ * Every format is written as w[n, k] = scale[g] * v[n, k] + shift[g] per group g of 32 columns (Q6_K: per 16), v
+ * an unsigned byte; x is quantized per group to int8 with scale xs[g], so a group adds
+ *     scale * xs * sum_k v x8  +  shift * xsum        (xsum = xs * sum_k x8).
+ * scale and shift are exact products of the file's numbers (an fp16 times a small integer), so the only rounding
+ * besides float sums is the activations' int8 quantization, as for the int4/int8 formats.
+ *
+ * Element order inside a block (the same as the quantized x rows, see qmatmul.c): element 32 j + 4 t + i (group j,
+ * chunk t, i = 0..3) is "stored byte" s = 32 CHUNK_AT[t] + 4 j + i. Building blocks of a block's layout:
+ *   nib    128 bytes, 4-bit values: the low nibbles of bytes 32 s .. 32 s + 31 are chunk 2 s, the high ones chunk
+ *          2 s + 1 (a 64-byte load holds stored bytes 64 u .. 64 u + 63 for u = 2 h and 2 h + 1 in its low and high
+ *          nibbles);
+ *   bits1  32 bytes, one bit per stored byte s: bit s % 8 of byte s / 8 (a 64-bit word per 64-byte load);
+ *   bits2  64 bytes, two bits per stored byte s = 64 u + k: bits 2 u, 2 u + 1 of byte k;
+ *   byte   256 bytes in stored order.
+ * Formats (q: the file's value; d, m, dmin: fp16; sc, mn: small integers):
+ *   INT4   nib; bfloat16 scales/zeros in their own array (quickdraft's int4, K padded to 256)   v = q, shift = zero - 8 scale
+ *   INT8   byte (q + 128); bfloat16 scales/zeros in their own array (quickdraft's int8)
+ *   Q4_0   nib, d[8]                                   d (q - 8)          144 bytes (GGML: 144)
+ *   Q4_1   nib, d[8], m[8]                             d q + m            160 (160)
+ *   Q5_0   nib, bits1 (value 16), d[8]                 d (q - 16)         176 (176)
+ *   Q5_1   nib, bits1, d[8], m[8]                      d q + m            192 (192)
+ *   Q8_0   byte (q + 128), d[8]                        d q                272 (272)
+ *   Q4_K   nib, d, dmin, sc[8] u8, mn[8] u8            d sc q - dmin mn   148 (144: the 6-bit sc/mn as bytes)
+ *   Q5_K   nib, bits1, d, dmin, sc[8], mn[8]                              180 (176)
+ *   Q6_K   nib, bits2 (values 16, 32), sc[16] s8 (8 first halves, then 8 second halves), d   d sc (q - 32), per 16
+ *                                                                         210 (210)
+ *   IQ4_NL nib (index into KVALUES), d[8]              d KVALUES[q]       144 (144)
+ *   IQ4_XS nib, d, sc[8] s8 (the file's 6-bit scale - 32)   d sc KVALUES[q]   138 (136)
+ *   Q1_0   bits1 (value 1), d[2] (one per 128)        q ? d : -d         36 (36)
+ *   Q2_0   bits2 (values 0..3), d[4] (one per 64)     d (q - 1)          72 (72)
+ * A row of K columns is K / 256 blocks, then the columns past the last whole block (K % 256) as tail records in
+ * element order, each as the file stores it but for the value order below: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
+ * IQ4_NL one group (nibbles: element i in the low nibble of byte i, element i + 16 in its high one; Q5 high bits:
+ * bit i of 4 bytes; Q8_0: q + 128), Q1_0 four groups (bit i of 16 bytes), Q2_0 two groups (group h: 8 bytes,
+ * element 8 q + k in bits 2 q of byte k), followed by d (and m). So every row has the file's bytes, or within 3 %.
+ * The K-quants and IQ4_XS need K % 256 == 0 (as in GGML); INT4 and INT8 pad K to a multiple of 256.
+ */
+#ifndef QUICKDRAFT_QFORMATS_H
+#define QUICKDRAFT_QFORMATS_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <stddef.h>
+
+enum {
+    QF_INT4 = 4, QF_INT8 = 8,
+    QF_Q4_0 = 20, QF_Q4_1, QF_Q5_0, QF_Q5_1, QF_Q8_0, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_IQ4_NL, QF_IQ4_XS, QF_Q1_0,
+    QF_Q2_0,
+};
+
+#define QF_BLOCK 256
+
+/* IQ4_NL / IQ4_XS values, plus 128 (so they are unsigned bytes; the shift subtracts 128 scale) */
+static const uint8_t IQ4_VALUES_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+static inline int qf_known(int f) { return f == QF_INT4 || f == QF_INT8 || (f >= QF_Q4_0 && f <= QF_Q2_0); }
+static inline int qf_padded(int f) { return f == QF_INT4 || f == QF_INT8; }
+
+static inline int qf_block_bytes(int f) {
+    switch (f) {
+    case QF_INT4: return 128;
+    case QF_INT8: return 256;
+    case QF_Q4_0: case QF_IQ4_NL: return 144;
+    case QF_Q4_1: return 160;
+    case QF_Q5_0: return 176;
+    case QF_Q5_1: return 192;
+    case QF_Q8_0: return 272;
+    case QF_Q4_K: return 148;
+    case QF_Q5_K: return 180;
+    case QF_Q6_K: return 210;
+    case QF_IQ4_XS: return 138;
+    case QF_Q1_0: return 36;
+    case QF_Q2_0: return 72;
+    default: return 0;
+    }
+}
+
+/* Columns of one tail record (0: the format takes no tail) and its bytes. */
+static inline int qf_tail_cols(int f) {
+    switch (f) {
+    case QF_Q4_0: case QF_Q4_1: case QF_Q5_0: case QF_Q5_1: case QF_Q8_0: case QF_IQ4_NL: return 32;
+    case QF_Q1_0: return 128;
+    case QF_Q2_0: return 64;
+    default: return 0;
+    }
+}
+
+static inline int qf_tail_bytes(int f) {
+    switch (f) {
+    case QF_Q4_0: case QF_IQ4_NL: case QF_Q1_0: case QF_Q2_0: return 18;
+    case QF_Q4_1: return 20;
+    case QF_Q5_0: return 22;
+    case QF_Q5_1: return 24;
+    case QF_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+/* Bytes of one row of K columns (Kpad: K rounded up to 256), or 0 when the format cannot take K. */
+static inline size_t qf_row_bytes(int f, int K, int Kpad) {
+    if (f == QF_INT4) return (size_t)Kpad / 2;
+    if (f == QF_INT8) return (size_t)Kpad;
+    const int rest = K % QF_BLOCK, unit = qf_tail_cols(f);
+    if (rest && (!unit || rest % unit)) return 0;
+    return (size_t)(K / QF_BLOCK) * qf_block_bytes(f) + (rest ? (size_t)(rest / unit) * qf_tail_bytes(f) : 0);
+}
+
+/* ---- per-group scales and shifts of a block ---------------------------------------------------------------- */
+
+typedef struct {
+    __m256 scale, shift;       /* per group; Q6_K: of each group's first 16 columns */
+    __m256 scale_hi, shift_hi; /* Q6_K: of each group's last 16 columns */
+} block_scales;
+
+static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256 f16_bcast(const uint8_t *p) {
+    uint16_t h;
+    __builtin_memcpy(&h, p, 2);
+    return _mm256_cvtph_ps(_mm_set1_epi16((short)h));
+}
+static inline __m256 u8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256 s8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* szrow: INT4/INT8's own bfloat16 scales (8) and zeros (8) of this block; unused by the others */
+static inline __attribute__((always_inline)) block_scales qf_scales(int F, const uint8_t *blk, const uint16_t *sz) {
+    block_scales s;
+    const __m256 neg8 = _mm256_set1_ps(-8.f), neg16 = _mm256_set1_ps(-16.f), neg32 = _mm256_set1_ps(-32.f),
+                 neg128 = _mm256_set1_ps(-128.f);
+    s.scale_hi = s.shift_hi = _mm256_setzero_ps();
+    switch (F) {
+    case QF_INT4: case QF_INT8:
+        s.scale = bf16x8(sz);
+        s.shift = _mm256_fnmadd_ps(_mm256_set1_ps(F == QF_INT4 ? 8.f : 128.f), s.scale, bf16x8(sz + 8));
+        break;
+    case QF_Q4_0: case QF_IQ4_NL:
+        s.scale = f16x8(blk + 128);
+        s.shift = _mm256_mul_ps(F == QF_Q4_0 ? neg8 : neg128, s.scale);
+        break;
+    case QF_Q4_1: s.scale = f16x8(blk + 128), s.shift = f16x8(blk + 144); break;
+    case QF_Q5_0: s.scale = f16x8(blk + 160), s.shift = _mm256_mul_ps(neg16, s.scale); break;
+    case QF_Q5_1: s.scale = f16x8(blk + 160), s.shift = f16x8(blk + 176); break;
+    case QF_Q8_0: s.scale = f16x8(blk + 256), s.shift = _mm256_mul_ps(neg128, s.scale); break;
+    case QF_Q4_K: case QF_Q5_K: {
+        const uint8_t *p = blk + (F == QF_Q4_K ? 128 : 160);
+        s.scale = _mm256_mul_ps(f16_bcast(p), u8x8(p + 4));
+        s.shift = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), f16_bcast(p + 2)), u8x8(p + 12));
+        break;
+    }
+    case QF_Q6_K: {
+        const __m256 d = f16_bcast(blk + 208);
+        s.scale = _mm256_mul_ps(d, s8x8(blk + 192));
+        s.scale_hi = _mm256_mul_ps(d, s8x8(blk + 200));
+        s.shift = _mm256_mul_ps(neg32, s.scale);
+        s.shift_hi = _mm256_mul_ps(neg32, s.scale_hi);
+        break;
+    }
+    case QF_IQ4_XS:
+        s.scale = _mm256_mul_ps(f16_bcast(blk + 128), s8x8(blk + 130));
+        s.shift = _mm256_mul_ps(neg128, s.scale);
+        break;
+    case QF_Q1_0: { /* d0 for groups 0..3, d1 for 4..7: bits b give 2 d b - d */
+        int32_t two;
+        __builtin_memcpy(&two, blk + 32, 4);
+        __m128i h = _mm_cvtsi32_si128(two);
+        h = _mm_unpacklo_epi16(h, h);
+        const __m256 d = _mm256_cvtph_ps(_mm_unpacklo_epi32(h, h));
+        s.scale = _mm256_add_ps(d, d);
+        s.shift = _mm256_sub_ps(_mm256_setzero_ps(), d);
+        break;
+    }
+    default: { /* QF_Q2_0: one d per two groups, d (q - 1) */
+        const __m128i h = _mm_loadl_epi64((const __m128i *)(blk + 64));
+        s.scale = _mm256_cvtph_ps(_mm_unpacklo_epi16(h, h));
+        s.shift = _mm256_sub_ps(_mm256_setzero_ps(), s.scale);
+        break;
+    }
+    }
+    return s;
+}
+
+static inline int qf_has_nibbles(int F) {
+    return F == QF_INT4 || F == QF_Q4_0 || F == QF_Q4_1 || F == QF_Q5_0 || F == QF_Q5_1 || F == QF_Q4_K ||
+           F == QF_Q5_K || F == QF_Q6_K || F == QF_IQ4_NL || F == QF_IQ4_XS;
+}
+static inline int qf_fifth_bit(int F) { return F == QF_Q5_0 || F == QF_Q5_1 || F == QF_Q5_K; }
+static inline int qf_lookup(int F) { return F == QF_IQ4_NL || F == QF_IQ4_XS; }
+static inline int qf_bytes(int F) { return F == QF_INT8 || F == QF_Q8_0; }
+/* the largest value v takes: 15, 31, 63 or 255 (what the AVX2 dot products must not saturate on) */
+static inline int qf_max_value(int F) {
+    if (qf_bytes(F) || qf_lookup(F)) return 255;
+    if (F == QF_Q6_K) return 63;
+    if (qf_fifth_bit(F)) return 31;
+    return 15;
+}
+
+/* byte b of the result: 0xFF where bit b of the 32-bit word is set */
+static inline __m256i bits_to_bytes(uint32_t word) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)word), spread), bit);
+    return _mm256_cmpeq_epi8(b, bit);
+}
+
+static inline uint32_t ld32(const uint8_t *p) {
+    uint32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return v;
+}
+
+/* ---- a block's values, 256-bit: w[p] = stored bytes 32 p .. 32 p + 31 ------------------------------------ */
+
+static const int QF_CHUNK_AT[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* stored position of chunk t (its own inverse) */
+
+static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_t *blk, __m256i w[8]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    if (qf_has_nibbles(F)) {
+        for (int s = 0; s < 4; s++) {
+            const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 32 * s));
+            w[QF_CHUNK_AT[2 * s]] = _mm256_and_si256(l, low);
+            w[QF_CHUNK_AT[2 * s + 1]] = _mm256_and_si256(_mm256_srli_epi16(l, 4), low);
+        }
+    }
+    if (qf_fifth_bit(F)) {
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        for (int p = 0; p < 8; p++)
+            w[p] = _mm256_or_si256(w[p], _mm256_and_si256(bits_to_bytes(ld32(blk + 128 + 4 * p)), sixteen));
+    }
+    if (F == QF_Q6_K) { /* bits 2 u of bits2 -> bits 4, 5 of the value (16-bit shifts keep each byte's bits) */
+        const __m256i top = _mm256_set1_epi8(0x30);
+        for (int p = 0; p < 8; p++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * (p & 1)));
+            const int u = p >> 1;
+            const __m256i hi = u == 0 ? _mm256_slli_epi16(v, 4) : u == 1 ? _mm256_slli_epi16(v, 2)
+                             : u == 2 ? v : _mm256_srli_epi16(v, 2);
+            w[p] = _mm256_or_si256(w[p], _mm256_and_si256(hi, top));
+        }
+    }
+    if (qf_lookup(F)) {
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES_U8));
+        for (int p = 0; p < 8; p++) w[p] = _mm256_shuffle_epi8(table, w[p]);
+    }
+    if (qf_bytes(F))
+        for (int p = 0; p < 8; p++) w[p] = _mm256_loadu_si256((const __m256i *)(blk + 32 * p));
+    if (F == QF_Q1_0) {
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int p = 0; p < 8; p++) w[p] = _mm256_and_si256(bits_to_bytes(ld32(blk + 4 * p)), one);
+    }
+    if (F == QF_Q2_0) {
+        const __m256i three = _mm256_set1_epi8(3);
+        for (int p = 0; p < 8; p++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * (p & 1)));
+            w[p] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (p >> 1)), three);
+        }
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+/* ---- a block's values, 512-bit: w[u] = stored bytes 64 u .. 64 u + 63 ------------------------------------ */
+static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_t *blk, __m512i w[4]) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    if (qf_has_nibbles(F)) {
+        for (int h = 0; h < 2; h++) {
+            const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
+            w[2 * h] = _mm512_and_si512(l, low);
+            w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(l, 4), low);
+        }
+    }
+    if (qf_fifth_bit(F)) {
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        for (int u = 0; u < 4; u++) {
+            uint64_t m;
+            __builtin_memcpy(&m, blk + 128 + 8 * u, 8);
+            w[u] = _mm512_mask_add_epi8(w[u], _cvtu64_mask64(m), w[u], sixteen);
+        }
+    }
+    if (F == QF_Q6_K) {
+        const __m512i top = _mm512_set1_epi8(0x30), v = _mm512_loadu_si512((const void *)(blk + 128));
+        w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(v, 4), top));
+        w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(v, 2), top));
+        w[2] = _mm512_or_si512(w[2], _mm512_and_si512(v, top));
+        w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_srli_epi16(v, 2), top));
+    }
+    if (qf_lookup(F)) {
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_VALUES_U8));
+        for (int u = 0; u < 4; u++) w[u] = _mm512_shuffle_epi8(table, w[u]);
+    }
+    if (qf_bytes(F))
+        for (int u = 0; u < 4; u++) w[u] = _mm512_loadu_si512((const void *)(blk + 64 * u));
+    if (F == QF_Q1_0) {
+        const __m512i one = _mm512_set1_epi8(1);
+        for (int u = 0; u < 4; u++) {
+            uint64_t m;
+            __builtin_memcpy(&m, blk + 8 * u, 8);
+            w[u] = _mm512_maskz_mov_epi8(_cvtu64_mask64(m), one);
+        }
+    }
+    if (F == QF_Q2_0) {
+        const __m512i three = _mm512_set1_epi8(3), v = _mm512_loadu_si512((const void *)blk);
+        for (int u = 0; u < 4; u++) w[u] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * u), three);
+    }
+}
+#endif
+
+/* ---- tail records: one group's 32 values in element order, its scale and shift ---------------------------- */
+
+static inline __attribute__((always_inline)) __m256i qf_tail_values(int F, const uint8_t *rec, int h) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m256i w;
+    if (F == QF_Q8_0) return _mm256_loadu_si256((const __m256i *)rec);
+    if (F == QF_Q1_0) return _mm256_and_si256(bits_to_bytes(ld32(rec + 4 * h)), _mm256_set1_epi8(1));
+    if (F == QF_Q2_0) {
+        uint64_t v;
+        __builtin_memcpy(&v, rec + 8 * h, 8);
+        return _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x((long long)v), _mm256_setr_epi64x(0, 2, 4, 6)),
+                                _mm256_set1_epi8(3));
+    }
+    const __m128i b = _mm_loadu_si128((const __m128i *)rec);
+    w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+    if (qf_fifth_bit(F)) w = _mm256_or_si256(w, _mm256_and_si256(bits_to_bytes(ld32(rec + 16)), _mm256_set1_epi8(16)));
+    if (F == QF_IQ4_NL)
+        w = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES_U8)), w);
+    return w;
+}
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    __builtin_memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline __attribute__((always_inline)) void qf_tail_scale(int F, const uint8_t *rec, float *scale, float *shift) {
+    switch (F) {
+    case QF_Q4_0: *scale = f16_at(rec + 16), *shift = -8.f * *scale; break;
+    case QF_IQ4_NL: *scale = f16_at(rec + 16), *shift = -128.f * *scale; break;
+    case QF_Q4_1: *scale = f16_at(rec + 16), *shift = f16_at(rec + 18); break;
+    case QF_Q5_0: *scale = f16_at(rec + 20), *shift = -16.f * *scale; break;
+    case QF_Q5_1: *scale = f16_at(rec + 20), *shift = f16_at(rec + 22); break;
+    case QF_Q8_0: *scale = f16_at(rec + 32), *shift = -128.f * *scale; break;
+    case QF_Q1_0: *shift = -f16_at(rec + 16), *scale = -2.f * *shift; break;
+    default: *scale = f16_at(rec + 16), *shift = -*scale; break; /* QF_Q2_0 */
+    }
+}
+#endif
