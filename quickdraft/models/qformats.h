@@ -146,10 +146,14 @@ static inline __attribute__((always_inline)) block_scales qf_scales(int F, const
     case QF_Q5_0: s.scale = f16x8(blk + 160), s.shift = _mm256_mul_ps(neg16, s.scale); break;
     case QF_Q5_1: s.scale = f16x8(blk + 160), s.shift = f16x8(blk + 176); break;
     case QF_Q8_0: s.scale = f16x8(blk + 256), s.shift = _mm256_mul_ps(neg128, s.scale); break;
-    case QF_Q4_K: case QF_Q5_K: {
+    case QF_Q4_K: case QF_Q5_K: { /* d and dmin in one load; the mins' term is subtracted: shift = -dmin mn */
         const uint8_t *p = blk + (F == QF_Q4_K ? 128 : 160);
-        s.scale = _mm256_mul_ps(f16_bcast(p), u8x8(p + 4));
-        s.shift = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), f16_bcast(p + 2)), u8x8(p + 12));
+        int32_t both;
+        __builtin_memcpy(&both, p, 4);
+        const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(both));
+        const __m128 neg = _mm_xor_ps(d_dmin, _mm_set_ps(0.f, 0.f, -0.f, 0.f));
+        s.scale = _mm256_mul_ps(_mm256_broadcastss_ps(neg), u8x8(p + 4));
+        s.shift = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(neg), _mm256_set1_epi32(1)), u8x8(p + 12));
         break;
     }
     case QF_Q6_K: {

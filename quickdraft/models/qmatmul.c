@@ -45,8 +45,8 @@
 #define GROUP 32
 #define ROWS_PER_TASK 8 /* output rows one thread takes at a time */
 /* How far ahead the AVX512 tiles ask for their weights, in calls of every row count: the best of the distances
- * measured (docs/MEASUREMENTS.md). */
-#define PREFETCH_BYTES 4096
+ * measured, on Zen 4 with the block formats of every size (docs/MEASUREMENTS.md). */
+#define PREFETCH_BYTES 2048
 /* A tile of rows streams each weight row whole, with prefetch, when it has at most STREAM_ROWS rows or its quantized
  * x rows take at most STREAM_X_BYTES (they stay in L1 while every output column reads them); others go through K
  * chunks of x (see qd_linear). The limits were chosen by timing the calls of a quantized decode step at several row
@@ -235,20 +235,23 @@ static inline __attribute__((always_inline)) __m256i dot8(int F, const __m256i w
 }
 #endif
 
+#ifdef WIDE
+/* Lanes j + 8 k of v summed into lane j (a block's 16 lanes hold two parts of each of its 8 groups). */
+static inline __m256i fold8(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+#endif
+
 /* Running sums of rows m0 .. m0 + TILE - 1 of one output column, kept between chunks of blocks. */
 typedef struct {
-#ifdef WIDE
-    __m512 dot[ROW_TILE];
-#else
     __m256 dot[ROW_TILE];
-#endif
     __m256 part[ROW_TILE]; /* WIDE: the shift terms; both: the tail groups' dot products */
     float tail_shift[ROW_TILE];
 } tile_sums;
 
 static inline float tile_total(const tile_sums *t, int r) {
 #ifdef WIDE
-    return _mm512_reduce_add_ps(t->dot[r]) + hsum(t->part[r]) + t->tail_shift[r];
+    return hsum(t->dot[r]) + hsum(t->part[r]) + t->tail_shift[r];
 #else
     return hsum(t->dot[r]) + hsum(t->part[r]) + t->tail_shift[r];
 #endif
@@ -269,13 +272,8 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
                                                         int b0, int b1, int nblk, int ntail, const x_rows *X, int m0,
                                                         tile_sums *st) {
     const int BB = qf_block_bytes(F);
-#ifdef WIDE
-    __m512 acc[ROW_TILE];
-    for (int r = 0; r < TILE; r++) acc[r] = b0 ? st->dot[r] : _mm512_setzero_ps();
-#else
     __m256 acc[ROW_TILE];
     for (int r = 0; r < TILE; r++) acc[r] = b0 ? st->dot[r] : _mm256_setzero_ps();
-#endif
     __m256 part[ROW_TILE];
     for (int r = 0; r < TILE; r++) part[r] = b0 ? st->part[r] : _mm256_setzero_ps();
     for (int b = b0; b < b1; b++) {
@@ -291,22 +289,18 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
         qf_decode8(F, blk, w);
 #endif
         const block_scales s = qf_scales(F, blk, qf_padded(F) ? szrow + 16 * b : NULL);
-#ifdef WIDE
-        const __m512 scale2 = _mm512_insertf32x8(_mm512_castps256_ps512(s.scale), s.scale, 1);
-        const __m512 scale2_hi = _mm512_insertf32x8(_mm512_castps256_ps512(s.scale_hi), s.scale_hi, 1);
-#endif
         for (int r = 0; r < TILE; r++) {
             const int8_t *xb = X->xq + (size_t)(m0 + r) * X->xrow + (size_t)b * BLOCK;
             const size_t gi = (size_t)(m0 + r) * X->ngroups + 8 * b;
 #ifdef WIDE
             const __m512i x0 = _mm512_load_si512((const void *)xb), x1 = _mm512_load_si512((const void *)(xb + 64)),
                           x2 = _mm512_load_si512((const void *)(xb + 128)), x3 = _mm512_load_si512((const void *)(xb + 192));
-            const __m512 xs2 = _mm512_broadcast_f32x8(_mm256_load_ps(X->xs + gi));
+            const __m256 xs8 = _mm256_load_ps(X->xs + gi);
             if (F == QF_Q6_K) { /* w[0], w[1]: each group's first 16 columns; w[2], w[3]: its last 16 */
                 const __m512i lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x0), w[1], x1);
                 const __m512i hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2], x2), w[3], x3);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale2, xs2), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale2_hi, xs2), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold8(lo)), _mm256_mul_ps(s.scale, xs8), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold8(hi)), _mm256_mul_ps(s.scale_hi, xs8), acc[r]);
                 const float *half = X->xhalf + 2 * gi;
                 part[r] = _mm256_fmadd_ps(s.shift, _mm256_load_ps(half), part[r]);
                 part[r] = _mm256_fmadd_ps(s.shift_hi, _mm256_load_ps(half + 8), part[r]);
@@ -316,8 +310,9 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
             __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], x1);
             d0 = _mm512_dpbusd_epi32(d0, w[2], x2);
             d1 = _mm512_dpbusd_epi32(d1, w[3], x3);
-            /* lane j and lane 8 + j both hold parts of group j's dot product: both get its scale */
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), _mm512_mul_ps(scale2, xs2), acc[r]);
+            /* lane j and lane 8 + j both hold parts of group j's dot product: folded to 8 lanes, one per group */
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold8(_mm512_add_epi32(d0, d1))), _mm256_mul_ps(s.scale, xs8),
+                                     acc[r]);
             part[r] = _mm256_fmadd_ps(s.shift, _mm256_load_ps(X->xsum + gi), part[r]);
 #else
             const __m256 xs8 = _mm256_load_ps(X->xs + gi);
