@@ -250,6 +250,8 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
         max_speculative_tokens=o.max_speculative_tokens, threads=o.threads)
     engine = LLMEngine(target, tokenizer, config, drafter)
     return_freed_heap()
+    if native.available():  # the loading thread's OpenMP workers go: another thread (a server's) may run the engine
+        native.lib().qd_release_threads()
     return LoadedEngine(engine, tokenizer, target_model, checkpoint, draft_checkpoint, dtype, weights, draft_weights,
                         o.device, plan, None if vocab is None else vocab.pairing)
 

@@ -283,3 +283,12 @@ int qd_argmax(const float *x, int M, int N, long ld, int64_t *out) {
     }
     return 0;
 }
+
+/* Lets go of the calling thread's OpenMP worker threads; they are made again by its next parallel region. A model
+ * loaded by one thread and run by another (the server's engine thread) otherwise keeps the loader's workers beside
+ * its own, and on a machine with as many threads as cores they slowed every step (docs/MEASUREMENTS.md). Weak: an
+ * OpenMP runtime older than 5.0 has no such call, and then nothing is let go. Returns 0, or -2 where unsupported. */
+extern int omp_pause_resource_all(int kind) __attribute__((weak));
+int qd_release_threads(void) {
+    return omp_pause_resource_all ? omp_pause_resource_all(1 /* omp_pause_soft */) : -2;
+}
