@@ -6,7 +6,10 @@ speculative output equal to plain."""
 from __future__ import annotations
 
 import math
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -186,13 +189,13 @@ def _byte_tokens() -> list[str]:
 BYTE_TOKENS = _byte_tokens()
 
 
-def write_model(path: Path, name: str, hidden: int, ffn: int, seed: int = 0) -> None:
-    """A 2-layer qwen2-style GGUF (biases on q/k/v, tied head) whose matrices, embedding included, are random blocks
-    of ``name``; norms and biases F32."""
+def write_model(path: Path, name: str, hidden: int, ffn: int, seed: int = 0, arch: str = "qwen2") -> None:
+    """A 2-layer GGUF (qwen2: biases on q/k/v; llama: none, and its q/k rows in llama.cpp's permuted order; a tied
+    head) whose matrices, embedding included, are random blocks of ``name``; norms and biases F32."""
     vocab, heads, kv_heads, layers = 257, 4, 2, 2
     hd = 64
     rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(path), "qwen2")
+    writer = GGUFWriter(str(path), arch)
     for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 512),
                        (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, ffn),
                        (writer.add_head_count, heads), (writer.add_head_count_kv, kv_heads),
@@ -227,7 +230,7 @@ def write_model(path: Path, name: str, hidden: int, ffn: int, seed: int = 0) -> 
         matrix(p + "attn_q.weight", heads * hd, hidden)
         matrix(p + "attn_k.weight", kv_heads * hd, hidden)
         matrix(p + "attn_v.weight", kv_heads * hd, hidden)
-        for part, size in (("q", heads * hd), ("k", kv_heads * hd), ("v", kv_heads * hd)):
+        for part, size in (("q", heads * hd), ("k", kv_heads * hd), ("v", kv_heads * hd)) if arch == "qwen2" else ():
             vector(p + f"attn_{part}.bias", size, 0.0)
         matrix(p + "attn_output.weight", hidden, heads * hd)
         matrix(p + "ffn_gate.weight", ffn, hidden)
@@ -318,3 +321,31 @@ def test_unsupported_types_are_named(tmp_path, cache_dir):
     assert path.read_bytes() != data
     with pytest.raises(ModelLoadError, match=r"unsupported GGUF quantization type IQ2_XXS .*supported: .*Q2_0"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q6_K"])
+def test_llama_rows_are_unpermuted_in_the_files_blocks(tmp_path, cache_dir, name):
+    """A llama-family file stores q/k rows in llama.cpp's rotary order: the repacked rows are put back in HF order
+    (a row out of place would change the logits by their own size)."""
+    path = tmp_path / "llama.gguf"
+    write_model(path, name, 256, 512, arch="llama")
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    ref = LLM(str(path), dtype="float32", weights="float32", kv_cache_memory="16MiB")
+    assert llm.weights == "gguf" and llm.model.config.architecture == "llama"
+    for ids in PROMPTS:
+        ours, theirs = logits(llm, ids), logits(ref, ids)
+        assert (ours - theirs).abs().max() <= LOGIT_BOUND * theirs.abs().max()
+
+
+def test_the_avx2_kernels_compute_the_same_math():
+    """On an AVX-512 machine the AVX2 code (what a CPU without AVX-512 runs) is otherwise never run: the kernel tests
+    again in a process whose kernels are built without AVX-512 (QUICKDRAFT_KERNEL_ISA=avx2)."""
+    from quickdraft.models import native
+    if not native.wide_int8_dot_products():
+        pytest.skip("this CPU runs the AVX2 code in every other test already")
+    env = {**os.environ, native.ISA_ENV: "avx2"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "kernel_computes_the_files_weights or one_call_mixes_formats"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]

@@ -134,6 +134,8 @@ CASES = {
     "rows not whole blocks": (gguf(infos=[tensor_info("token_embd.weight", [33, 4], ttype=QT.Q4_0)]),
                               r"shape \[33, 4\] of type Q4_0, whose row length .* must be a multiple of its block "
                               r"size 32"),
+    "tensors overlap": (gguf(infos=[EMBD, tensor_info("output_norm.weight", [8], offset=64)]),
+                        r"tensor 'token_embd.weight' \(bytes [\d,]+ to [\d,]+\) overlaps tensor 'output_norm.weight'"),
     "offset past the end": (gguf(infos=[tensor_info("token_embd.weight", [8, 4], offset=1 << 40)]),
                             r"\(shape \[8, 4\], 128 bytes at offset 1,099,511,627,776\) needs bytes up to"),
     "offset 2^64-32": (gguf(infos=[tensor_info("token_embd.weight", [8, 4], offset=U64_MAX - 31)]),

@@ -597,3 +597,13 @@ def test_memory_summary_counts_the_draft_models_weights_and_cache(small, tiny_di
     assert "KV up to 4 MiB" in alone.memory_summary and "KV up to 8 MiB" in both.memory_summary
     assert "float32 + float32 draft" in both.memory_summary
     assert set(both.loaded.memory.kv_caps) == {"target", "draft"}
+
+
+@pytest.mark.parametrize("weights", ["auto", "int4", "int8", "float32"])
+def test_planned_weights_are_what_the_model_holds(smollm2, weights):
+    """The plan made from the header alone (before any weight is read) is the model's weight bytes: the file's own
+    types ('auto': Q4_1 layers, Q8_0 head), requantized ones, and an explicit float format (once planned as int8)."""
+    from quickdraft.models import weight_bytes
+
+    llm = LLM(str(smollm2), weights=weights, dtype="float32", kv_cache_memory="16MiB")
+    assert llm.loaded.memory.weights["target"] == weight_bytes(llm.model)

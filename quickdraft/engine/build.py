@@ -195,8 +195,8 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     resolve_weights(o.weights, o.device)  # a bad format fails before anything is loaded
     dtype = resolve_dtype(o.weights if o.weights in FLOAT_FORMATS else o.dtype, o.device)
     checkpoint = load_checkpoint(model, dtype=dtype)  # the header; tensors are read as the model is built
-    # int4/int8 keep the linear layers quantized (activations, embeddings and norms stay in `dtype`), None keeps
-    # float weights in `dtype`; "auto" follows the file's own precision (see loading/weight_choice.py)
+    # gguf/int4/int8 keep the linear layers quantized (activations, embeddings and norms stay in `dtype`), None keeps
+    # float weights in `dtype`; "auto" follows the file's own types (see loading/weight_choice.py)
     fmt = resolve_weights(o.weights, o.device, checkpoint.tensor_types)
     weights = fmt or dtype_name(dtype)
     tokenizer = tokenizer_for(checkpoint)
@@ -250,7 +250,8 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
         max_speculative_tokens=o.max_speculative_tokens, threads=o.threads)
     engine = LLMEngine(target, tokenizer, config, drafter)
     return_freed_heap()
-    if native.available():  # the loading thread's OpenMP workers go: another thread (a server's) may run the engine
+    # the loading thread's OpenMP workers go: another thread (a server's) may run the engine
+    if str(o.device).startswith("cpu") and native.available():
         native.lib().qd_release_threads()
     return LoadedEngine(engine, tokenizer, target_model, checkpoint, draft_checkpoint, dtype, weights, draft_weights,
                         o.device, plan, None if vocab is None else vocab.pairing)
@@ -260,8 +261,9 @@ def _memory_plan(o: EngineOptions, checkpoint: Checkpoint, fmt: str | None, draf
                  draft_fmt: str | None, self_layers: int | None, max_model_len: int) -> MemoryPlan:
     """Weights and KV caps of this configuration, from the headers alone (see ``memory.plan_memory``)."""
     cfg = checkpoint.config
-    head = head_kernel(fmt, default_lm_head(fmt), checkpoint.tensor_types)
-    weights = {"target": planned_weight_bytes(cfg, checkpoint.tensor_types, fmt, head, checkpoint.dtype)}
+    quantized = fmt if fmt in QUANT_FORMATS else None  # an explicit float format holds float weights
+    head = head_kernel(quantized, default_lm_head(quantized), checkpoint.tensor_types)
+    weights = {"target": planned_weight_bytes(cfg, checkpoint.tensor_types, quantized, head, checkpoint.dtype)}
     # a sequence of the full context holds its drafts too (see the capacity check in build_engine)
     blocks = -(-(max_model_len + o.max_speculative_tokens + 1) // o.block_size)
 
@@ -299,7 +301,7 @@ def _kv_dtype(o: EngineOptions, checkpoint: Checkpoint) -> torch.dtype:
 def _keeps_float(fmt: str | None, device: str) -> bool:
     """A quantized draft keeps float weights too, for long prompts (see ModelRunner), except where the int4 kernel is
     faster at every length (``wide_int8_dot_products``)."""
-    int4_everywhere = fmt in ("int4", "gguf") and str(device).startswith("cpu") and native.wide_int8_dot_products()
+    int4_everywhere = fmt == "int4" and str(device).startswith("cpu") and native.wide_int8_dot_products()
     return fmt in QUANT_FORMATS and not int4_everywhere
 
 

@@ -1,5 +1,6 @@
-"""GGML tensor types by id: name and block geometry. gguf-py's table, plus the types llama.cpp writes that this gguf-py
-does not know yet (Q2_0, the ternary Bonsai format), so a file of those is read, not called damaged."""
+"""GGML tensor types by id: name and block geometry. gguf-py's table, plus the types llama.cpp writes that an older
+gguf-py does not know (Q1_0, the 1-bit Bonsai format; Q2_0, 2 bits with one fp16 scale per 64, mainline llama.cpp's
+layout), so a file of those is read, not called damaged."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +15,8 @@ class GGMLType:
     type_size: int  # bytes per block
 
 
-# llama.cpp's ggml.h ids of types newer than gguf-py's table
-_NEWER = {42: GGMLType("Q2_0", 64, 18)}
+# llama.cpp's ggml.h ids of types newer than gguf-py's table (gguf-py's own entry wins where it has one)
+_NEWER = {41: GGMLType("Q1_0", 128, 18), 42: GGMLType("Q2_0", 64, 18)}
 
 TYPES: dict[int, GGMLType] = {**_NEWER, **{int(t): GGMLType(t.name, b, s) for t, (b, s) in GGML_QUANT_SIZES.items()}}
 BY_NAME: dict[str, int] = {t.name: i for i, t in TYPES.items()}

@@ -221,7 +221,20 @@ def _walk(path: Path, buf: mmap.mmap | bytes, decode: bool) -> GGUFHeader:
             raise h.error(f"tensor {name!r} (shape {dims}, {n_bytes:,} bytes at offset {offset:,}) needs bytes up "
                           f"to {end:,} but the file has {h.size:,} bytes")
         tensors.append((name, dims, raw_type, data_start + offset, n_bytes))
+    _check_no_overlap(h, tensors)
     return GGUFHeader(metadata if decode else {}, tensors)
+
+
+def _check_no_overlap(h: _Header, tensors: list) -> None:
+    """Tensors' bytes must not overlap: a type whose block size this reader gets wrong (a Q2_0 written by a fork with
+    128-weight blocks under the same id) would otherwise read one tensor's bytes into the next one's weights."""
+    placed = sorted((start, start + n_bytes, name, raw) for name, _, raw, start, n_bytes in tensors)
+    for (start, end, name, raw), (next_start, _, next_name, _) in zip(placed, placed[1:]):
+        if end > next_start:
+            hint = (f"; its type {type_name(raw)} may be another layout under the same id (mainline llama.cpp's "
+                    f"Q2_0 has 64-weight blocks of 18 bytes)") if type_name(raw) == "Q2_0" else ""
+            raise h.error(f"tensor {name!r} (bytes {start:,} to {end:,}) overlaps tensor {next_name!r}, which starts "
+                          f"at {next_start:,}{hint}")
 
 
 def _checked_header(path: Path, decode: bool = False) -> GGUFHeader:

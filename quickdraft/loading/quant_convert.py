@@ -99,8 +99,8 @@ CHUNK_BYTES = 8 << 20
 @dataclass
 class Sources:
     """Where the weights to quantize come from, by HF name (``...q_proj.weight``): a GGUF's own blocks and their
-    GGML type ids (``Checkpoint.blocks``/``block_types``: the exact int4 mapping, or float32 dequantization to
-    requantize), else float tensors in HF layout (``Checkpoint.tensors``, made when read), else the module's weight.
+    GGML type ids (``Checkpoint.blocks``/``block_types``: repacked as they are in ``'gguf'``, the exact int4 mapping,
+    or float32 dequantization to requantize), else float tensors in HF layout (``Checkpoint.tensors``, made when read), else the module's weight.
     A tied lm_head is the embedding's blocks rounded to ``float_dtype`` (the table the model holds)."""
 
     blocks: Mapping[str, Any] | None = None
@@ -242,7 +242,7 @@ def quantized_layers(model: Transformer, fmt: str, sources: Sources, device: tor
 
 def _quantized(name: str, linear: nn.Linear, fmt: str, sources: Sources, cfg: ModelConfig, group_size: int,
                device: torch.device) -> tuple[nn.Module, bool]:
-    """One quantized layer and whether its int4 values came exactly from the file. A big matrix on the qmatmul
+    """One quantized layer and whether it came exactly from the file's blocks. A big matrix on the qmatmul
     kernel is converted a block of rows at a time into its final tensors (the kernel's layout is row by row), so
     no float32 copy of the whole matrix is ever made (``CHUNK_BYTES`` of it at a time)."""
     bias = None if linear.bias is None else linear.bias.detach().to(device)
@@ -295,11 +295,12 @@ def quant_info(fmt: str, group_size: int, wide_sources: str, head_fmt: str | Non
 
 def quantize_model(model: Transformer, fmt: str, sources: Sources | None = None, *, group_size: int = 32,
                    lm_head: bool | str = False, wide_sources: str = "int8") -> Transformer:
-    """Replace the decoder layers' nn.Linear (and ``lm_head`` when ``lm_head``) with Int4Linear / Int8Linear, in
-    place, one at a time; returns ``model``.
+    """Replace the decoder layers' nn.Linear (and ``lm_head`` when ``lm_head``) with quantized layers (BlockLinear in
+    ``'gguf'``, Int4Linear / Int8Linear), in place, one at a time; returns ``model``.
 
     ``sources``: where the weights come from (see ``Sources``; default: the modules' own weights).
-    ``lm_head``: False keeps it; True or ``'int8'`` quantizes the lm_head to int8, ``'int4'`` to int4.
+    ``lm_head``: False keeps it; True or ``'int8'`` quantizes the lm_head to int8, ``'int4'`` to int4, ``'gguf'``
+    keeps the file's own type.
     ``wide_sources`` (int4 only): format for layers whose GGUF type has more than 4 bits (Q5_*, Q6_K, Q8_0,
     F16, ...): ``'int8'`` (default) keeps them in int8, ``'int4'`` requantizes them to int4. A Q4_K_M GGUF stores
     some layers as Q6_K: int8 there brings the perplexity close to bfloat16's at the same decode speed

@@ -2,19 +2,20 @@
 
 Entry points:
 
-* ``resolve_weights(weights, device, tensor_types)``: ``'auto' | 'int4' | 'int8' | 'bfloat16' | 'float32'`` -> the
-  format to run (``'auto'`` follows the file, see ``weight_choice.py``).
+* ``resolve_weights(weights, device, tensor_types)``: ``'auto' | 'gguf' | 'int4' | 'int8' | 'bfloat16' | 'float32'``
+  -> the format to run (``'auto'`` follows the file, see ``weight_choice.py``).
 * ``resolve_draft_weights(draft_weights, target_format, cfg, device)``: the same for a draft model.
 * ``load_model(checkpoint, fmt, device)``: the model in that format, built a tensor at a time; uses the GGUF's own
-  int4 blocks where they map exactly (``quant_convert.py``), converts into the on-disk cache and runs mapped from it
-  (``quant_cache.py``). Float formats get packed linear layers instead (``pack_float.py``).
+  blocks (every type in ``'gguf'``, Q4 blocks as int4 in ``'int4'``; ``quant_convert.py``), converts into the
+  on-disk cache and runs mapped from it (``quant_cache.py``). Float formats get packed linear layers instead
+  (``pack_float.py``).
 * ``restrict_lm_head(model, rows)``: a draft's lm_head cut to the most frequent tokens.
 * ``weights_summary(model, checkpoint, weights)``: the one line that says which kernels a loaded model runs;
   ``file_defaults(path)``: what ``'auto'`` runs a GGUF file on, from its header alone.
 
-What is quantized: q/k/v/o and gate/up/down of every decoder layer, and ``lm_head`` when asked for
-(by default int8). A tied ``lm_head`` gets its own int8 copy and the embedding table stays in the model
-dtype: besides halving the bytes a decode step reads for the head, the packed kernels compute each row
+What is quantized: q/k/v/o and gate/up/down of every decoder layer, and ``lm_head`` (by default in the file's own
+type in ``'gguf'``, int8 in ``'int4'``/``'int8'``). A tied ``lm_head`` gets its own quantized copy and the embedding
+table stays in the model dtype: besides the bytes a decode step reads for the head, the packed kernels compute each row
 independently of how many rows are in the batch, while dense bfloat16 ``F.linear`` with a 1536-wide input
 does not, so a dense head would give a k-token verify pass other logits than k single steps and flip
 greedy near-ties. Embeddings, norms and biases stay in the model dtype (biases are added after the
@@ -147,16 +148,18 @@ def listed_rows(rows: int | Sequence[int] | None) -> Sequence[int] | None:
 def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "cpu", *, head_rows: int | Sequence[int] | None = None,
                group_size: int = 32, lm_head: bool | str | None = None, wide_sources: str = "int8",
                use_cache: bool = True) -> Transformer:
-    """``checkpoint`` as a Transformer on ``device`` whose linear layers run in ``fmt``: ``'int4'``/``'int8'``, or a
-    float format (``'bfloat16'``/``'float32'``/``'float16'``: float weights, packed for oneDNN on CPU by
+    """``checkpoint`` as a Transformer on ``device`` whose linear layers run in ``fmt``: ``'gguf'``, ``'int4'``/``'int8'``,
+    or a float format (``'bfloat16'``/``'float32'``/``'float16'``: float weights, packed for oneDNN on CPU by
     ``pack_float_linears``). Built one tensor at a time: the whole model never exists in float.
 
-    * GGUF sources: Q4_0/Q4_1/Q4_K tensors map exactly to int4 (group 32); with ``wide_sources='int8'``
+    * ``'gguf'``: every tensor in the GGML type its file stores it in, repacked at its own size (``BlockLinear``);
+      a tensor stored in a float type becomes int8.
+    * ``'int4'`` from a GGUF: Q4_0/Q4_1/Q4_K tensors map exactly to int4 (group 32); with ``wide_sources='int8'``
       (default) tensors stored with more bits become int8, else they are requantized to int4, from the
       float32-dequantized GGUF data.
     * ``group_size``: int4 group (32, 64, 128); only 32 maps GGUF Q4 blocks exactly.
-    * ``lm_head``: the lm_head's format: False (keep the model dtype), ``'int8'``/True or ``'int4'``;
-      None: ``DEFAULT_LM_HEAD`` (see bench/quant_accuracy.py for the trade-off). A tied lm_head becomes a
+    * ``lm_head``: the lm_head's format: False (keep the model dtype), ``'gguf'``, ``'int8'``/True or ``'int4'``;
+      None: ``default_lm_head(fmt)`` (see bench/quant_accuracy.py for the trade-off). A tied lm_head becomes a
       quantized copy; the embedding table keeps the model dtype.
     * ``head_rows``: keep only the lm_head's first rows (``restrict_lm_head``, a draft's vocabulary).
     * ``use_cache``: the converted model goes to ``cache_root()/quantized/`` as it is made, a layer at a time, and runs

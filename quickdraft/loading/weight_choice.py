@@ -36,7 +36,7 @@ def layer_linear_types(tensor_types: Mapping[str, str] | None) -> Counter:
 
 
 def auto_format(tensor_types: Mapping[str, str] | None) -> str | None:
-    """The format ``'auto'`` runs a checkpoint with these tensor types in on CPU (see the module doc):
+    """The format ``'auto'`` runs a checkpoint with these tensor types in on CPU (see the module doc): ``'gguf'``,
     ``'int4'``, ``'int8'``, or None for float weights in the model dtype (also for None: no GGUF types)."""
     types = layer_linear_types(tensor_types)
     if qmatmul.available() and any(t in FORMATS for t in types):
@@ -76,7 +76,10 @@ def planned_kernel_bytes(shape: tuple[int, ...], kernel: str) -> int:
     """Bytes of an ``[N, K]`` linear on ``kernel`` (a GGML type, ``int4`` or ``int8``) in the qmatmul layout."""
     if kernel in FORMATS:
         return shape[0] * FORMATS[kernel].row_bytes(shape[1])
-    return qmatmul.packed_bytes(shape[0], shape[1], 4 if kernel == "int4" else 8)
+    bits = {"int4": 4, "int8": 8}.get(kernel)
+    if bits is None:
+        raise ValueError(f"no kernel named {kernel!r}")
+    return qmatmul.packed_bytes(shape[0], shape[1], bits)
 
 
 def planned_weight_bytes(cfg: ModelConfig, tensor_types: Mapping[str, str] | None, fmt: str | None,
@@ -85,21 +88,20 @@ def planned_weight_bytes(cfg: ModelConfig, tensor_types: Mapping[str, str] | Non
     the file's tensor types alone (before loading): linears in the qmatmul layout or in ``dtype``, the lm_head on
     the kernel ``head`` (a tied one as its own copy), the embedding table, norms and biases in ``dtype``."""
     types = tensor_types or {}
-    kernel_bytes = planned_kernel_bytes
 
     total = 0
     for name, shape in expected_shapes(cfg).items():
         if fmt is not None and _LAYER_LINEAR.fullmatch(name):
-            total += kernel_bytes(shape, layer_kernel(fmt, types.get(name), wide_sources))
+            total += planned_kernel_bytes(shape, layer_kernel(fmt, types.get(name), wide_sources))
         elif fmt is not None and head is not None and name == "lm_head.weight":
-            total += kernel_bytes(shape, head)
+            total += planned_kernel_bytes(shape, head)
         else:
             total += math.prod(shape) * dtype.itemsize
     head_shape = (cfg.vocab_size, cfg.hidden_size)
     if cfg.tie_word_embeddings and fmt is None:  # packed float layers give the head its own copy
         total += math.prod(head_shape) * dtype.itemsize
     elif cfg.tie_word_embeddings and head is not None:
-        total += kernel_bytes(head_shape, head)
+        total += planned_kernel_bytes(head_shape, head)
     return total
 
 

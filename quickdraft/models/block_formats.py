@@ -43,6 +43,8 @@ class BlockFormat:
 
     def row_bytes(self, in_features: int) -> int:
         """Bytes of one row in the kernel's layout."""
+        if not self.takes(in_features):
+            raise ValueError(f"{self.name} rows cannot have {in_features} columns")
         rest = in_features % BLOCK
         return in_features // BLOCK * self.kernel_bytes + (rest // self.tail_cols * self.tail_bytes if rest else 0)
 
@@ -152,11 +154,9 @@ def decode(name: str, data: torch.Tensor, n: int, k: int) -> Decoded:
         out.low = rows(_nibbles(b[:, 8:], 16))
     elif name == "Q1_0":
         out.d, out.bit = rows(_fp16_bits(b[:, :2])), rows(_bits_le(b[:, 2:]))
-    elif name == "Q2_0":
+    else:  # Q2_0
         out.d = rows(_fp16_bits(b[:, :2]))
         out.two = rows((b[:, 2:].unsqueeze(-1) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)) & 3)
-    else:
-        raise ValueError(f"no kernel format for GGML type {name}")
     return out
 
 

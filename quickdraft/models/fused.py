@@ -5,7 +5,7 @@ take the module path). The call runs the kernels the modules call, in the same o
 roundings, so both paths give bit-identical hidden states (``tests/test_fused.py``); it only saves the Python
 and torch dispatch around them, a sizeable share of a quantized decode step (docs/MEASUREMENTS.md).
 
-A layer is fused where all of its linear layers run on quickdraft's kernels (int4/int8 on ``qmatmul``, or
+A layer is fused where all of its linear layers run on quickdraft's kernels (every quantized format on ``qmatmul``, or
 bfloat16 ``PackedLinear`` on the native kernel), with q/k/v and gate/up as one projection each, and its head layout
 suits the attention kernel; any other layer keeps the module path. What differs between families (q/k norms,
 Gemma's sandwich norms, the gate activation, the attention scale and window, each layer's RoPE tables) is data in

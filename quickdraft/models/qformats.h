@@ -44,6 +44,8 @@
 #include <stdint.h>
 #include <stddef.h>
 
+#include "floats.h"
+
 enum {
     QF_INT4 = 4, QF_INT8 = 8,
     QF_Q4_0 = 20, QF_Q4_1, QF_Q5_0, QF_Q5_1, QF_Q8_0, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_IQ4_NL, QF_IQ4_XS, QF_Q1_0,
@@ -127,7 +129,7 @@ static inline __m256 s8x8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* szrow: INT4/INT8's own bfloat16 scales (8) and zeros (8) of this block; unused by the others */
+/* sz: INT4/INT8's own bfloat16 scales (8) and zeros (8) of this block; unused by the others */
 static inline __attribute__((always_inline)) block_scales qf_scales(int F, const uint8_t *blk, const uint16_t *sz) {
     block_scales s;
     const __m256 neg8 = _mm256_set1_ps(-8.f), neg16 = _mm256_set1_ps(-16.f), neg32 = _mm256_set1_ps(-32.f),

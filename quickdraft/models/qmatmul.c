@@ -250,11 +250,7 @@ typedef struct {
 } tile_sums;
 
 static inline float tile_total(const tile_sums *t, int r) {
-#ifdef WIDE
     return hsum(t->dot[r]) + hsum(t->part[r]) + t->tail_shift[r];
-#else
-    return hsum(t->dot[r]) + hsum(t->part[r]) + t->tail_shift[r];
-#endif
 }
 
 /* What every tile of a call reads of x (written by quantize_row first). */

@@ -119,6 +119,8 @@ class PartsCall:
     def __init__(self, parts: list[Part], in_features: int, swiglu: bool = False) -> None:
         if not 1 <= len(parts) <= 8 or (swiglu and (len(parts) != 2 or parts[0].out_features != parts[1].out_features)):
             raise ValueError(f"qmatmul takes 1-8 parts (swiglu: 2 of equal size), got {len(parts)}")
+        if any(p.fmt in (4, 8) and p.scales_zeros is None for p in parts):  # int4/int8 keep their scales apart
+            raise ValueError("qmatmul's int4/int8 parts need their scales_zeros")
         self.parts, self.in_features, self.swiglu = parts, in_features, swiglu
         self.kpad = padded_width(in_features)
         n = len(parts)

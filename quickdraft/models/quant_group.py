@@ -11,8 +11,6 @@ from quickdraft.models.quant import Int4Linear, Int8Linear
 QuantLinear = (Int8Linear, Int4Linear, BlockLinear)
 
 
-
-
 class QuantGroup(nn.Module):
     """Quantized layers that read the same input (q/k/v, gate/up) run as one qmatmul call: the input is
     quantized once and one parallel loop covers all the weights. The output is the layers' outputs side by side,
