@@ -185,8 +185,9 @@ def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _bits1(v: torch.Tensor) -> torch.Tensor:
-    """One bit per value [n, nb, 256] -> [n, nb, 32], bit s of the stored order."""
-    return _pack_bits(_stored(v).reshape(v.shape[0], v.shape[1], 256))
+    """One bit per value [n, nb, 256] -> [n, nb, 32]: stored byte 32 p + k at bit p of byte k."""
+    s = _stored(v).to(torch.uint8)  # [n, nb, 8 (p), 32 (k)]
+    return (s << torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)).sum(dim=2, dtype=torch.uint8)
 
 
 def _bits2(v: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@
  *   nib    128 bytes, 4-bit values: the low nibbles of bytes 32 s .. 32 s + 31 are chunk 2 s, the high ones chunk
  *          2 s + 1 (a 64-byte load holds stored bytes 64 u .. 64 u + 63 for u = 2 h and 2 h + 1 in its low and high
  *          nibbles);
- *   bits1  32 bytes, one bit per stored byte s: bit s % 8 of byte s / 8 (a 64-bit word per 64-byte load);
+ *   bits1  32 bytes, one bit per stored byte s = 32 p + k: bit p of byte k (stored position p is one shift of the
+ *          plane away on AVX2; AVX-512 tests the plane against bit p in each half of a 64-byte register);
  *   bits2  64 bytes, two bits per stored byte s = 64 u + k: bits 2 u, 2 u + 1 of byte k;
  *   byte   256 bytes in stored order.
  * Formats (q: the file's value; d, m, dmin: fp16; sc, mn: small integers):
@@ -233,10 +234,12 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
             w[QF_CHUNK_AT[2 * s + 1]] = _mm256_and_si256(_mm256_srli_epi16(l, 4), low);
         }
     }
-    if (qf_fifth_bit(F)) {
-        const __m256i sixteen = _mm256_set1_epi8(16);
-        for (int p = 0; p < 8; p++)
-            w[p] = _mm256_or_si256(w[p], _mm256_and_si256(bits_to_bytes(ld32(blk + 128 + 4 * p)), sixteen));
+    if (qf_fifth_bit(F)) { /* bit p of each plane byte -> bit 4 of the value (16-bit shifts keep each byte's bits) */
+        const __m256i sixteen = _mm256_set1_epi8(16), plane = _mm256_loadu_si256((const __m256i *)(blk + 128));
+        for (int p = 0; p < 8; p++) {
+            const __m256i hi = p < 4 ? _mm256_slli_epi16(plane, 4 - p) : _mm256_srli_epi16(plane, p - 4);
+            w[p] = _mm256_or_si256(w[p], _mm256_and_si256(hi, sixteen));
+        }
     }
     if (F == QF_Q6_K) { /* bits 2 u of bits2 -> bits 4, 5 of the value (16-bit shifts keep each byte's bits) */
         const __m256i top = _mm256_set1_epi8(0x30);
@@ -255,8 +258,8 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
     if (qf_bytes(F))
         for (int p = 0; p < 8; p++) w[p] = _mm256_loadu_si256((const __m256i *)(blk + 32 * p));
     if (F == QF_Q1_0) {
-        const __m256i one = _mm256_set1_epi8(1);
-        for (int p = 0; p < 8; p++) w[p] = _mm256_and_si256(bits_to_bytes(ld32(blk + 4 * p)), one);
+        const __m256i one = _mm256_set1_epi8(1), plane = _mm256_loadu_si256((const __m256i *)blk);
+        for (int p = 0; p < 8; p++) w[p] = _mm256_and_si256(_mm256_srli_epi16(plane, p), one);
     }
     if (F == QF_Q2_0) {
         const __m256i three = _mm256_set1_epi8(3);
@@ -269,6 +272,18 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 /* ---- a block's values, 512-bit: w[u] = stored bytes 64 u .. 64 u + 63 ------------------------------------ */
+
+/* A bits1 plane in both 256-bit halves of a register. */
+static inline __m512i bits1_plane(const uint8_t *p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* Set for stored bytes 64 u .. 64 u + 63: bit 2 u of the plane's bytes for the first 32, bit 2 u + 1 for the rest. */
+static inline __mmask64 bits1_mask(__m512i plane, int u) {
+    const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * u))),
+                                           _mm256_set1_epi8((char)(1 << (2 * u + 1))), 1);
+    return _mm512_test_epi8_mask(plane, bit);
+}
 static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_t *blk, __m512i w[4]) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     if (qf_has_nibbles(F)) {
@@ -279,12 +294,8 @@ static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_
         }
     }
     if (qf_fifth_bit(F)) {
-        const __m512i sixteen = _mm512_set1_epi8(16);
-        for (int u = 0; u < 4; u++) {
-            uint64_t m;
-            __builtin_memcpy(&m, blk + 128 + 8 * u, 8);
-            w[u] = _mm512_mask_add_epi8(w[u], _cvtu64_mask64(m), w[u], sixteen);
-        }
+        const __m512i sixteen = _mm512_set1_epi8(16), plane = bits1_plane(blk + 128);
+        for (int u = 0; u < 4; u++) w[u] = _mm512_mask_add_epi8(w[u], bits1_mask(plane, u), w[u], sixteen);
     }
     if (F == QF_Q6_K) {
         const __m512i top = _mm512_set1_epi8(0x30), v = _mm512_loadu_si512((const void *)(blk + 128));
@@ -300,12 +311,8 @@ static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_
     if (qf_bytes(F))
         for (int u = 0; u < 4; u++) w[u] = _mm512_loadu_si512((const void *)(blk + 64 * u));
     if (F == QF_Q1_0) {
-        const __m512i one = _mm512_set1_epi8(1);
-        for (int u = 0; u < 4; u++) {
-            uint64_t m;
-            __builtin_memcpy(&m, blk + 8 * u, 8);
-            w[u] = _mm512_maskz_mov_epi8(_cvtu64_mask64(m), one);
-        }
+        const __m512i one = _mm512_set1_epi8(1), plane = bits1_plane(blk);
+        for (int u = 0; u < 4; u++) w[u] = _mm512_maskz_mov_epi8(bits1_mask(plane, u), one);
     }
     if (F == QF_Q2_0) {
         const __m512i three = _mm512_set1_epi8(3), v = _mm512_loadu_si512((const void *)blk);
