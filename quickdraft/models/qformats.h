@@ -55,8 +55,11 @@ enum {
 
 #define QF_BLOCK 256
 
-/* IQ4_NL / IQ4_XS values, plus 128 (so they are unsigned bytes; the shift subtracts 128 scale) */
+/* IQ4_NL / IQ4_XS values, plus 128 (so they are unsigned bytes; the shift subtracts 128 scale), and their low and
+ * high nibbles (what the AVX2 dot products without VNNI multiply) */
 static const uint8_t IQ4_VALUES_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+static const uint8_t IQ4_LOW_NIBBLES[16] = {1, 8, 13, 15, 15, 13, 10, 6, 1, 13, 9, 6, 5, 5, 9, 1};
+static const uint8_t IQ4_HIGH_NIBBLES[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 9, 10, 11, 12, 13, 15};
 
 static inline int qf_known(int f) { return f == QF_INT4 || f == QF_INT8 || (f >= QF_Q4_0 && f <= QF_Q2_0); }
 static inline int qf_padded(int f) { return f == QF_INT4 || f == QF_INT8; }
@@ -251,10 +254,12 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
             w[p] = _mm256_or_si256(w[p], _mm256_and_si256(hi, top));
         }
     }
-    if (qf_lookup(F)) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+    if (qf_lookup(F)) { /* without VNNI the indices stay: dot8 looks up the values' two nibbles itself */
         const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES_U8));
         for (int p = 0; p < 8; p++) w[p] = _mm256_shuffle_epi8(table, w[p]);
     }
+#endif
     if (qf_bytes(F))
         for (int p = 0; p < 8; p++) w[p] = _mm256_loadu_si256((const __m256i *)(blk + 32 * p));
     if (F == QF_Q1_0) {

@@ -212,9 +212,14 @@ static inline __attribute__((always_inline)) __m256i dot8(int F, const __m256i w
     const int vmax = qf_max_value(F);
     if (vmax == 255) {
         __m256i lo = _mm256_setzero_si256(), hi8 = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c++) {
-            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(w[c], low), x[c]));
-            hi8 = _mm256_add_epi16(hi8, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w[c], 4), low), x[c]));
+        const __m256i lo_table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LOW_NIBBLES));
+        const __m256i hi_table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_HIGH_NIBBLES));
+        for (int c = 0; c < 8; c++) { /* lookup formats hold indices here: their values' nibbles by table */
+            const __m256i l = qf_lookup(F) ? _mm256_shuffle_epi8(lo_table, w[c]) : _mm256_and_si256(w[c], low);
+            const __m256i h = qf_lookup(F) ? _mm256_shuffle_epi8(hi_table, w[c])
+                                           : _mm256_and_si256(_mm256_srli_epi16(w[c], 4), low);
+            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(l, x[c]));
+            hi8 = _mm256_add_epi16(hi8, _mm256_maddubs_epi16(h, x[c]));
         }
         return _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_slli_epi32(_mm256_madd_epi16(hi8, ones), 4));
     }
