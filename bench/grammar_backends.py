@@ -80,6 +80,10 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m")
     ap.add_argument("--name", default="grammar_backends")
     args = ap.parse_args()
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        sys.exit("xgrammar is not installed: pip install --no-deps xgrammar apache-tvm-ffi (see this script's docstring)")
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores")
     rows = []
