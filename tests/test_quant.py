@@ -5,6 +5,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -450,3 +451,25 @@ def test_a_quantized_head_gives_float32_logits_from_bfloat16_activations(tiny_di
     assert llm.model.lm_head.float_output
     logits = our_logits(llm, list(range(1, 40)))
     assert logits.dtype == torch.float32 and not torch.equal(logits, logits.bfloat16().float())
+
+
+def test_a_change_of_the_stored_layout_makes_new_cache_files(monkeypatch):
+    """A cache file written by code with another block layout is never read (it would decode as garbage): the
+    digest of the files that define the layout is part of every qmatmul cache key."""
+    from quickdraft.loading import quant_cache
+    from quickdraft.models.quant_backends import default_backend
+
+    if default_backend(torch.device("cpu")) != "qmatmul":
+        pytest.skip("the qmatmul kernel does not run here")
+
+    def key() -> Path:
+        quant_cache.layout_digest.cache_clear()
+        return quant_cache.quant_cache_entry("f" * 32, "gguf", 32, None, "gguf", torch.device("cpu"), torch.float32,
+                                             wide_sources="none", head_rows=None)[0]
+
+    before = key()
+    read = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read(self) + (b"\n" if self.name == "qformats.h" else b""))
+    changed = key()
+    monkeypatch.undo()
+    assert changed != before and key() == before

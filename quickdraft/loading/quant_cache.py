@@ -9,6 +9,7 @@ the same kernel runs. A damaged or mismatching entry is dropped and rebuilt.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -31,16 +32,32 @@ from quickdraft.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
-# Bump when the quantization (rounding, mapping, stored layout) changes.
+# Bump when the quantization (rounding, mapping) changes; a change of the kernel's stored layout is caught by
+# LAYOUT_SOURCES without a bump.
 QUANT_CACHE_VERSION = "7"
+# The files that define how the qmatmul kernel's weights are stored: the repacking, the quantizers, and the C
+# header that reads them. Any change to them makes earlier cache files unusable (a file written in another layout
+# would be read as garbage), so their digest is part of every qmatmul cache key.
+LAYOUT_SOURCES = ("models/block_formats.py", "models/quant_formats.py", "models/qformats.h")
+
+
+@functools.cache
+def layout_digest() -> str:
+    """A digest of LAYOUT_SOURCES' bytes."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for name in LAYOUT_SOURCES:
+        digest.update((root / name).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def cache_layout(device: torch.device) -> str:
-    """Storage layout tag of the quantized layers on ``device``: the qmatmul kernel's own layout, or torch's int4pack
-    packing (which depends on the ISA and possibly the torch version), or portable nibbles off CPU."""
+    """Storage layout tag of the quantized layers on ``device``: the qmatmul kernel's own layout (by the digest of
+    the code that writes and reads it), or torch's int4pack packing (which depends on the ISA and possibly the torch
+    version), or portable nibbles off CPU."""
     backend = default_backend(device)
     if backend == "qmatmul":
-        return "qmatmul-v3"
+        return f"qmatmul-{layout_digest()}"
     if backend == "torch":
         return f"cpu-{cpu_capability()}-torch{torch.__version__.split('+')[0]}"
     return "nibbles"
