@@ -240,7 +240,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         limits = ServerLimits.with_env_key(
             args.api_key, max_body_bytes=args.max_request_body_bytes, max_waiting_requests=args.max_waiting_requests,
-            request_timeout_s=args.request_timeout or None, max_prompts_per_request=args.max_prompts_per_request)
+            request_timeout_s=args.request_timeout or None, max_prompts_per_request=args.max_prompts_per_request,
+            max_stored_responses=args.max_stored_responses)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -329,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds a request may run before it is aborted (0: no limit)")
     s.add_argument("--max-prompts-per-request", type=int, default=64,
                    help="prompts one /v1/completions request may carry")
+    s.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="/v1/responses kept in memory for previous_response_id (the oldest evicted first)")
     s.add_argument("--replicas", type=int, default=None,
                    help="serve from N engine replicas on Ray Serve behind one endpoint (pip install quickdraft[ray])")
     s.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local instance)")

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from quickdraft.engine.build import EngineOptions, LoadedEngine, build_engine
+from quickdraft.engine.embedding import EmbeddingOptions, batches, check_inputs, embed_batch
 from quickdraft.engine.engine import LLMEngine
 from quickdraft.engine.outputs import RequestOutput, StreamChunk
 from quickdraft.errors import InvalidParameterError, RequestFailedError
@@ -213,6 +214,22 @@ class LLM:
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return self.loaded.chat_prompt(messages, tools)
+
+    def embed(self, inputs: Prompt | Seq[Prompt], pooling: str = "last", normalize: bool = True) -> list[list[float]]:
+        """One embedding per input (a string or token ids): the model's final hidden states pooled (see
+        ``engine/embedding.py`` for the choice of pooling), in batches of the engine's token budget."""
+        options = EmbeddingOptions(pooling, normalize)
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        token_lists = [self._encode(p)[0] for p in inputs]
+        check_inputs(token_lists, self.engine.vocab_size, self.max_model_len)
+        budget = self.engine.config.scheduler.max_num_batched_tokens
+        out: list[list[float]] = [[] for _ in token_lists]
+        for batch in batches(token_lists, budget):
+            vectors = embed_batch(self.target, [token_lists[i] for i in batch], options, budget)
+            for i, vector in zip(batch, vectors.tolist()):
+                out[i] = vector
+        return out
 
     # ---- sessions ---------------------------------------------------------------------------
     def session(self) -> Session:

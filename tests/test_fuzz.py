@@ -28,7 +28,13 @@ MAX_N = 2
 RESPONSE_BOUND_S = 20.0  # a response slower than this counts as a hang (tiny model, at most MAX_N * 8 tokens)
 # (method, path, examples): the generation endpoints get the most; the GETs have little to vary
 OPERATIONS = [("POST", "/v1/completions", 600), ("POST", "/v1/chat/completions", 400), ("GET", "/v1/models", 20),
-              ("GET", "/v1/models/{name}", 30), ("GET", "/health", 20)]
+              ("GET", "/v1/models/{name}", 30), ("GET", "/health", 20), ("POST", "/v1/responses", 300),
+              ("POST", "/v1/messages", 300), ("POST", "/v1/messages/count_tokens", 100), ("POST", "/tokenize", 100),
+              ("POST", "/detokenize", 100), ("POST", "/v1/embeddings", 150)]
+LENGTH_FIELDS = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens"), "/v1/completions": ("max_tokens",),
+                 "/v1/responses": ("max_output_tokens",), "/v1/messages": ("max_tokens",)}
+PROMPT_FIELDS = {"/v1/chat/completions": "messages", "/v1/messages": "messages", "/v1/messages/count_tokens": "messages",
+                 "/v1/completions": "prompt", "/v1/responses": "input", "/v1/embeddings": "input"}
 
 sent: Counter = Counter()  # status codes of the fuzzed requests, for the final report and the KV check
 
@@ -51,9 +57,9 @@ def api_schema(server: ServerThread):
 def cap(body: object, operation_path: str) -> None:
     """Bound the work a generated body asks for, in place; only ints above the caps or an absent length change,
     so wrong types, negatives and every other field reach the server as generated."""
-    if not isinstance(body, dict):
+    keys = LENGTH_FIELDS.get(operation_path)
+    if not isinstance(body, dict) or keys is None:
         return
-    keys = ("max_tokens", "max_completion_tokens") if operation_path.endswith("chat/completions") else ("max_tokens",)
     for key in keys:
         value = body.get(key)
         if type(value) is int and value > MAX_TOKENS:
@@ -71,25 +77,38 @@ def bounded_in_time(ctx, response, case) -> None:
     assert elapsed < RESPONSE_BOUND_S, f"response took {elapsed:.1f}s (bound {RESPONSE_BOUND_S}s)"
 
 
+STREAM_ENDS = {"/v1/responses": ('"type":"response.completed"', '"type":"response.incomplete"'),
+               "/v1/messages": ('"type":"message_stop"',)}  # the others end with [DONE]
+
+
 def no_hidden_server_error(ctx, response, case) -> None:
-    """A 200 stream must finish with [DONE] and carry no internal_server_error event (a 5xx in disguise)."""
+    """A 200 stream must finish as its API finishes one and carry no internal error event (a 5xx in disguise)."""
     if response.status_code != 200 or not response.headers.get("content-type", [""])[0].startswith(
             "text/event-stream"):
         return
     assert not response.stream_cut_short, "the stream was longer than max_stream_events or the request timeout"
     lines = [l for l in response.content.decode("utf-8", "replace").splitlines() if l.startswith("data: ")]
-    assert lines and lines[-1] == "data: [DONE]", f"stream did not end with [DONE]: {lines[-3:]}"
-    for line in lines[:-1]:
+    ends = STREAM_ENDS.get(case.operation.path)
+    if ends is None:
+        assert lines and lines[-1] == "data: [DONE]", f"stream did not end with [DONE]: {lines[-3:]}"
+        lines = lines[:-1]
+    else:
+        assert lines and any(end in lines[-1] for end in ends), f"stream did not end as its API ends: {lines[-3:]}"
+    for line in lines:
         event = json.loads(line[6:])
-        assert "error" not in event or event["error"].get("type") != "internal_server_error", event
+        error = event.get("error")
+        assert not isinstance(error, dict) or error.get("type") not in ("internal_server_error", "api_error"), event
 
 
-def openai_error_shape(ctx, response, case) -> None:
-    """Rejections use OpenAI's error body, so clients can show the reason."""
+def api_error_shape(ctx, response, case) -> None:
+    """Rejections use the API's own error body (Anthropic's on /v1/messages, OpenAI's elsewhere), so clients can
+    show the reason."""
     if response.status_code < 400:
         return
     body = json.loads(response.content)
     assert isinstance(body.get("error"), dict) and isinstance(body["error"].get("message"), str), body
+    if case.operation.path.startswith("/v1/messages"):
+        assert body.get("type") == "error" and isinstance(body["error"].get("type"), str), body
 
 
 # Schema-generated prompts are almost never valid (``prompt`` is untyped in the schema, ``messages`` content too),
@@ -116,7 +135,7 @@ MESSAGES = st.lists(st.fixed_dictionaries({"role": ROLES, "content": st.one_of(T
 def with_prompt(case, prompt):
     """The generated case with a plausible prompt (or messages) in place of the generated one."""
     if isinstance(case.body, dict):
-        case.body["messages" if case.operation.path.endswith("chat/completions") else "prompt"] = prompt
+        case.body[PROMPT_FIELDS[case.operation.path]] = prompt
     return case
 
 
@@ -126,7 +145,9 @@ def cases_for(operation):
     negative = operation.as_strategy(GenerationMode.NEGATIVE)
     if operation.method.upper() != "POST":
         return st.one_of(positive, negative)
-    prompts = MESSAGES if operation.path.endswith("chat/completions") else PROMPT
+    if operation.path not in PROMPT_FIELDS:
+        return st.one_of(positive, negative)
+    prompts = MESSAGES if PROMPT_FIELDS[operation.path] == "messages" else PROMPT
     plausible = st.builds(with_prompt, positive, prompts)
     return st.one_of(positive, negative, plausible, plausible)
 
@@ -142,7 +163,7 @@ def send(case) -> None:
     response.elapsed = time.monotonic() - t0  # wall time including a streamed body, not just the headers
     sent[response.status_code] += 1
     case.validate_response(response, checks=[not_a_server_error, bounded_in_time, no_hidden_server_error,
-                                             openai_error_shape])
+                                             api_error_shape])
 
 
 # The schemathesis pytest plugin's @schema.parametrize() fails under pytest 9 ('Function' object has no attribute

@@ -126,3 +126,4 @@ class StreamChunk:
     logprobs: list[dict] | None = None
     metrics: RequestMetrics | None = None  # set on the final chunk
     error: str | None = None  # with finish_reason "error" (the request failed alone): what went wrong
+    stop_string: str | None = None  # with finish_reason "stop": the stop string that ended it (None: EOS, a stop id)

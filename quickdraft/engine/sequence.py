@@ -75,6 +75,7 @@ class Sequence:
     keep_kv: bool = False  # the KV handles belong to a Session: not freed when finished or aborted
     text: str = ""
     error: str | None = None  # why the sequence failed (finish_reason "error")
+    stop_string: str | None = None  # the stop string that finished it
     _emitted_tokens: int = 0
     _emitted_chars: int = 0
     _from_draft: list[bool] = field(default_factory=list)
@@ -165,6 +166,7 @@ class Sequence:
             return False
         pos, stop = min(hits)
         self.text = self.text[: pos + (len(stop) if self.params.include_stop_str_in_output else 0)]
+        self.stop_string = stop
         self.finish("stop", flush=False)
         return True
 
@@ -200,6 +202,7 @@ class Sequence:
             finished=self.finished, finish_reason=self.finish_reason,
             logprobs=self.logprobs[self._emitted_tokens:] if self.params.logprobs is not None else None,
             metrics=self.metrics if self.finished else None, error=self.error,
+            stop_string=self.stop_string if self.finished else None,
         )
         self._emitted_tokens, self._emitted_chars = n_out, limit
         return chunk

@@ -151,6 +151,38 @@ class ModelRunner:
         self.last_forward_s = time.perf_counter() - t0
         return out
 
+    @torch.inference_mode()
+    def embed(self, token_lists: list[list[int]], pooling: str = "last", chunk: int = 512) -> torch.Tensor:
+        """Pooled final hidden states ``[n, hidden]`` (float32) of each token list: its last token's ("last") or
+        the mean over its tokens ("mean"). The lists are read together, ``chunk`` tokens of each per forward (as a
+        prompt is), into blocks lent for the call and given back after it: nothing is cached or published, so no
+        sequence ever sees these tokens."""
+        if pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
+        kvs = [SequenceKV() for _ in token_lists]
+        pooled: list[torch.Tensor | None] = [None] * len(token_lists)
+        try:
+            for kv, ids in zip(kvs, token_lists):
+                kv.reserve(len(ids), self.allocator, self.block_size)
+            for start in range(0, max(map(len, token_lists)), chunk):
+                live = [i for i, ids in enumerate(token_lists) if len(ids) > start]
+                pieces = [token_lists[i][start:start + chunk] for i in live]
+                lengths = [len(p) for p in pieces]
+                attn = AttentionBatch(self.pool, [kvs[i].block_table for i in live], [start] * len(live), lengths,
+                                      lengths)
+                tokens = torch.tensor([t for p in pieces for t in p], dtype=torch.long, device=self.device)
+                hidden = self.model(tokens, attn, num_layers=self.num_layers).float()
+                for i, rows in zip(live, hidden.split(lengths)):
+                    previous = pooled[i] if pooled[i] is not None and pooling == "mean" else 0
+                    pooled[i] = rows[-1] if pooling == "last" else rows.sum(0) + previous
+        finally:
+            for kv in kvs:
+                kv.free(self.allocator)
+        out = torch.stack(pooled)  # type: ignore[arg-type]
+        if pooling == "mean":
+            out /= torch.tensor([len(ids) for ids in token_lists], dtype=out.dtype, device=out.device)[:, None]
+        return out
+
     def _forward(self, items: list[ForwardItem], model: Transformer) -> list[torch.Tensor]:
         # every logits row after the first is a drafted token under verification, not part of a prompt chunk
         chunks = [len(it.tokens) - max(0, it.num_logits - 1) for it in items]

@@ -18,9 +18,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.serving.async_engine import AsyncEngine
-from quickdraft.serving.guard import GuardMiddleware, ServerLimits
+from quickdraft.serving.guard import GuardMiddleware, ServerLimits, error_body, shaped_error_body
 from quickdraft.serving.metrics import ServerMetrics
-from quickdraft.serving.openai_format import TokenTexts, describe_error, describe_validation, error_response
+from quickdraft.serving.openai_format import TokenTexts, describe_error, describe_validation
+from quickdraft.serving.anthropic_api import router as anthropic_router
+from quickdraft.serving.extra_routes import router as extra_router
+from quickdraft.serving.response_store import ResponseStore
+from quickdraft.serving.responses_api import router as responses_router
 from quickdraft.serving.routes import ServerContext, context_of, router
 
 log = logging.getLogger("quickdraft.serving")
@@ -35,7 +39,8 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
                          max_queued_chunks=limits.max_queued_chunks).start()
     app = FastAPI(title="quickdraft", version="0.1.0", lifespan=_lifespan,
                   description="OpenAI-compatible server for quickdraft (exact speculative decoding)")
-    app.state.context = ServerContext(engine, llm, model_name, limits, TokenTexts(llm.tokenizer))
+    app.state.context = ServerContext(engine, llm, model_name, limits, TokenTexts(llm.tokenizer),
+                                      responses=ResponseStore(limits.max_stored_responses))
     app.state.engine = engine  # the attributes tests and tools read
     app.state.llm = llm
     app.state.model_name = model_name
@@ -46,7 +51,8 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
     app.add_exception_handler(QuickdraftError, _on_quickdraft)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(Exception, _on_bug)
-    app.include_router(router)
+    for routes in (router, responses_router, anthropic_router, extra_router):
+        app.include_router(routes)
     app.openapi = lambda: openapi_without_422(app)
     return app
 
@@ -57,10 +63,16 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.context.engine.shutdown()
 
 
+def _error(request: Request, status: int, body: dict, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error response in the shape of the route's API (OpenAI's, or Anthropic's on /v1/messages)."""
+    return JSONResponse(status_code=status, content=shaped_error_body(request.url.path, status, body),
+                        headers=headers)
+
+
 async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     context_of(request).metrics.count_request("error")
     message, param = describe_validation(list(exc.errors()))
-    return error_response(400, message, param=param)
+    return _error(request, 400, error_body(message, param=param))
 
 
 async def _on_quickdraft(request: Request, exc: QuickdraftError) -> JSONResponse:
@@ -69,17 +81,18 @@ async def _on_quickdraft(request: Request, exc: QuickdraftError) -> JSONResponse
         ctx.metrics.count_request("error")
     status, body = describe_error(exc)
     headers = {"Retry-After": str(ctx.limits.retry_after_s)} if status == 429 else None
-    return JSONResponse(status_code=status, content=body, headers=headers)
+    return _error(request, status, body, headers)
 
 
 async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(exc.status_code, str(exc.detail), type_=type_)
+    return _error(request, exc.status_code, error_body(str(exc.detail), type_))
 
 
 async def _on_bug(request: Request, exc: Exception) -> JSONResponse:
     log.exception("internal error serving %s", request.url.path)
-    return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", type_="internal_server_error")
+    body = error_body(f"internal server error: {type(exc).__name__}: {exc}", "internal_server_error")
+    return _error(request, 500, body)
 
 
 def openapi_without_422(app: FastAPI) -> dict:

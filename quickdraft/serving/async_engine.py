@@ -358,8 +358,8 @@ class AsyncEngine:
             self._deliver(req.loop, [(req.queue, error)])
 
     # ---- introspection ------------------------------------------------------------------------------
-    async def _call_locked(self, fn: Callable[[], T]) -> T:
-        """``fn()`` under the engine lock, in a worker thread (waits at most one step, off the event loop)."""
+    async def call_between_steps(self, fn: Callable[[], T]) -> T:
+        """``fn()`` under the engine lock in a worker thread, between two engine steps (off the event loop)."""
         def locked() -> T:
             with self._locked():
                 return fn()
@@ -367,11 +367,11 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> None:
         """:meth:`LLM.reset_prefix_cache` between two engine steps; running requests keep their blocks."""
-        await self._call_locked(self.llm.reset_prefix_cache)
+        await self.call_between_steps(self.llm.reset_prefix_cache)
 
     async def stats_async(self) -> dict[str, int]:
         """:meth:`stats` read under the engine lock (consistent)."""
-        return await self._call_locked(self.stats)
+        return await self.call_between_steps(self.stats)
 
     def stats(self) -> dict[str, int]:
         """Engine gauges and counters for /metrics. Lock-free (plain ints and list lengths), so a value may be

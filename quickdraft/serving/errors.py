@@ -25,6 +25,14 @@ class RequestTimeoutError(QuickdraftError):
     """The request ran longer than the server's per-request timeout and was aborted."""
 
 
+class NotFoundError(QuickdraftError, LookupError):
+    """A request names something this server does not have (404): ``param`` names the field, ``code`` the case."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 def invalid_parameter(message: str, param: str | None = None, code: str | None = None) -> InvalidParameterError:
     """A 400 error that names the offending field (``param``) and, where OpenAI has one, its ``code``."""
     err = InvalidParameterError(message)

@@ -24,11 +24,13 @@ class ServerLimits:
     max_prompts_per_request: int = 64  # /v1/completions with a list of prompts
     max_queued_chunks: int = 64  # unread chunks per request before new ones are merged into them
     retry_after_s: int = 1  # the Retry-After of a 429
+    max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (the oldest evicted first)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
             raise ValueError(f"the API key (--api-key or ${API_KEY_ENV}) must not be empty; leave both unset for no key")
-        for name in ("max_body_bytes", "max_prompts_per_request", "max_queued_chunks", "retry_after_s"):
+        for name in ("max_body_bytes", "max_prompts_per_request", "max_queued_chunks", "retry_after_s",
+                     "max_stored_responses"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
@@ -48,9 +50,27 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-async def _send_error(send, status: int, message: str, type_: str, code: str | None,
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Routes of Anthropic's Messages API answer errors in its shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
+def shaped_error_body(path: str, status: int, body: dict) -> dict:
+    """An OpenAI-shaped error body in the shape the route's API uses."""
+    return anthropic_error_body(status, body["error"]["message"]) if speaks_anthropic(path) else body
+
+
+async def _send_error(send, path: str, status: int, message: str, type_: str, code: str | None,
                       headers: list[tuple[bytes, bytes]] = ()) -> None:
-    body = json.dumps(error_body(message, type_, code=code)).encode()
+    body = json.dumps(shaped_error_body(path, status, error_body(message, type_, code=code))).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
@@ -71,8 +91,9 @@ class GuardMiddleware:
             return
         if self._key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
             self.on_refused(401)
-            await _send_error(send, 401, "Incorrect or missing API key: send it as the header "
-                              "'Authorization: Bearer <key>'", "authentication_error", "invalid_api_key",
+            await _send_error(send, scope["path"], 401, "Incorrect or missing API key: send it as the header "
+                              "'Authorization: Bearer <key>' or 'x-api-key: <key>'", "authentication_error",
+                              "invalid_api_key",
                               [(b"www-authenticate", b"Bearer")])
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
@@ -82,10 +103,14 @@ class GuardMiddleware:
         await self.app(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
+        """A Bearer token (OpenAI's clients) or an ``x-api-key`` header (Anthropic's) equal to the key."""
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+                    return True
+            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), self._key):
+                return True
         return False
 
     async def _buffered(self, scope, receive, send):
@@ -93,7 +118,7 @@ class GuardMiddleware:
         cap = self.limits.max_body_bytes
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > cap:
-                await self._too_large(send, cap)
+                await self._too_large(send, scope["path"], cap)
                 return None
         chunks, size = [], 0
         while True:
@@ -103,7 +128,7 @@ class GuardMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > cap:
-                await self._too_large(send, cap)
+                await self._too_large(send, scope["path"], cap)
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -114,7 +139,7 @@ class GuardMiddleware:
             return replay.pop() if replay else await receive()
         return replayed
 
-    async def _too_large(self, send, cap: int) -> None:
+    async def _too_large(self, send, path: str, cap: int) -> None:
         self.on_refused(413)
-        await _send_error(send, 413, f"the request body is larger than this server accepts ({cap:,} bytes, "
+        await _send_error(send, path, 413, f"the request body is larger than this server accepts ({cap:,} bytes, "
                           f"--max-request-body-bytes)", "invalid_request_error", "request_too_large")

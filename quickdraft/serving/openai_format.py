@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 
 from quickdraft.engine.outputs import SpecMetrics, StreamChunk
 from quickdraft.errors import PromptTooLongError, QuickdraftError
-from quickdraft.serving.errors import EngineError, EngineStoppedError, QueueFullError, RequestTimeoutError
+from quickdraft.serving.errors import (EngineError, EngineStoppedError, NotFoundError, QueueFullError,
+                                      RequestTimeoutError)
 from quickdraft.serving.guard import error_body
 from quickdraft.serving.protocol import ErrorResponse, ModelNotFoundError, param_of
 from quickdraft.serving.tools import ToolCall, ToolCallStream, ToolSpec, arguments_valid, parse_tool_calls
@@ -75,6 +76,8 @@ def describe_error(exc: BaseException) -> tuple[int, dict]:
     """The HTTP status and OpenAI-shaped body of an error, for a response or a stream's error event."""
     if isinstance(exc, ModelNotFoundError):
         return 404, error_body(str(exc), param="model", code="model_not_found")
+    if isinstance(exc, NotFoundError):
+        return 404, error_body(str(exc), type_="not_found_error", param=exc.param, code=exc.code)
     if isinstance(exc, EngineStoppedError):
         return 503, error_body(str(exc), type_="service_unavailable_error")
     if isinstance(exc, QueueFullError):
@@ -102,12 +105,13 @@ class Choice:
     finish_reason: str | None = None
     spec: SpecMetrics = field(default_factory=SpecMetrics)
     cached_tokens: int = 0
+    stop_string: str | None = None
 
     def count(self, chunk: StreamChunk) -> None:
         """Note the chunk's tokens and how the sample finished: what usage and finish_reason need."""
         self.num_tokens += len(chunk.token_ids)
         if chunk.finished:
-            self.finish_reason = chunk.finish_reason
+            self.finish_reason, self.stop_string = chunk.finish_reason, chunk.stop_string
             if chunk.metrics is not None:
                 self.spec = chunk.metrics.spec
                 self.cached_tokens = chunk.metrics.cached_tokens or 0

@@ -24,10 +24,11 @@ from quickdraft.serving.metrics import CONTENT_TYPE, ServerMetrics
 from quickdraft.serving.openai_format import (ERROR_RESPONSES, Choice, CompletionChunkFields, TokenTexts,
                                               ToolParsing, chat_choice, chat_chunk_fields, chat_opening, completion_choice,
                                               error_response, response_head, usage)
+from quickdraft.serving.response_store import ResponseStore
 from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError,
                                          _SamplingFields, response_format_constraint)
 from quickdraft.serving.sse import stream_response
-from quickdraft.serving.tools import parse_tools, prepare_messages, tool_call_style
+from quickdraft.serving.tools import ToolSpec, parse_tools, prepare_messages, tool_call_style
 
 if TYPE_CHECKING:
     from quickdraft.llm import LLM
@@ -43,6 +44,7 @@ class ServerContext:
     limits: ServerLimits
     token_text: TokenTexts
     created: int = field(default_factory=lambda: int(time.time()))
+    responses: ResponseStore = field(default_factory=ResponseStore)  # what /v1/responses can continue
 
     @property
     def metrics(self) -> ServerMetrics:
@@ -122,35 +124,53 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _whole_response(request, job, head, whole_choice)
 
 
-@router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    ctx = context_of(request)
+@dataclass
+class ChatRun:
+    """A chat request queued in the engine: its job and how its output is read for tool calls (None: no tools)."""
+
+    job: Job
+    tools: ToolParsing | None
+
+
+async def start_chat(ctx: ServerContext, body: ChatCompletionRequest, top_logprobs: int | None = None) -> ChatRun:
+    """Check a chat request, render its prompt and queue it: the one way into the engine for every chat-shaped API
+    (chat completions, Responses, Anthropic Messages each translate their body into a ``ChatCompletionRequest``)."""
     ctx.check_model(body.model)
-    top_logprobs = _chat_top_logprobs(body)
     tool_spec = parse_tools(body.tools, body.tool_choice)
     forced_call = tool_spec.constraint(body.parallel_tool_calls is not False) if tool_spec is not None else None
     constraint = await _constraint(ctx, body, ("response_format", response_format_constraint(body.response_format)),
                                    ("tool_choice", StructuredOutputs.of(forced_call, "tool_choice")))
-    template = ctx.llm.tokenizer.chat_template
-    messages, template_tools = await asyncio.to_thread(prepare_messages, [m.for_template() for m in body.messages],
-                                                      tool_spec, template)
-    try:
-        ids = await asyncio.to_thread(ctx.llm.chat_prompt, messages, template_tools)
-    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
-        raise invalid_parameter(f"messages could not be rendered with the model's chat template: {exc}",
-                                "messages") from exc
+    ids = await chat_prompt_ids(ctx, body, tool_spec)
     params = _sampling_params(ctx, body, len(ids), body.requested_max_tokens, top_logprobs, "messages", constraint)
     job = Job.new("chatcmpl", [(ids, None)], [params])
     await job.start(ctx.engine)
-    logprobs = bool(body.logprobs)
     tools = None if tool_spec is None or tool_spec.choice == "none" else \
-        ToolParsing(tool_spec, tool_call_style(template))
+        ToolParsing(tool_spec, tool_call_style(ctx.llm.tokenizer.chat_template))
+    return ChatRun(job, tools)
+
+
+async def chat_prompt_ids(ctx: ServerContext, body: ChatCompletionRequest, tool_spec: ToolSpec | None) -> list[int]:
+    """The conversation rendered with the model's chat template (tools fitted to it), as token ids."""
+    messages, template_tools = await asyncio.to_thread(prepare_messages, [m.for_template() for m in body.messages],
+                                                      tool_spec, ctx.llm.tokenizer.chat_template)
+    try:
+        return await asyncio.to_thread(ctx.llm.chat_prompt, messages, template_tools)
+    except (ValueError, TypeError, KeyError, RecursionError, jinja2.TemplateError) as exc:
+        raise invalid_parameter(f"messages could not be rendered with the model's chat template: {exc}",
+                                "messages") from exc
+
+
+@router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    ctx = context_of(request)
+    run = await start_chat(ctx, body, _chat_top_logprobs(body))
+    job, logprobs = run.job, bool(body.logprobs)
     if body.stream:
         head = response_head(job.id, "chat.completion.chunk", job.created, ctx.model_name)
-        return stream_response(job, head, body.include_usage, chat_chunk_fields(logprobs, ctx.token_text, tools),
+        return stream_response(job, head, body.include_usage, chat_chunk_fields(logprobs, ctx.token_text, run.tools),
                                chat_opening(job.n))
     head = response_head(job.id, "chat.completion", job.created, ctx.model_name)
-    return await _whole_response(request, job, head, lambda c: chat_choice(c, logprobs, ctx.token_text, tools))
+    return await _whole_response(request, job, head, lambda c: chat_choice(c, logprobs, ctx.token_text, run.tools))
 
 
 async def _whole_response(request: Request, job: Job, head: dict, choice_json: Callable[[Choice], dict]) -> Response:

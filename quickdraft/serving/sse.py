@@ -57,6 +57,18 @@ async def _events(job: Job, head: dict, include_usage: bool, choice_fields: Choi
     yield sse("[DONE]")
 
 
+def event_stream(events: AsyncIterator[str], job: Job) -> StreamingResponse:
+    """Events another API writes for ``job`` (Responses, Anthropic Messages); whatever ends them early (the client
+    left) aborts the job, which frees its KV blocks."""
+    async def closing() -> AsyncIterator[str]:
+        try:
+            async for e in events:
+                yield e
+        finally:
+            job.close()
+    return StreamingResponse(closing(), media_type="text/event-stream", headers=_HEADERS)
+
+
 def sse(obj: dict | str) -> str:
     """One server-sent event: a JSON object (compact) or a bare string such as ``[DONE]``."""
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
