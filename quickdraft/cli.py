@@ -252,9 +252,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None or args.ray_address is not None:
         return _serve_replicas(args, engine, name, limits)
     llm = llm_from_args(args, announce=False, **engine)
-    app = create_app(llm, name, limits=limits)
+    app = create_app(llm, name, limits=limits, web=args.web)
     spec = f", {llm.drafter.name} speculation" if llm.drafter is not None else ""
-    print(f"serving {name} ({llm.max_model_len} tokens of context{spec}) on http://{args.host}:{args.port}/v1",
+    page = f"; chat page: http://{args.host}:{args.port}/" if args.web else ""
+    print(f"serving {name} ({llm.max_model_len} tokens of context{spec}) on http://{args.host}:{args.port}/v1{page}",
           file=sys.stderr, flush=True)
     # on SIGTERM uvicorn stops accepting, lets in-flight requests finish for --shutdown-timeout seconds, then
     # cancels them (their engine requests are aborted) and the app's shutdown stops the engine thread
@@ -330,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds a request may run before it is aborted (0: no limit)")
     s.add_argument("--max-prompts-per-request", type=int, default=64,
                    help="prompts one /v1/completions request may carry")
+    s.add_argument("--no-web", dest="web", action="store_false", help="do not serve the chat page at /")
     s.add_argument("--max-stored-responses", type=int, default=1024,
                    help="/v1/responses kept in memory for previous_response_id (the oldest evicted first)")
     s.add_argument("--replicas", type=int, default=None,

@@ -182,3 +182,22 @@ def test_context_that_cannot_fit_in_kv_cache_is_refused(target):
         LLM(str(target), dtype="float32", max_model_len=512, kv_cache_memory=64 * 1024)
     capped = LLM(str(target), dtype="float32", kv_cache_memory=64 * 1024)
     assert capped.max_model_len < 512
+
+
+def test_chunks_say_which_text_each_token_wrote(smollm2):
+    """Each chunk's spans cover its text exactly, one per token (empty where the detokenizer waited), marked as the
+    token's provenance; with a stop string (text held back) they still cover the text."""
+    llm = LLM(str(smollm2), speculative="ngram", kv_cache_memory="64MiB")
+    prompt = "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4, 5, 6, 7,"
+    for stop in (None, [" 11"]):
+        chunks = list(llm.stream(prompt, SamplingParams(max_tokens=40, temperature=0, stop=stop)))
+        text = "".join(c.text for c in chunks)
+        assert all(sum(n for n, _ in c.spans) == len(c.text) for c in chunks)
+        drafted_spans = sum(d for c in chunks for _, d in c.spans)
+        accepted = sum(sum(c.from_draft) for c in chunks)
+        assert accepted > 5
+        if stop is None:
+            assert drafted_spans == accepted and sum(len(c.spans) for c in chunks) == sum(len(c.token_ids)
+                                                                                          for c in chunks)
+        else:
+            assert chunks[-1].stop_string == " 11" and not text.endswith(" 11")

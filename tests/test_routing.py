@@ -98,3 +98,26 @@ def test_merged_metrics_label_every_sample_with_its_replica():
     assert text.count("# TYPE vllm:num_requests_waiting gauge") == 1
     lines = text.splitlines()
     assert lines.index("# TYPE q_total counter") < lines.index('q_total{replica="r1",status="ok"} 5')
+
+
+def test_agent_apis_hash_the_prompt_the_chat_route_renders(smollm2):
+    """A conversation sent as Responses items or Anthropic messages is routed by the prompt the replica renders for
+    the same conversation on chat completions, so all three APIs share one replica's prefix cache."""
+    from quickdraft.engine.build import tokenizer_for
+    from quickdraft.loading.load import load_checkpoint
+    from quickdraft.serving.ray.prefix import prompt_ids
+
+    tokenizer = tokenizer_for(load_checkpoint(smollm2))
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Name a colour."}]}
+    responses = {"instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi there"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+        {"role": "user", "content": "Name a colour."}]}
+    messages = {"model": "m", "max_tokens": 5, "system": "Be brief.", "messages": [
+        {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": [{"type": "text", "text": "Hello!"}]},
+        {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]}
+    expected = prompt_ids(tokenizer, "/v1/chat/completions", chat)
+    assert len(expected) > 20
+    assert prompt_ids(tokenizer, "/v1/responses", responses) == expected
+    assert prompt_ids(tokenizer, "/v1/messages", messages) == expected

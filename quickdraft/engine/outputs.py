@@ -127,3 +127,5 @@ class StreamChunk:
     metrics: RequestMetrics | None = None  # set on the final chunk
     error: str | None = None  # with finish_reason "error" (the request failed alone): what went wrong
     stop_string: str | None = None  # with finish_reason "stop": the stop string that ended it (None: EOS, a stop id)
+    # ``text`` cut by the token that wrote each piece: (characters, the token came from an accepted draft)
+    spans: list[tuple[int, bool]] = field(default_factory=list)

@@ -79,6 +79,8 @@ class Sequence:
     _emitted_tokens: int = 0
     _emitted_chars: int = 0
     _from_draft: list[bool] = field(default_factory=list)
+    _text_ends: list[int] = field(default_factory=list)  # per output token: len(text) once it was added
+    _spanned: int = 0  # output tokens whose spans went out in a chunk
     _base_tokens: int = 0  # output tokens generated before a resume (not returned again)
     _base_chars: int = 0  # characters of text delivered before a resume
 
@@ -112,8 +114,9 @@ class Sequence:
             self.logprobs.extend({} for _ in output_ids)  # placeholders; only the new tokens are returned
         for token in output_ids:
             self.text += self.detokenizer.add(token)
+            self._text_ends.append(len(self.text))
         chars = len(self.text) if delivered_chars is None else max(0, min(delivered_chars, len(self.text)))
-        self._base_tokens = self._emitted_tokens = len(output_ids)
+        self._base_tokens = self._emitted_tokens = self._spanned = len(output_ids)
         self._base_chars = self._emitted_chars = chars
 
     @property
@@ -147,8 +150,10 @@ class Sequence:
             n_out = len(self.token_ids) - len(self.prompt_ids)
             if not params.ignore_eos and token in self.tokenizer.eos_token_ids or token in (params.stop_token_ids or ()):
                 self.finish("stop")
+                self._text_ends.append(len(self.text))
                 return
             self.text += self.detokenizer.add(token)
+            self._text_ends.append(len(self.text))
             if self._stop_strings and self._check_stop_strings():
                 return
             if self.processor.grammar_finished:  # only the end of the sequence could follow: end it now
@@ -173,6 +178,8 @@ class Sequence:
     def finish(self, reason: str, flush: bool = True) -> None:
         if flush:
             self.text += self.detokenizer.flush()
+            if self._text_ends:  # what the detokenizer held back belongs to the last token
+                self._text_ends[-1] = len(self.text)
         self.status = Status.FINISHED
         self.finish_reason = reason
         self.metrics.generated_tokens = len(self.output_ids) - self._base_tokens
@@ -184,6 +191,7 @@ class Sequence:
         self.text = self.text[:self._emitted_chars]
         del self.token_ids[len(self.prompt_ids) + self._emitted_tokens:]
         del self._from_draft[self._emitted_tokens:]
+        del self._text_ends[self._emitted_tokens:]
         if self.params.logprobs is not None:
             del self.logprobs[self._emitted_tokens:]
         self.finish("error", flush=False)
@@ -203,9 +211,25 @@ class Sequence:
             logprobs=self.logprobs[self._emitted_tokens:] if self.params.logprobs is not None else None,
             metrics=self.metrics if self.finished else None, error=self.error,
             stop_string=self.stop_string if self.finished else None,
+            spans=self._spans(self._emitted_chars, limit),
         )
         self._emitted_tokens, self._emitted_chars = n_out, limit
         return chunk
+
+    def _spans(self, start: int, end: int) -> list[tuple[int, bool]]:
+        """Characters start..end-1 of the text cut by the token that wrote them: (characters, from an accepted
+        draft), one span for each token that ends here (none of its own text, as when the detokenizer waits for
+        the next token: an empty span), so the spans of a stream count its tokens. A token held back past the
+        chunk (a possible stop string) gives its first characters a span here and the rest one in a later chunk."""
+        ends, spans, i, at = self._text_ends, [], self._spanned, start
+        while i < len(ends) and ends[i] <= end:
+            spans.append((max(0, ends[i] - at), self._from_draft[i]))
+            at = max(at, ends[i])
+            i += 1
+        self._spanned = i
+        if at < end:
+            spans.append((end - at, self._from_draft[i] if i < len(ends) else False))
+        return spans
 
     def to_output(self) -> CompletionOutput:
         """The generated text and tokens (after a ``resume``, only those generated since)."""

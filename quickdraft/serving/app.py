@@ -26,13 +26,15 @@ from quickdraft.serving.extra_routes import router as extra_router
 from quickdraft.serving.response_store import ResponseStore
 from quickdraft.serving.responses_api import router as responses_router
 from quickdraft.serving.routes import ServerContext, context_of, router
+from quickdraft.serving.web import router as web_router
 
 log = logging.getLogger("quickdraft.serving")
 
 
 def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
-               limits: ServerLimits | None = None) -> FastAPI:
-    """The app serving ``llm`` as ``model_name``; its engine thread runs until the app shuts down."""
+               limits: ServerLimits | None = None, web: bool = True) -> FastAPI:
+    """The app serving ``llm`` as ``model_name``; its engine thread runs until the app shuts down. ``web``: the
+    chat page at ``/``."""
     limits = limits or ServerLimits()
     engine = AsyncEngine(llm, metrics=metrics, max_waiting_requests=limits.max_waiting_requests,
                          request_timeout_s=limits.request_timeout_s,
@@ -51,7 +53,7 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
     app.add_exception_handler(QuickdraftError, _on_quickdraft)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(Exception, _on_bug)
-    for routes in (router, responses_router, anthropic_router, extra_router):
+    for routes in (router, responses_router, anthropic_router, extra_router) + ((web_router,) if web else ()):
         app.include_router(routes)
     app.openapi = lambda: openapi_without_422(app)
     return app

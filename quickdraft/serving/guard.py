@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 API_KEY_ENV = "QUICKDRAFT_API_KEY"
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key (as vLLM)
+PAGE_PATHS = ("/", "/web/app.js", "/web/style.css")  # the chat page holds no secret: it asks for the key itself
 
 
 @dataclass
@@ -89,7 +90,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self._key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+        if self._key is not None and scope["path"] not in OPEN_PATHS + PAGE_PATHS and not self._authorized(scope):
             self.on_refused(401)
             await _send_error(send, scope["path"], 401, "Incorrect or missing API key: send it as the header "
                               "'Authorization: Bearer <key>' or 'x-api-key: <key>'", "authentication_error",

@@ -21,6 +21,8 @@ from quickdraft.errors import InvalidParameterError
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool | None = False
+    # quickdraft's: each streamed choice also says which of its text came from accepted draft tokens ("draft_info")
+    include_draft_info: StrictBool | None = False
 
 
 class _SamplingFields(BaseModel):
@@ -73,6 +75,10 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def include_draft_info(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_draft_info)
 
 
 TokenIds = list[int]

@@ -98,7 +98,7 @@ def input_messages(value: Any, known_calls: set[str]) -> list[dict]:
                 raise InvalidParameterError(f"{where} must be a function call {{'type': 'function_call', 'call_id', "
                                             f"'name', 'arguments': '<JSON text>'}}, got {reprlib.repr(item)}")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-            if out and out[-1]["role"] == "assistant" and not out[-1].get("tool_call_id"):
+            if out and out[-1]["role"] == "assistant":  # the text before the calls, or the calls before
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})

@@ -115,7 +115,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     logprobs = body.logprobs is not None
     head = response_head(job.id, "text_completion", job.created, ctx.model_name)
     if body.stream:
-        return stream_response(job, head, body.include_usage, CompletionChunkFields(echo, logprobs, ctx.token_text))
+        return stream_response(job, head, body.include_usage, CompletionChunkFields(echo, logprobs, ctx.token_text),
+                               draft_info=body.include_draft_info)
 
     def whole_choice(c: Choice) -> dict:
         prefix = echo(c.index // job.n) if echo else ""
@@ -168,7 +169,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if body.stream:
         head = response_head(job.id, "chat.completion.chunk", job.created, ctx.model_name)
         return stream_response(job, head, body.include_usage, chat_chunk_fields(logprobs, ctx.token_text, run.tools),
-                               chat_opening(job.n))
+                               chat_opening(job.n), body.include_draft_info)
     head = response_head(job.id, "chat.completion", job.created, ctx.model_name)
     return await _whole_response(request, job, head, lambda c: chat_choice(c, logprobs, ctx.token_text, run.tools))
 

@@ -24,14 +24,15 @@ _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def stream_response(job: Job, head: dict, include_usage: bool, choice_fields: ChoiceFields,
-                    opening: list[dict] | None = None) -> StreamingResponse:
-    """``job``'s chunks as events that start with ``head``; ``opening``: choices sent before any chunk."""
-    events = _events(job, head, include_usage, choice_fields, opening or [])
+                    opening: list[dict] | None = None, draft_info: bool = False) -> StreamingResponse:
+    """``job``'s chunks as events that start with ``head``; ``opening``: choices sent before any chunk;
+    ``draft_info``: each choice also carries ``draft_info`` (``stream_options.include_draft_info``)."""
+    events = _events(job, head, include_usage, choice_fields, opening or [], draft_info)
     return StreamingResponse(events, media_type="text/event-stream", headers=_HEADERS)
 
 
 async def _events(job: Job, head: dict, include_usage: bool, choice_fields: ChoiceFields,
-                  opening: list[dict]) -> AsyncIterator[str]:
+                  opening: list[dict], draft_info: bool) -> AsyncIterator[str]:
     extra = {"usage": None} if include_usage else {}
     choices: dict[int, Choice] = {}
     try:
@@ -44,6 +45,8 @@ async def _events(job: Job, head: dict, include_usage: bool, choice_fields: Choi
             fields = choice_fields(p, idx, chunk)
             if fields is None:
                 continue
+            if draft_info:
+                fields = {**fields, "draft_info": draft_spans(chunk)}
             # fields may name their own finish_reason (a chat choice that ended in tool calls)
             yield sse({**head, "choices": [{"index": idx, "finish_reason": c.finish_reason, **fields}], **extra})
         if include_usage:
@@ -67,6 +70,16 @@ def event_stream(events: AsyncIterator[str], job: Job) -> StreamingResponse:
         finally:
             job.close()
     return StreamingResponse(closing(), media_type="text/event-stream", headers=_HEADERS)
+
+
+def draft_spans(chunk) -> dict:
+    """The chunk's text cut by the token that wrote each piece, each marked whether that token was an accepted
+    draft, and how many of its tokens were: what a page needs to colour speculation."""
+    spans, at = [], 0
+    for chars, drafted in chunk.spans:
+        spans.append({"text": chunk.text[at:at + chars], "draft": drafted})
+        at += chars
+    return {"spans": spans, "accepted": sum(chunk.from_draft)}
 
 
 def sse(obj: dict | str) -> str:

@@ -47,7 +47,7 @@ class ChunkQueue:
 def _merge(a: StreamChunk, b: StreamChunk) -> StreamChunk:
     """One chunk with ``a``'s content followed by ``b``'s."""
     logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+    return dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, spans=a.spans + b.spans,
                                from_draft=a.from_draft + b.from_draft, logprobs=logprobs)
 
 

@@ -31,7 +31,7 @@ from quickdraft.serving.ray.replica import REPLICA_HEADER, EngineReplica, HttpCa
 from quickdraft.serving.ray.router import POLICIES, PrefixAffinity, PrefixAwareRouter, Route
 
 log = logging.getLogger("quickdraft.serving")
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 SESSION_HEADER = "x-session-id"
 BROADCAST_TIMEOUT_S = 10.0
 

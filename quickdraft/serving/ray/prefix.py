@@ -6,9 +6,11 @@ import json
 from typing import Any
 
 from quickdraft.kv.blocks import block_hash
+from quickdraft.serving import anthropic_api, responses_api
 from quickdraft.serving.protocol import ChatMessage
 
 MAX_ANSWER_BYTES = 1 << 20  # a longer response is not read back for routing
+CHAT_PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/messages")  # the routes whose prompt is a conversation
 
 
 def block_hashes(ids: list[int], block_size: int) -> list[bytes]:
@@ -20,17 +22,33 @@ def block_hashes(ids: list[int], block_size: int) -> list[bytes]:
     return hashes
 
 
-def _messages(body: dict) -> list[dict]:
-    """The request's messages as the server reads them (text parts joined, no content as ""), roles and text only."""
+def _messages(path: str, body: dict) -> list[dict]:
+    """The request's messages as the server reads them (text parts joined, no content as ""), roles and text only;
+    a Responses or Anthropic Messages body as the chat request it becomes (tools and calls left out: routing needs
+    the leading text only)."""
+    if path == "/v1/responses":
+        system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+        chat = system + responses_api.input_messages(body["input"], _AnyCall())
+    elif path == "/v1/messages":
+        chat = anthropic_api.chat_messages(anthropic_api.CountTokensRequest.model_validate(body))
+    else:
+        chat = body["messages"]
     return [{k: v for k, v in ChatMessage.model_validate(m).for_template().items() if k in ("role", "content", "name")}
-            for m in body["messages"]]
+            for m in chat if m.get("content") is not None]
+
+
+class _AnyCall(set):
+    """Every call id counts as known: routing hashes what the replica will check."""
+
+    def __contains__(self, item: object) -> bool:
+        return True
 
 
 def prompt_ids(tokenizer: Any, path: str, body: dict, answer: str | None = None) -> list[int]:
     """The token ids the replica computes for the request's (first) prompt, as far as routing needs them; with
     ``answer``, the conversation continued by it."""
-    if path == "/v1/chat/completions":
-        messages = _messages(body)
+    if path in CHAT_PATHS:
+        messages = _messages(path, body)
         if answer is None:
             return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
         text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}],
