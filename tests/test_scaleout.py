@@ -152,6 +152,20 @@ def test_errors_keep_the_single_server_format(fleet):
         fleet.client().chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
 
 
+def test_the_page_and_the_agent_apis_go_through_the_ingress(fleet):
+    page = httpx.get(f"{fleet.url}/", timeout=30)
+    assert page.status_code == 200 and "/web/app.js" in page.text
+    assert httpx.get(f"{fleet.url}/web/app.js", timeout=30).status_code == 200
+    r = httpx.post(f"{fleet.url}/v1/responses", timeout=60,
+                   json={"model": "smol", "input": "Hello!", "max_output_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 4
+    body = {"model": "smol", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello!"}], "stream": True}
+    events = httpx.post(f"{fleet.url}/v1/messages", json=body, timeout=60).text
+    assert events.rstrip().endswith('data: {"type":"message_stop"}')
+    r = httpx.post(f"{fleet.url}/v1/messages", json={**body, "max_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+
+
 def test_a_killed_replica_is_replaced_while_the_endpoint_answers(fleet):
     pids = engine_replica_pids()
     assert len(pids) == 2, pids

@@ -280,6 +280,11 @@ OPENAI_BAD = [
     ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400),
     ("/v1/responses", {"input": "\ud800"}, 400),
     ("/v1/responses", {"input": "hi", "model": "gpt-5"}, 404),
+    ("/v1/responses", {"input": "hi", "metadata": {"a": float("nan")}}, 400),  # echoed back: must be JSON
+    ("/v1/responses", {"input": "hi", "user": "\ud800"}, 400),
+    ("/v1/responses", {"input": "hi", "tools": [{**WEATHER, "parameters": {"type": "object", "properties": {
+        "a": {"type": "number", "default": float("inf")}}}}]}, 400),
+    ("/tokenize", {"content": "a " * 1_100_000}, 400),
     ("/tokenize", {"content": 5}, 400),
     ("/tokenize", {"content": "\ud800"}, 400),
     ("/detokenize", {"tokens": [-1]}, 400),

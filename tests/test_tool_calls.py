@@ -443,3 +443,17 @@ def test_required_waits_and_no_tools_passes_through():
     for plain in (ToolCallStream(None, "qwen"), ToolCallStream(spec("none"), "qwen")):
         assert plain.feed("<tool_call>") == [{"content": "<tool_call>"}] and plain.finish() == []
         assert not plain.calls
+
+
+def test_tool_results_are_put_in_call_order():
+    """A template that renders results without ids pairs them with calls by position: results sent in another order
+    are put back in the order of the calls they answer."""
+    from quickdraft.serving.protocol import in_call_order
+
+    calls = [{"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ("a", "b", "c")]
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c", "content": "3"}, {"role": "tool", "tool_call_id": "a", "content": "1"},
+                {"role": "tool", "tool_call_id": "b", "content": "2"}, {"role": "user", "content": "next"}]
+    ordered = in_call_order(messages)
+    assert [m["content"] for m in ordered] == ["q", None, "1", "2", "3", "next"]
+    assert in_call_order(messages[:2]) == messages[:2]

@@ -160,6 +160,17 @@ def test_draft_info_is_opt_in(server):
     assert len(infos) > 3 and all("".join(s["text"] for s in c["draft_info"]["spans"]) == c["delta"].get("content", "") for c in infos)
 
 
+def test_draft_info_covers_an_echoed_prompt(server):
+    body = {"prompt": "one two three one two three", "max_tokens": 8, "temperature": 0, "echo": True, "stream": True,
+            "stream_options": {"include_draft_info": True}}
+    events = [json.loads(line[6:]) for line in httpx.post(server + "/v1/completions", json=body, timeout=60)
+              .text.splitlines() if line.startswith("data: {")]
+    first = events[0]["choices"][0]
+    assert first["text"].startswith(body["prompt"])
+    assert all("".join(s["text"] for s in e["choices"][0]["draft_info"]["spans"]) == e["choices"][0]["text"]
+               for e in events if e["choices"])
+
+
 def test_no_web_leaves_the_page_out():
     proc, url = serve_cli("--no-web")
     try:

@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import reprlib
+import time
 from typing import Any
 
 import torch
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from quickdraft.engine.embedding import POOLINGS, EmbeddingOptions, batches, check_inputs, embed_batch
 from quickdraft.errors import InvalidParameterError, require_unicode
 from quickdraft.kv.blocks import OutOfBlocks
-from quickdraft.serving.errors import QueueFullError
+from quickdraft.serving.errors import QueueFullError, RequestTimeoutError
+from quickdraft.serving.jobs import ClientGone
 from quickdraft.serving.openai_format import ERROR_RESPONSES
 from quickdraft.serving.routes import ServerContext, context_of
 
 MAX_DETOKENIZE = 1 << 20  # ids in one /detokenize
+MAX_TOKENIZE = 1 << 20  # tokens one /tokenize answers with
 MAX_EMBEDDING_INPUTS = 2048  # as OpenAI's embeddings endpoint
 router = APIRouter()
 
@@ -60,17 +65,24 @@ def _piece(data: bytes | None, fallback: str) -> str | list[int]:
 
 
 @router.post("/tokenize", responses=ERROR_RESPONSES)
-async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     ctx = context_of(request)
     require_unicode("content", body.content)
     tokenizer = ctx.llm.tokenizer
-    ids = await asyncio.to_thread(tokenizer.encode, body.content, bool(body.add_special))
-    if not body.with_pieces:
-        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.llm.max_model_len}
-    spelled = tokenizer.token_bytes()
-    tokens = [{"id": t, "piece": _piece(spelled[t] if t < len(spelled) else None, tokenizer.decode([t]))}
-              for t in ids]
-    return {"tokens": tokens, "count": len(ids), "max_model_len": ctx.llm.max_model_len}
+
+    def answer() -> bytes:  # off the event loop: a long text is seconds of work, its JSON too
+        ids = tokenizer.encode(body.content, bool(body.add_special))
+        if len(ids) > MAX_TOKENIZE:
+            raise InvalidParameterError(f"content has {len(ids):,} tokens; /tokenize answers at most "
+                                        f"{MAX_TOKENIZE:,} at once")
+        tokens: list = ids
+        if body.with_pieces:
+            spelled = tokenizer.token_bytes()
+            tokens = [{"id": t, "piece": _piece(spelled[t] if t < len(spelled) else None, tokenizer.decode([t]))}
+                      for t in ids]
+        return json.dumps({"tokens": tokens, "count": len(ids), "max_model_len": ctx.llm.max_model_len},
+                          ensure_ascii=False).encode()
+    return Response(await asyncio.to_thread(answer), media_type="application/json")
 
 
 @router.post("/detokenize", responses=ERROR_RESPONSES)
@@ -104,7 +116,7 @@ async def _embedding_inputs(ctx: ServerContext, value: Any) -> list[list[int]]:
 
 
 @router.post("/v1/embeddings", responses=ERROR_RESPONSES)
-async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     ctx = context_of(request)
     ctx.check_model(body.model)
     if body.encoding_format not in ("float", "base64"):
@@ -118,30 +130,47 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
     options = EmbeddingOptions(body.pooling, body.normalize is not False)
     token_lists = await _embedding_inputs(ctx, body.input)
     check_inputs(token_lists, ctx.llm.engine.vocab_size, ctx.llm.max_model_len)
-    vectors = await _embed(ctx, token_lists, options)
+    try:
+        vectors = await _embed(ctx, request, token_lists, options)
+    except ClientGone:
+        return Response(status_code=499)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
             for i, v in enumerate(vectors)]
     tokens = sum(map(len, token_lists))
     ctx.metrics.count_request("ok")
-    return {"object": "list", "data": data, "model": ctx.model_name,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return JSONResponse({"object": "list", "data": data, "model": ctx.model_name,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
-async def _embed(ctx: ServerContext, token_lists: list[list[int]], options: EmbeddingOptions) -> list[torch.Tensor]:
-    """Each batch of the engine's token budget read between two engine steps: running streams wait for one batch
-    at most, never for the whole request."""
+async def _embed(ctx: ServerContext, request: Request, token_lists: list[list[int]],
+                 options: EmbeddingOptions) -> list[torch.Tensor]:
+    """Each batch of the engine's token budget read between two engine steps, one embedding request at a time
+    (``ServerContext.embedding_turn``): running streams wait for one batch at most, never for a whole request. A
+    client that left, or a request past the server's timeout, stops at the next batch."""
     budget = ctx.llm.engine.config.scheduler.max_num_batched_tokens
     out: list[torch.Tensor] = [None] * len(token_lists)  # type: ignore[list-item]
-    for batch in batches(token_lists, budget):
-        lists = [token_lists[i] for i in batch]
-        try:
-            vectors = await ctx.engine.call_between_steps(
-                lambda lists=lists: embed_batch(ctx.llm.target, lists, options, budget))
-        except OutOfBlocks as exc:
-            raise QueueFullError(f"the KV cache has no room for these inputs now ({exc}); retry later") from None
-        for i, vector in zip(batch, vectors):
-            out[i] = vector
+    deadline = time.monotonic() + (ctx.limits.request_timeout_s or float("inf"))
+    async with ctx.embedding_turn:
+        for batch in batches(token_lists, budget):
+            if await request.is_disconnected():
+                raise ClientGone()
+            if time.monotonic() > deadline:
+                raise RequestTimeoutError(f"the embeddings took longer than this server's request timeout "
+                                          f"({ctx.limits.request_timeout_s:g} s)")
+            await _embed_batch(ctx, batch, token_lists, options, budget, out)
+            await asyncio.sleep(0)  # let the engine take its step before the next batch
     return out
+
+
+async def _embed_batch(ctx: ServerContext, batch: list[int], token_lists: list[list[int]], options: EmbeddingOptions,
+                       budget: int, out: list[torch.Tensor]) -> None:
+    lists = [token_lists[i] for i in batch]
+    try:
+        vectors = await ctx.engine.call_between_steps(lambda: embed_batch(ctx.llm.target, lists, options, budget))
+    except OutOfBlocks as exc:
+        raise QueueFullError(f"the KV cache has no room for these inputs now ({exc}); retry later") from None
+    for i, vector in zip(batch, vectors):
+        out[i] = vector
 
 
 def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:

@@ -52,7 +52,8 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def speaks_anthropic(path: str) -> bool:

@@ -142,6 +142,27 @@ class ChatMessage(BaseModel):
         return out
 
 
+def in_call_order(messages: list[dict]) -> list[dict]:
+    """Each run of tool results in the order of the calls of the assistant message before it: a template that
+    renders results without their ids (Qwen's) pairs them with calls by position."""
+    out, order = list(messages), {}
+    i = 0
+    while i < len(out):
+        m = out[i]
+        if m.get("role") == "assistant":
+            calls = m.get("tool_calls") if isinstance(m.get("tool_calls"), list) else []
+            order = {c.get("id"): k for k, c in enumerate(calls) if isinstance(c, dict) and isinstance(c.get("id"), str)}
+        elif m.get("role") == "tool" and order:
+            end = i
+            while end < len(out) and out[end].get("role") == "tool":
+                end += 1
+            out[i:end] = sorted(out[i:end], key=lambda r: order.get(r.get("tool_call_id"), len(order)))
+            i = end
+            continue
+        i += 1
+    return out
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: StrictInt | None = None

@@ -10,9 +10,10 @@ from quickdraft.serving.errors import NotFoundError
 
 class ResponseStore:
     """The last responses' turns (input messages and output), each pointing at the one it continued: a
-    conversation is rebuilt by walking back. Bounded by count and by the characters kept; the oldest go first."""
+    conversation is rebuilt by walking back. Bounded by count and by the characters kept (Python holds a few times
+    that in memory); the oldest go first."""
 
-    def __init__(self, max_responses: int = 1024, max_chars: int = 64 << 20) -> None:
+    def __init__(self, max_responses: int = 1024, max_chars: int = 16 << 20) -> None:
         self.max_responses, self.max_chars = max_responses, max_chars
         self._turns: collections.OrderedDict[str, tuple[str | None, list[dict], int]] = collections.OrderedDict()
         self._chars = 0

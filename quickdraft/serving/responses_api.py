@@ -8,6 +8,7 @@ be continued: 404 ``previous_response_not_found``, and the client sends the whol
 """
 from __future__ import annotations
 
+import json
 import reprlib
 from typing import Any, ClassVar
 
@@ -15,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from quickdraft.errors import InvalidParameterError
+from quickdraft.errors import InvalidParameterError, require_unicode
 from quickdraft.serving.chat_stream import chat_pieces, message_parts
 from quickdraft.serving.jobs import ClientGone
 from quickdraft.serving.openai_format import ERROR_RESPONSES, Choice, chat_choice, describe_validation
@@ -165,7 +166,16 @@ def chat_request(body: ResponsesRequest, history: list[dict], known_calls: set[s
 
 
 def _settings(body: ResponsesRequest) -> dict:
-    """The request's settings a response object repeats."""
+    """The request's settings a response object repeats, each checked to be JSON a client can read back (no NaN,
+    no lone surrogate) before any model work."""
+    for name in ("instructions", "tools", "tool_choice", "text", "metadata", "user"):
+        value = getattr(body, name)
+        try:
+            require_unicode(name, json.dumps(value, ensure_ascii=False, allow_nan=False))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidParameterError(f"{name} is not JSON this server can send back: {exc}") from None
+    if body.metadata is not None and not isinstance(body.metadata, dict):
+        raise InvalidParameterError(f"metadata must be an object of strings, got {reprlib.repr(body.metadata)}")
     return {"instructions": body.instructions, "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
             "text": body.text or {"format": {"type": "text"}}, "temperature": body.temperature, "top_p": body.top_p,
             "max_output_tokens": body.max_output_tokens, "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -188,8 +198,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     history = ctx.responses.conversation(body.previous_response_id) if body.previous_response_id else []
     known_calls = {c["id"] for m in history for c in m.get("tool_calls") or ()}
     chat, turn = chat_request(body, history, known_calls)
+    settings = _settings(body)
     run = await start_chat(ctx, chat)
-    shell = ResponseShell(new_id("resp"), run.job.created, ctx.model_name, _settings(body))
+    shell = ResponseShell(new_id("resp"), run.job.created, ctx.model_name, settings)
 
     def remember(output: list[dict], choice: Choice) -> None:
         if body.store is not False:

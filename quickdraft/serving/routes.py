@@ -25,7 +25,7 @@ from quickdraft.serving.openai_format import (ERROR_RESPONSES, Choice, Completio
                                               ToolParsing, chat_choice, chat_chunk_fields, chat_opening, completion_choice,
                                               error_response, response_head, usage)
 from quickdraft.serving.response_store import ResponseStore
-from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError,
+from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError, in_call_order,
                                          _SamplingFields, response_format_constraint)
 from quickdraft.serving.sse import stream_response
 from quickdraft.serving.tools import ToolSpec, parse_tools, prepare_messages, tool_call_style
@@ -45,6 +45,8 @@ class ServerContext:
     token_text: TokenTexts
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(default_factory=ResponseStore)  # what /v1/responses can continue
+    # one /v1/embeddings request runs at a time, so the engine steps between its batches (extra_routes._embed)
+    embedding_turn: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def metrics(self) -> ServerMetrics:
@@ -152,8 +154,9 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest, top_logpro
 
 async def chat_prompt_ids(ctx: ServerContext, body: ChatCompletionRequest, tool_spec: ToolSpec | None) -> list[int]:
     """The conversation rendered with the model's chat template (tools fitted to it), as token ids."""
-    messages, template_tools = await asyncio.to_thread(prepare_messages, [m.for_template() for m in body.messages],
-                                                      tool_spec, ctx.llm.tokenizer.chat_template)
+    messages = in_call_order([m.for_template() for m in body.messages])
+    messages, template_tools = await asyncio.to_thread(prepare_messages, messages, tool_spec,
+                                                      ctx.llm.tokenizer.chat_template)
     try:
         return await asyncio.to_thread(ctx.llm.chat_prompt, messages, template_tools)
     except (ValueError, TypeError, KeyError, RecursionError, jinja2.TemplateError) as exc:

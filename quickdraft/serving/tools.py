@@ -54,7 +54,7 @@ def _check_tool(i: int, tool: Any) -> dict:
             stack.extend((v, depth + 1) for v in children)
     out["parameters"] = {"type": "object", **params} if params is not None else {"type": "object", "properties": {}}
     try:
-        text = json.dumps(out, ensure_ascii=False)
+        text = json.dumps(out, ensure_ascii=False, allow_nan=False)  # NaN and Infinity are not JSON
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidParameterError(f"{where}.function is not JSON: {exc}") from None
     require_unicode(f"{where}.function", text)
