@@ -341,7 +341,12 @@ static inline __attribute__((always_inline)) __m256i qf_tail_values(int F, const
     }
     const __m128i b = _mm_loadu_si128((const __m128i *)rec);
     w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* bit i of the word is element i's fifth bit: a mask register adds 16 where it is set (nibbles lack it) */
+    if (qf_fifth_bit(F)) w = _mm256_mask_add_epi8(w, (__mmask32)ld32(rec + 16), w, _mm256_set1_epi8(16));
+#else
     if (qf_fifth_bit(F)) w = _mm256_or_si256(w, _mm256_and_si256(bits_to_bytes(ld32(rec + 16)), _mm256_set1_epi8(16)));
+#endif
     if (F == QF_IQ4_NL)
         w = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES_U8)), w);
     return w;

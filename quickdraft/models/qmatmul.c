@@ -336,7 +336,30 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
     if (qf_tail_cols(F) && b1 == nblk && ntail) {
         const uint8_t *tail = wrow + (size_t)nblk * BB;
         const int per_record = qf_tail_cols(F) / GROUP;
-        for (int g = 0; g < ntail; g++) {
+        int g = 0;
+#ifdef WIDE
+        /* two groups per 512-bit dot product: their x bytes are adjacent, and lanes 0-7 / 8-15 keep them apart */
+        for (; g + 1 < ntail; g += 2) {
+            const uint8_t *r0 = tail + (size_t)(g / per_record) * qf_tail_bytes(F);
+            const uint8_t *r1 = tail + (size_t)((g + 1) / per_record) * qf_tail_bytes(F);
+            const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(qf_tail_values(F, r0, g % per_record)),
+                                                 qf_tail_values(F, r1, (g + 1) % per_record), 1);
+            float scale0, shift0, scale1, shift1;
+            qf_tail_scale(F, r0, &scale0, &shift0);
+            qf_tail_scale(F, r1, &scale1, &shift1);
+            for (int r = 0; r < TILE; r++) {
+                const __m512i x = _mm512_loadu_si512((const void *)(X->xq + (size_t)(m0 + r) * X->xrow + X->Kpad +
+                                                                    (size_t)g * GROUP));
+                const size_t gi = (size_t)(m0 + r) * X->ngroups + 8 * nblk + g;
+                const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(scale0 * X->xs[gi]),
+                                                     _mm256_set1_ps(scale1 * X->xs[gi + 1]), 1);
+                const __m512 d = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x)), sc);
+                part[r] = _mm256_add_ps(part[r], _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1)));
+                tail_shift[r] += shift0 * X->xsum[gi] + shift1 * X->xsum[gi + 1];
+            }
+        }
+#endif
+        for (; g < ntail; g++) {
             const uint8_t *rec = tail + (size_t)(g / per_record) * qf_tail_bytes(F);
             const __m256i w = qf_tail_values(F, rec, g % per_record);
             float scale, shift;
