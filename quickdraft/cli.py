@@ -281,7 +281,7 @@ def _serve_replicas(args: argparse.Namespace, engine: dict, name: str, limits) -
                                   num_cpus=args.num_cpus_per_replica,
                                   num_gpus=args.num_gpus_per_replica, min_replicas=args.min_replicas,
                                   max_replicas=args.max_replicas, policy=args.routing,
-                                  target_ongoing_requests=max(1, args.max_num_seqs // 2))
+                                  target_ongoing_requests=max(1, args.max_num_seqs // 2), web=args.web)
     except QuickdraftError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

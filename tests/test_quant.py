@@ -473,3 +473,26 @@ def test_a_change_of_the_stored_layout_makes_new_cache_files(monkeypatch):
     changed = key()
     monkeypatch.undo()
     assert changed != before and key() == before
+
+
+def test_a_new_layout_deletes_the_files_no_build_can_read(tmp_path, monkeypatch):
+    """Each layout change would leave a whole converted model behind: writing an entry deletes the same source's
+    entries of another qmatmul layout (and only those)."""
+    from quickdraft.loading import quant_cache
+    from quickdraft.loading.tensor_file import TensorFileWriter
+
+    def entry(name: str, layout: str, fingerprint: str = "f" * 32) -> Path:
+        path = tmp_path / f"{fingerprint}-gguf-{name}.safetensors"
+        with TensorFileWriter(path) as writer:
+            writer.add("x", torch.zeros(4))
+            writer.finish({"fingerprint": fingerprint, "layout": layout,
+                           "quickdraft_quant_cache_version": quant_cache.QUANT_CACHE_VERSION})
+        return path
+
+    old, same, other_model, torch_kind = (entry("old", "qmatmul-aaaa"), entry("same", "qmatmul-bbbb"),
+                                          entry("o", "qmatmul-aaaa", "e" * 32), entry("t", "cpu-avx2-torch2"))
+    new = entry("new", "qmatmul-bbbb")
+    meta = {"fingerprint": "f" * 32, "layout": "qmatmul-bbbb",
+            "quickdraft_quant_cache_version": quant_cache.QUANT_CACHE_VERSION}
+    assert quant_cache.drop_outdated(new, meta) == [old]
+    assert not old.exists() and same.exists() and other_model.exists() and torch_kind.exists()

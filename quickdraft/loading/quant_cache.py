@@ -125,10 +125,33 @@ def write_quantized(path: Path, meta: dict[str, str], model: Transformer, layers
             for name, make in late.items():
                 writer.add(name, make())
             writer.finish({**meta, "modules": json.dumps(kinds), "info": json.dumps(info(kinds, exact))})
-        return True
     except (OSError, ValueError) as exc:  # ValueError: a header past the reserved room
         log.warning("could not write quantized weight cache %s: %s", path, exc)
         return False
+    drop_outdated(path, meta)
+    return True
+
+
+def drop_outdated(path: Path, meta: dict[str, str]) -> list[Path]:
+    """Delete the cache files of the same source written for another qmatmul layout or cache version: no build of
+    this code can read them, and each is a whole converted model (the removed files are returned)."""
+    removed = []
+    for other in path.parent.glob(f"{meta['fingerprint']}-*.safetensors"):
+        if other == path:
+            continue
+        try:
+            with open(other, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                theirs = json.loads(f.read(size)).get("__metadata__", {}) if size < (64 << 20) else {}
+        except (OSError, ValueError):
+            continue
+        layout = theirs.get("layout", "")
+        outdated = theirs.get("quickdraft_quant_cache_version") != meta["quickdraft_quant_cache_version"] or (
+            layout.startswith("qmatmul-") and meta["layout"].startswith("qmatmul-") and layout != meta["layout"])
+        if outdated and theirs.get("fingerprint") == meta["fingerprint"]:
+            other.unlink(missing_ok=True)
+            removed.append(other)
+    return removed
 
 
 def open_quantized(path: Path, meta: dict[str, str]) -> TensorFile | None:

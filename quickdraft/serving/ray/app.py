@@ -183,6 +183,7 @@ class ReplicaOptions:
     policy: str = "prefix"
     max_imbalance: int = 4
     max_ongoing_requests: int = 256
+    web: bool = True  # each replica serves the chat page at / (through the ingress)
 
     def __post_init__(self) -> None:
         problems = []
@@ -222,7 +223,7 @@ def build_app(model: str, llm_options: dict[str, Any] | None = None, served_name
         EngineReplica, name="engine", ray_actor_options={"num_cpus": replicas.num_cpus,
                                                          "num_gpus": replicas.num_gpus},
         max_ongoing_requests=replicas.max_ongoing_requests, health_check_period_s=5, health_check_timeout_s=60,
-        **scaling).bind(model, options, served_name or model, limits)
+        **scaling).bind(model, options, served_name or model, limits, replicas.web)
     block_size = int(options.get("block_size", 16))
     return serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": 0},
                             max_ongoing_requests=4096).bind(engine, model, limits, block_size, replicas.policy)

@@ -95,11 +95,12 @@ async def run_asgi(app: Any, call: HttpCall, extra_headers: list[tuple[bytes, by
 class EngineReplica:
     """A Ray Serve replica holding one LLM and its server app (see the module docstring)."""
 
-    def __init__(self, model: str, llm_options: dict[str, Any], served_name: str, limits: ServerLimits) -> None:
+    def __init__(self, model: str, llm_options: dict[str, Any], served_name: str, limits: ServerLimits,
+                 web: bool = True) -> None:
         from quickdraft.llm import LLM
 
         self.llm = LLM(model, **llm_options)
-        self.app = create_app(self.llm, served_name, limits=limits)
+        self.app = create_app(self.llm, served_name, limits=limits, web=web)
         self.engine = self.app.state.engine
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._header = [(REPLICA_HEADER.encode(), self.replica_id.encode("latin-1", "replace"))]
