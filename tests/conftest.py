@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny random-weight HF checkpoints (fast) and the packaged SmolLM2 GGUF (real weights)."""
+"""Shared fixtures: tiny random-weight HF checkpoints (fast), the packaged SmolLM2 GGUF (real weights), and the public
+prompt sets the tests read (bench/data, shipped in the repository: a test that needs one fails naming the file when
+it is missing, instead of checking something else)."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,6 +16,23 @@ os.environ.setdefault("QUICKDRAFT_CACHE_DIR", str(Path(__file__).parent / ".cach
 import pytest  # noqa: E402
 import torch  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+BENCH_DATA = Path(__file__).resolve().parents[1] / "bench" / "data"
+
+
+def bench_file(name: str) -> Path:
+    """``bench/data/<name>``; fails the calling test when the file is not there."""
+    path = BENCH_DATA / name
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: the tests read the prompt sets shipped in bench/data (see its README)",
+                    pytrace=False)
+    return path
+
+
+def bench_records(name: str) -> list[dict]:
+    """Every JSON record of ``bench/data/<name>``."""
+    return [json.loads(line) for line in bench_file(name).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def smollm2_path() -> Path | None:

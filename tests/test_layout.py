@@ -53,10 +53,10 @@ def test_the_check_finds_paths_outside_the_repository(tmp_path):
     (tmp_path / "bench" / "data.py").write_text(textwrap.dedent(f"""\
         from pathlib import Path
         HERE = Path(__file__).resolve().parents[1] / "bench" / "data"  # the root: fine
-        ABOVE = Path(__file__).resolve().parents[2] / "shared" / "bench-data"
+        ABOVE = Path(__file__).resolve().parents[2] / "sibling" / "prompts"
         ROOT = Path(__file__).parent.parent
-        BESIDE = ROOT.parent / "shared"
-        FIXED = "/work/shared/bench-data/spec_bench.public.jsonl"
+        BESIDE = ROOT.parent / "sibling"
+        FIXED = "/work/sibling/prompts/spec_bench.public.jsonl"
         ROUTE = "/v1/chat/completions"  # not a file
         UP = "data/{dots}/{dots}/x"
         """))
@@ -65,15 +65,15 @@ def test_the_check_finds_paths_outside_the_repository(tmp_path):
     assert check_layout.problems(tmp_path) == [
         "bench/data.py:3: Path(__file__).resolve().parents[2] is above the repository root",
         "bench/data.py:5: ROOT.parent is above the repository root",
-        "bench/data.py:6: '/work/shared/bench-data/spec_bench.public.jsonl' is an absolute path outside the repository",
+        "bench/data.py:6: '/work/sibling/prompts/spec_bench.public.jsonl' is an absolute path outside the repository",
         f"bench/data.py:8: 'data/{dots}/{dots}/x' names a parent folder ('{dots}')"]
 
 
 def test_missing_prompt_data_fails_naming_the_file(monkeypatch, tmp_path):
     """A clone without bench/data fails the tests that read it, naming the file, instead of checking less."""
-    import bench_data
+    import conftest
 
-    assert bench_data.bench_records("humaneval.public.jsonl")  # shipped in the repository
-    monkeypatch.setattr(bench_data, "BENCH_DATA", tmp_path)
+    assert conftest.bench_records("humaneval.public.jsonl")  # shipped in the repository
+    monkeypatch.setattr(conftest, "BENCH_DATA", tmp_path)
     with pytest.raises(pytest.fail.Exception, match=f"{tmp_path}/spec_bench.public.jsonl is missing"):
-        bench_data.bench_records("spec_bench.public.jsonl")
+        conftest.bench_records("spec_bench.public.jsonl")

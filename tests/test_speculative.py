@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from bench_data import bench_records
+from conftest import bench_records
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import ForwardItem, SequenceKV

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_data import bench_records
+from conftest import bench_records
 from quickdraft.errors import ModelLoadError
 from quickdraft.tokenizer import StreamingDetokenizer, Tokenizer
 
