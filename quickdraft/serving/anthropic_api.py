@@ -5,7 +5,6 @@ into a chat request, run by the one chat path (``routes.start_chat``), its outpu
 from __future__ import annotations
 
 import json
-import reprlib
 from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
@@ -14,14 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from quickdraft.errors import InvalidParameterError
 from quickdraft.serving.anthropic_format import MessageEvents, content_blocks, message_body, message_events
-from quickdraft.serving.chat_stream import chat_pieces, message_parts
+from quickdraft.serving.chat_stream import chat_pieces, whole_chat
 from quickdraft.serving.jobs import ClientGone
-from quickdraft.serving.openai_format import chat_choice, describe_validation
+from quickdraft.serving.openai_format import describe_validation
 from quickdraft.serving.protocol import ChatCompletionRequest
 from quickdraft.serving.responses_format import new_id
 from quickdraft.serving.sse import event_stream
 from quickdraft.serving.routes import chat_prompt_ids, context_of, start_chat
-from quickdraft.serving.tools import parse_tools
+from quickdraft.serving.tools import must_be, parse_tools
 
 MAX_MESSAGES = 4096
 _ERRORS = {status: {"description": what} for status, what in (
@@ -59,10 +58,6 @@ class MessagesRequest(CountTokensRequest):
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "priority", "speculative")
 
 
-def _fail(where: str, allowed: str, got: Any) -> InvalidParameterError:
-    return InvalidParameterError(f"{where} must be {allowed}, got {reprlib.repr(got)}")
-
-
 def _text(content: Any, where: str) -> str:
     """A string, or a list of text blocks, as text."""
     if isinstance(content, str):
@@ -70,9 +65,9 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         for j, block in enumerate(content):
             if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-                raise _fail(f"{where}[{j}]", "a text block {'type': 'text', 'text': ...}", block)
+                raise must_be(f"{where}[{j}]", "a text block {'type': 'text', 'text': ...}", block)
         return "".join(block["text"] for block in content)
-    raise _fail(where, "a string or a list of text blocks", content)
+    raise must_be(where, "a string or a list of text blocks", content)
 
 
 def _assistant(content: Any, where: str) -> tuple[dict, set[str]]:
@@ -80,7 +75,7 @@ def _assistant(content: Any, where: str) -> tuple[dict, set[str]]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}, set()
     if not isinstance(content, list):
-        raise _fail(where, "a string or a list of content blocks", content)
+        raise must_be(where, "a string or a list of content blocks", content)
     texts, calls = [], []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
@@ -89,13 +84,13 @@ def _assistant(content: Any, where: str) -> tuple[dict, set[str]]:
         elif kind == "tool_use":
             if not isinstance(block.get("id"), str) or not block["id"] or not isinstance(block.get("name"), str) \
                     or not isinstance(block.get("input"), dict):
-                raise _fail(f"{where}[{j}]", "a tool_use block {'type': 'tool_use', 'id', 'name', 'input': {...}}",
+                raise must_be(f"{where}[{j}]", "a tool_use block {'type': 'tool_use', 'id', 'name', 'input': {...}}",
                             block)
             arguments = json.dumps(block["input"], ensure_ascii=False)
             calls.append({"id": block["id"], "type": "function", "function": {"name": block["name"],
                                                                              "arguments": arguments}})
         elif kind not in ("thinking", "redacted_thinking"):  # a thinking model's blocks: nothing here renders them
-            raise _fail(f"{where}[{j}]", "a text or tool_use block", block)
+            raise must_be(f"{where}[{j}]", "a text or tool_use block", block)
     message = {"role": "assistant", "content": "".join(texts) or None}
     return ({**message, "tool_calls": calls} if calls else message), {c["id"] for c in calls}
 
@@ -106,7 +101,7 @@ def _user(content: Any, where: str, open_calls: set[str]) -> list[dict]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not isinstance(content, list):
-        raise _fail(where, "a string or a list of content blocks", content)
+        raise must_be(where, "a string or a list of content blocks", content)
     results, texts = [], []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
@@ -115,27 +110,27 @@ def _user(content: Any, where: str, open_calls: set[str]) -> list[dict]:
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or call_id not in open_calls:
-                raise _fail(f"{where}[{j}].tool_use_id", "the id of a tool_use block in the assistant message just "
+                raise must_be(f"{where}[{j}].tool_use_id", "the id of a tool_use block in the assistant message just "
                             "before", call_id)
             text = _text(block.get("content", ""), f"{where}[{j}].content")
             if block.get("is_error") is True:
                 text = f"Error: {text}"
             results.append({"role": "tool", "tool_call_id": call_id, "content": text})
         else:
-            raise _fail(f"{where}[{j}]", "a text or tool_result block (only text is supported)", block)
+            raise must_be(f"{where}[{j}]", "a text or tool_result block (only text is supported)", block)
     return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
 
 
 def chat_messages(body: CountTokensRequest) -> list[dict]:
     """system and messages as chat messages; a tool_result must answer a tool_use of the turn before it."""
     if not isinstance(body.messages, list) or not 1 <= len(body.messages) <= MAX_MESSAGES:
-        raise _fail("messages", f"a list of 1 to {MAX_MESSAGES} messages", body.messages)
+        raise must_be("messages", f"a list of 1 to {MAX_MESSAGES} messages", body.messages)
     out = [{"role": "system", "content": _text(body.system, "system")}] if body.system else []
     open_calls: set[str] = set()
     for i, message in enumerate(body.messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ("user", "assistant"):
-            raise _fail(f"messages[{i}]", "{'role': 'user' | 'assistant', 'content': ...}", message)
+            raise must_be(f"messages[{i}]", "{'role': 'user' | 'assistant', 'content': ...}", message)
         if role == "assistant":
             chat, open_calls = _assistant(message.get("content"), f"messages[{i}].content")
             out.append(chat)
@@ -152,10 +147,10 @@ def chat_tools(tools: Any, tool_choice: Any) -> tuple[Any, Any, bool | None]:
     """Anthropic's tools and tool_choice in chat completions' form, and whether parallel calls are allowed."""
     if tools is not None:
         if not isinstance(tools, list):
-            raise _fail("tools", "a list of tools {'name', 'description', 'input_schema'}", tools)
+            raise must_be("tools", "a list of tools {'name', 'description', 'input_schema'}", tools)
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type", "custom") != "custom":
-                raise _fail(f"tools[{i}]", "a client tool {'name', 'description', 'input_schema'} (no server tools "
+                raise must_be(f"tools[{i}]", "a client tool {'name', 'description', 'input_schema'} (no server tools "
                             "here)", t)
         tools = [{"type": "function", "function": {
             "name": t.get("name"), **({"description": t["description"]} if "description" in t else {}),
@@ -164,7 +159,7 @@ def chat_tools(tools: Any, tool_choice: Any) -> tuple[Any, Any, bool | None]:
         return tools, None, None
     kind = tool_choice.get("type") if isinstance(tool_choice, dict) else None
     if kind not in ("auto", "any", "tool", "none"):
-        raise _fail("tool_choice", "{'type': 'auto' | 'any' | 'tool' | 'none'}", tool_choice)
+        raise must_be("tool_choice", "{'type': 'auto' | 'any' | 'tool' | 'none'}", tool_choice)
     choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or \
         {"type": "function", "function": {"name": tool_choice.get("name")}}
     parallel = tool_choice.get("disable_parallel_tool_use")
@@ -175,11 +170,11 @@ def _output_format(config: Any) -> dict | None:
     """``output_config.format`` (a JSON schema the answer must follow) as chat's ``response_format``."""
     fmt = config.get("format") if isinstance(config, dict) else None
     if config is not None and not isinstance(config, dict):
-        raise _fail("output_config", "an object", config)
+        raise must_be("output_config", "an object", config)
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise _fail("output_config.format", "{'type': 'json_schema', 'schema': {...}}", fmt)
+        raise must_be("output_config.format", "{'type': 'json_schema', 'schema': {...}}", fmt)
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
@@ -208,12 +203,10 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         stream = message_events(events, chat_pieces(run.job, run.tools, ctx.token_text))
         return event_stream(stream, run.job)
     try:
-        choice = (await run.job.gather_or_abort(request))[0]
+        choice, text, calls = await whole_chat(run.job, run.tools, ctx.token_text, request)
     except ClientGone:
         return Response(status_code=499)
-    whole = chat_choice(choice, False, ctx.token_text, run.tools)
-    choice.finish_reason = whole["finish_reason"]
-    blocks = content_blocks(*message_parts(whole["message"]))
+    blocks = content_blocks(text, calls)
     return JSONResponse(message_body(message_id, ctx.model_name, blocks, choice, run.job.prompt_tokens))
 
 

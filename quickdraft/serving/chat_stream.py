@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from quickdraft.serving.openai_format import Choice, TokenText, chat_chunk_fields
+from quickdraft.serving.openai_format import Choice, TokenText, chat_choice, chat_chunk_fields
 from quickdraft.serving.streams import merge_streams
 from quickdraft.serving.tools import ToolCall
 
@@ -65,8 +65,13 @@ async def chat_pieces(job, tools, token_text: TokenText) -> AsyncIterator[ChatPi
     yield Finished(choice)
 
 
-def message_parts(message: dict) -> tuple[str | None, list[ToolCall]]:
-    """The text and the calls of a whole chat message (``openai_format.chat_choice``'s)."""
+async def whole_chat(job, tools, token_text: TokenText, request) -> tuple[Choice, str | None, list[ToolCall]]:
+    """A one-choice chat job's whole output: the choice (its finish reason after tool parsing), the text (None if
+    blank) and the calls, as ``openai_format.chat_choice`` reads them; ClientGone if the client left first."""
+    choice = (await job.gather_or_abort(request))[0]
+    whole = chat_choice(choice, False, token_text, tools)
+    choice.finish_reason = whole["finish_reason"]
+    message = whole["message"]
     calls = [ToolCall(c["function"]["name"], c["function"]["arguments"], c["id"])
              for c in message.get("tool_calls") or ()]
-    return message.get("content") or None, calls
+    return choice, message.get("content") or None, calls

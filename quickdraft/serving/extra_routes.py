@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from quickdraft.engine.embedding import POOLINGS, EmbeddingOptions, batches, check_inputs, embed_batch
+from quickdraft.engine.embedding import EmbeddingOptions, batches, check_inputs, embed_batch
 from quickdraft.errors import InvalidParameterError, require_unicode
 from quickdraft.kv.blocks import OutOfBlocks
 from quickdraft.serving.errors import QueueFullError, RequestTimeoutError
@@ -125,8 +125,6 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     if body.dimensions is not None and body.dimensions != hidden:
         raise InvalidParameterError(f"dimensions must be this model's hidden size {hidden} (embeddings are not "
                                     f"shortened), got {body.dimensions}")
-    if body.pooling not in POOLINGS:
-        raise InvalidParameterError(f"pooling must be one of {', '.join(POOLINGS)}, got {body.pooling!r}")
     options = EmbeddingOptions(body.pooling, body.normalize is not False)
     token_lists = await _embedding_inputs(ctx, body.input)
     check_inputs(token_lists, ctx.llm.engine.vocab_size, ctx.llm.max_model_len)

@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from quickdraft.errors import InvalidParameterError, require_unicode
-from quickdraft.serving.chat_stream import chat_pieces, message_parts
+from quickdraft.serving.chat_stream import chat_pieces, whole_chat
 from quickdraft.serving.jobs import ClientGone
-from quickdraft.serving.openai_format import ERROR_RESPONSES, Choice, chat_choice, describe_validation
+from quickdraft.serving.openai_format import ERROR_RESPONSES, Choice, describe_validation
 from quickdraft.serving.protocol import ChatCompletionRequest
 from quickdraft.serving.responses_format import (ResponseEvents, ResponseShell, new_id, output_items, response_events,
                                                  status_of)
@@ -211,12 +211,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         stream = response_events(events, chat_pieces(run.job, run.tools, ctx.token_text), remember)
         return event_stream(stream, run.job)
     try:
-        choice = (await run.job.gather_or_abort(request))[0]
+        choice, text, calls = await whole_chat(run.job, run.tools, ctx.token_text, request)
     except ClientGone:
         return Response(status_code=499)
-    whole = chat_choice(choice, False, ctx.token_text, run.tools)
-    choice.finish_reason = whole["finish_reason"]
-    output = output_items(*message_parts(whole["message"]))
+    output = output_items(text, calls)
     remember(output, choice)
     return JSONResponse(shell.body(status_of(choice), output, choice, run.job.prompt_tokens))
 

@@ -23,7 +23,8 @@ _DECODER = json.JSONDecoder(parse_constant=int)  # int() refuses NaN and Infinit
 _BETWEEN = re.compile(r"[\s;]*")  # what may separate the JSON values of one output (one class: no backtracking)
 
 
-def _fail(where: str, allowed: str, got: Any) -> InvalidParameterError:
+def must_be(where: str, allowed: str, got: Any) -> InvalidParameterError:
+    """The 400 of a field that is not what it must be: where, what is allowed, what came (shortened)."""
     return InvalidParameterError(f"{where} must be {allowed}, got {reprlib.repr(got)}")
 
 
@@ -32,19 +33,19 @@ def _check_tool(i: int, tool: Any) -> dict:
     where = f"tools[{i}]"
     fn = tool.get("function") if isinstance(tool, dict) else None
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
-        raise _fail(where, 'an object {"type": "function", "function": {"name": ...}}', tool)
+        raise must_be(where, 'an object {"type": "function", "function": {"name": ...}}', tool)
     if not isinstance(fn.get("name"), str) or not NAME.fullmatch(fn["name"]):
-        raise _fail(f"{where}.function.name", "1 to 64 characters of A-Z, a-z, 0-9, '_', '.' and '-'", fn.get("name"))
+        raise must_be(f"{where}.function.name", "1 to 64 characters of A-Z, a-z, 0-9, '_', '.' and '-'", fn.get("name"))
     out: dict[str, Any] = {"name": fn["name"]}
     for key, kind, allowed in (("description", str, "a string"), ("strict", bool, "true or false")):
         if fn.get(key) is not None:
             if not isinstance(fn[key], kind):
-                raise _fail(f"{where}.function.{key}", allowed, fn[key])
+                raise must_be(f"{where}.function.{key}", allowed, fn[key])
             out[key] = fn[key]
     params = fn.get("parameters")
     if params is not None:
         if not isinstance(params, dict) or params.get("type", "object") != "object":
-            raise _fail(f"{where}.function.parameters", 'a JSON schema of an object ("type": "object")', params)
+            raise must_be(f"{where}.function.parameters", 'a JSON schema of an object ("type": "object")', params)
         stack = [(params, 1)]  # its depth, without recursing: a hostile schema is a deep one
         while stack:
             node, depth = stack.pop()
@@ -71,10 +72,10 @@ def _check_choice(tool_choice: Any, names: list[str]) -> tuple[str, bool]:
         return tool_choice, False
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     if not isinstance(fn, dict) or tool_choice.get("type") != "function":
-        raise _fail("tool_choice", CHOICE_FORMS, tool_choice)
+        raise must_be("tool_choice", CHOICE_FORMS, tool_choice)
     if not isinstance(fn.get("name"), str) or fn["name"] not in names:
         listed = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "the request lists none"
-        raise _fail("tool_choice.function.name", f"the name of a listed tool ({listed})", fn.get("name"))
+        raise must_be("tool_choice.function.name", f"the name of a listed tool ({listed})", fn.get("name"))
     return fn["name"], True
 
 
@@ -121,7 +122,7 @@ def _closed(parameters: dict) -> dict:
 def parse_tools(tools: Any, tool_choice: Any) -> ToolSpec | None:
     """The request's ``tools`` and ``tool_choice`` checked; None when no tool is listed (and none demanded)."""
     if tools is not None and not isinstance(tools, list):
-        raise _fail("tools", 'a list of {"type": "function", "function": {...}}', tools)
+        raise must_be("tools", 'a list of {"type": "function", "function": {...}}', tools)
     if len(tools or ()) > MAX_TOOLS:
         raise InvalidParameterError(f"tools must hold at most {MAX_TOOLS} functions, got {len(tools)}")
     checked = [_check_tool(i, t) for i, t in enumerate(tools or ())]
@@ -154,14 +155,14 @@ def _client_calls(i: int, calls: Any) -> list[tuple[str | None, str, Any, str]]:
     """An assistant message's tool_calls as (id, name, arguments: a dict when its JSON is an object, their text)."""
     where = f"messages[{i}].tool_calls"
     if not isinstance(calls, list) or len(calls) > MAX_CALLS:
-        raise _fail(where, f"a list of at most {MAX_CALLS} calls", calls)
+        raise must_be(where, f"a list of at most {MAX_CALLS} calls", calls)
     out = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         arguments = fn.get("arguments", "{}") if isinstance(fn, dict) else None
         if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(arguments, (str, dict))
                 or not isinstance(call.get("id") or "", str)):
-            raise _fail(f"{where}[{j}]", 'a call {"id", "type": "function", "function": {"name", "arguments"}}', call)
+            raise must_be(f"{where}[{j}]", 'a call {"id", "type": "function", "function": {"name", "arguments"}}', call)
         parsed = _loads_object(arguments) if isinstance(arguments, str) else arguments
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         out.append((call.get("id") or None, fn["name"], arguments if parsed is None else parsed, text))
