@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from quickdraft.engine.build import EngineOptions, LoadedEngine, build_engine
-from quickdraft.engine.embedding import EmbeddingOptions, batches, check_inputs, embed_batch
+from quickdraft.engine.embedding import EmbeddingOptions, batch_calls, check_inputs
 from quickdraft.engine.engine import LLMEngine
 from quickdraft.engine.outputs import RequestOutput, StreamChunk
 from quickdraft.errors import InvalidParameterError, RequestFailedError
@@ -225,9 +225,8 @@ class LLM:
         check_inputs(token_lists, self.engine.vocab_size, self.max_model_len)
         budget = self.engine.config.scheduler.max_num_batched_tokens
         out: list[list[float]] = [[] for _ in token_lists]
-        for batch in batches(token_lists, budget):
-            vectors = embed_batch(self.target, [token_lists[i] for i in batch], options, budget)
-            for i, vector in zip(batch, vectors.tolist()):
+        for batch, read in batch_calls(self.target, token_lists, options, budget):
+            for i, vector in zip(batch, read().tolist()):
                 out[i] = vector
         return out
 

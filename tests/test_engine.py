@@ -201,3 +201,17 @@ def test_chunks_say_which_text_each_token_wrote(smollm2):
                                                                                           for c in chunks)
         else:
             assert chunks[-1].stop_string == " 11" and not text.endswith(" 11")
+
+
+def test_embeddings_in_batches_equal_each_input_alone(smollm2):
+    """LLM.embed reads inputs in batches of the token budget (a long one in pieces, as a prompt): each vector is
+    what the input gives alone, unit length, and another pooling gives another vector."""
+    llm = LLM(str(smollm2), kv_cache_memory="64MiB", max_num_batched_tokens=8)
+    texts = ["hello there friend", "a much longer sentence that spans more than one batch of eight tokens", "x"]
+    together = torch.tensor(llm.embed(texts))
+    alone = torch.tensor([llm.embed(t)[0] for t in texts])
+    assert together.shape == (3, llm.model.config.hidden_size) and torch.allclose(together, alone, atol=1e-5)
+    assert torch.allclose(together.norm(dim=-1), torch.ones(3), atol=1e-5)
+    assert not torch.allclose(torch.tensor(llm.embed(texts[1], pooling="mean")[0]), together[1], atol=1e-3)
+    with pytest.raises(InvalidParameterError, match="pooling must be one of last, mean"):
+        llm.embed("x", pooling="max")

@@ -1,8 +1,10 @@
 """Embeddings from the loaded model: each input's final hidden states pooled, read in batches the size of the
-engine's token budget. ``LLM.embed`` runs them in the caller's thread; the server runs each batch between two
-engine steps (``AsyncEngine.embed``), so generation never waits for more than one batch."""
+engine's token budget (``batch_calls``). ``LLM.embed`` runs them in the caller's thread; the server runs each batch
+between two engine steps (``serving/extra_routes.py``), so generation never waits for more than one batch."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,3 +65,10 @@ def embed_batch(runner: ModelRunner, token_lists: list[list[int]], options: Embe
     if options.normalize:
         out = torch.nn.functional.normalize(out, dim=-1)
     return out.cpu()
+
+
+def batch_calls(runner: ModelRunner, token_lists: list[list[int]], options: EmbeddingOptions,
+                budget: int) -> list[tuple[list[int], Callable[[], torch.Tensor]]]:
+    """The work of embedding ``token_lists``: per batch, the indices of its inputs and the call that reads it."""
+    return [(batch, functools.partial(embed_batch, runner, [token_lists[i] for i in batch], options, budget))
+            for batch in batches(token_lists, budget)]

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from quickdraft.engine.embedding import EmbeddingOptions, batches, check_inputs, embed_batch
+from quickdraft.engine.embedding import EmbeddingOptions, batch_calls, check_inputs
 from quickdraft.errors import InvalidParameterError, require_unicode
 from quickdraft.kv.blocks import OutOfBlocks
 from quickdraft.serving.errors import QueueFullError, RequestTimeoutError
@@ -149,26 +149,20 @@ async def _embed(ctx: ServerContext, request: Request, token_lists: list[list[in
     out: list[torch.Tensor] = [None] * len(token_lists)  # type: ignore[list-item]
     deadline = time.monotonic() + (ctx.limits.request_timeout_s or float("inf"))
     async with ctx.embedding_turn:
-        for batch in batches(token_lists, budget):
+        for batch, read in batch_calls(ctx.llm.target, token_lists, options, budget):
             if await request.is_disconnected():
                 raise ClientGone()
             if time.monotonic() > deadline:
                 raise RequestTimeoutError(f"the embeddings took longer than this server's request timeout "
                                           f"({ctx.limits.request_timeout_s:g} s)")
-            await _embed_batch(ctx, batch, token_lists, options, budget, out)
+            try:
+                vectors = await ctx.engine.call_between_steps(read)
+            except OutOfBlocks as exc:
+                raise QueueFullError(f"the KV cache has no room for these inputs now ({exc}); retry later") from None
+            for i, vector in zip(batch, vectors):
+                out[i] = vector
             await asyncio.sleep(0)  # let the engine take its step before the next batch
     return out
-
-
-async def _embed_batch(ctx: ServerContext, batch: list[int], token_lists: list[list[int]], options: EmbeddingOptions,
-                       budget: int, out: list[torch.Tensor]) -> None:
-    lists = [token_lists[i] for i in batch]
-    try:
-        vectors = await ctx.engine.call_between_steps(lambda: embed_batch(ctx.llm.target, lists, options, budget))
-    except OutOfBlocks as exc:
-        raise QueueFullError(f"the KV cache has no room for these inputs now ({exc}); retry later") from None
-    for i, vector in zip(batch, vectors):
-        out[i] = vector
 
 
 def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
