@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.serving.async_engine import AsyncEngine
-from quickdraft.serving.guard import GuardMiddleware, ServerLimits, error_body, shaped_error_body
+from quickdraft.serving.guard import OPEN_PATHS, GuardMiddleware, ServerLimits, error_body, shaped_error_body
 from quickdraft.serving.metrics import ServerMetrics
 from quickdraft.serving.openai_format import TokenTexts, describe_error, describe_validation
 from quickdraft.serving.anthropic_api import router as anthropic_router
@@ -26,7 +26,7 @@ from quickdraft.serving.extra_routes import router as extra_router
 from quickdraft.serving.response_store import ResponseStore
 from quickdraft.serving.responses_api import router as responses_router
 from quickdraft.serving.routes import ServerContext, context_of, router
-from quickdraft.serving.web import router as web_router
+from quickdraft.serving.web import PAGE_PATHS, router as web_router
 
 log = logging.getLogger("quickdraft.serving")
 
@@ -47,7 +47,7 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
     app.state.llm = llm
     app.state.model_name = model_name
     app.state.limits = limits
-    app.add_middleware(GuardMiddleware, limits=limits,
+    app.add_middleware(GuardMiddleware, limits=limits, open_paths=OPEN_PATHS + (PAGE_PATHS if web else ()),
                        on_refused=lambda status: engine.metrics.count_request("error"))
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(QuickdraftError, _on_quickdraft)

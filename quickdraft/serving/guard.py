@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 API_KEY_ENV = "QUICKDRAFT_API_KEY"
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key (as vLLM)
-PAGE_PATHS = ("/", "/web/app.js", "/web/style.css")  # the chat page holds no secret: it asks for the key itself
 
 
 @dataclass
@@ -82,8 +81,9 @@ async def _send_error(send, path: str, status: int, message: str, type_: str, co
 class GuardMiddleware:
     """Checks the API key, then reads the body up to the cap (413 beyond it, before the app parses anything)."""
 
-    def __init__(self, app, limits: ServerLimits, on_refused=None) -> None:
-        self.app, self.limits = app, limits
+    def __init__(self, app, limits: ServerLimits, on_refused=None, open_paths: tuple[str, ...] = OPEN_PATHS) -> None:
+        """``open_paths``: what needs no key (the probes, and the chat page's files, which hold no secret)."""
+        self.app, self.limits, self.open_paths = app, limits, open_paths
         self.on_refused = on_refused or (lambda status: None)
         self._key = limits.api_key.encode() if limits.api_key else None
 
@@ -91,7 +91,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self._key is not None and scope["path"] not in OPEN_PATHS + PAGE_PATHS and not self._authorized(scope):
+        if self._key is not None and scope["path"] not in self.open_paths and not self._authorized(scope):
             self.on_refused(401)
             await _send_error(send, scope["path"], 401, "Incorrect or missing API key: send it as the header "
                               "'Authorization: Bearer <key>' or 'x-api-key: <key>'", "authentication_error",

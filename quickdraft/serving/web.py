@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse, Response
 
 FILES = Path(__file__).resolve().parent / "web"
 CONTENT_TYPES = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
+PAGE_PATHS = ("/",) + tuple(f"/web/{name}" for name in CONTENT_TYPES)  # what the browser loads, before any key
 HEADERS = {"X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache", "X-Frame-Options": "DENY",
            "Referrer-Policy": "no-referrer"}
 router = APIRouter(include_in_schema=False)
