@@ -19,7 +19,7 @@ if CHROMIUM is None:
     pytest.skip("no Chromium: apt-get install chromium (Debian's package) to run the chat page's browser tests",
                 allow_module_level=True)
 
-ASK = "Repeat this list three times: apple, banana, cherry, date, elderberry."
+ASK = "Write the numbers from 1 to 40, separated by commas."  # SmolLM2's answer repeats itself: n-gram drafts hit
 HOSTILE = ['<script>window.__pwned = 1</script>', '<img src=x onerror="window.__pwned = 1">',
            '[click me](javascript:window.__pwned=1)', '```\n<script>window.__pwned = 1</script>\n```']
 
