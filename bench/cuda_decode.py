@@ -1,19 +1,25 @@
-"""Decode speed on CUDA: plain vs speculative decoding (n-gram lookup, self-speculation, a draft model), greedy.
+"""Decode speed on a GPU: quickdraft's CUDA-graph step against its dynamic path, HF transformers eager and the
+bandwidth limit measured in the same run, on random-weight models of real shapes that this script builds itself.
 
-Usage: python bench/cuda_decode.py [--model PATH] [--draft PATH] [--tokens 128] [--batches 1,8] [--cpu]
-         [--name cuda_decode]
---model: a GGUF file or HF directory (default: a tiny random-weight model, which only measures per-step overhead);
-float weights in --dtype (auto: bfloat16 on CUDA). --draft: the draft model (default: the target itself, which shows
-what a draft pass costs; the output is the same whatever the draft). Three fixed chat prompts (code, a repetitive
-summary where n-gram lookup pays, a short answer); at batch 1 each runs alone, at batch B the three are cycled to B
-requests in one generate call. tok/s: new tokens / wall time of the generate call (prefill included, the prompts are
-short); decode tok/s: per request, tokens after the first / time after the first (mean). Every speculative run is
-checked token for token against plain ("same"). --cpu adds plain on the CPU (its default weights) for reference.
-Prints a table and writes bench/results/<name>.json, with the device.
+Usage: python bench/cuda_decode.py [--shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b] [--batches 1,8,32]
+         [--tokens 128] [--no-hf] [--device cuda|cpu] [--name cuda_decode]
+Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tokenizer of the shape's vocabulary):
+- the read bandwidth (a device-to-device copy of 1 GiB, bytes read + written per second) and the batch-1 limit it
+  gives: bandwidth / bytes of weights a decode step reads;
+- tokens/s of a 32-token prompt and ``--tokens`` greedy tokens (prefill included) at each batch: quickdraft with
+  ``static_step="graphs"`` (replayed CUDA graphs), quickdraft ``static_step="off"`` (the dynamic path) at batch 1,
+  and HF transformers ``generate`` (eager, its default cache);
+- the cost of a verify pass of 5 tokens against a one-token decode step (batch 1, median of 30 forwards each);
+- n-gram speculation where the prompt repeats itself: tokens/s, tokens per target pass, and whether its tokens equal
+  plain greedy's.
+Random weights say nothing about acceptance; they time the mechanics. ``--device cpu`` runs a small shape as a smoke
+test of this script where there is no GPU. Prints a table per section and writes bench/results/<name>.json.
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import sys
 import tempfile
 import time
@@ -24,111 +30,206 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, save, table  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import write_word_tokenizer  # noqa: E402
+
 from quickdraft import LLM, SamplingParams  # noqa: E402
+from quickdraft.kv import ForwardItem, SequenceKV  # noqa: E402
+from quickdraft.models import step_weight_bytes  # noqa: E402
 
-PROMPTS = ["Write a Python function that checks whether a number is prime, with a docstring and tests.",
-           ("Summarise this text, reusing its words: The cat sat on the mat. The cat sat on the mat because the mat "
-            "was warm. The dog watched the cat sit on the warm mat, and the dog wanted the warm mat too."),
-           "What is the capital of France? Answer in one sentence."]
+SHAPES = {  # transformers config fields of each real model's shape
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                         rope_theta=100000.0),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         rope_theta=1000000.0),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                       rope_theta=1000000.0),
+    "smoke": dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True,
+                  rope_theta=10000.0),
+}
+PROMPT_TOKENS = 32
+MAX_LEN = 1024
 
 
-def configs(model: str, draft: str) -> dict[str, dict]:
-    return {"plain": {}, "ngram": {"speculative": "ngram"}, "ngram-k4": {"speculative": "ngram",
-                                                                       "num_speculative_tokens": 4},
-            "self": {"speculative": "self"}, "draft-k3": {"draft": draft, "num_speculative_tokens": 3},
-            "draft-auto": {"draft": draft}}
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
-def prompt_ids(llm: LLM) -> list:
-    if llm.tokenizer.chat_template:
-        return [llm.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
-    vocab = llm.model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randint(1, vocab, (12,), generator=g).tolist()) * 3 for _ in PROMPTS]
+def read_bandwidth(device: str) -> float:
+    """Bytes read + written per second by a device-to-device copy of 1 GiB (the figure docs/gpu notes use)."""
+    size = 1 << 30 if device == "cuda" else 1 << 26
+    a = torch.empty(size, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    sync(device)
+    return 2 * size * 10 / (time.perf_counter() - t0)
 
 
-def run(llm: LLM, prompts: list, batch: int, tokens: int) -> tuple[dict, list[list[int]]]:
+def build_shape(name: str, device: str, root: Path):
+    """A random-weight HF model of ``name``'s shape on ``device`` (kept for the HF baseline) and its saved copy."""
+    import transformers
+
+    fields = dict(SHAPES[name])
+    cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), max_position_embeddings=32768,
+                                            eos_token_id=0, bos_token_id=None, **fields)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in pname else p.normal_(0.0, 0.02)
+    directory = root / name
+    model.save_pretrained(directory)
+    write_word_tokenizer(directory, cfg.vocab_size)
+    return model, directory
+
+
+def prompts_for(vocab: int, batch: int, repeat: bool = False) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    if repeat:  # a 16-token phrase said twice, then its start: where n-gram lookup finds the continuation
+        phrase = torch.randint(1, vocab, (16,), generator=g).tolist()
+        return [phrase * 2] * batch
+    return [torch.randint(1, vocab, (PROMPT_TOKENS,), generator=g).tolist() for _ in range(batch)]
+
+
+def time_generate(llm: LLM, prompts: list[list[int]], tokens: int, device: str) -> tuple[float, list[list[int]]]:
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    groups = [[p] for p in prompts] if batch == 1 else [[prompts[i % len(prompts)] for i in range(batch)]]
-    outs, seconds = [], 0.0
-    llm.generate(groups[0][:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
-    stats = llm.spec_stats
-    before = (stats.rounds, stats.draft_tokens, stats.accepted_tokens)
-    for group in groups:
-        llm.reset_prefix_cache()
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    llm.reset_prefix_cache()
+    sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    return sum(len(o.token_ids) for o in outs) / seconds, [o.token_ids for o in outs]
+
+
+def time_hf(model, prompts: list[list[int]], tokens: int, device: str) -> float:
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    model.generate(ids[:1], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, **kwargs)
+    sync(device)
+    return len(prompts) * tokens / (time.perf_counter() - t0)
+
+
+def verify_cost(llm: LLM, vocab: int, repeats: int = 30) -> dict:
+    """Median seconds of a 1-token decode step and of a 5-token verify pass (batch 1, a 32-token context)."""
+    runner = llm.loaded.engine.target
+    kv = SequenceKV()
+    runner.forward([ForwardItem(kv, prompts_for(vocab, 1)[0], 1)])
+    start = kv.num_cached
+    out = {}
+    for n in (1, 5):
+        seconds = []
+        for i in range(repeats + 3):
+            runner.forward([ForwardItem(kv, list(range(1, n + 1)), n)])
+            runner.truncate(kv, start)
+            seconds.append(runner.last_forward_s)
+        out[f"step_{n}_ms"] = 1000 * statistics.median(seconds[3:])
+    runner.free(kv)
+    out["verify5_over_step"] = out["step_5_ms"] / out["step_1_ms"]
+    return out
+
+
+def bench_shape(name: str, args, bandwidth: float, root: Path) -> list[dict]:
+    device, batches, rows = args.device, [int(b) for b in args.batches.split(",")], []
+    t0 = time.perf_counter()
+    hf_model, directory = build_shape(name, device, root)
+    vocab = SHAPES[name]["vocab_size"]
+    print(f"{name}: built in {time.perf_counter() - t0:.0f} s")
+    hf = {}
+    if args.hf:
+        for batch in batches:
+            hf[batch] = time_hf(hf_model, prompts_for(vocab, batch), args.tokens, device)
+    del hf_model
+    gc.collect()
+    torch.cuda.empty_cache() if device == "cuda" else None
+    common = dict(device=device, dtype="bfloat16", max_model_len=MAX_LEN, max_num_seqs=max(batches),
+                  max_speculative_tokens=4, kv_cache_memory="4GiB" if device == "cuda" else "256MiB")
+    modes = ["graphs", "off"] if device == "cuda" else ["eager", "off"]
+    for mode in modes:
         t0 = time.perf_counter()
-        outs += llm.generate(group, params)
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
-        seconds += time.perf_counter() - t0
-    new = sum(len(o.token_ids) for o in outs)
-    row = {"batch": batch, "tok_s": new / seconds, "decode_tok_s": sum(o.metrics.tokens_per_s for o in outs) / len(outs)}
-    if llm.drafter is not None:
-        drafted = stats.draft_tokens - before[1]
-        row["acceptance"] = (stats.accepted_tokens - before[2]) / drafted if drafted else 0.0
-        row["tok_per_pass"] = new / max(1, stats.rounds - before[0])  # rounds: one per sequence per target pass
-    return row, [o.token_ids for o in outs]
-
-
-def tiny_model() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest import make_tiny_checkpoint
-    return str(make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", vocab_size=512, hidden=256, layers=4))
+        llm = LLM(str(directory), static_step=mode, **common)
+        load_s = time.perf_counter() - t0
+        step_bytes = step_weight_bytes(llm.model)
+        limit = bandwidth / step_bytes
+        for batch in batches if mode == modes[0] else batches[:1]:
+            tok_s, _ = time_generate(llm, prompts_for(vocab, batch), args.tokens, device)
+            row = dict(shape=name, engine=f"quickdraft {mode}", batch=batch, tok_s=tok_s, load_s=load_s,
+                       step_gb=step_bytes / 1e9, limit_tok_s=limit if batch == 1 else None,
+                       of_limit=tok_s / limit if batch == 1 else None, hf_tok_s=hf.get(batch),
+                       vs_hf=tok_s / hf[batch] if batch in hf else None)
+            rows.append(row)
+            print(table([row], list(row)))
+        if mode == modes[0]:
+            cost = verify_cost(llm, vocab)
+            plain_tok_s, plain_ids = time_generate(llm, prompts_for(vocab, 1, repeat=True), args.tokens, device)
+            rows.append(dict(shape=name, engine=f"quickdraft {mode}", batch=1, kind="verify cost", **cost))
+            del llm
+            gc.collect()
+            ngram = LLM(str(directory), static_step=mode, speculative="ngram", **common)
+            tok_s, ids = time_generate(ngram, prompts_for(vocab, 1, repeat=True), args.tokens, device)
+            stats = ngram.spec_stats
+            rows.append(dict(shape=name, engine=f"quickdraft {mode} n-gram", batch=1, kind="repeating prompt",
+                             tok_s=tok_s, plain_tok_s=plain_tok_s, speedup=tok_s / plain_tok_s,
+                             tok_per_pass=stats.generated_tokens / max(1, stats.rounds),
+                             acceptance=stats.acceptance_rate, same=ids == plain_ids))
+            print(table(rows[-2:], list(rows[-1])))
+            del ngram
+        else:
+            del llm
+        gc.collect()
+        torch.cuda.empty_cache() if device == "cuda" else None
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model")
-    ap.add_argument("--draft")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--shapes", default=None, help="comma-separated: " + ", ".join(SHAPES))
+    ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--configs", default=None, help="comma-separated subset of the configs")
-    ap.add_argument("--cpu", action="store_true")
-    ap.add_argument("--name", default="cuda_decode")
+    ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF transformers' baseline")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script where there is no GPU")
+    ap.add_argument("--name", default="cuda_decode")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("no CUDA device: this benchmark times quickdraft's CUDA path")
-    model = args.model or tiny_model()
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke test)"
-    print(f"device: {device}; torch {torch.__version__}; model: {model}")
-    rows, plain = [], {}
-    chosen = configs(model, args.draft or model)
-    if args.configs:
-        chosen = {k: v for k, v in chosen.items() if k in args.configs.split(",")}
-    runs = [(name, args.device, kw) for name, kw in chosen.items()] + ([("plain", "cpu", {})] if args.cpu else [])
-    for name, dev, kw in runs:
-        t0 = time.perf_counter()
-        try:
-            llm = LLM(model, device=dev, dtype=args.dtype if dev == args.device else "auto", kv_cache_memory="1GiB", **kw)
-        except Exception as exc:  # noqa: BLE001 - reported in the table
-            rows.append({"config": name, "device": dev, "error": f"{type(exc).__name__}: {exc}"[:200]})
-            continue
-        load_s = time.perf_counter() - t0
-        prompts = prompt_ids(llm)
-        for batch in [int(b) for b in args.batches.split(",")] if dev == args.device else [1]:
+        sys.exit("no CUDA device: this benchmark times quickdraft's CUDA path (--device cpu: a smoke test)")
+    shapes = (args.shapes or ("smollm2-135m,qwen2.5-1.5b,qwen2.5-7b" if args.device == "cuda" else "smoke")).split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        sys.exit(f"unknown shapes {unknown}: choose from {', '.join(SHAPES)}")
+    card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke test)"
+    bandwidth = read_bandwidth(args.device)
+    print(f"device: {card}; torch {torch.__version__}; copy bandwidth (read + write) {bandwidth / 1e12:.2f} TB/s")
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as root:
+        for name in shapes:
             try:
-                row, ids = run(llm, prompts, batch, args.tokens)
-            except Exception as exc:  # noqa: BLE001
-                rows.append({"config": name, "device": dev, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:200]})
-                continue
-            if name == "plain" and dev == args.device:
-                plain[batch] = ids
-            row.update(config=name, device=dev, weights=llm.weights, load_s=load_s,
-                       same=ids == plain[batch] if name != "plain" and batch in plain else None)
-            if name != "plain":
-                row["speedup"] = row["tok_s"] / next((r["tok_s"] for r in rows if r["config"] == "plain"
-                                                       and r["device"] == dev and r.get("batch") == batch), float("nan"))
-            rows.append(row)
-            print(table([row], ["config", "device", "batch", "tok_s", "decode_tok_s", "speedup", "acceptance", "same"]))
-        del llm
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    columns = ["config", "device", "weights", "batch", "tok_s", "decode_tok_s", "speedup", "acceptance",
-               "tok_per_pass", "same", "error"]
-    print(f"\n{device}, {args.tokens} new tokens per request, greedy\n" + table(rows, columns))
-    path = save(args.name, {"device": device, "model": model, "args": vars(args), "machine": machine(), "rows": rows})
+                rows += bench_shape(name, args, bandwidth, Path(root))
+            except Exception as exc:  # noqa: BLE001 - one shape's failure is reported, the others still run
+                rows.append({"shape": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                print(f"{name}: {rows[-1]['error']}")
+            path = save(args.name, {"device": card, "bandwidth_bytes_s": bandwidth, "args": vars(args),
+                                    "machine": machine(), "rows": rows})
+    speed = [r for r in rows if "kind" not in r]
+    print(f"\n{card}, {args.tokens} greedy tokens after a {PROMPT_TOKENS}-token prompt, bfloat16\n" + table(
+        speed, ["shape", "engine", "batch", "tok_s", "limit_tok_s", "of_limit", "hf_tok_s", "vs_hf", "error"]))
+    print("\n" + table([r for r in rows if "kind" in r], ["shape", "engine", "kind", "step_1_ms", "step_5_ms",
+                                                          "verify5_over_step", "tok_s", "speedup", "tok_per_pass",
+                                                          "same"]))
     print(f"wrote {path}")
 
 

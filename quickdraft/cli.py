@@ -82,6 +82,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="refuse, before loading, a configuration whose weights, KV caps and runtime exceed this, e.g. 4GiB")
     p.add_argument("--threads", default="auto", type=_int_or("auto", "auto"),
                    help="CPU threads per step (default auto: the cores other processes leave free, re-read as it runs)")
+    p.add_argument("--static-step", default="auto", choices=["auto", "graphs", "eager", "off"],
+                   help="how decode steps and verify passes run (default auto: CUDA graphs on a GPU, captured at load; "
+                        "eager: the same static step without graphs; off: the dynamic path)")
 
 
 def _int_or(word: str, means: object) -> Callable[[str], int | object]:
@@ -103,7 +106,8 @@ def llm_options(args: argparse.Namespace, **extra) -> dict:
                 weights=args.weights, draft_weights=args.draft_weights, device=args.device,
                 max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads,
                 kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, max_memory=args.max_memory,
-                suffix_scope=args.suffix_scope, suffix_cache_tokens=args.suffix_cache_tokens, **extra)
+                suffix_scope=args.suffix_scope, suffix_cache_tokens=args.suffix_cache_tokens,
+                static_step=args.static_step, **extra)
 
 
 def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):

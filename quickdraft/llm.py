@@ -52,7 +52,10 @@ class LLM:
         ``restrict_lm_head``): a cheaper draft step for a little acceptance; the output does not change.
         ``run_ahead``: a draft model (or self-speculation) drafts round t+1 in a background thread while the
         target verifies round t, keeping that work when round t is accepted in full (see RunAheadDrafter);
-        no effect with n-gram lookup or without speculation."""
+        no effect with n-gram lookup or without speculation.
+        ``static_step``: how decode steps and verify passes run: ``'auto'`` (CUDA graphs on a GPU, the dynamic path
+        elsewhere), ``'graphs'``, ``'eager'`` (the graph-ready step without graphs: static buffers and the paged
+        attention of ``kv/paged_attention.py``, on any device) or ``'off'``."""
         try:
             opts = EngineOptions(**options)
         except TypeError as exc:

@@ -16,6 +16,11 @@ os.environ.setdefault("QUICKDRAFT_CACHE_DIR", str(Path(__file__).parent / ".cach
 import pytest  # noqa: E402
 import torch  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not torch.cuda.is_available():
+    # Triton kernels (the GPU path's paged attention) run on the CPU in Triton's interpreter, which Triton chooses
+    # when it is first imported (torch imports it when installed); quickdraft runs them on the CPU only where a test
+    # sets kv/paged_attention.KERNEL_ON_CPU
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 BENCH_DATA = Path(__file__).resolve().parents[1] / "bench" / "data"

@@ -1,6 +1,8 @@
-"""The CUDA path (``device="cuda"``: float weights, torch's SDPA attention), where a GPU is present (skipped elsewhere,
-e.g. on CI): greedy speculation gives plain greedy's tokens, batching changes no sequence's tokens, a seeded request
-repeats, and a float32 model gives the CPU's tokens. Real weights: $QUICKDRAFT_TEST_GGUF or the packaged SmolLM2."""
+"""The CUDA path (``device="cuda"``: float weights; decode and verify forwards replay CUDA graphs captured at load, with
+the Triton paged attention kernel; prompts run eagerly with torch's SDPA), where a GPU is present (skipped elsewhere,
+e.g. on CI): graph replay gives the eager static step's logits bit for bit at every bucket, greedy speculation gives
+plain greedy's tokens, batching changes no sequence's tokens, a seeded request repeats, and a float32 model gives the
+CPU's tokens. Real weights: $QUICKDRAFT_TEST_GGUF or the packaged SmolLM2. bench/gpu_check.sh runs this file."""
 from __future__ import annotations
 
 import os
@@ -52,6 +54,53 @@ def test_runs_on_the_gpu(plain, plain_greedy):
     assert plain.device == "cuda" and plain.target.pool.k.is_cuda
     assert all(p.is_cuda for p in plain.model.parameters())
     assert [len(t) for t in plain_greedy] == [GREEDY.max_tokens] * 6
+
+
+def test_graphs_are_captured_at_load_and_replayed(plain):
+    static = plain.target.static
+    assert static.graphs and static.captured == len(static.seq_sizes) * len(static.query_sizes)
+    before = static.replays
+    plain.generate(tiny_prompts(64, 3), GREEDY)
+    assert static.replays >= before + GREEDY.max_tokens - 1  # every decode step after the prompt
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replay_equals_eager_at_every_bucket(tiny_dir, dtype, kv_dtype):
+    """1..16 sequences x 1..9 queries (padding sequences, padding rows, sequences of fewer queries than the bucket):
+    the replayed graph's logits are the eager static step's, bit for bit."""
+    model = str(tiny_dir(arch="qwen2", vocab_size=64, layers=4, hidden=128))  # head_dim 32: int8 takes it
+    llms = {mode: LLM(model, dtype=dtype, device="cuda", kv_cache_memory=TINY_KV, kv_cache_dtype=kv_dtype,
+                      static_step=mode) for mode in ("graphs", "eager")}
+    prompts = tiny_prompts(64, 16, length=20)
+    for seqs in (1, 2, 3, 5, 8, 16):
+        for queries in (1, 2, 3, 5, 9):
+            out = {}
+            for mode, llm in llms.items():
+                runner = llm.target
+                kvs = [SequenceKV() for _ in range(seqs)]
+                runner.forward([ForwardItem(kv, p, 1) for kv, p in zip(kvs, prompts)])
+                new = [[(b + j) % 63 + 1 for j in range(max(1, queries - b % 2))] for b in range(seqs)]
+                out[mode] = torch.cat(runner.forward([ForwardItem(kv, t, len(t)) for kv, t in zip(kvs, new)]))
+                for kv in kvs:
+                    runner.free(kv)
+            assert torch.equal(out["graphs"], out["eager"]), (seqs, queries)
+    assert llms["graphs"].target.static.replays == 30 and llms["eager"].target.static.forwards == 30
+
+
+@pytest.mark.parametrize("options", [{}, {"speculative": "ngram", "num_speculative_tokens": 3},
+                                     {"speculative": "self", "num_speculative_tokens": 3}],
+                         ids=["plain", "ngram", "self"])
+def test_graphs_give_the_eager_steps_tokens(target, options):
+    """Greedy and seeded sampling: graphs, the eager static step and the dynamic path (float32) give the same tokens."""
+    prompts = tiny_prompts(64, 6)
+    sampled = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)
+    runs = {mode: LLM(target, dtype="float32", device="cuda", kv_cache_memory=TINY_KV, static_step=mode, **options)
+            for mode in ("graphs", "eager", "off")}
+    for params in (GREEDY, sampled):
+        tokens = {mode: [o.token_ids for o in llm.generate(prompts, params)] for mode, llm in runs.items()}
+        assert tokens["graphs"] == tokens["eager"] == tokens["off"]
+    assert runs["graphs"].target.static.replays > 0
 
 
 @pytest.mark.parametrize("kind", ["ngram", "self", "draft", "draft-same"])

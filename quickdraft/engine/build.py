@@ -16,7 +16,7 @@ from quickdraft.engine.memory import KVNeed, MemoryPlan, fmt_bytes, parse_size, 
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.threads import check_threads
 from quickdraft.errors import InvalidParameterError
-from quickdraft.kv import KVPool, ModelRunner, check_kv_cache_dtype, resolve_kv_cache_dtype
+from quickdraft.kv import STATIC_STEPS, KVPool, ModelRunner, check_kv_cache_dtype, resolve_kv_cache_dtype
 from quickdraft.loading import Checkpoint, load_checkpoint
 from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, default_lm_head, FLOAT_FORMATS, QUANT_FORMATS, load_model,
                                         resolve_draft_weights, resolve_weights, weights_summary)
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECULATIVE = ("ngram", "self", "suffix")
+STATIC_STEP_CHOICES = ("auto", *STATIC_STEPS)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class EngineOptions:
     suffix_cache_tokens: int | None = None  # None: DEFAULT_CACHE_TOKENS with speculative="suffix"
     run_ahead: bool = False
     threads: int | str = "auto"
+    static_step: str = "auto"
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
@@ -74,6 +76,7 @@ class EngineOptions:
         if self.max_memory is not None:
             parse_size(self.max_memory, "max_memory")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        self.runner_options()  # a bad static_step fails before anything is loaded
         if self.draft is not None and self.speculative not in (None, "suffix"):
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both "
                                         "(speculative='suffix' may take a draft model beside it)")
@@ -92,6 +95,20 @@ class EngineOptions:
         """(scope, cache tokens) of the suffix drafter, defaults filled in."""
         return (self.suffix_scope if self.suffix_scope is not None else "global",
                 self.suffix_cache_tokens if self.suffix_cache_tokens is not None else DEFAULT_CACHE_TOKENS)
+
+    def runner_options(self) -> dict:
+        """What every ModelRunner of this engine takes: how its decode and verify forwards run (``static_step``:
+        ``auto`` is replayed CUDA graphs on a GPU and the dynamic path elsewhere; see ``kv/static_step.py``) and
+        the largest bucket."""
+        if self.static_step not in STATIC_STEP_CHOICES:
+            raise InvalidParameterError(f"static_step must be one of {', '.join(STATIC_STEP_CHOICES)}, "
+                                        f"got {self.static_step!r}")
+        on_gpu = str(self.device).startswith("cuda")
+        if self.static_step == "graphs" and not on_gpu:
+            raise InvalidParameterError(f"static_step='graphs' needs device='cuda', got device={self.device!r}: use "
+                                        "'eager' to run the static step without graphs")
+        mode = ("graphs" if on_gpu else "off") if self.static_step == "auto" else self.static_step
+        return {"static_step": mode, "max_seqs": self.max_num_seqs, "max_queries": self.max_speculative_tokens + 1}
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -216,7 +233,7 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     plan = _memory_plan(o, checkpoint, fmt, draft_checkpoint, draft_weights, self_layers, max_model_len)
     target_model = load_model(checkpoint, weights, o.device)
     target = ModelRunner("target", target_model, plan.kv_caps["target"], o.block_size,
-                         kv_dtype=_kv_dtype(o, checkpoint))
+                         kv_dtype=_kv_dtype(o, checkpoint), **o.runner_options())
     # one sequence of the full context (plus drafts) must fit in the pool, or it could never finish
     capacity = target.allocator.num_blocks * o.block_size - o.max_speculative_tokens - 1
     if capacity < max_model_len:
@@ -241,7 +258,8 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     elif self_layers is not None:
         drafter_class = RunAheadDrafter if o.run_ahead else ModelDrafter
         drafter = drafter_class(ModelRunner("self", target_model, plan.kv_caps["self"], o.block_size,
-                                            num_layers=self_layers, kv_dtype=_kv_dtype(o, checkpoint)),
+                                            num_layers=self_layers, kv_dtype=_kv_dtype(o, checkpoint),
+                                            **o.runner_options()),
                                 cfg.vocab_size, name="self")
     config = EngineConfig(
         max_model_len=max_model_len,
@@ -321,7 +339,8 @@ def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dty
     # for most rounds of the texts it serves)
     drafter_class = RunAheadDrafter if o.run_ahead and o.speculative != "suffix" else ModelDrafter
     return drafter_class(ModelRunner("draft", draft_model, kv_bytes, o.block_size, long_model=long_model,
-                                     kv_dtype=_kv_dtype(o, checkpoint)), target_vocab, vocab=vocab)
+                                     kv_dtype=_kv_dtype(o, checkpoint), **o.runner_options()),
+                          target_vocab, vocab=vocab)
 
 
 def draft_vocabulary(target: Tokenizer, draft: Tokenizer, target_name: str, draft_name: str,

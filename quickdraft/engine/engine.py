@@ -83,6 +83,8 @@ class LLMEngine:
         self._cancelled: set[str] = set()  # request ids cancel() was called for, applied at the next step's start
         if drafter is not None:
             drafter.bind_cancelled(self.is_cancelled)
+        for runner in {id(r): r for r in (target, drafter.runner if drafter is not None else None) if r}.values():
+            runner.warm_up()  # CUDA graphs captured now, not in a request's first step (nor in calibrate's timings)
         if drafter is not None and fixed is None:
             self.calibrate()
 
@@ -224,9 +226,10 @@ class LLMEngine:
         with self._run_ahead(sampling, proposals):
             logits = self.target.forward(items)
         self.cost.target.record(sum(len(it.tokens) for it in items), self.target.last_forward_s)
+        choices = self._greedy_choices(scheduled, logits, drafts)
         for (seq, _), rows in zip(scheduled, logits):
             if id(seq) in drafts:
-                self._isolated(seq, self._commit, seq, rows, drafts[id(seq)])
+                self._isolated(seq, self._commit, seq, rows, drafts[id(seq)], choices.get(id(seq)))
         for seq, _ in scheduled:
             kv = seq.kv["target"]
             if not seq.finished or seq.finish_reason != "error":
@@ -286,9 +289,28 @@ class LLMEngine:
         if depth is not None:
             self.cost.record_run_ahead(depth)
 
-    def _commit(self, seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> None:
+    @staticmethod
+    def _greedy_choices(scheduled: list, logits: list[torch.Tensor], drafts: dict) -> dict[int, list[int]]:
+        """Off the CPU: the greedy choices of every sequence whose choice is the argmax of its raw rows, from one
+        argmax over all their rows and one copy to the host (not one sync per sequence). On the CPU each
+        sequence's argmax kernel reads its rows in place instead."""
+        picked = [(seq, rows) for (seq, _), rows in zip(scheduled, logits)
+                  if id(seq) in drafts and seq.processor.greedy_on_raw_logits and len(rows)]
+        if not picked or picked[0][1].device.type == "cpu":
+            return {}
+        flat = torch.cat([rows for _, rows in picked]).argmax(-1).tolist()
+        out, start = {}, 0
+        for seq, rows in picked:
+            out[id(seq)] = flat[start:start + len(rows)]
+            start += len(rows)
+        return out
+
+    def _commit(self, seq: Sequence, rows: torch.Tensor, proposal: Proposal, choice: list[int] | None = None) -> None:
+        """``choice``: the target's greedy choices per row, where already taken (``_greedy_choices``)."""
         drafted = proposal.tokens
-        if seq.params.greedy:
+        if choice is not None:
+            accepted, next_token = verify_greedy(choice, drafted)
+        elif seq.params.greedy:
             target_choice = greedy(seq.processor.process(rows, drafted=drafted))
             accepted, next_token = verify_greedy(target_choice, drafted)
         else:

@@ -9,7 +9,10 @@ import torch
 from quickdraft.kv.attention import AttentionBatch
 from quickdraft.kv.blocks import BlockAllocator, SequenceKV
 from quickdraft.kv.pool import KVPool
+from quickdraft.kv.static_step import StaticStep
 from quickdraft.models import Transformer
+
+STATIC_STEPS = ("graphs", "eager", "off")
 
 
 @dataclass
@@ -24,7 +27,8 @@ class ForwardItem:
 class ModelRunner:
     def __init__(self, name: str, model: Transformer, kv_cache_bytes: int, block_size: int = 16,
                  num_layers: int | None = None, long_model: Transformer | None = None,
-                 long_tokens: int = 128, kv_dtype: torch.dtype | None = None) -> None:
+                 long_tokens: int = 128, kv_dtype: torch.dtype | None = None, static_step: str = "off",
+                 max_seqs: int = 16, max_queries: int = 9) -> None:
         """``num_layers`` < all runs only the first layers (self-speculation); the KV pool then holds only those.
         ``kv_dtype``: the cache's format (``kv/pool.py``), by default the model's own dtype.
 
@@ -33,7 +37,11 @@ class ModelRunner:
         the bfloat16 one up to about 128 rows and loses beyond (docs/MEASUREMENTS.md; with 512-bit VNNI it wins at
         every length and the builder keeps no float copy), so catch-ups after a
         stretch without drafting stay on the int4 weights. The choice is per item, by its own length,
-        so it never depends on what else is in the batch."""
+        so it never depends on what else is in the batch.
+
+        ``static_step``: how decode and verify forwards of up to ``max_seqs`` sequences of up to ``max_queries``
+        tokens run (``static_step.py``): ``graphs`` (replayed CUDA graphs), ``eager`` (the same static buffers, no
+        graph), or ``off`` (the dynamic path every forward takes otherwise)."""
         self.name = name
         self.model = model
         self.long_model, self.long_tokens = long_model, long_tokens
@@ -46,9 +54,14 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or self.dtype
         per_block = KVPool.bytes_per_block(self.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, self.kv_dtype)
         num_blocks = max(1, kv_cache_bytes // per_block)
-        self.pool = KVPool(self.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, self.kv_dtype,
-                           self.device)
+        if static_step not in STATIC_STEPS:
+            raise ValueError(f"static_step must be one of {', '.join(STATIC_STEPS)}, got {static_step!r}")
+        scratch = static_step != "off"  # one block past the allocator's, where a static step's padding writes
+        self.pool = KVPool(self.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks + scratch, block_size,
+                           self.kv_dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
+        self.static = StaticStep(model, self.pool, num_blocks, max_seqs, max_queries, num_layers,
+                                 graphs=static_step == "graphs") if scratch else None
         self.bytes_per_block = per_block
         self.last_forward_s = 0.0
 
@@ -137,7 +150,11 @@ class ModelRunner:
             item.kv.make_writable(item.kv.num_cached, end, self.allocator, self.pool)
             item.kv.reserve(end, self.allocator, self.block_size)
         long = [len(it.tokens) >= self.long_tokens for it in items] if self.long_model is not None else []
-        if not any(long):
+        if self._fits_static(items):
+            out = self.static.run([it.kv for it in items], [it.tokens for it in items], self.logit_columns)
+            for it in items:
+                it.kv.num_cached += len(it.tokens)
+        elif not any(long):
             out = self._forward(items, self.model)
         else:
             out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
@@ -150,6 +167,16 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - t0
         return out
+
+    def _fits_static(self, items: list[ForwardItem]) -> bool:
+        """A decode or verify forward (every token wants logits) that a static bucket holds."""
+        return (self.static is not None and all(it.num_logits == len(it.tokens) for it in items)
+                and self.static.bucket([len(it.tokens) for it in items]) is not None)
+
+    def warm_up(self) -> None:
+        """Capture the static step's graphs now (at load), where it replays them."""
+        if self.static is not None:
+            self.static.warm_up(self.logit_columns)
 
     @torch.inference_mode()
     def embed(self, token_lists: list[list[int]], pooling: str = "last", chunk: int = 512) -> torch.Tensor:

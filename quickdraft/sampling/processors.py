@@ -88,6 +88,13 @@ class LogitsProcessor:
         return list(self._output_ids)
 
     @property
+    def greedy_on_raw_logits(self) -> bool:
+        """Greedy with nothing that changes the logits (no grammar, bias or penalty): the choice is the argmax of
+        the rows as the model gave them (the runner masks padding columns), so a batch's choices can be taken in one
+        call on the device."""
+        return self.params.greedy and self.grammar is None and not (self._use_bias or self._use_rep or self._use_counts)
+
+    @property
     def grammar_finished(self) -> bool:
         """The grammar is complete: nothing but the end of the sequence may follow."""
         return self.grammar is not None and self.grammar.finished

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Every GPU check of the CUDA path in one run, sized for a lent H100/H200 (under 10 minutes): the CUDA tests (graph
+# replay against eager at every bucket, speculation against plain, the paged attention kernel against float64),
+# then bench/cuda_decode.py on the three real shapes. Results go to $OUT (the device tool's folder) or
+# bench/results/gpu_check. Missing packages travel as wheels in .whl/ (the GPU image lacks gguf:
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0`).
+# Usage: bash bench/gpu_check.sh [SHAPES]   (SHAPES: bench/cuda_decode.py --shapes, default all three)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu_check}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+start=$(date +%s)
+timeout 230 python3 -m pytest -q -rs tests/test_cuda.py tests/test_paged_attention.py tests/test_static_step.py \
+    2>&1 | tee "$OUT/tests.txt"
+echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
+timeout 330 python3 bench/cuda_decode.py ${1:+--shapes "$1"} --name gpu_check_decode 2>&1 | tee "$OUT/bench.txt"
+cp bench/results/gpu_check_decode.json "$OUT/" 2>/dev/null
+echo "total: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"

@@ -1,0 +1,188 @@
+"""Paged attention for a step of static shape: each sequence's new tokens (one in a decode step, k+1 in a verify
+pass) attend to its context, read in place through its block table.
+
+This is the attention of the graph-ready step (``static_step.py``). Its shapes depend only on the step's bucket
+(sequences x queries per sequence) and the block table's width, and it reads nothing back to the host, so a CUDA
+graph can capture it. The same math has two implementations:
+- ``triton``: one program per (sequence, key/value head, 16 query rows). The query heads that share a key/value head
+  (GQA) and all k+1 queries of a verify pass read each key block once, straight from the pool, in its format
+  (float, or int8 with a scale per ``SCALE_GROUP`` values), and compute in float32: a decode step's attention is
+  bound by the bytes it reads, not by its arithmetic (and the interpreter's bfloat16 ``tl.dot`` is wrong). It runs
+  on the GPU, and on the CPU under ``TRITON_INTERPRET=1``, which is how CI checks it against a float64 reference
+  without a GPU.
+- ``torch``: gathers each sequence's whole block table and calls SDPA with a mask. The step falls back to it where
+  Triton does not run (the CPU, a head or block size the kernel does not take).
+
+Why Triton rather than FlexAttention: the kernel reads the block table itself, so the paged cache is attended in
+place with no gather, and the one source runs under the interpreter on CI's CPU.
+
+Row ``i`` of sequence ``b`` (of ``queries`` rows, ``query_lens[b]`` of them real) is the token at position
+``context_lens[b] - query_lens[b] + i`` and sees keys up to that position (within ``window`` keys where given). A
+padding row (``i >= query_lens[b]``) repeats the last real row's keys; a padding sequence (no keys) gives zeros.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+import torch.nn.functional as F
+
+from quickdraft.models.native import CacheLayer, KV_SCALE_GROUP
+
+triton = tl = None  # optional (pip install triton): imported by _kernel, on first use
+
+BLOCK_M = 16  # query rows per program: tl.dot's smallest tile
+# Run the kernel on CPU tensors too, in Triton's interpreter (tests set it; Triton must have been first imported
+# with TRITON_INTERPRET=1, since Triton reads it once: torch imports Triton itself when it is installed).
+KERNEL_ON_CPU = False
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernel_runs(q: torch.Tensor, cache: CacheLayer, block_size: int) -> bool:
+    """Whether the Triton kernel takes this step: Triton installed, a CUDA tensor (or a CPU one with
+    ``KERNEL_ON_CPU`` and the interpreter on), a block size that is a power of two of at least 16 (tl.dot's smallest
+    tile), a float or int8 cache."""
+    interpreted = KERNEL_ON_CPU and q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    on_device = q.is_cuda or interpreted
+    return (on_device and triton_available() and block_size >= 16 and block_size & (block_size - 1) == 0
+            and cache.k.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8))
+
+
+def query_last_keys(context_lens: torch.Tensor, query_lens: torch.Tensor, queries: int) -> torch.Tensor:
+    """``[B, queries]``: the last key position each row sees (-1: none)."""
+    rows = torch.arange(queries, device=context_lens.device)
+    return (context_lens - query_lens)[:, None] + torch.minimum(rows[None, :], (query_lens - 1)[:, None])
+
+
+def paged_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int = 0
+                    ) -> torch.Tensor:
+    """q ``[B * queries, H, D]`` (rows of a sequence consecutive); block_tables ``[B, width]``; context_lens,
+    query_lens ``[B]``. Returns ``[B * queries, H, D]`` in q's dtype. ``window`` 0: every earlier key."""
+    if kernel_runs(q, cache, block_size):
+        return _triton_attention(q, cache, block_tables, context_lens, query_lens, queries, block_size, scale, window)
+    return paged_attention_torch(q, cache, block_tables, context_lens, query_lens, queries, block_size, scale, window)
+
+
+def paged_attention_torch(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                          query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int = 0
+                          ) -> torch.Tensor:
+    """The same attention as the kernel with torch ops of static shape (reads every block of every table)."""
+    batch, width = block_tables.shape
+    tokens, heads, dim = q.shape
+    kv_heads = cache.k.shape[1]
+    group = heads // kv_heads
+    slots = (block_tables.long()[:, :, None] * block_size
+             + torch.arange(block_size, device=q.device)).reshape(batch, width * block_size)
+    k, v = cache.k[slots], cache.v[slots]  # [B, L, KVH, D]
+    if cache.k_scale is not None:
+        k = (k.float().unflatten(-1, (-1, KV_SCALE_GROUP)) * cache.k_scale[slots][..., None]).flatten(-2)
+        v = (v.float().unflatten(-1, (-1, KV_SCALE_GROUP)) * cache.v_scale[slots][..., None]).flatten(-2)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    last = query_last_keys(context_lens, query_lens, queries)  # [B, Q]
+    key = torch.arange(width * block_size, device=q.device)
+    mask = key[None, None, :] <= last[:, :, None]
+    if window:
+        mask &= key[None, None, :] > last[:, :, None] - window
+    mask = mask.repeat_interleave(group, dim=1)[:, None]  # [B, 1, Q*G, L]: rows in (query, head of group) order
+    qs = q.view(batch, queries, kv_heads, group, dim).permute(0, 2, 1, 3, 4).reshape(batch, kv_heads,
+                                                                                    queries * group, dim)
+    o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    o = torch.where(mask.any(-1, keepdim=True), o, 0)  # a row with no keys: zeros, as the kernel
+    return o.view(batch, kv_heads, queries, group, dim).permute(0, 2, 1, 3, 4).reshape(tokens, heads, dim)
+
+
+def _triton_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                      query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int
+                      ) -> torch.Tensor:
+    tokens, heads, dim = q.shape
+    kv_heads = cache.k.shape[1]
+    group = heads // kv_heads
+    batch = block_tables.shape[0]
+    out = torch.empty_like(q)
+    quantized = cache.k_scale is not None
+    scales = (cache.k_scale, cache.v_scale) if quantized else (cache.k, cache.v)  # unread placeholders
+    grid = (batch, kv_heads, -(-queries * group // BLOCK_M))
+    _kernel()[grid](
+        q, cache.k, cache.v, scales[0], scales[1], out, block_tables, context_lens, query_lens,
+        q.stride(0), q.stride(1), cache.k.stride(0), cache.k.stride(1), scales[0].stride(0), scales[0].stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0), scale,
+        QUERIES=queries, GROUP=group, HEAD_DIM=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()),
+        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, WINDOW=window, INT8=quantized, SCALE_GROUP=KV_SCALE_GROUP)
+    return out
+
+
+@functools.cache
+def _kernel():
+    """Triton imported and the kernel defined on first use: a CPU process never imports it. Triton reads
+    ``TRITON_INTERPRET`` when it is first imported; the interpreter finds ``tl`` among the kernel's globals."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tables_ptr, ctx_ptr, qlen_ptr,
+                               stride_qt, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_ot, stride_oh,
+                               stride_table, scale,
+                               QUERIES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                               WINDOW: tl.constexpr, INT8: tl.constexpr, SCALE_GROUP: tl.constexpr):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = m < QUERIES * GROUP
+        query = m // GROUP
+        head = kv_head * GROUP + m % GROUP
+        ctx = tl.load(ctx_ptr + seq).to(tl.int32)
+        qlen = tl.load(qlen_ptr + seq).to(tl.int32)
+        last = ctx - qlen + tl.minimum(query, qlen - 1)  # the last key each row sees
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        token = (seq * QUERIES + query).to(tl.int64)
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a block where a row sees nothing gives p = 0, not NaN
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        end = tl.max(tl.where(row_ok, last, -1), 0) + 1
+        first = 0
+        if WINDOW > 0:
+            first = tl.maximum(tl.min(tl.where(row_ok, last, 1 << 30), 0) - WINDOW + 1, 0)
+        offs = tl.arange(0, BLOCK_SIZE)
+        block = first // BLOCK_SIZE
+        # a while loop: Triton's interpreter cannot take a loaded bound in range(); compiled, both are a loop
+        while block < tl.cdiv(end, BLOCK_SIZE):
+            physical = tl.load(tables_ptr + seq * stride_table + block).to(tl.int64)
+            slot = physical * BLOCK_SIZE + offs
+            kv_offsets = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+            k = tl.load(k_ptr + kv_offsets, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptr + kv_offsets, mask=d_ok[None, :], other=0.0)
+            if INT8:
+                scale_offsets = slot[:, None] * stride_ss + kv_head * stride_sh + d[None, :] // SCALE_GROUP
+                k = k.to(tl.float32) * tl.load(ks_ptr + scale_offsets, mask=d_ok[None, :], other=0.0)
+                v = v.to(tl.float32) * tl.load(vs_ptr + scale_offsets, mask=d_ok[None, :], other=0.0)
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            key = block * BLOCK_SIZE + offs
+            seen = key[None, :] <= last[:, None]
+            if WINDOW > 0:
+                seen = seen & (key[None, :] > last[:, None] - WINDOW)
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m_i = m_new
+            block += 1
+        o = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+    return paged_attention_kernel

@@ -1,0 +1,221 @@
+"""The graph-ready step: a decode or verify forward over static buffers, replayed as a CUDA graph on a GPU.
+
+A forward fits a bucket when every sequence brings 1..Q new tokens that all need logits: decode steps (one token)
+and verify passes (the pending token and k drafts). A prompt chunk takes the dynamic path (``AttentionBatch``). The
+bucket is (B sequences, Q queries each), the smallest that holds the batch. Its inputs (token ids, positions, cache
+slots, block tables, context and query lengths) are packed on the host into one int64 tensor and reach the device in
+one copy. The forward reads them from static buffers, attends with ``paged_attention`` (which reads the block tables
+on the device), and writes float32 logits into a static output: nothing in it reads back to the host.
+
+On CUDA each bucket's forward is captured once as a CUDA graph and replayed (``graphs=True``); anywhere, the same
+function can run eagerly on the same buffers, which is how CI checks everything but the capture on a CPU. Padding
+sequences and padding rows write their keys to a scratch block no sequence owns, and their logits are never read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quickdraft.kv.blocks import SequenceKV
+from quickdraft.kv.paged_attention import paged_attention
+from quickdraft.kv.pool import KVPool
+from quickdraft.models import Transformer
+
+
+def buckets_up_to(limit: int) -> list[int]:
+    """1, 2, 4, ... and ``limit`` itself: the sizes a bucket axis takes."""
+    sizes = [1 << i for i in range(max(1, limit).bit_length()) if 1 << i < limit]
+    return sizes + [max(1, limit)]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    seqs: int
+    queries: int
+
+    @property
+    def rows(self) -> int:
+        return self.seqs * self.queries
+
+
+class _Inputs:
+    """One bucket's packed inputs: a host tensor (pinned on CUDA) and its device copy, with a view per field."""
+
+    def __init__(self, bucket: Bucket, width: int, device: torch.device) -> None:
+        rows, seqs = bucket.rows, bucket.seqs
+        self.sizes = {"tokens": rows, "positions": rows, "slots": rows, "tables": seqs * width, "context_lens": seqs,
+                      "query_lens": seqs}
+        total = sum(self.sizes.values())
+        self.host = torch.zeros(total, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.device = torch.zeros(total, dtype=torch.long, device=device)
+        self.width = width
+
+    def views(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, start = {}, 0
+        for name, size in self.sizes.items():
+            out[name] = packed[start:start + size]
+            start += size
+        out["tables"] = out["tables"].view(-1, self.width)
+        return out
+
+
+class StaticAttention:
+    """What the model sees of a static step (the model's ``Attention`` protocol): the new keys go to their slots,
+    each sequence's queries attend through its block table."""
+
+    def __init__(self, pool: KVPool, inputs: dict[str, torch.Tensor], queries: int, end: int) -> None:
+        self.pool, self.queries, self.end = pool, queries, end
+        self.positions = inputs["positions"][:]  # a new view per forward: RoPE caches its rows by tensor identity
+        self.slots, self.tables = inputs["slots"], inputs["tables"]
+        self.context_lens, self.query_lens = inputs["context_lens"], inputs["query_lens"]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               window: int | None = None) -> torch.Tensor:
+        self.pool.write(layer, self.slots, k, v)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return paged_attention(q, self.pool.layer(layer), self.tables, self.context_lens, self.query_lens,
+                               self.queries, self.pool.block_size, scale, window or 0)
+
+    def single_tokens(self, layer: int) -> None:
+        return None  # the CPU's fused C layers are not part of this path
+
+
+class StaticStep:
+    """One model's decode and verify forwards in buckets of static shape (see the module docstring)."""
+
+    def __init__(self, model: Transformer, pool: KVPool, scratch_block: int, max_seqs: int, max_queries: int,
+                 num_layers: int | None = None, graphs: bool = False) -> None:
+        if graphs and pool.k.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; run the static step eagerly elsewhere")
+        self.model, self.pool, self.num_layers, self.graphs = model, pool, num_layers, graphs
+        self.device = pool.k.device
+        self.block_size = pool.block_size
+        self.scratch_slot = scratch_block * pool.block_size
+        self.seq_sizes, self.query_sizes = buckets_up_to(max_seqs), buckets_up_to(max_queries)
+        self._inputs: dict[Bucket, _Inputs] = {}
+        self._graphs: dict[tuple[Bucket, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if graphs else None
+        self._logits: torch.Tensor | None = None  # every bucket's output: a view of one buffer of the largest
+        self.forwards = self.replays = 0  # forwards run here, and of those served by a captured graph
+
+    @property
+    def end(self) -> int:
+        """One past the last position a step may reach: the engine limits the model's positions after building
+        its runners, before any forward."""
+        return self.model.rope.max_positions
+
+    @property
+    def width(self) -> int:
+        """Block table entries per sequence: enough for every position."""
+        return -(-self.end // self.block_size)
+
+    @property
+    def captured(self) -> int:
+        """How many buckets have a captured graph."""
+        return len(self._graphs)
+
+    def bucket(self, lengths: list[int]) -> Bucket | None:
+        """The bucket for sequences bringing ``lengths`` new tokens each (all with logits), or None."""
+        if not lengths or min(lengths) < 1:
+            return None
+        seqs = next((s for s in self.seq_sizes if s >= len(lengths)), None)
+        queries = next((q for q in self.query_sizes if q >= max(lengths)), None)
+        return None if seqs is None or queries is None else Bucket(seqs, queries)
+
+    def run(self, kvs: list[SequenceKV], tokens: list[list[int]], logit_columns: int) -> list[torch.Tensor]:
+        """Each sequence's float32 logits rows, one per new token, of the forward that appends ``tokens[b]`` to
+        ``kvs[b]``'s cache (its blocks already reserved); the caller advances ``num_cached``."""
+        bucket = self.bucket([len(t) for t in tokens])
+        if bucket is None:
+            raise ValueError(f"no static bucket holds {len(tokens)} sequences of up to {max(map(len, tokens))} tokens")
+        inputs = self._inputs.get(bucket)
+        if inputs is None:
+            inputs = self._inputs[bucket] = _Inputs(bucket, self.width, self.device)
+        self._pack(inputs, bucket, kvs, tokens)
+        inputs.device.copy_(inputs.host, non_blocking=True)
+        if self.graphs:
+            graph, out = self._graph(bucket, inputs, logit_columns)
+            graph.replay()
+            self.replays += 1
+            logits = out.clone()  # the graph's output is overwritten by the next replay
+        else:
+            logits = self._forward(bucket, inputs, logit_columns)
+        self.forwards += 1
+        return [logits[b * bucket.queries:b * bucket.queries + len(t)] for b, t in enumerate(tokens)]
+
+    def _pack(self, inputs: _Inputs, bucket: Bucket, kvs: list[SequenceKV], tokens: list[list[int]]) -> None:
+        """Fill the host tensor: each sequence's rows, padding elsewhere (token 0 at a scratch slot; an empty
+        sequence whose table points at the scratch block). Python lists, a few tensor writes: this runs every step."""
+        host = inputs.views(inputs.host)
+        bs, queries, rows = self.block_size, bucket.queries, bucket.rows
+        ids, positions, slots = [0] * rows, [0] * rows, [self.scratch_slot] * rows
+        context, lengths = [0] * bucket.seqs, [0] * bucket.seqs
+        tables = host["tables"]
+        tables.fill_(self.scratch_slot // bs)
+        for b, (kv, new) in enumerate(zip(kvs, tokens)):
+            start, n, table = kv.num_cached, len(new), kv.block_table
+            for i, token in enumerate(new):
+                row, position = b * queries + i, start + i
+                ids[row], positions[row] = token, position
+                slots[row] = table[position // bs] * bs + position % bs
+            used = -(-(start + n) // bs)
+            tables[b, :used] = torch.tensor(table[:used], dtype=torch.long)
+            context[b], lengths[b] = start + n, n
+        host["tokens"].copy_(torch.tensor(ids))
+        host["positions"].copy_(torch.tensor(positions))
+        host["slots"].copy_(torch.tensor(slots))
+        host["context_lens"].copy_(torch.tensor(context))
+        host["query_lens"].copy_(torch.tensor(lengths))
+
+    def _forward(self, bucket: Bucket, inputs: _Inputs, logit_columns: int) -> torch.Tensor:
+        views = inputs.views(inputs.device)
+        attn = StaticAttention(self.pool, views, bucket.queries, self.end)
+        hidden = self.model(views["tokens"], attn, num_layers=self.num_layers)
+        logits = self.model.logits(hidden)
+        if logit_columns < logits.shape[1]:
+            logits[:, logit_columns:] = float("-inf")
+        return logits
+
+    def _graph(self, bucket: Bucket, inputs: _Inputs, logit_columns: int
+               ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        key = (bucket, logit_columns)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(bucket, inputs, logit_columns)
+        return self._graphs[key]
+
+    def _capture(self, bucket: Bucket, inputs: _Inputs, logit_columns: int
+                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm the bucket up on a side stream (kernel compiles, cuBLAS workspaces), then capture it. The forwards
+        of warm-up and capture write the packed inputs' slots; the packed inputs of the current step are restored
+        after, so capturing inside a step changes nothing."""
+        saved = inputs.device.clone()
+        views = inputs.views(inputs.device)
+        views["slots"].fill_(self.scratch_slot)  # warm-up and capture write only the scratch block
+        if self._logits is None or self._logits.shape[0] < bucket.rows:
+            largest = Bucket(self.seq_sizes[-1], self.query_sizes[-1]).rows
+            self._logits = torch.empty(max(largest, bucket.rows), self.model.config.vocab_size, device=self.device)
+        out = self._logits[:bucket.rows]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                out.copy_(self._forward(bucket, inputs, logit_columns))
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out.copy_(self._forward(bucket, inputs, logit_columns))
+        inputs.device.copy_(saved)
+        return graph, out
+
+    def warm_up(self, logit_columns: int) -> None:
+        """Capture every bucket now (at load), so that no request waits for a capture."""
+        if not self.graphs:
+            return
+        for seqs in reversed(self.seq_sizes):  # the largest first: smaller graphs reuse its memory pool
+            for queries in reversed(self.query_sizes):
+                bucket = Bucket(seqs, queries)
+                inputs = self._inputs.get(bucket)
+                if inputs is None:
+                    inputs = self._inputs[bucket] = _Inputs(bucket, self.width, self.device)
+                self._graph(bucket, inputs, logit_columns)

@@ -1,0 +1,122 @@
+"""The static step's paged attention (kv/paged_attention.py): the Triton kernel (under TRITON_INTERPRET=1 on the CPU,
+natively on a GPU) and the torch fallback against a float64 reference that reads the cache position by position:
+float32, bfloat16 and int8 caches, grouped query heads, verify passes of several queries, padding rows and padding
+sequences, sliding windows, a head size that is not a power of two, block tables in any order."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft.kv import paged_attention as paged
+from quickdraft.kv.paged_attention import kernel_runs, paged_attention, paged_attention_torch
+from quickdraft.kv.pool import KVPool
+
+pytestmark = pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"),
+                                reason="needs triton (pip install triton)")
+
+BLOCK = 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    """On a CPU the kernel runs in Triton's interpreter (conftest.py turns it on before Triton is imported)."""
+    monkeypatch.setattr(paged, "KERNEL_ON_CPU", True)
+
+
+def make_case(dtype: torch.dtype, heads: int, kv_heads: int, dim: int, contexts: list[int], query_lens: list[int],
+              queries: int, seed: int = 0):
+    """A pool holding random keys/values for each sequence's context, in shuffled blocks, and the step's tensors."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-c // BLOCK) for c in contexts) + 1
+    num_blocks = len(contexts) * width + 1
+    pool = KVPool(1, kv_heads, dim, num_blocks, BLOCK, dtype, DEVICE)
+    order = torch.randperm(num_blocks - 1, generator=g).tolist()
+    tables = torch.full((len(contexts), width), num_blocks - 1, dtype=torch.int32)
+    keys, values = [], []
+    act = torch.float32 if dtype == torch.int8 else dtype
+    for b, ctx in enumerate(contexts):
+        blocks = [order.pop() for _ in range(-(-ctx // BLOCK))]
+        tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        k = torch.randn(ctx, kv_heads, dim, generator=g).to(act)
+        v = torch.randn(ctx, kv_heads, dim, generator=g).to(act)
+        if ctx:
+            slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx)])
+            pool.write(0, slots.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+            read_k, read_v = pool.read(0, slots.to(DEVICE), torch.float64)  # what the cache holds (int8: rounded)
+            keys.append(read_k.cpu())
+            values.append(read_v.cpu())
+        else:
+            keys.append(torch.zeros(0, kv_heads, dim, dtype=torch.float64))
+            values.append(torch.zeros(0, kv_heads, dim, dtype=torch.float64))
+    q = torch.randn(len(contexts) * queries, heads, dim, generator=g).to(act)
+    return (pool, q.to(DEVICE), tables.to(DEVICE), torch.tensor(contexts, dtype=torch.int32, device=DEVICE),
+            torch.tensor(query_lens, dtype=torch.int32, device=DEVICE), keys, values)
+
+
+def reference(q, keys, values, contexts, query_lens, queries, scale, window):
+    """Float64, one row at a time: row i of sequence b sees positions up to ctx - qlen + min(i, qlen - 1)."""
+    heads, dim = q.shape[1:]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, (ctx, qlen) in enumerate(zip(contexts, query_lens)):
+        group = heads // keys[b].shape[1]
+        for i in range(queries):
+            last = ctx - qlen + min(i, qlen - 1)
+            first = 0 if not window else max(0, last - window + 1)
+            if last < first:
+                continue
+            for h in range(heads):
+                k = keys[b][first:last + 1, h // group]
+                v = values[b][first:last + 1, h // group]
+                w = torch.softmax((k @ q[b * queries + i, h].double().cpu()) * scale, 0)
+                out[b * queries + i, h] = w @ v
+    return out
+
+
+CASES = {  # name: (heads, kv_heads, dim, contexts, query_lens, queries, window)
+    "decode": (4, 2, 64, [1, 17, 40, 16], [1, 1, 1, 1], 1, 0),
+    "verify": (6, 2, 32, [5, 33, 64], [5, 3, 4], 5, 0),
+    "padding": (4, 1, 64, [9, 0, 30], [2, 0, 4], 4, 0),
+    "window": (4, 2, 32, [70, 100, 12], [1, 3, 2], 3, 24),
+    "odd-head": (2, 1, 96, [20, 35], [1, 2], 2, 0),
+    "many-groups": (16, 2, 32, [50, 3], [3, 3], 3, 0),  # 8 heads x 3 queries: two tiles of 16 rows
+}
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.int8: 2e-5}
+
+
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["f32", "bf16", "int8"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_equals_float64_reference(case, dtype, impl):
+    heads, kv_heads, dim, contexts, query_lens, queries, window = CASES[case]
+    pool, q, tables, ctx, qlens, keys, values = make_case(dtype, heads, kv_heads, dim, contexts, query_lens, queries)
+    scale = dim ** -0.5
+    cache = pool.layer(0)
+    if impl == "kernel":
+        assert kernel_runs(q, cache, BLOCK)
+        out = paged_attention(q, cache, tables, ctx, qlens, queries, BLOCK, scale, window)
+    else:
+        out = paged_attention_torch(q, cache, tables, ctx, qlens, queries, BLOCK, scale, window)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    want = reference(q, keys, values, contexts, query_lens, queries, scale, window)
+    tolerance = TOLERANCE[dtype]
+    assert torch.isfinite(out).all()
+    assert (out.double().cpu() - want).abs().max().item() < tolerance
+
+
+def test_kernel_and_torch_agree_in_float32():
+    """The two implementations the step may take compute the same values (float32: within 1e-5)."""
+    heads, kv_heads, dim, contexts, query_lens, queries, window = CASES["verify"]
+    pool, q, tables, ctx, qlens, *_ = make_case(torch.float32, heads, kv_heads, dim, contexts, query_lens, queries, 3)
+    a = paged_attention(q, pool.layer(0), tables, ctx, qlens, queries, BLOCK, 0.2)
+    b = paged_attention_torch(q, pool.layer(0), tables, ctx, qlens, queries, BLOCK, 0.2)
+    assert (a - b).abs().max().item() < 1e-5
+
+
+def test_kernel_needs_a_tile_sized_block(monkeypatch):
+    pool, q, *_ = make_case(torch.float32, 2, 1, 32, [4], [1], 1)
+    assert not kernel_runs(q, pool.layer(0), 8)  # tl.dot's smallest tile is 16 keys
+    assert not kernel_runs(q, pool.layer(0), 24)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(paged, "KERNEL_ON_CPU", False)
+        assert not kernel_runs(q, pool.layer(0), BLOCK)  # the CPU's static step takes torch's attention

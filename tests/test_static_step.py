@@ -1,0 +1,114 @@
+"""The graph-ready step (kv/static_step.py) run eagerly on the CPU: the decode and verify forwards a GPU replays as
+CUDA graphs, over the same static buffers and buckets, with the paged attention that reads block tables in place.
+It must give the dynamic path's tokens: plain, batched into padded buckets, and under every drafter (verify passes
+of k+1 queries); with the Triton kernel itself (under the interpreter) inside the step; with an int8 cache. What
+needs a GPU (the capture and replay) is tests/test_cuda.py."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.errors import InvalidParameterError
+from quickdraft.kv import ForwardItem, SequenceKV
+from quickdraft.kv import paged_attention as paged
+from quickdraft.kv.static_step import Bucket, buckets_up_to
+
+try:
+    from test_speculative import GREEDY, TINY_KV, tiny_prompts
+except ImportError:  # tests/ imported as a package
+    from tests.test_speculative import GREEDY, TINY_KV, tiny_prompts
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir) -> str:
+    return str(tiny_dir(arch="qwen2", vocab_size=64, layers=4))
+
+
+def generate(model: str, prompts, params=GREEDY, **options) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model, dtype="float32", kv_cache_memory=TINY_KV, **options)
+    return [o.token_ids for o in llm.generate(prompts, params)], llm
+
+
+def test_buckets():
+    assert buckets_up_to(16) == [1, 2, 4, 8, 16] and buckets_up_to(9) == [1, 2, 4, 8, 9] and buckets_up_to(1) == [1]
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "self", "draft"])
+def test_static_step_gives_the_dynamic_paths_tokens(target, tiny_plain_greedy, drafter):
+    """6 prompts (bucket of 8 sequences, two of them padding, then smaller buckets as they finish); verify passes of
+    k + 1 = 4 queries, some sequences with fewer (the drafters' k varies per sequence)."""
+    options = {} if drafter is None else {"num_speculative_tokens": 3} | (
+        {"draft": target} if drafter == "draft" else {"speculative": drafter})
+    tokens, llm = generate(target, tiny_prompts(64, 6), static_step="eager", **options)
+    assert tokens == tiny_plain_greedy
+    static = llm.loaded.engine.target.static
+    assert static.forwards > 0 and static.replays == 0  # eager: no graph on a CPU
+    if drafter is not None:
+        assert llm.spec_stats.draft_tokens > 0
+    if drafter == "draft":
+        assert llm.loaded.engine.drafter.runner.static.forwards > 0  # the draft's own steps are static too
+
+
+def test_seeded_sampling_is_unchanged(target):
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+    prompts = tiny_prompts(64, 3)
+    assert generate(target, prompts, params, static_step="eager", speculative="ngram")[0] == \
+        generate(target, prompts, params, speculative="ngram")[0]
+
+
+def test_int8_cache_logits_match_the_dynamic_path(tiny_dir):
+    """Both paths read the same int8 cache: their logits agree to float32 rounding."""
+    target = str(tiny_dir(arch="qwen2", vocab_size=64, hidden=128))  # head_dim 32: one int8 scale group
+    rows = {}
+    for mode in ("eager", "off"):
+        llm = LLM(target, dtype="float32", kv_cache_memory=TINY_KV, kv_cache_dtype="int8", static_step=mode)
+        runner = llm.loaded.engine.target
+        kvs = [SequenceKV() for _ in range(3)]
+        prompts = tiny_prompts(64, 3, length=30)
+        runner.forward([ForwardItem(kv, p, 0) for kv, p in zip(kvs, prompts)])  # prompts: the dynamic path
+        out = runner.forward([ForwardItem(kvs[0], [5], 1), ForwardItem(kvs[1], [6, 7, 8], 3),
+                              ForwardItem(kvs[2], [9, 10], 2)])
+        rows[mode] = torch.cat(out)
+        if mode == "eager":
+            assert runner.static.forwards == 1
+    assert rows["eager"].shape == (6, 64)
+    assert (rows["eager"] - rows["off"]).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (pip install triton)")
+def test_the_triton_kernel_inside_the_step(target, tiny_plain_greedy, monkeypatch):
+    """The step with the kernel a GPU runs (Triton's interpreter here): the dynamic path's tokens, plain and
+    verifying n-gram drafts."""
+    monkeypatch.setattr(paged, "KERNEL_ON_CPU", True)  # in Triton's interpreter (see conftest.py)
+    calls = []
+    kernel = paged._triton_attention
+    monkeypatch.setattr(paged, "_triton_attention", lambda *args: calls.append(1) or kernel(*args))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = tiny_prompts(64, 2)
+    want = [t[:10] for t in tiny_plain_greedy[:2]]
+    for options in ({}, {"speculative": "ngram", "num_speculative_tokens": 3}):
+        assert generate(target, prompts, params, static_step="eager", **options)[0] == want
+    assert len(calls) >= 40  # 4 layers x (9 plain steps, or the verify passes)
+
+
+def test_prompt_chunks_take_the_dynamic_path(target):
+    llm = LLM(target, dtype="float32", kv_cache_memory=TINY_KV, static_step="eager")
+    runner = llm.loaded.engine.target
+    kv = SequenceKV()
+    runner.forward([ForwardItem(kv, tiny_prompts(64, 1)[0], 1)])
+    assert runner.static.forwards == 0
+    runner.forward([ForwardItem(kv, [3], 1)])
+    assert runner.static.forwards == 1
+    assert runner.static.bucket([1] * 17) is None  # more sequences than max_num_seqs: the dynamic path
+    assert runner.static.bucket([1, 10]) is None  # more queries than max_speculative_tokens + 1
+    assert runner.static.bucket([1, 9, 3]) == Bucket(4, 9)
+
+
+def test_bad_static_step_options_are_refused(target):
+    with pytest.raises(InvalidParameterError, match="static_step must be one of auto, graphs, eager, off"):
+        LLM(target, static_step="fast")
+    with pytest.raises(InvalidParameterError, match="static_step='graphs' needs device='cuda'"):
+        LLM(target, static_step="graphs")
