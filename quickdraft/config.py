@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "olmoe")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 # Bounds far beyond any checkpoint's values (factors of 1 to ~100, bases of 10^4 to 10^8, widths of ~16k, contexts of
 # up to ~10M tokens): within them every RoPE angle stays finite and every size fits the C kernels' ints, and a damaged
@@ -19,6 +19,7 @@ THETA_RANGE = (1.0, 1e12)
 SCALAR_RANGE = (1e-3, 1e9)  # query_pre_attn_scalar (attention scale = its -1/2 power) and the embedding multiplier
 MAX_WIDTH = 1 << 20
 MAX_CONTEXT = 1 << 24
+MAX_EXPERTS = 1 << 12  # the largest mixtures have a few hundred experts a layer
 
 
 def _is_int(value: object, low: int, high: int) -> bool:
@@ -124,6 +125,16 @@ class ModelConfig:
     hidden_act: str = "silu"  # the MLP's gate activation
     embedding_multiplier: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5; None: head_dim ** -0.5
+    qk_norm_per_head: bool = True  # with qk_norm: each head (Qwen3, Gemma 3), or all of q and of k at once (OLMoE)
+    clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv (OLMoE)
+    # a mixture of experts (Qwen3-MoE, Mixtral, OLMoE): num_experts per layer (0: dense), each token's top
+    # num_experts_per_tok of them, renormalized to sum to 1 with norm_topk_prob; expert_intermediate_size: an expert's
+    # width (None: intermediate_size); dense_layers: layers that keep a dense MLP of intermediate_size
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -145,6 +156,7 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
         self._check_layers()
         self._check_scales()
+        self._check_experts()
 
     def _check_layers(self) -> None:
         if self.layer_types and (len(self.layer_types) != self.num_layers
@@ -166,12 +178,40 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not _is_number(value, *SCALAR_RANGE):
                 raise ValueError(f"{name}={value!r}; allowed: {SCALAR_RANGE[0]:g} to {SCALAR_RANGE[1]:g}")
+        if self.clip_qkv is not None and not _is_number(self.clip_qkv, 1e-6, 1e9):
+            raise ValueError(f"clip_qkv={self.clip_qkv!r}; allowed: 1e-06 to 1e+09")
         if not _is_number(self.rms_norm_eps, 0.0, 1.0) or not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r}; allowed: above 0 up to 1")
         scaling = self.rope_scaling
         if scaling is not None and scaling.type == "longrope" and len(scaling.short_factor) != self.head_dim // 2:
             raise ValueError(f"longrope factors have {len(scaling.short_factor)} entries; head_dim {self.head_dim} "
                              f"needs {self.head_dim // 2}, one per frequency")
+
+    def _check_experts(self) -> None:
+        """A mixture's sizes, checked before any weight is read (a damaged count would size every allocation)."""
+        if not _is_int(self.num_experts, 0, MAX_EXPERTS):
+            raise ValueError(f"num_experts={self.num_experts!r}; allowed: an int in 0 (dense) to {MAX_EXPERTS:,}")
+        if not self.num_experts:
+            if self.num_experts_per_tok or self.dense_layers:
+                raise ValueError("num_experts_per_tok and dense_layers need num_experts > 0")
+            return
+        if not _is_int(self.num_experts_per_tok, 1, self.num_experts):
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok!r}; allowed: an int in 1 to "
+                             f"num_experts={self.num_experts}")
+        width = self.expert_intermediate_size
+        if width is not None and not _is_int(width, 1, MAX_WIDTH):
+            raise ValueError(f"expert_intermediate_size={width!r}; allowed: an int in 1 to {MAX_WIDTH:,}")
+        if any(not _is_int(i, 0, self.num_layers - 1) for i in self.dense_layers):
+            raise ValueError(f"dense_layers={list(self.dense_layers)!r:.80}; allowed: layer numbers below "
+                             f"{self.num_layers}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s feed-forward is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_intermediate_size or self.intermediate_size
 
     def is_sliding(self, layer: int) -> bool:
         """Whether ``layer`` attends within the sliding window."""
@@ -200,6 +240,7 @@ class ModelConfig:
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
+        d["dense_layers"] = tuple(d.get("dense_layers", ()))
         scaling = d.get("rope_scaling")
         if isinstance(scaling, dict):
             d["rope_scaling"] = RopeScaling(**{**scaling, "short_factor": tuple(scaling.get("short_factor", ())),
@@ -211,7 +252,9 @@ class ModelConfig:
         d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        per_layer = d * (q + 2 * kv) + q * d + 2 * d
         per_layer += 2 * self.head_dim * self.qk_norm + 2 * d * self.sandwich_norms
+        feed_forward = sum(self.num_experts * (3 * d * self.expert_width + d) if self.is_moe_layer(i) else 3 * d * f
+                           for i in range(l))
         head = 0 if self.tie_word_embeddings else v * d
-        return l * per_layer + v * d + head + d
+        return l * per_layer + feed_forward + v * d + head + d

@@ -15,6 +15,7 @@ from quickdraft.engine.engine import EngineConfig, LLMEngine
 from quickdraft.engine.memory import KVNeed, MemoryPlan, fmt_bytes, parse_size, plan_memory, return_freed_heap
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.threads import check_threads
+from quickdraft.config import ModelConfig
 from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import STATIC_STEPS, KVPool, ModelRunner, check_kv_cache_dtype, resolve_kv_cache_dtype
 from quickdraft.loading import Checkpoint, load_checkpoint
@@ -96,10 +97,11 @@ class EngineOptions:
         return (self.suffix_scope if self.suffix_scope is not None else "global",
                 self.suffix_cache_tokens if self.suffix_cache_tokens is not None else DEFAULT_CACHE_TOKENS)
 
-    def runner_options(self) -> dict:
-        """What every ModelRunner of this engine takes: how its decode and verify forwards run (``static_step``:
+    def runner_options(self, cfg: ModelConfig | None = None) -> dict:
+        """What the ModelRunner of a model of ``cfg`` takes: how its decode and verify forwards run (``static_step``:
         ``auto`` is replayed CUDA graphs on a GPU and the dynamic path elsewhere; see ``kv/static_step.py``) and
-        the largest bucket."""
+        the largest bucket. A mixture of experts reads its routing on the host every forward, which no graph can
+        capture: ``auto`` runs its static step eagerly."""
         if self.static_step not in STATIC_STEP_CHOICES:
             raise InvalidParameterError(f"static_step must be one of {', '.join(STATIC_STEP_CHOICES)}, "
                                         f"got {self.static_step!r}")
@@ -108,6 +110,11 @@ class EngineOptions:
             raise InvalidParameterError(f"static_step='graphs' needs device='cuda', got device={self.device!r}: use "
                                         "'eager' to run the static step without graphs")
         mode = ("graphs" if on_gpu else "off") if self.static_step == "auto" else self.static_step
+        if cfg is not None and cfg.num_experts and mode == "graphs":
+            if self.static_step == "graphs":
+                raise InvalidParameterError("static_step='graphs' cannot capture a mixture of experts (its routing is "
+                                            "read on the host in every forward): use 'auto' or 'eager'")
+            mode = "eager"
         return {"static_step": mode, "max_seqs": self.max_num_seqs, "max_queries": self.max_speculative_tokens + 1}
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -233,7 +240,7 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     plan = _memory_plan(o, checkpoint, fmt, draft_checkpoint, draft_weights, self_layers, max_model_len)
     target_model = load_model(checkpoint, weights, o.device)
     target = ModelRunner("target", target_model, plan.kv_caps["target"], o.block_size,
-                         kv_dtype=_kv_dtype(o, checkpoint), **o.runner_options())
+                         kv_dtype=_kv_dtype(o, checkpoint), **o.runner_options(cfg))
     # one sequence of the full context (plus drafts) must fit in the pool, or it could never finish
     capacity = target.allocator.num_blocks * o.block_size - o.max_speculative_tokens - 1
     if capacity < max_model_len:
@@ -259,7 +266,7 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
         drafter_class = RunAheadDrafter if o.run_ahead else ModelDrafter
         drafter = drafter_class(ModelRunner("self", target_model, plan.kv_caps["self"], o.block_size,
                                             num_layers=self_layers, kv_dtype=_kv_dtype(o, checkpoint),
-                                            **o.runner_options()),
+                                            **o.runner_options(cfg)),
                                 cfg.vocab_size, name="self")
     config = EngineConfig(
         max_model_len=max_model_len,
@@ -339,7 +346,7 @@ def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dty
     # for most rounds of the texts it serves)
     drafter_class = RunAheadDrafter if o.run_ahead and o.speculative != "suffix" else ModelDrafter
     return drafter_class(ModelRunner("draft", draft_model, kv_bytes, o.block_size, long_model=long_model,
-                                     kv_dtype=_kv_dtype(o, checkpoint), **o.runner_options()),
+                                     kv_dtype=_kv_dtype(o, checkpoint), **o.runner_options(checkpoint.config)),
                           target_vocab, vocab=vocab)
 
 

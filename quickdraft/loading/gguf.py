@@ -14,26 +14,28 @@ import numpy as np
 import torch
 from gguf import LlamaFileType
 
-from quickdraft.config import MAX_CONTEXT, MAX_WIDTH, SUPPORTED_ARCHITECTURES, ModelConfig
+from quickdraft.config import MAX_CONTEXT, MAX_WIDTH, ModelConfig
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading import weight_cache
 from quickdraft.loading.checkpoint import Checkpoint, LazyTensors, fingerprint
 from quickdraft.loading.dequant import SUPPORTED_IDS, dequantize, qtype_name, supported_type_names
 from quickdraft.loading.ggml_types import TYPES
-from quickdraft.loading.gguf_families import (IGNORED, FloatReader, end_of_turn_texts, family_fields, fused_rows,
-                                              hf_targets)
+from quickdraft.loading.gguf_families import (GGUF_ARCHITECTURES, IGNORED, FloatReader, end_of_turn_texts,
+                                              family_fields, fused_rows, hf_targets, is_stacked)
 from quickdraft.loading.gguf_metadata import GGUFHeader, int_value, positive_float, read_header, show
 
 log = logging.getLogger(__name__)
 
 # llama.cpp's converter permutes q/k rows of these architectures for its rotary layout.
-PERMUTED_ARCHITECTURES = ("llama", "mistral")
+PERMUTED_ARCHITECTURES = ("llama", "mistral", "mixtral")
 
 
-def hf_tensor_types(gguf_types: dict[str, str]) -> dict[str, str]:
-    """GGML type names by GGUF tensor name -> by HF name (each part of a fused tensor typed as it), with a tied lm_head
-    typed as the embedding it reads: what ``load_gguf`` records as ``Checkpoint.tensor_types``."""
-    out = {hf: t for name, t in gguf_types.items() for hf in hf_targets(name, gguf_types)}
+def hf_tensor_types(gguf_types: dict[str, str], experts: dict[str, int] | None = None) -> dict[str, str]:
+    """GGML type names by GGUF tensor name -> by HF name (each part of a fused tensor typed as it, each expert of a
+    stacked one as the stack where ``experts`` gives the stack's count), with a tied lm_head typed as the embedding it
+    reads: what ``load_gguf`` records as ``Checkpoint.tensor_types``."""
+    counts = experts or {}
+    out = {hf: t for name, t in gguf_types.items() for hf in hf_targets(name, gguf_types, counts.get(name, 0))}
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -92,9 +94,9 @@ def config_from_metadata(metadata: dict[str, Any], shapes: dict[str, tuple[int, 
     own fields (``gguf_families.family_fields``, which reads RoPE factor tensors through ``read_floats``); every value
     is type- and range-checked (a ModelLoadError names the key, its value and what is allowed)."""
     arch = metadata.get("general.architecture")
-    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{path}: unsupported architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
     if "token_embd.weight" not in shapes:
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor (corrupt or incomplete file?)")
@@ -121,7 +123,7 @@ def config_from_metadata(metadata: dict[str, Any], shapes: dict[str, tuple[int, 
         raise ModelLoadError(f"{path}: GGUF metadata 'tokenizer.chat_template' is {show(template)}; "
                              f"it must be a string")
     base = dict(
-        architecture=arch, vocab_size=vocab, hidden_size=hidden,
+        architecture=GGUF_ARCHITECTURES[arch], vocab_size=vocab, hidden_size=hidden,
         intermediate_size=int_value(metadata, f"{arch}.feed_forward_length", path, 1, MAX_WIDTH),
         num_layers=num_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=int_value(metadata, f"{arch}.context_length", path, 1, MAX_CONTEXT, default=4096),
@@ -133,6 +135,7 @@ def config_from_metadata(metadata: dict[str, Any], shapes: dict[str, tuple[int, 
         eos_token_ids=eos_token_ids(metadata, arch, vocab),
     )
     family = family_fields(arch, metadata, shapes, path, base, read_floats)  # raises its own ModelLoadErrors
+    base["architecture"] = family.pop("architecture", base["architecture"])  # llama with experts: mixtral
     try:
         return ModelConfig(**base, **family)
     except (ValueError, ZeroDivisionError) as exc:
@@ -156,14 +159,23 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, d),
             p + "self_attn.v_proj.weight": (kv, d),
             p + "self_attn.o_proj.weight": (d, q),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
         })
+        if cfg.is_moe_layer(i):
+            fe = cfg.expert_width
+            out[p + "mlp.gate.weight"] = (cfg.num_experts, d)
+            for e in range(cfg.num_experts):
+                out.update({p + f"mlp.experts.{e}.gate_proj.weight": (fe, d),
+                            p + f"mlp.experts.{e}.up_proj.weight": (fe, d),
+                            p + f"mlp.experts.{e}.down_proj.weight": (d, fe)})
+        else:
+            out.update({p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                        p + "mlp.down_proj.weight": (d, f)})
         if cfg.attention_bias:
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
         if cfg.qk_norm:
-            out.update({p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)})
+            whole = not cfg.qk_norm_per_head
+            out.update({p + "self_attn.q_norm.weight": (q if whole else cfg.head_dim,),
+                        p + "self_attn.k_norm.weight": (kv if whole else cfg.head_dim,)})
         if cfg.sandwich_norms:
             out.update({p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)})
     return out
@@ -176,6 +188,12 @@ def check_tensor_set(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, sourc
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelLoadError(f"{source}: checkpoint is missing tensors {', '.join(missing[:5])}{more}")
+    # a mixture's tensors the config does not account for: more experts than num_experts, or a router where the
+    # config says the layer is dense
+    unplanned = sorted(n for n in shapes if (".mlp.experts." in n or ".mlp.gate." in n) and n not in expected)
+    if unplanned:
+        raise ModelLoadError(f"{source}: tensor {unplanned[0]} is not in the model config (num_experts="
+                             f"{cfg.num_experts}; {len(unplanned)} such tensors)")
     for name, shape in expected.items():
         if tuple(shapes[name]) != shape:
             raise ModelLoadError(
@@ -236,13 +254,20 @@ def read_index(path: Path) -> GGUFIndex:
     cfg = config_from_metadata(header.metadata, shapes, path, _float_reader(path, header))
     records: dict[str, TensorRecord] = {}
     for name, _, qtype, offset, nbytes in header.tensors:
-        targets = hf_targets(name, shapes)
+        stacked = is_stacked(name)
+        targets = hf_targets(name, shapes, shapes[name][0] if stacked and len(shapes[name]) == 3 else 0)
         if not targets:
-            if not IGNORED.match(name):
+            if not IGNORED.match(name) and not stacked:
                 log.warning("%s: ignoring unknown tensor %s", path.name, name)
+            elif stacked:
+                raise ModelLoadError(f"{path}: tensor {name} has shape {shapes[name]}; a stack of experts is 3-D "
+                                     f"(experts x rows x columns)")
             continue
         whole = TensorRecord(name, qtype, shapes[name], offset, nbytes)
-        parts = split_rows(whole, fused_rows(targets, cfg), path) if len(targets) > 1 else [whole]
+        if stacked:
+            parts = split_experts(whole, cfg, path)
+        else:
+            parts = split_rows(whole, fused_rows(targets, cfg), path) if len(targets) > 1 else [whole]
         records.update(zip(targets, parts))
     check_tensor_set({target: r.shape for target, r in records.items()}, cfg, path)
     expected = expected_shapes(cfg)
@@ -260,6 +285,17 @@ def read_index(path: Path) -> GGUFIndex:
         )
     counts = Counter(qtype_name(r.qtype) for r in records.values())
     return GGUFIndex(cfg, header.metadata, quantization_name(header.metadata, counts), records)
+
+
+def split_experts(whole: TensorRecord, cfg: ModelConfig, path: Path) -> list[TensorRecord]:
+    """A block's stacked experts ``[E, rows, cols]``, one record per expert: rows are stored whole, so expert e is a
+    contiguous byte range. A stack of another count than the config's is refused by name."""
+    experts, rows = whole.shape[0], whole.shape[1]
+    if experts != cfg.num_experts:
+        raise ModelLoadError(f"{path}: tensor {whole.gguf_name} stacks {experts} experts; the config has "
+                             f"num_experts={cfg.num_experts} (expert_count)")
+    flat = TensorRecord(whole.gguf_name, whole.qtype, (experts * rows, *whole.shape[2:]), whole.offset, whole.nbytes)
+    return split_rows(flat, (rows,) * experts, path)
 
 
 def split_rows(whole: TensorRecord, rows: tuple[int, ...], path: Path) -> list[TensorRecord]:
@@ -350,7 +386,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, use_cache
     makers = {name: functools.partial(dequantized, name) for name in records}
     if cfg.tie_word_embeddings:
         makers["lm_head.weight"] = makers["model.embed_tokens.weight"]
-    types = hf_tensor_types({r.gguf_name: qtype_name(r.qtype) for r in records.values()})
+    types = {hf: qtype_name(r.qtype) for hf, r in records.items()}
+    if "lm_head.weight" not in types:  # a tied head reads the embedding (see hf_tensor_types)
+        types["lm_head.weight"] = types["model.embed_tokens.weight"]
     return Checkpoint(
         config=cfg, tensors=LazyTensors(makers), source=path, fingerprint=fp,
         chat_template=index.metadata.get("tokenizer.chat_template"), gguf_metadata=index.metadata, hf_dir=None,

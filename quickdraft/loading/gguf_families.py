@@ -17,6 +17,13 @@ Config (``family_fields``):
   use RoPE base 10000, and the attention scale is 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 62-layer 27B). Its
   norm weights are stored as 1 + w, which is what the model multiplies by.
 * phi3: ``phi3.attention.sliding_window`` is ignored, as llama.cpp does (its converters fill it wrongly).
+* mixtures of experts (``{arch}.expert_count``): ``qwen3moe``, ``olmoe``, and ``llama`` with experts (Mixtral, run as
+  ``mixtral``). A block's experts are stacked in ``ffn_gate_exps``/``ffn_up_exps`` ``[E, I, H]`` and
+  ``ffn_down_exps`` ``[E, H, I]``, quantized per row; expert e is rows ``e * I .. (e + 1) * I`` of the stack seen as
+  2-D, a contiguous byte range, so each expert is a tensor of its own (``experts.E.gate_proj``...) read at its own
+  type. The router is ``ffn_gate_inp``; a block without one keeps a dense MLP. The top-k weights are renormalized as
+  llama.cpp does per architecture (qwen3moe and llama: yes, olmoe: no; ``{arch}.expert_weights_norm`` where
+  written). Shared experts and gating other than softmax are refused.
 
 RoPE scaling (``rope_scaling``): ``{arch}.rope.scaling.type`` linear (or absent, with a factor: llama.cpp's default)
 divides every frequency by the factor. Llama 3.1/3.2 files store the llama3 scaling as ``rope_freqs.weight``, a
@@ -58,27 +65,42 @@ LAYER_NAMES = {  # GGUF name in a block -> the HF names it holds, in row order
     "ffn_gate": ("mlp.gate_proj",),
     "ffn_up": ("mlp.up_proj",),
     "ffn_down": ("mlp.down_proj",),
+    "ffn_gate_inp": ("mlp.gate",),
     "attn_norm": ("input_layernorm",),
     "ffn_norm": ("post_attention_layernorm",),
     "post_attention_norm": ("post_attention_layernorm",),
     "post_ffw_norm": ("post_feedforward_layernorm",),
 }
 LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
+                      "phi3": "phi3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}  # general.architecture -> ours
+MAX_EXPERTS = 1 << 12
 # read into the config (RoPE factors), or not needed (rotary tables are recomputed)
 IGNORED = re.compile(r"(rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd.*)$")
-QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "qwen3moe", "olmoe")
 GEMMA3_PATTERN = 6  # every 6th layer attends to the whole context
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 SUPPORTED_ROPE = ("none", "linear (rope.scaling.type)", "llama3 (rope_freqs.weight)",
                   "longrope (phi3 rope_factors_long/short.weight)")
 
 
-def hf_targets(gguf_name: str, names: Container[str]) -> tuple[str, ...]:
-    """HF names of the tensors a GGUF tensor holds: one, several in row order for a fused one, or none for a tensor
-    the model does not use. ``names``: the file's tensor names (a block's others tell what ffn_norm and ffn_up are)."""
+def is_stacked(gguf_name: str) -> bool:
+    """A block's experts stacked in one tensor (``ffn_*_exps``)."""
+    m = LAYER_RE.match(gguf_name)
+    return m is not None and m.group(2) in EXPERT_NAMES
+
+
+def hf_targets(gguf_name: str, names: Container[str], experts: int = 0) -> tuple[str, ...]:
+    """HF names of the tensors a GGUF tensor holds: one, several in row order for a fused one (``experts`` of them for
+    a stacked one), or none for a tensor the model does not use. ``names``: the file's tensor names (a block's others
+    tell what ffn_norm and ffn_up are)."""
     if gguf_name in GLOBAL_NAMES:
         return (GLOBAL_NAMES[gguf_name],)
     m = LAYER_RE.match(gguf_name)
+    if m is not None and m.group(2) in EXPERT_NAMES:
+        layer, kind, suffix = m.groups()
+        return tuple(f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_NAMES[kind]}.{suffix}" for e in range(experts))
     if m is None or m.group(2) not in LAYER_NAMES:
         return ()
     layer, kind, suffix = m.groups()
@@ -99,7 +121,8 @@ def fused_rows(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
 
 
 _END_OF_TURN = {  # besides <|im_end|>: the end-of-turn tokens llama.cpp and the HF generation configs stop on
-    "qwen2": ("<|endoftext|>",), "qwen3": ("<|endoftext|>",), "gemma3": ("<end_of_turn>",),
+    "qwen2": ("<|endoftext|>",), "qwen3": ("<|endoftext|>",), "qwen3moe": ("<|endoftext|>",),
+    "gemma3": ("<end_of_turn>",),
     "phi3": ("<|end|>", "<|endoftext|>"),
 }
 
@@ -120,11 +143,47 @@ def family_fields(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[i
                                      base["max_position_embeddings"], read_floats),
         "qk_norm": arch in QK_NORM_ARCHITECTURES,
     }
+    out.update(_experts(arch, metadata, shapes, path, base["num_layers"]))
     if arch == "gemma3":
         out.update(_gemma3(metadata, path, base))
     elif arch == "phi3" and metadata.get("phi3.attention.sliding_window"):
         log.info("%s: ignoring phi3.attention.sliding_window=%s, as llama.cpp does", path.name,
                  metadata["phi3.attention.sliding_window"])
+    return out
+
+
+def _experts(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path,
+             num_layers: int) -> dict[str, Any]:
+    """A mixture's fields (see the module doc), every value range-checked before any tensor is read."""
+    count = int_value(metadata, f"{arch}.expert_count", path, 0, MAX_EXPERTS, default=0)
+    stacked = sorted(name for name in shapes if is_stacked(name))
+    if not count:
+        if stacked:
+            raise ModelLoadError(f"{path}: tensor {stacked[0]} holds experts but GGUF metadata '{arch}.expert_count' "
+                                 f"is absent or 0")
+        return {}
+    if arch not in ("qwen3moe", "olmoe", "llama"):
+        raise ModelLoadError(f"{path}: experts in a {arch!r} file are not supported; mixtures supported: qwen3moe, "
+                             f"olmoe, llama (Mixtral)")
+    used = int_value(metadata, f"{arch}.expert_used_count", path, 1, count)
+    if int_value(metadata, f"{arch}.expert_shared_count", path, 0, MAX_EXPERTS, default=0):
+        raise ModelLoadError(f"{path}: shared experts ({arch}.expert_shared_count) are not supported")
+    gating = metadata.get(f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ModelLoadError(f"{path}: GGUF metadata '{arch}.expert_gating_func' is {show(gating)}; only softmax "
+                             f"gating (1) is supported")
+    norm = metadata.get(f"{arch}.expert_weights_norm", arch != "olmoe")
+    if not isinstance(norm, bool):
+        raise ModelLoadError(f"{path}: GGUF metadata '{arch}.expert_weights_norm' is {show(norm)}; it must be a bool")
+    width = int_value(metadata, f"{arch}.expert_feed_forward_length", path, 0, MAX_WIDTH, default=0)
+    out: dict[str, Any] = dict(
+        num_experts=count, num_experts_per_tok=used, expert_intermediate_size=width or None, norm_topk_prob=norm,
+        dense_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes))
+    if arch == "llama":
+        out["architecture"] = "mixtral"
+    if arch == "olmoe":
+        clamp = metadata.get("olmoe.attention.clamp_kqv")
+        out.update(qk_norm_per_head=False, clip_qkv=None if clamp in (None, 0, 0.0) else clamp)
     return out
 
 

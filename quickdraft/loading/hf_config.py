@@ -11,7 +11,7 @@ from quickdraft.errors import ModelLoadError
 
 # model_type in config.json -> our architecture name
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-               "phi3": "phi3"}
+               "phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # transformers' older names for the same scalings
 _ROPE_ALIASES = {"su": "longrope", None: "default"}
@@ -95,7 +95,7 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple
     the values)."""
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
         window = None  # Qwen configs carry a window that only use_sliding_window switches on
     if window is None:
         return (), None
@@ -106,7 +106,7 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple
         if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
             raise ModelLoadError(f"sliding_window_pattern={pattern!r}; it must be an int of at least 1")
         return every_nth_full(num_layers, pattern), window
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
         first = cfg.get("max_window_layers", num_layers)
         return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers)), window
     return (), window  # Mistral, Phi-3: every layer slides
@@ -120,6 +120,30 @@ def _gemma(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
         raise ModelLoadError("use_bidirectional_attention=true (an embedding model) is not supported")
     return dict(qk_norm=True, sandwich_norms=True, embedding_multiplier=hidden ** 0.5,
                 query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256))
+
+
+def _experts(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """A mixture's fields, with each family's transformers defaults where config.json leaves one out: Mixtral always
+    renormalizes its top-k, Qwen3-MoE and OLMoE by ``norm_topk_prob`` (false by default); Qwen3-MoE's experts have
+    their own width and some layers may stay dense (``mlp_only_layers``, ``decoder_sparse_step``); OLMoE normalizes
+    all of q and k and may clamp them."""
+    if arch not in ("qwen3_moe", "mixtral", "olmoe"):
+        return {}
+    count = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes num_local_experts
+    out = dict(num_experts=count, num_experts_per_tok=cfg.get("num_experts_per_tok"),
+               norm_topk_prob=True if arch == "mixtral" else _flag(cfg, "norm_topk_prob", False))
+    if arch == "qwen3_moe":
+        step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1 or not isinstance(dense, list):
+            raise ModelLoadError(f"decoder_sparse_step={step!r:.40} and mlp_only_layers={dense!r:.60} must be an int "
+                                 "of at least 1 and a list of layer numbers")
+        out.update(expert_intermediate_size=cfg.get("moe_intermediate_size"), qk_norm=True,
+                   dense_layers=tuple(sorted({*dense, *(i for i in range(num_layers) if (i + 1) % step)})))
+    if arch == "olmoe":
+        out.update(qk_norm=True, qk_norm_per_head=False, clip_qkv=cfg.get("clip_qkv"))
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ModelLoadError("shared experts are not supported")
+    return out
 
 
 def _flag(cfg: dict[str, Any], key: str, default: bool) -> bool:
@@ -168,6 +192,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
         )
         if arch == "gemma3":
             kwargs.update(_gemma(cfg, hidden))
+        kwargs.update(_experts(cfg, arch, num_layers))
         scaling = kwargs["rope_scaling"]
         if scaling is not None and scaling.type == "dynamic":  # the context it stretches to
             stretched = int(scaling.original_max_position_embeddings * scaling.factor)
@@ -186,6 +211,7 @@ def checkpoint_tensors(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, A
     no copy)."""
     q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     out = {}
+    tensors = _expert_tensors(tensors, cfg)
     for name, t in tensors.items():
         fused_and_split = name.replace("qkv_proj", "q_proj") if "qkv_proj" in name else \
             name.replace("gate_up_proj", "gate_proj") if "gate_up_proj" in name else None
@@ -200,6 +226,37 @@ def checkpoint_tensors(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, A
             out.update({prefix + "gate_proj.weight": t[:f], prefix + "up_proj.weight": t[f:]})
         else:
             out[name] = t
+    return out
+
+
+# Mixtral's names for a mixture's tensors -> the names the model takes (Qwen3-MoE's and OLMoE's)
+_MIXTRAL_NAMES = {"block_sparse_moe.gate.": "mlp.gate.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+                  ".w2.": ".down_proj."}
+
+
+def _expert_tensors(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """A mixture's tensors under per-expert names: Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2`` renamed, and
+    transformers 5's stacked ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` cut into each
+    expert's views (no copy); a stacked tensor of the wrong shape is left whole, for the shape check to name."""
+    if not cfg.num_experts:
+        return tensors
+    out, width = {}, cfg.expert_width
+    for name, t in tensors.items():
+        if ".block_sparse_moe." in name:
+            name = name.replace("block_sparse_moe.experts.", "mlp.experts.")
+            for old, new in _MIXTRAL_NAMES.items():
+                name = name.replace(old, new)
+        stacked = name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+        if stacked and len(t.shape) == 3 and t.shape[0] == cfg.num_experts:
+            prefix = name.rpartition(".")[0]
+            for e in range(cfg.num_experts):
+                if name.endswith("gate_up_proj") and t.shape[1] == 2 * width:
+                    out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :width]
+                    out[f"{prefix}.{e}.up_proj.weight"] = t[e, width:]
+                elif name.endswith("down_proj"):
+                    out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+            continue
+        out[name] = t
     return out
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from quickdraft.loading.quant_convert import LAYER_LINEARS, quantizable_linears
+from quickdraft.loading.quant_convert import layer_linears, quantizable_linears
 from quickdraft.models.packed import PackedLinear, RowTiledLinear, packing_supported
 from quickdraft.models.transformer import Transformer
 
@@ -30,14 +30,15 @@ def pack_float_linears(model: Transformer, tensors: Mapping[str, torch.Tensor] |
             _concatenate(model, tiled=weight.dtype == torch.float32)
         return []
     for i, layer in enumerate(model.model.layers):
-        _fill(model, tensors, [f"model.layers.{i}.{path}" for path in LAYER_LINEARS])
-        attn, mlp = layer.self_attn, layer.mlp
+        _fill(model, tensors, [f"model.layers.{i}.{path}" for path in layer_linears(layer)])
+        attn = layer.self_attn
         parts = [attn.q_proj, attn.k_proj, attn.v_proj]
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
         attn.fuse(PackedLinear(torch.cat([p.weight for p in parts]), bias))
         attn.o_proj = PackedLinear.from_linear(attn.o_proj)
-        mlp.fuse(PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])))
-        mlp.down_proj = PackedLinear.from_linear(mlp.down_proj)
+        for _, mlp in layer.feed_forwards():
+            mlp.fuse(PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])))
+            mlp.down_proj = PackedLinear.from_linear(mlp.down_proj)
     model.lm_head = PackedLinear.from_linear(model.lm_head)
     return names
 
@@ -49,11 +50,12 @@ def _concatenate(model: Transformer, tiled: bool) -> None:
     result does not depend on the rows beside it (``RowTiledLinear``)."""
     wrap = RowTiledLinear if tiled else (lambda linear: linear)
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         attn.fuse(wrap(_concatenated([attn.q_proj, attn.k_proj, attn.v_proj])))
         attn.o_proj = wrap(attn.o_proj)
-        mlp.fuse(wrap(_concatenated([mlp.gate_proj, mlp.up_proj])))
-        mlp.down_proj = wrap(mlp.down_proj)
+        for _, mlp in layer.feed_forwards():
+            mlp.fuse(wrap(_concatenated([mlp.gate_proj, mlp.up_proj])))
+            mlp.down_proj = wrap(mlp.down_proj)
     model.lm_head = wrap(model.lm_head)
 
 

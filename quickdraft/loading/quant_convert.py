@@ -39,15 +39,22 @@ from quickdraft.models.transformer import Transformer
 log = logging.getLogger(__name__)
 
 QUANT_FORMATS = ("gguf", "int4", "int8")
-LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+LAYER_LINEARS = ATTENTION_LINEARS + tuple(f"mlp.{name}" for name in MLP_LINEARS)  # a dense layer's
+
+
+def layer_linears(layer: nn.Module) -> list[str]:
+    """The paths, within a ``DecoderLayer``, of its linears: attention's, and each gated MLP's (the dense one, or
+    every expert of a mixture; a mixture's router stays float)."""
+    return list(ATTENTION_LINEARS) + [f"{path}.{name}" for path, _ in layer.feed_forwards() for name in MLP_LINEARS]
 
 
 def quantizable_linears(model: Transformer, lm_head: bool = False) -> dict[str, nn.Linear]:
     """HF-prefixed name (``model.layers.0.self_attn.q_proj``) -> nn.Linear to replace."""
     out: dict[str, nn.Linear] = {}
     for i, layer in enumerate(model.model.layers):
-        for path in LAYER_LINEARS:
+        for path in layer_linears(layer):
             mod = layer.get_submodule(path)
             if isinstance(mod, nn.Linear):
                 out[f"model.layers.{i}.{path}"] = mod

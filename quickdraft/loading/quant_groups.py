@@ -12,14 +12,17 @@ def fuse_quant_linears(model: Transformer) -> int:
     are shared, not copied). Returns the number of decoder layers fused."""
     fused = 0
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         if attn.qkv_proj is not None:
             continue
-        qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
-        if not all(isinstance(m, QuantLinear) and m.backend == "qmatmul" for m in qkv + gate_up):
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        mlps = [mlp for _, mlp in layer.feed_forwards()]  # the dense MLP, or each expert of a mixture
+        gate_ups = [[mlp.gate_proj, mlp.up_proj] for mlp in mlps]
+        if not all(isinstance(m, QuantLinear) and m.backend == "qmatmul" for m in qkv + sum(gate_ups, [])):
             continue
         attn.fuse(QuantGroup(qkv))
-        swiglu = mlp.act == "silu"  # the kernel applies silu only; a GeGLU MLP takes [gate | up]
-        mlp.fuse(QuantGroup(gate_up, swiglu=swiglu), activated=swiglu)
+        for mlp, gate_up in zip(mlps, gate_ups):
+            swiglu = mlp.act == "silu"  # the kernel applies silu only; a GeGLU MLP takes [gate | up]
+            mlp.fuse(QuantGroup(gate_up, swiglu=swiglu), activated=swiglu)
         fused += 1
     return fused

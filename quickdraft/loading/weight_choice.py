@@ -27,7 +27,9 @@ from quickdraft.models.block_formats import FORMATS
 from quickdraft.models.transformer import Transformer
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-_LAYER_LINEAR = re.compile(r"model\.layers\.\d+\.(" + "|".join(map(re.escape, LAYER_LINEARS)) + r")\.weight")
+# q/k/v/o, and gate/up/down of a dense MLP or of any expert of a mixture
+_LAYER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)"
+                           r"\.weight")
 
 
 def layer_linear_types(tensor_types: Mapping[str, str] | None) -> Counter:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from quickdraft.config import ModelConfig, RopeScaling
 from quickdraft.models import native
+from quickdraft.models.feed_forward import MLP, SparseMoE
 from quickdraft.models.fused import FusedLayer, FusedStack, SingleTokens
 from quickdraft.models.rope import rope_tables
 
@@ -123,9 +124,12 @@ class SelfAttention(nn.Module):
         # q, k and v in one module whose output is their concatenation (set by the loader, see fuse())
         self.qkv_proj: nn.Module | None = None
         self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-        # Qwen3 and Gemma 3 normalize each head of q and k before RoPE
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3 and Gemma 3 normalize each head of q and k before RoPE; OLMoE all of q (and of k) at once
+        self.norm_whole = cfg.qk_norm and not cfg.qk_norm_per_head
+        q_width, k_width = (self.qkv_sizes[0], self.qkv_sizes[1]) if self.norm_whole else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.clip = cfg.clip_qkv  # OLMoE: q, k and v clamped to +-clip_qkv
         self.scale = cfg.attention_scale
         self.window = cfg.window(layer)
 
@@ -140,7 +144,7 @@ class SelfAttention(nn.Module):
             qkv = self.qkv_proj(x)
             heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
             qk = qkv[:, :(heads + kv_heads) * dim].reshape(t, heads + kv_heads, dim)
-            if self.q_norm is None and not native.runs_rope(qk):  # torch's rotation (off CPU): q and k in one call
+            if self.q_norm is None and self.clip is None and not native.runs_rope(qk):  # torch's rotation (off CPU): q and k in one call
                 qk = rope(qk, attn.positions)
                 v = qkv[:, (heads + kv_heads) * dim:].reshape(t, kv_heads, dim)
                 out = attn.attend(self.layer, qk[:, :heads], qk[:, heads:], v, self.scale, self.window)
@@ -148,44 +152,16 @@ class SelfAttention(nn.Module):
             q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (z.clamp(-self.clip, self.clip) for z in (q, k, v))
         q, k = q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, attn.positions), rope(k, attn.positions)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn.attend(self.layer, q, k, v, self.scale, self.window).reshape(t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj: nn.Module | None = None  # gate and up in one module (set by the loader, see fuse())
-        self.activated = False
-        self.act = cfg.hidden_act  # down(act(gate) * up): silu (SwiGLU) or gelu_tanh (Gemma's GeGLU)
-
-    def fuse(self, gate_up_proj: nn.Module, activated: bool = False) -> None:
-        """Run gate and up as one projection whose output is their concatenation, or, ``activated``, already
-        ``silu(gate) * up`` (SwiGLU models only)."""
-        if activated and self.act != "silu":
-            raise ValueError(f"an activated gate/up projection applies silu; this MLP uses {self.act}")
-        self.gate_up_proj, self.activated = gate_up_proj, activated
-        del self.gate_proj, self.up_proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activated:
-            return self.down_proj(self.gate_up_proj(x))
-        if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            if native.runs_gated(gate_up):  # one kernel, the one the fused layer applies (see fused.py)
-                return self.down_proj(native.gated(gate_up, self.act))
-            gate, up = gate_up.chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        act = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -194,7 +170,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.sparse = cfg.is_moe_layer(layer)
+        # what the fused C layer does not do: a mixture of experts, OLMoE's whole-q/k norms and clamps (fused.py)
+        self.fusable = not self.sparse and not self.self_attn.norm_whole and self.self_attn.clip is None
+        self.mlp = SparseMoE(cfg) if self.sparse else MLP(cfg)
         # Gemma: post_attention_layernorm normalizes the attention output, and the MLP has a norm on each side
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
@@ -204,9 +183,17 @@ class DecoderLayer(nn.Module):
         # (key, fused layer) as one tuple: threads sharing the model (run-ahead self-drafting) read it in one go
         self._fused: tuple[tuple, FusedLayer | None] | None = None
 
+    def feed_forwards(self) -> list[tuple[str, MLP]]:
+        """Each gated MLP of the layer with its path in it: the dense one, or every expert of a mixture."""
+        if self.sparse:
+            return [(f"mlp.experts.{e}", expert) for e, expert in enumerate(self.mlp.experts)]
+        return [("mlp", self.mlp)]
+
     def fused(self, rope: RotaryEmbedding) -> FusedLayer | None:
         """This layer as one C call (see fused.py), built on first use and again whenever its modules or weights
         were replaced since."""
+        if not self.fusable:
+            return None
         # read through the module dicts: this runs for every layer of every step, and nn.Module.__getattr__ is slow
         mods = self._modules
         attn, mlp = mods["self_attn"]._modules, mods["mlp"]._modules
@@ -339,8 +326,14 @@ def weight_bytes(module: torch.nn.Module) -> int:
 
 
 def step_weight_bytes(model: Transformer) -> int:
-    """Bytes of weights one decode step reads: all of them but the embedding table, of which a step reads one row per
-    token; a head that is the embedding table itself (float weights, tied) reads it whole."""
+    """Bytes of weights one decode step of one token reads: all of them but the embedding table, of which a step reads
+    one row per token (a head that is the embedding table itself, float weights tied, reads it whole), and of a
+    mixture's experts only the ``num_experts_per_tok`` a token chooses (experts of one layer are the same size)."""
     embed = model.model.embed_tokens.weight
     total = weight_bytes(model)
+    cfg = model.config
+    for layer in model.model.layers:
+        if layer.sparse:
+            experts = weight_bytes(layer.mlp.experts)
+            total -= experts - experts * cfg.num_experts_per_tok // cfg.num_experts
     return total if getattr(model.lm_head, "weight", None) is embed else total - embed.numel() * embed.element_size()

@@ -1,0 +1,101 @@
+"""The feed-forward part of a decoder layer: a gated MLP, or a mixture of experts (Qwen3-MoE, Mixtral, OLMoE).
+
+In a mixture, a router picks each token's top-k experts, and each chosen expert runs once per forward on the rows
+that chose it (a verify pass or a batch reads each chosen expert's weights once); experts nobody chose are not read.
+Parameter names follow Hugging Face's per-expert checkpoints (``mlp.gate.weight``, ``mlp.experts.3.up_proj.weight``;
+Mixtral's ``block_sparse_moe`` names are mapped at load), so each expert is an ordinary ``MLP`` whose linears every
+weight format (float, int8/int4, a GGUF's own blocks) replaces as it replaces a dense layer's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from quickdraft.config import ModelConfig
+from quickdraft.models import native
+
+
+class MLP(nn.Module):
+    """A gated MLP: a dense layer's, or one expert of a mixture (``intermediate``: the expert's width)."""
+
+    def __init__(self, cfg: ModelConfig, intermediate: int | None = None) -> None:
+        super().__init__()
+        width = intermediate or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one module (set by the loader, see fuse())
+        self.activated = False
+        self.act = cfg.hidden_act  # down(act(gate) * up): silu (SwiGLU) or gelu_tanh (Gemma's GeGLU)
+
+    def fuse(self, gate_up_proj: nn.Module, activated: bool = False) -> None:
+        """Run gate and up as one projection whose output is their concatenation, or, ``activated``, already
+        ``silu(gate) * up`` (SwiGLU models only)."""
+        if activated and self.act != "silu":
+            raise ValueError(f"an activated gate/up projection applies silu; this MLP uses {self.act}")
+        self.gate_up_proj, self.activated = gate_up_proj, activated
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activated:
+            return self.down_proj(self.gate_up_proj(x))
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)
+            if native.runs_gated(gate_up):  # one kernel, the one the fused layer applies (see fused.py)
+                return self.down_proj(native.gated(gate_up, self.act))
+            gate, up = gate_up.chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        act = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(act * up)
+
+
+class Router(nn.Module):
+    """Each token's top-k experts and their weights: softmax over the router's logits in float32, the k largest
+    (ties to the lower id, as torch.topk), renormalized to sum to 1 where the family does (Mixtral always; Qwen3-MoE
+    and OLMoE by ``norm_topk_prob``). The same rule as transformers' routers for the three families."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[T, hidden]`` -> (weights ``[T, k]`` float32, experts ``[T, k]`` int64). The logits are summed in
+        float64 and rounded to float32, so a row's logits (and its choice) do not depend on how many rows share the
+        call, which a float32 GEMM's blocking may; the router is a few hundred thousand products a token."""
+        logits = F.linear(x.double(), self.weight.double()).to(torch.float32)
+        probs = torch.softmax(logits, dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts feed-forward: ``gate`` (the router) and ``experts``, each an ``MLP`` of the experts'
+    width."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.expert_width) for _ in range(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Each token's output is the sum of its chosen experts' outputs times their weights, added in float32 in
+        the order of the expert ids: a token's result never depends on which other tokens share the forward."""
+        weights, experts = self.gate(x)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        rows, slots = order // experts.shape[1], order % experts.shape[1]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                chosen = rows[start:start + count]
+                y = self.experts[expert](x[chosen]).float() * weights[chosen, slots[start:start + count], None]
+                out.index_add_(0, chosen, y)
+                start += count
+        return out.to(x.dtype)
