@@ -24,7 +24,7 @@ from quickdraft.loading import resolve_model
 from quickdraft.loading.gguf_metadata import read_header
 from quickdraft.paths import cache_root
 
-FTYPES = {"Q5_0": 8, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30, "Q1_0": 40, "Q2_0": 41}  # llama.h LLAMA_FTYPE_MOSTLY_*
+FTYPES = {"Q4_K_M": 15, "Q5_0": 8, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30, "Q1_0": 40, "Q2_0": 41}  # llama.h LLAMA_FTYPE_MOSTLY_*
 BONSAI = dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=6144, vocab=151936)
 
 

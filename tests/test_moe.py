@@ -305,3 +305,42 @@ def test_moe_gguf_experts_at_their_own_size(moe_dir, tmp_path):
     assert [o.token_ids for o in own.generate(prompts, params)] == expected
     spec = LLM(str(path), dtype="float32", weights="gguf", kv_cache_memory="16MiB", speculative="ngram")
     assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_experts_in_one_c_call_give_the_module_paths_bits(moe_dir, dtype):
+    """Quantized experts run as one qd_moe call; the module path (a torch loop over the chosen experts) gives the
+    same bits, for a decode row, a verify pass and a prompt chunk."""
+    llm = LLM(str(moe_dir("qwen3_moe")[0]), weights="int8", dtype=dtype, kv_cache_memory="16MiB")
+    moe = llm.model.model.layers[0].mlp
+    assert moe.fused() is not None
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 64, generator=g).to(getattr(torch, dtype))
+        fused = moe(x)
+        cached, moe._fused = moe._fused, (moe._fused[0], None)  # the module path
+        try:
+            assert torch.equal(moe(x), fused)
+        finally:
+            moe._fused = cached
+
+
+def test_every_path_on_a_mixture(moe_dir, tmp_path):
+    """A mixture as the target of suffix speculation and as another mixture's draft, a session saved and resumed
+    mid-conversation, and the memory plan counting every expert (not only the chosen ones)."""
+    target, draft = str(moe_dir("olmoe")[0]), str(moe_dir("qwen3_moe")[0])
+    prompts = [prompt(n, seed=n) for n in (6, 33)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = LLM(target, dtype="float32", kv_cache_memory="16MiB")
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    for spec in (dict(speculative="suffix"), dict(draft=draft, draft_weights="int8", num_speculative_tokens=3)):
+        llm = LLM(target, dtype="float32", kv_cache_memory="16MiB", **spec)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected, spec
+    session = plain.session()
+    first = session.generate(prompts[0], params).token_ids
+    session.save(tmp_path / "moe.snapshot")
+    second = session.generate(prompt(4, seed=7), params).token_ids
+    resumed = LLM(target, dtype="float32", kv_cache_memory="16MiB").load_session(tmp_path / "moe.snapshot")
+    assert first == expected[0] and resumed.generate(prompt(4, seed=7), params).token_ids == second
+    experts = sum(p.numel() * 4 for name, p in plain.model.named_parameters() if ".experts." in name)
+    assert plain.loaded.memory.weights["target"] >= experts  # every expert is planned for

@@ -36,7 +36,8 @@ from quickdraft.config import ModelConfig
 from quickdraft.errors import InvalidParameterError
 from quickdraft.loading.checkpoint import Checkpoint
 from quickdraft.loading.gguf import hf_tensor_types
-from quickdraft.loading.gguf_metadata import tensor_shapes, tensor_types as gguf_tensor_types
+from quickdraft.loading.gguf_families import is_stacked
+from quickdraft.loading.gguf_metadata import int_value, read_header, tensor_shapes, tensor_types as gguf_tensor_types
 from quickdraft.loading.pack_float import pack_float_linears
 from quickdraft.loading.quant_cache import install_quantized, open_quantized, quant_cache_entry, write_quantized
 from quickdraft.loading.quant_convert import (
@@ -268,8 +269,10 @@ def file_defaults(path: str | Path) -> tuple[str, str, int | None]:
 def planned_step_bytes(path: str | Path) -> int:
     """Weight bytes one decode step of the kernels ``'auto'`` runs a GGUF on reads, from the header alone: every
     linear in its kernel's layout (the lm_head too: a tied one reads the embedding's rows whole), norms as float32;
-    the embedding table is left out (a step reads one row of it per token)."""
+    the embedding table is left out (a step reads one row of it per token), and of a stack of experts only the
+    ``expert_used_count`` a token chooses."""
     table = tensor_shapes(path)
+    used = _experts_used(path) if any(is_stacked(name) for name in table) else 0
     types = hf_tensor_types({name: t for name, (t, _) in table.items()})
     fmt = auto_format(types)
     head = head_kernel(fmt, default_lm_head(fmt), types)
@@ -278,8 +281,19 @@ def planned_step_bytes(path: str | Path) -> int:
         if name == "token_embd.weight" and "output.weight" in table:
             continue
         kernel = head if name in ("output.weight", "token_embd.weight") else layer_kernel(fmt, stored) if fmt else None
-        if len(shape) == 2 and kernel is not None:
+        if name.endswith("ffn_gate_inp.weight"):  # a mixture's router stays float, like the norms
+            kernel = None
+        if is_stacked(name) and kernel is not None:  # [experts, rows, cols]: a token reads `used` of them
+            total += planned_kernel_bytes(shape[1:], kernel) * used
+        elif len(shape) == 2 and kernel is not None:
             total += planned_kernel_bytes(shape, kernel)
         else:
             total += math.prod(shape) * 4
     return total
+
+
+def _experts_used(path: str | Path) -> int:
+    """``{arch}.expert_used_count`` of a GGUF of experts (a ModelLoadError where it is missing or out of range)."""
+    metadata = read_header(path).metadata
+    arch = metadata.get("general.architecture")
+    return int_value(metadata, f"{arch}.expert_used_count", Path(path), 1, 1 << 12)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from quickdraft.config import ModelConfig
 from quickdraft.models import native
+from quickdraft.models.fused import FusedExperts
 
 
 class MLP(nn.Module):
@@ -81,11 +82,25 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = nn.ModuleList(MLP(cfg, cfg.expert_width) for _ in range(cfg.num_experts))
+        self._fused: tuple[tuple, FusedExperts | None] | None = None  # (the experts' linears it was built on, it)
+
+    def fused(self) -> FusedExperts | None:
+        """The experts as one C call (``FusedExperts``), built on first use and again when the loader replaced
+        their linears."""
+        experts = self.experts
+        key = tuple(id(m) for e in (experts[0], experts[-1]) for m in (e.gate_up_proj, e.down_proj))
+        cached = self._fused
+        if cached is None or cached[0] != key:
+            cached = self._fused = (key, FusedExperts.build(list(experts)))
+        return cached[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Each token's output is the sum of its chosen experts' outputs times their weights, added in float32 in
         the order of the expert ids: a token's result never depends on which other tokens share the forward."""
         weights, experts = self.gate(x)
+        fused = self.fused()
+        if fused is not None and fused.runs(x):
+            return fused(x, experts, weights)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()

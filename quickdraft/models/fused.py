@@ -178,3 +178,38 @@ class FusedStack:
             tokens.scale_layer_stride, ctypes.byref(items))
         native._check(rc, "qd_decoder_stack")
         return x
+
+
+class FusedExperts:
+    """A mixture's experts as one C call (``qd_moe``): every expert's gate/up (applying SwiGLU) and down on
+    quickdraft's quantized kernel, the routing loop and the weighted sum in C, with the module path's arithmetic
+    (``SparseMoE``), so both give the same bits. None from ``build`` where an expert's linears do not run there."""
+
+    def __init__(self, gate_up: ctypes.Array, down: ctypes.Array, keep: list[object], hidden: int) -> None:
+        self.gate_up, self.down, self._keep, self.hidden = gate_up, down, keep, hidden
+
+    @classmethod
+    def build(cls, experts: list[nn.Module]) -> FusedExperts | None:
+        """``experts``: the mixture's MLPs, each with an activated (SwiGLU) gate/up projection."""
+        if not native.available() or not all(getattr(e, "activated", False) for e in experts):
+            return None
+        described = [(_linear(e.gate_up_proj), _linear(e.down_proj)) for e in experts]
+        if any(g is None or d is None or g[0].kind != _QUANTIZED or d[0].kind != _QUANTIZED for g, d in described):
+            return None
+        gate_up = (_LinearDesc * len(experts))(*[g[0] for g, _ in described])
+        down = (_LinearDesc * len(experts))(*[d[0] for _, d in described])
+        return cls(gate_up, down, [x for g, d in described for x in (g[1], d[1])], described[0][1][0].out_features)
+
+    def runs(self, x: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
+                and x.shape[1] == self.hidden)
+
+    def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x ``[T, hidden]``; experts (int64) and weights (float32) ``[T, k]``; returns ``[T, hidden]`` in x's dtype."""
+        x, experts, weights = x.contiguous(), experts.contiguous(), weights.float().contiguous()
+        out = torch.empty_like(x)
+        rc = native.lib().qd_moe(self.gate_up, self.down, len(self.gate_up), x.data_ptr(), int(x.dtype == torch.bfloat16),
+                                 x.shape[0], self.hidden, experts.shape[1], experts.data_ptr(), weights.data_ptr(),
+                                 out.data_ptr())
+        native._check(rc, "qd_moe")
+        return out

@@ -150,3 +150,58 @@ int qd_decoder_stack(const qd_layer_desc *const *layers, int n, void *x, int bf1
     }
     return 0;
 }
+
+/* A mixture of experts' feed-forward for T tokens (x [T][hidden]), each routed to k experts (experts, weights:
+ * [T][k]): out[t] = the sum, over t's experts in ascending id order, of weight * down_e(gate_up_e(x[t])), summed in
+ * float32 and rounded once to x's dtype. gate_up_e applies SwiGLU itself. Each chosen expert runs once, on the rows
+ * that chose it (gathered in token order); its output is rounded to the activation dtype before it is weighted: the
+ * arithmetic of the module path (SparseMoE in feed_forward.py), so both give the same bits. Experts nobody chose are
+ * not read. Returns 0, -1 (out of memory) or -2 (bad arguments). */
+int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_experts, const void *x, int bf16,
+           int T, int hidden, int k, const int64_t *experts, const float *weights, void *out) {
+    if (T < 0 || k < 1 || hidden < 1 || num_experts < 1) return -2;
+    for (long i = 0; i < (long)T * k; i++)
+        if (experts[i] < 0 || experts[i] >= num_experts) return -2;
+    int inter = 0;
+    for (int e = 0; e < num_experts; e++)
+        if (gate_up[e].out_features > inter) inter = gate_up[e].out_features;
+    size_t es = bf16 ? 2 : 4;
+    size_t need = (size_t)T * hidden * 4 + (size_t)T * (hidden * 2 * es + inter * es) + (size_t)T * (sizeof(int) + 4);
+    if (need > buffers.cap) {
+        char *grown = realloc(buffers.data, need);
+        if (!grown) return -1;
+        buffers.data = grown;
+        buffers.cap = need;
+    }
+    float *acc = (float *)buffers.data;
+    char *rows_x = (char *)(acc + (size_t)T * hidden);
+    char *h = rows_x + (size_t)T * hidden * es;
+    char *y = h + (size_t)T * inter * es;
+    int *tokens = (int *)(y + (size_t)T * hidden * es);
+    float *w = (float *)(tokens + T);
+    memset(acc, 0, (size_t)T * hidden * 4);
+    for (int e = 0; e < num_experts; e++) {
+        int n = 0;
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < k; j++)
+                if (experts[(long)t * k + j] == e) {
+                    tokens[n] = t;
+                    w[n++] = weights[(long)t * k + j];
+                }
+        if (!n) continue;
+        for (int i = 0; i < n; i++)
+            memcpy(rows_x + (size_t)i * hidden * es, (const char *)x + (size_t)tokens[i] * hidden * es, hidden * es);
+        if (gate_up[e].in_features != hidden || down[e].out_features != hidden || !gate_up[e].swiglu) return -2;
+        CHECK(run_linear(&gate_up[e], rows_x, bf16, n, h));
+        CHECK(run_linear(&down[e], h, bf16, n, y));
+        for (int i = 0; i < n; i++) {
+            float *a = acc + (size_t)tokens[i] * hidden;
+            for (int c = 0; c < hidden; c++) {
+                float p = w[i] * ld(y, bf16, (size_t)i * hidden + c);
+                a[c] = a[c] + p;
+            }
+        }
+    }
+    for (size_t i = 0; i < (size_t)T * hidden; i++) st(out, bf16, i, acc[i]);
+    return 0;
+}

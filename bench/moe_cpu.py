@@ -1,0 +1,195 @@
+"""A mixture of experts on the CPU against llama.cpp, on the same GGUF: a random-weight model with Qwen3-30B-A3B's
+layer shape (hidden 2048, 128 experts, 8 chosen per token, expert width 768, 32 query / 4 key-value heads of 128,
+Qwen's 151,936-token vocabulary), in llama.cpp's Q4_K_M, as many layers as ``--layers`` says.
+
+Usage: python bench/moe_cpu.py [--layers 24] [--tokens 64] [--prompts 4] [--name moe_cpu]
+Builds (once, in the cache's bench-files folder) an F16 file with gguf-py, quantizes it with llama.cpp's own
+quantizer (llama-cpp-python's ``llama_model_quantize``) and deletes the F16 source; the layer count is bounded by the
+disk the F16 source needs (1.25 GB a layer) as much as by memory (the Q4_K_M file, 0.37 GB a layer, must stay in
+the page cache for either engine). Then, with greedy decoding of ``--tokens`` tokens after each of ``--prompts``
+HumanEval prompts (prefill included):
+- quickdraft (default weights: each tensor at its own type) and llama.cpp (llama-cpp-python, built natively), tokens/s
+  side by side, each against the bandwidth limit of the bytes a token reads (measured read bandwidth / bytes);
+- the bytes a token reads: quickdraft's own account (``step_weight_bytes``: the dense parts plus 8 of 128 experts)
+  beside the file's (``planned_step_bytes``, from the header alone);
+- the cost of a verify pass of 5 tokens against a one-token step (median of 15 each; a verify pass reads the union
+  of its tokens' experts);
+- quickdraft with n-gram speculation (k adaptive) against plain: never below 0.95x (random weights rarely repeat, so
+  the controller should draft little).
+Prints tables and writes bench/results/<name>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import humaneval_prompts, machine, memory_bandwidth_gbs, save, table  # noqa: E402
+from cpu_vs_llamacpp import llamacpp_runner, prompt_ids, quickdraft_runner  # noqa: E402
+from gguf_files import folder, quantize  # noqa: E402
+
+from quickdraft import LLM  # noqa: E402
+from quickdraft.kv import ForwardItem, SequenceKV  # noqa: E402
+from quickdraft.loading import resolve_model  # noqa: E402
+from quickdraft.loading.gguf_metadata import read_header  # noqa: E402
+from quickdraft.loading.quantize import planned_step_bytes  # noqa: E402
+from quickdraft.models import step_weight_bytes  # noqa: E402
+
+SHAPE = dict(hidden=2048, experts=128, used=8, expert_ffn=768, ffn=6144, heads=32, kv_heads=4, head_dim=128,
+             vocab=151936)
+
+
+def build_f16(path: Path, layers: int) -> Path:
+    """The F16 source, written a tensor at a time (never the whole model in memory); weights repeat slices of one
+    random pool (their values do not matter for speed), routers are random per layer."""
+    from gguf import GGUFWriter
+
+    s, rng = SHAPE, np.random.default_rng(0)
+    pool = (rng.standard_normal(1 << 25, dtype=np.float32) * 0.02).astype(np.float16)
+    tokenizer = {k: v for k, v in read_header(resolve_model("qwen2.5-coder-0.5b")).metadata.items()
+                 if k.startswith("tokenizer.")}
+    w = GGUFWriter(str(path.with_suffix(".tmp")), "qwen3moe")
+    w.add_block_count(layers)
+    w.add_context_length(40960)
+    w.add_embedding_length(s["hidden"])
+    w.add_feed_forward_length(s["ffn"])
+    w.add_expert_feed_forward_length(s["expert_ffn"])
+    w.add_expert_count(s["experts"])
+    w.add_expert_used_count(s["used"])
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv_heads"])
+    w.add_key_length(s["head_dim"])
+    w.add_value_length(s["head_dim"])
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type(1)
+    for key, value in tokenizer.items():
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        else:
+            w.add_uint32(key, int(value))
+    d, e, f, hd = s["hidden"], s["experts"], s["expert_ffn"], s["head_dim"]
+    q, kv = s["heads"] * hd, s["kv_heads"] * hd
+    tensors: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (s["vocab"], d), "w"),
+                                                       ("output_norm.weight", (d,), "norm"),
+                                                       ("output.weight", (s["vocab"], d), "w")]
+    for i in range(layers):
+        p = f"blk.{i}."
+        tensors += [(p + "attn_norm.weight", (d,), "norm"), (p + "attn_q.weight", (q, d), "w"),
+                    (p + "attn_k.weight", (kv, d), "w"), (p + "attn_v.weight", (kv, d), "w"),
+                    (p + "attn_output.weight", (d, q), "w"), (p + "attn_q_norm.weight", (hd,), "norm"),
+                    (p + "attn_k_norm.weight", (hd,), "norm"), (p + "ffn_norm.weight", (d,), "norm"),
+                    (p + "ffn_gate_inp.weight", (e, d), "router"), (p + "ffn_gate_exps.weight", (e, f, d), "w"),
+                    (p + "ffn_up_exps.weight", (e, f, d), "w"), (p + "ffn_down_exps.weight", (e, d, f), "w")]
+
+    def data(shape: tuple[int, ...], kind: str, index: int) -> np.ndarray:
+        if kind == "norm":
+            return np.ones(shape, dtype=np.float32)
+        if kind == "router":
+            return rng.standard_normal(shape, dtype=np.float32)
+        n = int(np.prod(shape))
+        start = (index * 7919) % (len(pool) - min(n, len(pool) - 1))
+        return np.resize(pool[start:], n).reshape(shape)
+
+    for name, shape, kind in tensors:
+        dtype = np.float16 if kind == "w" else np.float32
+        w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for index, (name, shape, kind) in enumerate(tensors):
+        w.write_tensor_data(data(shape, kind, index))
+    w.close()
+    path.with_suffix(".tmp").replace(path)
+    return path
+
+
+def model_file(layers: int) -> Path:
+    out = folder() / f"qwen3moe-30b-a3b-shape-{layers}l-Q4_K_M.gguf"
+    if not out.is_file():
+        source = folder() / f"qwen3moe-30b-a3b-shape-{layers}l-F16.gguf"
+        t0 = time.perf_counter()
+        build_f16(source, layers)
+        print(f"F16 source: {source.stat().st_size / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+        quantize(source, out, "Q4_K_M")
+        source.unlink()
+    return out
+
+
+def verify_cost(path: Path, repeats: int = 15) -> dict:
+    """Median seconds of a one-token step and a 5-token verify pass after a 64-token context (batch 1)."""
+    llm = LLM(str(path), kv_cache_memory="256MiB")
+    runner = llm.loaded.engine.target
+    kv = SequenceKV()
+    runner.forward([ForwardItem(kv, list(range(1000, 1064)), 1)])
+    start, out = kv.num_cached, {}
+    for n in (1, 5):
+        seconds = []
+        for i in range(repeats + 2):
+            runner.forward([ForwardItem(kv, [2000 + 17 * i + j for j in range(n)], n)])  # other tokens each time
+            runner.truncate(kv, start)
+            seconds.append(runner.last_forward_s)
+        out[f"step_{n}_ms"] = 1000 * statistics.median(seconds[2:])
+    out["verify5_over_step"] = out["step_5_ms"] / out["step_1_ms"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--name", default="moe_cpu")
+    args = ap.parse_args()
+    path = model_file(args.layers)
+    size = path.stat().st_size
+    print(f"model: {path.name}, {size / 1e9:.2f} GB", flush=True)
+    texts = [("humaneval", t) for t in humaneval_prompts(args.prompts)]
+    prompts = prompt_ids(str(path), texts)
+    bandwidth = memory_bandwidth_gbs() * 1e9
+    rows = []
+    for engine, mode in (("quickdraft", "plain"), ("llama.cpp", "plain"), ("quickdraft", "ngram")):
+        if engine == "quickdraft":
+            run = quickdraft_runner(str(path), "", "auto", mode, args.tokens)
+        else:
+            run = llamacpp_runner(str(path), mode, args.tokens, args.threads)
+        results = [run(cat, ids) for cat, ids in prompts]
+        tok_s = statistics.mean(r["tok_s"] for r in results)
+        nbytes = results[0]["weight_bytes"]
+        rows.append(dict(engine=engine, mode=mode, tok_s=tok_s, step_gb=nbytes / 1e9,
+                         limit_tok_s=bandwidth / nbytes, of_limit=tok_s * nbytes / bandwidth,
+                         tokens_per_pass=statistics.mean(r.get("tokens_per_pass") or 1.0 for r in results)))
+        print(table(rows[-1:], list(rows[-1])), flush=True)
+        del run
+        gc.collect()
+    plain = {r["engine"]: r["tok_s"] for r in rows if r["mode"] == "plain"}
+    ngram = next(r["tok_s"] for r in rows if r["mode"] == "ngram")
+    llm = LLM(str(path), kv_cache_memory="64MiB")
+    ours, planned = step_weight_bytes(llm.model), planned_step_bytes(path)
+    del llm
+    gc.collect()
+    cost = verify_cost(path)
+    summary = dict(layers=args.layers, file_gb=size / 1e9, bandwidth_gb_s=bandwidth / 1e9,
+                   quickdraft_over_llamacpp=plain["quickdraft"] / plain["llama.cpp"],
+                   ngram_over_plain=ngram / plain["quickdraft"], step_bytes_quickdraft=ours,
+                   step_bytes_file=planned, bytes_ratio=ours / planned, **cost)
+    print(f"\nQwen3-30B-A3B layer shape, {args.layers} layers, Q4_K_M, {args.tokens} greedy tokens x {args.prompts} "
+          f"HumanEval prompts\n" + table(rows, list(rows[0])) + "\n\n" + table([summary], list(summary)))
+    out = save(args.name, {"machine": machine(), "args": vars(args), "model": path.name, "rows": rows,
+                           "summary": summary})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
