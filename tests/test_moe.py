@@ -344,3 +344,15 @@ def test_every_path_on_a_mixture(moe_dir, tmp_path):
     assert first == expected[0] and resumed.generate(prompt(4, seed=7), params).token_ids == second
     experts = sum(p.numel() * 4 for name, p in plain.model.named_parameters() if ".experts." in name)
     assert plain.loaded.memory.weights["target"] >= experts  # every expert is planned for
+
+
+def test_the_seeded_cost_model_prices_the_union_of_experts():
+    """Seeded requests plan k from bytes: a verify pass of an MoE target reads the union of its tokens' experts, so
+    5 tokens cost about three decode steps here (a dense model's: 1.04)."""
+    from quickdraft.speculative.cost import CostModel
+
+    dense = CostModel.from_weight_bytes(100, 10)
+    assert dense.target(5) / dense.target(1) == pytest.approx(1.04)
+    moe = CostModel.from_weight_bytes(1000, 10, experts=(960, 8 / 128))  # a token reads 40 + 60 bytes
+    assert moe.target(5) / moe.target(1) == pytest.approx((40 + 960 * (1 - (1 - 1 / 16) ** 5)) / 100 + 0.04)
+    assert moe.draft(1) == pytest.approx(10 / 100)  # beside what a step reads, not beside every expert

@@ -27,7 +27,7 @@ from quickdraft.sampling.grammar import GrammarViolation, compiler_for
 from quickdraft.sampling.sampler import greedy, make_generator, top_logprobs
 from quickdraft.speculative.controller import SpeculationController
 from quickdraft.speculative.cost import CostModel
-from quickdraft.models import weight_bytes
+from quickdraft.models import expert_read, weight_bytes
 from quickdraft.speculative.drafters import Drafter, Proposal
 from quickdraft.speculative.planner import DraftPlanner, fit_to_grammar
 from quickdraft.speculative.verify import verify_greedy, verify_sampled
@@ -70,7 +70,8 @@ class LLMEngine:
                                                 draft_is_free=drafter is not None and drafter.is_free,
                                                 seeded_cost=CostModel.from_weight_bytes(
                                                     weight_bytes(target.model),
-                                                    drafter.step_bytes() if drafter is not None else 0))
+                                                    drafter.step_bytes() if drafter is not None else 0,
+                                                    experts=expert_read(target.model)))
         self.planner = DraftPlanner(drafter, self.controller, self.cost, self.vocab_size) if drafter else None
         self.stats = SpecMetrics()
         # the drafter's acceptance over recent rounds of every sequence: an unseeded request starts from it, so a
@@ -291,9 +292,8 @@ class LLMEngine:
 
     @staticmethod
     def _greedy_choices(scheduled: list, logits: list[torch.Tensor], drafts: dict) -> dict[int, list[int]]:
-        """Off the CPU: the greedy choices of every sequence whose choice is the argmax of its raw rows, from one
-        argmax over all their rows and one copy to the host (not one sync per sequence). On the CPU each
-        sequence's argmax kernel reads its rows in place instead."""
+        """Off the CPU: the greedy choices of the sequences whose choice is the argmax of their raw rows, from one
+        argmax and one copy to the host (not one sync per sequence); on the CPU each argmax reads rows in place."""
         picked = [(seq, rows) for (seq, _), rows in zip(scheduled, logits)
                   if id(seq) in drafts and seq.processor.greedy_on_raw_logits and len(rows)]
         if not picked or picked[0][1].device.type == "cpu":

@@ -156,52 +156,76 @@ int qd_decoder_stack(const qd_layer_desc *const *layers, int n, void *x, int bf1
  * float32 and rounded once to x's dtype. gate_up_e applies SwiGLU itself. Each chosen expert runs once, on the rows
  * that chose it (gathered in token order); its output is rounded to the activation dtype before it is weighted: the
  * arithmetic of the module path (SparseMoE in feed_forward.py), so both give the same bits. Experts nobody chose are
- * not read. Returns 0, -1 (out of memory) or -2 (bad arguments). */
+ * not read. The chosen experts are spread over the threads (one kernel call each, on its thread: a decode step's 8
+ * small experts would otherwise pay a fork and join per call); each token then sums its experts' outputs in id
+ * order. Returns 0, -1 (out of memory) or -2 (bad arguments). */
 int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_experts, const void *x, int bf16,
            int T, int hidden, int k, const int64_t *experts, const float *weights, void *out) {
     if (T < 0 || k < 1 || hidden < 1 || num_experts < 1) return -2;
-    for (long i = 0; i < (long)T * k; i++)
+    const long pairs = (long)T * k;
+    for (long i = 0; i < pairs; i++)
         if (experts[i] < 0 || experts[i] >= num_experts) return -2;
     int inter = 0;
-    for (int e = 0; e < num_experts; e++)
+    for (int e = 0; e < num_experts; e++) {
+        if (gate_up[e].in_features != hidden || down[e].out_features != hidden || !gate_up[e].swiglu) return -2;
         if (gate_up[e].out_features > inter) inter = gate_up[e].out_features;
-    size_t es = bf16 ? 2 : 4;
-    size_t need = (size_t)T * hidden * 4 + (size_t)T * (hidden * 2 * es + inter * es) + (size_t)T * (sizeof(int) + 4);
+    }
+    const size_t es = bf16 ? 2 : 4;
+    /* row r (0 .. pairs - 1) of the gathered input, hidden and output: experts in id order, each its tokens in order */
+    const size_t need = (size_t)pairs * ((size_t)hidden * 2 * es + (size_t)inter * es + sizeof(int) + 4)
+                        + (size_t)(num_experts + 1) * sizeof(int) + (size_t)T * sizeof(int)
+                        + (size_t)T * hidden * sizeof(float);
     if (need > buffers.cap) {
         char *grown = realloc(buffers.data, need);
         if (!grown) return -1;
         buffers.data = grown;
         buffers.cap = need;
     }
-    float *acc = (float *)buffers.data;
-    char *rows_x = (char *)(acc + (size_t)T * hidden);
-    char *h = rows_x + (size_t)T * hidden * es;
-    char *y = h + (size_t)T * inter * es;
-    int *tokens = (int *)(y + (size_t)T * hidden * es);
-    float *w = (float *)(tokens + T);
-    memset(acc, 0, (size_t)T * hidden * 4);
+    char *rows_x = buffers.data;
+    char *h = rows_x + (size_t)pairs * hidden * es;
+    char *y = h + (size_t)pairs * inter * es;
+    int *row_of = (int *)(y + (size_t)pairs * hidden * es); /* [T][k]: the row of token t's j-th expert (id order) */
+    float *w = (float *)(row_of + pairs);
+    int *first = (int *)(w + pairs); /* expert e's rows: first[e] .. first[e + 1] - 1 */
+    int *filled = first + num_experts + 1;
+    float *sums = (float *)(filled + T); /* [T][hidden] */
+    memset(filled, 0, (size_t)T * sizeof(int));
+    int r = 0;
     for (int e = 0; e < num_experts; e++) {
-        int n = 0;
+        first[e] = r;
         for (int t = 0; t < T; t++)
             for (int j = 0; j < k; j++)
                 if (experts[(long)t * k + j] == e) {
-                    tokens[n] = t;
-                    w[n++] = weights[(long)t * k + j];
+                    w[r] = weights[(long)t * k + j];
+                    row_of[(long)t * k + filled[t]++] = r;
+                    memcpy(rows_x + (size_t)r * hidden * es, (const char *)x + (size_t)t * hidden * es, hidden * es);
+                    r++;
                 }
+    }
+    first[num_experts] = r;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
+    for (int e = 0; e < num_experts; e++) {
+        const int n = first[e + 1] - first[e];
         if (!n) continue;
-        for (int i = 0; i < n; i++)
-            memcpy(rows_x + (size_t)i * hidden * es, (const char *)x + (size_t)tokens[i] * hidden * es, hidden * es);
-        if (gate_up[e].in_features != hidden || down[e].out_features != hidden || !gate_up[e].swiglu) return -2;
-        CHECK(run_linear(&gate_up[e], rows_x, bf16, n, h));
-        CHECK(run_linear(&down[e], h, bf16, n, y));
-        for (int i = 0; i < n; i++) {
-            float *a = acc + (size_t)tokens[i] * hidden;
+        const size_t r0 = (size_t)first[e];
+        if (run_linear(&gate_up[e], rows_x + r0 * hidden * es, bf16, n, h + r0 * inter * es) ||
+            run_linear(&down[e], h + r0 * inter * es, bf16, n, y + r0 * hidden * es))
+            failed = 1;
+    }
+    if (failed) return -1;
+#pragma omp parallel for schedule(static) if (T >= 4)
+    for (int t = 0; t < T; t++) {
+        float *acc = sums + (size_t)t * hidden;
+        memset(acc, 0, (size_t)hidden * sizeof(float));
+        for (int j = 0; j < k; j++) {
+            const int row = row_of[(long)t * k + j];
             for (int c = 0; c < hidden; c++) {
-                float p = w[i] * ld(y, bf16, (size_t)i * hidden + c);
-                a[c] = a[c] + p;
+                float p = w[row] * ld(y, bf16, (size_t)row * hidden + c);
+                acc[c] = acc[c] + p;
             }
         }
+        for (int c = 0; c < hidden; c++) st(out, bf16, (size_t)t * hidden + c, acc[c]);
     }
-    for (size_t i = 0; i < (size_t)T * hidden; i++) st(out, bf16, i, acc[i]);
     return 0;
 }

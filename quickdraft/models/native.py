@@ -68,9 +68,8 @@ _SIGNATURES = {
     "qd_linear_bf16": [_P, _I, _I, _P, _I, _P, _P],
     "qd_gated": [_P, _I, _I, _I, _I, _P],
     "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P],
-    "qd_argmax": [_P, _I, _I, _L, _P],
+    "qd_argmax": [_P, _I, _I, _L, _P], "qd_moe": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P],
     "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _L, _L, _P],
-    "qd_moe": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P],
     "qd_row_bytes": [_I, _I], "qd_release_threads": [],
 }
 _RESTYPES = {"qd_row_bytes": ctypes.c_long}  # the others return 0 or an error code

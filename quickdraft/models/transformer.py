@@ -325,6 +325,13 @@ def weight_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def expert_read(model: Transformer) -> tuple[int, float]:
+    """(bytes of every expert of a mixture, the share of them one token chooses); (0, 0.0) for a dense model."""
+    cfg = model.config
+    total = sum(weight_bytes(layer.mlp.experts) for layer in model.model.layers if layer.sparse)
+    return total, (cfg.num_experts_per_tok / cfg.num_experts if total else 0.0)
+
+
 def step_weight_bytes(model: Transformer) -> int:
     """Bytes of weights one decode step of one token reads: all of them but the embedding table, of which a step reads
     one row per token (a head that is the embedding table itself, float weights tied, reads it whole), and of a

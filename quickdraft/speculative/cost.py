@@ -59,16 +59,24 @@ class CostModel:
         self.run_ahead_depth = float(depth) if old is None else old + smoothing * (depth - old)
 
     @classmethod
-    def from_weight_bytes(cls, target_bytes: int, draft_bytes: int, max_tokens: int = 64) -> "CostModel":
+    def from_weight_bytes(cls, target_bytes: int, draft_bytes: int, max_tokens: int = 64,
+                          experts: tuple[int, float] = (0, 0.0)) -> "CostModel":
         """A deterministic estimate for seeded requests: a pass costs the bytes of weights it reads.
 
         Seeded requests must give the same tokens on every run, so the k they use may not
         depend on timings; the measured model would make their random draws run-dependent.
+        ``experts``: a mixture target's (bytes of all its experts, share a token chooses); ``target_bytes`` holds
+        all of them. A pass of n tokens reads the union of their experts, expected ``1 - (1 - share) ** n`` of them
+        for independent choices, so a verify pass of an MoE target costs more than a decode step.
         """
         model = cls()
+        expert_bytes, share = experts
+        dense = target_bytes - expert_bytes
+        one = dense + expert_bytes * share
         for n in range(1, max_tokens + 1):
-            model.target.record(n, 1.0 + 0.01 * (n - 1))
-        model.draft.record(1, draft_bytes / target_bytes)
+            union = dense + expert_bytes * (1 - (1 - share) ** n)
+            model.target.record(n, union / one + 0.01 * (n - 1))
+        model.draft.record(1, draft_bytes / one)
         return model
 
     @property
