@@ -47,16 +47,21 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 def gguf_step_bytes(path: Path) -> int:
     """Bytes of a GGUF's tensors one decode step reads when each runs in the file's own type (as llama.cpp runs it):
-    every tensor but the embedding table, unless the head is tied to it and reads it whole."""
+    every tensor but the embedding table, unless the head is tied to it and reads it whole; of a block's stacked
+    experts, the ``expert_used_count`` a token chooses."""
     from quickdraft.loading.ggml_types import BY_NAME, ggml_type
+    from quickdraft.loading.gguf_families import is_stacked
     from quickdraft.loading.gguf_metadata import tensor_shapes
+    from quickdraft.loading.quantize import experts_used
     table = tensor_shapes(path)
+    used = experts_used(path) if any(is_stacked(name) for name in table) else 0
     total = 0
     for name, (kind, shape) in table.items():
         if name == "token_embd.weight" and "output.weight" in table:
             continue
         t = ggml_type(BY_NAME[kind])
-        total += math.prod(shape) // t.block * t.type_size
+        nbytes = math.prod(shape) // t.block * t.type_size
+        total += nbytes * used // shape[0] if is_stacked(name) else nbytes
     return total
 
 

@@ -68,6 +68,7 @@ def quickdraft_runner(target: str, draft: str, weights: str, mode: str, tokens: 
         sec = time.perf_counter() - t0
         spec = out.metrics.spec
         return {"engine": "quickdraft", "config": config, "category": cat, "tok_s": len(out.token_ids) / sec,
+                "decode_tok_s": out.metrics.tokens_per_s,
                 "token_ids": out.token_ids, "weight_bytes": nbytes,
                 "acceptance": spec.acceptance_rate if spec.draft_tokens else None,
                 "tokens_per_pass": spec.tokens_per_pass}
@@ -90,13 +91,16 @@ def llamacpp_runner(target: str, mode: str, tokens: int, threads: int) -> Runner
     def run(cat: str, ids: list[int]) -> dict:
         llm.reset()
         t0 = time.perf_counter()
-        out_ids = []
+        out_ids, first = [], None
         for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
             out_ids.append(tok)
+            first = first or time.perf_counter()
             if len(out_ids) >= tokens:
                 break
-        sec = time.perf_counter() - t0
+        end = time.perf_counter()
+        sec = end - t0
         return {"engine": "llama.cpp", "config": f"{quant}/{mode}", "category": cat, "tok_s": len(out_ids) / sec,
+                "decode_tok_s": (len(out_ids) - 1) / (end - first) if len(out_ids) > 1 else None,
                 "token_ids": out_ids, "weight_bytes": gguf_step_bytes(resolve_model(target))}
     return run
 

@@ -146,7 +146,7 @@ def test_moe_through_the_engine(moe_dir, weights):
         dict(weights=weights, kv_cache_memory="16MiB")
     llm = LLM(str(path), **options)
     layers = llm.model.model.layers
-    assert all(layers[i].fused(llm.model.rope) is None for i in (0, 2))  # a mixture is never one fused C call
+    assert llm.model.fused_stack(None) is None  # a mixture's feed-forward runs between its layers' C calls
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert [o.token_ids for o in llm.generate(prompts, params)] == alone
     hits = llm.engine.prefix_cache_hits
@@ -356,3 +356,17 @@ def test_the_seeded_cost_model_prices_the_union_of_experts():
     moe = CostModel.from_weight_bytes(1000, 10, experts=(960, 8 / 128))  # a token reads 40 + 60 bytes
     assert moe.target(5) / moe.target(1) == pytest.approx((40 + 960 * (1 - (1 - 1 / 16) ** 5)) / 100 + 0.04)
     assert moe.draft(1) == pytest.approx(10 / 100)  # beside what a step reads, not beside every expert
+
+
+@pytest.mark.parametrize("weights,dtype", [("int8", "bfloat16"), ("int4", "float32")])
+def test_fused_attention_of_a_mixtures_layer_equals_the_module_path(moe_dir, weights, dtype, monkeypatch):
+    """A verify pass beside a decode token: each sparse layer's attention as one C call, then its experts (one C
+    call), gives the module path's logits and caches bit for bit; the dense layer of the mixture is fused whole."""
+    from test_fused import _verify_step
+
+    llm = LLM(str(moe_dir("qwen3_moe")[0]), weights=weights, dtype=dtype, kv_cache_memory="16MiB")
+    fused, fused_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), True, monkeypatch)
+    modules, module_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), False, monkeypatch)
+    assert fused_calls == 3 and module_calls == 0
+    for a, b in zip(fused, modules):
+        assert torch.equal(a, b)

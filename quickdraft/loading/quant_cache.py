@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from quickdraft.loading.quant_convert import set_module
-from quickdraft.loading.tensor_file import TensorFile, TensorFileWriter, open_tensor_file
+from quickdraft.loading.tensor_file import TensorFile, TensorFileWriter, header_room, open_tensor_file
 from quickdraft.loading.weight_cache import cache_root, dtype_name
 from quickdraft.models.block_formats import FORMATS
 from quickdraft.models.block_linear import BlockLinear
@@ -112,7 +112,8 @@ def write_quantized(path: Path, meta: dict[str, str], model: Transformer, layers
     kinds: dict[str, str] = {}
     exact = 0
     try:
-        with TensorFileWriter(path) as writer:
+        # a quantized linear writes a few tensors where its placeholder had one, and names itself in "modules"
+        with TensorFileWriter(path, header_room(4 * len(model.state_dict()))) as writer:
             for name, t in model.state_dict().items():
                 if t.device.type != "meta":  # a tied head reads the (meta) embedding: written late, once
                     writer.add(name, t)

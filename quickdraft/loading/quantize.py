@@ -272,7 +272,7 @@ def planned_step_bytes(path: str | Path) -> int:
     the embedding table is left out (a step reads one row of it per token), and of a stack of experts only the
     ``expert_used_count`` a token chooses."""
     table = tensor_shapes(path)
-    used = _experts_used(path) if any(is_stacked(name) for name in table) else 0
+    used = experts_used(path) if any(is_stacked(name) for name in table) else 0
     types = hf_tensor_types({name: t for name, (t, _) in table.items()})
     fmt = auto_format(types)
     head = head_kernel(fmt, default_lm_head(fmt), types)
@@ -292,7 +292,7 @@ def planned_step_bytes(path: str | Path) -> int:
     return total
 
 
-def _experts_used(path: str | Path) -> int:
+def experts_used(path: str | Path) -> int:
     """``{arch}.expert_used_count`` of a GGUF of experts (a ModelLoadError where it is missing or out of range)."""
     metadata = read_header(path).metadata
     arch = metadata.get("general.architecture")

@@ -26,6 +26,12 @@ log = logging.getLogger(__name__)
 
 ALIGN = 64  # every tensor starts on a cache line, as an allocated one would
 HEADER_RESERVE = 1 << 20  # header space (the 8-byte length included): room for ~5000 entries
+ENTRY_RESERVE = 512  # more room per tensor beyond those: a mixture of experts has thousands of tensors
+
+
+def header_room(tensors: int) -> int:
+    """Header space for a file of about ``tensors`` tensors (each entry and its share of the metadata)."""
+    return HEADER_RESERVE + ENTRY_RESERVE * tensors
 MAX_HEADER = 100 << 20  # safetensors' own limit
 PAD_PREFIX = "__pad"  # filler entries that keep the data section without holes while aligning the next tensor
 COPY_CHUNK = 8 << 20  # bytes TensorFile.copy moves between letting go of mapped pages

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from quickdraft.loading.tensor_file import TensorFile, TensorFileWriter, atomic_path, open_tensor_file
+from quickdraft.loading.tensor_file import TensorFile, TensorFileWriter, atomic_path, header_room, open_tensor_file
 from quickdraft.paths import CACHE_ENV, cache_root  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def float_weights(fingerprint: str, dtype: torch.dtype, tensors: Mapping[str, to
     if cached is not None and sorted(cached.tensors) == names:
         return cached
     try:
-        with TensorFileWriter(path) as writer:
+        with TensorFileWriter(path, header_room(len(names))) as writer:
             for name in names:
                 writer.add(name, tensors[name])
             writer.finish(meta)

@@ -61,12 +61,16 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self._double: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, its float64 copy), made once
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, hidden]`` -> (weights ``[T, k]`` float32, experts ``[T, k]`` int64). The logits are summed in
         float64 and rounded to float32, so a row's logits (and its choice) do not depend on how many rows share the
         call, which a float32 GEMM's blocking may; the router is a few hundred thousand products a token."""
-        logits = F.linear(x.double(), self.weight.double()).to(torch.float32)
+        cached = self._double
+        if cached is None or cached[0] is not self.weight:
+            cached = self._double = (self.weight, self.weight.double())
+        logits = F.linear(x.double(), cached[1]).to(torch.float32)
         probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:

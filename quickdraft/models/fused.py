@@ -103,11 +103,13 @@ class FusedLayer:
 
     @classmethod
     def build(cls, layer: nn.Module, rope: nn.Module) -> FusedLayer | None:
-        """``layer``: a ``DecoderLayer``; None where the fused path does not apply (see the module docstring)."""
+        """``layer``: a ``DecoderLayer``; None where the fused path does not apply (see the module docstring). A
+        mixture of experts' layer (``layer.sparse``) is fused up to its attention's residual add; the caller runs
+        its feed-forward."""
         attn, mlp = layer.self_attn, layer.mlp
         placed = {place: norm for place, norm in _norms(layer).items() if norm is not None}
         norms = [norm.weight for norm in placed.values()]
-        if attn.qkv_proj is None or mlp.gate_up_proj is None or not native.available():
+        if attn.qkv_proj is None or (not layer.sparse and mlp.gate_up_proj is None) or not native.available():
             return None
         if any(w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) for w in norms):
             return None
@@ -115,28 +117,37 @@ class FusedLayer:
             return None  # the kernel takes one dtype and one eps for all of them
         if attn.num_heads % attn.num_kv_heads or attn.head_dim % 8 or attn.head_dim > native.MAX_HEAD_DIM:
             return None
-        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj)]
+        linears += [(_LinearDesc(), None)] * 2 if layer.sparse else [_linear(mlp.gate_up_proj), _linear(mlp.down_proj)]
         if any(lin is None for lin in linears):
             return None
         (qkv, a), (o, b), (gate_up, c), (down, d) = linears
         intermediate = down.in_features
+        if layer.sparse:
+            return cls._described(layer, rope, placed, norms, qkv, o, gate_up, down, [a, b])
         # gate/up either apply SwiGLU in the kernel (an "activated" MLP) or return [gate | up] for qd_gated
         if bool(gate_up.swiglu) != mlp.activated or gate_up.out_features != intermediate * (1 if mlp.activated else 2):
             return None
         if bool(mlp.activated) and gate_up.kind != _QUANTIZED:
             return None
-        hidden = o.out_features
+        return cls._described(layer, rope, placed, norms, qkv, o, gate_up, down, [a, b, c, d])
+
+    @classmethod
+    def _described(cls, layer: nn.Module, rope: nn.Module, placed: dict, norms: list, qkv: _LinearDesc,
+                   o: _LinearDesc, gate_up: _LinearDesc, down: _LinearDesc, keep: list) -> FusedLayer | None:
+        attn, hidden = layer.self_attn, o.out_features
         if qkv.out_features != sum(attn.qkv_sizes) or hidden % 8:
             return None
         dtypes = {lin.kind for lin in (qkv, o, gate_up, down)}
         dtype = torch.bfloat16 if _BF16 in dtypes else None  # bfloat16 weights need bfloat16 activations
+        act = native.ACTIVATIONS[layer.mlp.act] if not layer.sparse else 0
         desc = _LayerDesc(**{place: norm.weight.data_ptr() for place, norm in placed.items()},
                           norm_bf16=int(norms[0].dtype == torch.bfloat16), eps=layer.input_layernorm.eps,
                           attn_scale=attn.scale, hidden=hidden, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
-                          head_dim=attn.head_dim, intermediate=intermediate, act=native.ACTIVATIONS[mlp.act],
+                          head_dim=attn.head_dim, intermediate=down.in_features, act=act,
                           window=attn.window or 0, qkv=qkv, o=o, gate_up=gate_up, down=down,
                           cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr())
-        return cls(desc, [a, b, c, d, *norms, rope.cos, rope.sin], dtype)
+        return cls(desc, [*keep, *norms, rope.cos, rope.sin], dtype)
 
     def runs(self, x: torch.Tensor, tokens: SingleTokens) -> bool:
         return (x.dtype in (torch.float32, torch.bfloat16) and (self.dtype is None or x.dtype == self.dtype)

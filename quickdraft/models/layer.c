@@ -38,7 +38,8 @@ typedef struct {
     const float *dense_bias;
 } qd_linear_desc;
 
-/* A decoder layer: pre-norm attention and a gated MLP, act(gate) * up (act 0: silu, 1: gelu_tanh, qd_gated's).
+/* A decoder layer: pre-norm attention and a gated MLP, act(gate) * up (act 0: silu, 1: gelu_tanh, qd_gated's), or
+ * attention alone (gate_up.kind 0: a mixture of experts' layer, whose feed-forward the caller runs).
  * gate_up either applies SwiGLU itself (gate_up.swiglu, silu only) or returns [gate | up] for qd_gated. Optional
  * parts (NULL: none): q_norm and k_norm, RMSNorm of each q and k head (head_dim weights) before RoPE; post_attn_norm
  * and post_mlp_norm, RMSNorm of the attention's and the MLP's output before its residual add (Gemma's sandwich, in
@@ -117,6 +118,7 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     CHECK(run_linear(&L->o, att, bf16, T, tmp));
     if (L->post_attn_norm) CHECK(qd_rmsnorm(tmp, bf16, L->post_attn_norm, L->norm_bf16, T, L->hidden, L->eps, tmp));
     add_into(x, tmp, bf16, n_h);
+    if (!L->gate_up.kind) return 0; /* no MLP here: a mixture of experts' layer, whose feed-forward the caller runs */
 
     /* MLP block */
     CHECK(qd_rmsnorm(x, bf16, L->post_norm, L->norm_bf16, T, L->hidden, L->eps, h));

@@ -171,8 +171,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sparse = cfg.is_moe_layer(layer)
-        # what the fused C layer does not do: a mixture of experts, OLMoE's whole-q/k norms and clamps (fused.py)
-        self.fusable = not self.sparse and not self.self_attn.norm_whole and self.self_attn.clip is None
+        # what the fused C layer does not do: OLMoE's whole-q/k norms and clamps; a mixture of experts' layer is
+        # fused up to its attention (its feed-forward runs after, see forward) and never in a FusedStack
+        self.fusable = not self.self_attn.norm_whole and self.self_attn.clip is None
         self.mlp = SparseMoE(cfg) if self.sparse else MLP(cfg)
         # Gemma: post_attention_layernorm normalizes the attention output, and the MLP has a norm on each side
         self.sandwich = cfg.sandwich_norms
@@ -200,7 +201,7 @@ class DecoderLayer(nn.Module):
         norms = tuple(m._parameters["weight"].data_ptr() for m in (
             mods["input_layernorm"], mods["post_attention_layernorm"], mods.get("pre_feedforward_layernorm"),
             mods.get("post_feedforward_layernorm"), attn.get("q_norm"), attn.get("k_norm")) if m is not None)
-        key = (attn.get("qkv_proj"), attn["o_proj"], mlp.get("gate_up_proj"), mlp["down_proj"], norms,
+        key = (attn.get("qkv_proj"), attn["o_proj"], mlp.get("gate_up_proj"), mlp.get("down_proj"), norms,
                rope.cos.data_ptr())
         cached = self._fused
         if cached is None or cached[0] != key:
@@ -212,7 +213,8 @@ class DecoderLayer(nn.Module):
         if tokens is not None:
             fused = self.fused(rope)
             if fused is not None and fused.runs(x, tokens):
-                return fused(x, tokens)
+                x = fused(x, tokens)  # a mixture's layer: its attention and residual add; then its experts
+                return x + self.mlp(self.post_attention_layernorm(x)) if self.sparse else x
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, attn))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -277,7 +279,10 @@ class Transformer(nn.Module):
     def fused_stack(self, num_layers: int | None) -> FusedStack | None:
         """The first ``num_layers`` layers as one C call when every one of them is fused (see fused.py), else None;
         rebuilt whenever a layer's fused form was."""
-        layers = [layer.fused(self.rope_of(layer)) for layer in list(self.model.layers)[:num_layers]]
+        chosen = list(self.model.layers)[:num_layers]
+        if any(layer.sparse for layer in chosen):  # a mixture's feed-forward runs between its layers' calls
+            return None
+        layers = [layer.fused(self.rope_of(layer)) for layer in chosen]
         if not layers or any(layer is None for layer in layers):
             return None
         stack = self._stacks.get(num_layers)
