@@ -3,7 +3,8 @@
 # replay against eager at every bucket, speculation against plain, the paged attention kernel against float64),
 # then bench/cuda_decode.py on the three real shapes. Results go to $OUT (the device tool's folder) or
 # bench/results/gpu_check. Missing packages travel as wheels in .whl/ (the GPU image lacks gguf:
-# `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0`).
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0`); .whl/ is ignored by git,
+# so the device tool must carry it (carry=[".whl"]), and the run needs a timeout of about 590 s.
 # Usage: bash bench/gpu_check.sh [SHAPES]   (SHAPES: bench/cuda_decode.py --shapes, default all three)
 set -uo pipefail
 cd "$(dirname "$0")/.."

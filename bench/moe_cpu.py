@@ -9,7 +9,8 @@ disk the F16 source needs (1.25 GB a layer) as much as by memory (the Q4_K_M fil
 the page cache for either engine). Then, with greedy decoding of ``--tokens`` tokens after each of ``--prompts``
 HumanEval prompts (prefill included):
 - quickdraft (default weights: each tensor at its own type) and llama.cpp (llama-cpp-python, built natively), tokens/s
-  side by side, each against the bandwidth limit of the bytes a token reads (measured read bandwidth / bytes);
+  side by side (prefill included, and decode alone: tokens after the first over the time after the first), each
+  against the bandwidth limit of the bytes a token reads (measured read bandwidth / bytes);
 - the bytes a token reads: quickdraft's own account (``step_weight_bytes``: the dense parts plus 8 of 128 experts)
   beside the file's (``planned_step_bytes``, from the header alone);
 - the cost of a verify pass of 5 tokens against a one-token step (median of 15 each; a verify pass reads the union
@@ -167,13 +168,15 @@ def main() -> None:
         results = [run(cat, ids) for cat, ids in prompts]
         tok_s = statistics.mean(r["tok_s"] for r in results)
         nbytes = results[0]["weight_bytes"]
-        rows.append(dict(engine=engine, mode=mode, tok_s=tok_s, step_gb=nbytes / 1e9,
+        rows.append(dict(engine=engine, mode=mode, tok_s=tok_s,
+                         decode_tok_s=statistics.mean(r["decode_tok_s"] for r in results), step_gb=nbytes / 1e9,
                          limit_tok_s=bandwidth / nbytes, of_limit=tok_s * nbytes / bandwidth,
                          tokens_per_pass=statistics.mean(r.get("tokens_per_pass") or 1.0 for r in results)))
         print(table(rows[-1:], list(rows[-1])), flush=True)
         del run
         gc.collect()
     plain = {r["engine"]: r["tok_s"] for r in rows if r["mode"] == "plain"}
+    decode = {r["engine"]: r["decode_tok_s"] for r in rows if r["mode"] == "plain"}
     ngram = next(r["tok_s"] for r in rows if r["mode"] == "ngram")
     llm = LLM(str(path), kv_cache_memory="64MiB")
     ours, planned = step_weight_bytes(llm.model), planned_step_bytes(path)
@@ -182,6 +185,7 @@ def main() -> None:
     cost = verify_cost(path)
     summary = dict(layers=args.layers, file_gb=size / 1e9, bandwidth_gb_s=bandwidth / 1e9,
                    quickdraft_over_llamacpp=plain["quickdraft"] / plain["llama.cpp"],
+                   decode_quickdraft_over_llamacpp=decode["quickdraft"] / decode["llama.cpp"],
                    ngram_over_plain=ngram / plain["quickdraft"], step_bytes_quickdraft=ours,
                    step_bytes_file=planned, bytes_ratio=ours / planned, **cost)
     print(f"\nQwen3-30B-A3B layer shape, {args.layers} layers, Q4_K_M, {args.tokens} greedy tokens x {args.prompts} "

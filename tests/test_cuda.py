@@ -221,3 +221,12 @@ def test_int8_cache_greedy_speculation_equals_plain(tiny_dir, kind):
     spec = LLM(model, dtype="float32", device="cuda", kv_cache_memory=TINY_KV, kv_cache_dtype="int8",
                speculative=kind, num_speculative_tokens=3)
     assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == expected
+
+
+def test_a_draft_with_a_cut_head_replays_its_own_graphs(target):
+    """A draft whose lm_head keeps fewer rows than its vocabulary (draft_vocab) captures graphs of that width."""
+    llm = LLM(target, dtype="float32", device="cuda", kv_cache_memory=TINY_KV, draft=target, draft_vocab=40,
+              num_speculative_tokens=3)
+    prompts = tiny_prompts(64, 3)
+    assert len(llm.generate(prompts, GREEDY)) == 3
+    assert llm.loaded.engine.drafter.runner.static.replays > 0

@@ -6,6 +6,7 @@ needs a GPU (the capture and replay) is tests/test_cuda.py."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -79,6 +80,8 @@ def test_int8_cache_logits_match_the_dynamic_path(tiny_dir):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (pip install triton)")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton's interpreter is on only without a GPU (conftest.py); tests/test_cuda.py runs it there")
 def test_the_triton_kernel_inside_the_step(target, tiny_plain_greedy, monkeypatch):
     """The step with the kernel a GPU runs (Triton's interpreter here): the dynamic path's tokens, plain and
     verifying n-gram drafts."""

@@ -18,6 +18,7 @@ from quickdraft.engine.threads import check_threads
 from quickdraft.config import ModelConfig
 from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import STATIC_STEPS, KVPool, ModelRunner, check_kv_cache_dtype, resolve_kv_cache_dtype
+from quickdraft.kv.paged_attention import kernel_possible
 from quickdraft.loading import Checkpoint, load_checkpoint
 from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, default_lm_head, FLOAT_FORMATS, QUANT_FORMATS, load_model,
                                         resolve_draft_weights, resolve_weights, weights_summary)
@@ -110,6 +111,11 @@ class EngineOptions:
             raise InvalidParameterError(f"static_step='graphs' needs device='cuda', got device={self.device!r}: use "
                                         "'eager' to run the static step without graphs")
         mode = ("graphs" if on_gpu else "off") if self.static_step == "auto" else self.static_step
+        if mode == "graphs" and not kernel_possible(self.block_size):
+            if self.static_step == "graphs":
+                raise InvalidParameterError(f"static_step='graphs' needs Triton (pip install triton) and a block_size "
+                                            f"that is a power of two of at least 16, got {self.block_size}")
+            mode = "off"  # the torch fallback would read every block of every table in each graphed step
         if cfg is not None and cfg.num_experts and mode == "graphs":
             if self.static_step == "graphs":
                 raise InvalidParameterError("static_step='graphs' cannot capture a mixture of experts (its routing is "

@@ -43,13 +43,20 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def kernel_possible(block_size: int) -> bool:
+    """Whether the kernel can run a pool of ``block_size`` on a GPU: Triton installed, and a block size that is a
+    power of two of at least 16 (tl.dot's smallest tile). Where it cannot, the torch fallback reads every block of
+    every table, which no graph of a long context should hold."""
+    return triton_available() and block_size >= 16 and block_size & (block_size - 1) == 0
+
+
 def kernel_runs(q: torch.Tensor, cache: CacheLayer, block_size: int) -> bool:
     """Whether the Triton kernel takes this step: Triton installed, a CUDA tensor (or a CPU one with
     ``KERNEL_ON_CPU`` and the interpreter on), a block size that is a power of two of at least 16 (tl.dot's smallest
     tile), a float or int8 cache."""
     interpreted = KERNEL_ON_CPU and q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     on_device = q.is_cuda or interpreted
-    return (on_device and triton_available() and block_size >= 16 and block_size & (block_size - 1) == 0
+    return (on_device and kernel_possible(block_size) and q.stride(-1) == 1
             and cache.k.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8))
 
 

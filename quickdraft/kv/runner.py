@@ -173,6 +173,7 @@ class ModelRunner:
         return (self.static is not None and all(it.num_logits == len(it.tokens) for it in items)
                 and self.static.bucket([len(it.tokens) for it in items]) is not None)
 
+    @torch.inference_mode()
     def warm_up(self) -> None:
         """Capture the static step's graphs now (at load), where it replays them."""
         if self.static is not None:

@@ -192,15 +192,17 @@ class StaticStep:
         saved = inputs.device.clone()
         views = inputs.views(inputs.device)
         views["slots"].fill_(self.scratch_slot)  # warm-up and capture write only the scratch block
-        if self._logits is None or self._logits.shape[0] < bucket.rows:
-            largest = Bucket(self.seq_sizes[-1], self.query_sizes[-1]).rows
-            self._logits = torch.empty(max(largest, bucket.rows), self.model.config.vocab_size, device=self.device)
-        out = self._logits[:bucket.rows]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                out.copy_(self._forward(bucket, inputs, logit_columns))
+            warm = self._forward(bucket, inputs, logit_columns)
+            width = warm.shape[1]  # the head's rows: a draft's may be cut to fewer than its vocabulary
+            if self._logits is None or self._logits.shape[0] < bucket.rows or self._logits.shape[1] != width:
+                largest = Bucket(self.seq_sizes[-1], self.query_sizes[-1]).rows
+                self._logits = torch.empty(max(largest, bucket.rows), width, device=self.device)
+            out = self._logits[:bucket.rows]
+            out.copy_(warm)
+            out.copy_(self._forward(bucket, inputs, logit_columns))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):

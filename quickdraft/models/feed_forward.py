@@ -66,10 +66,20 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, hidden]`` -> (weights ``[T, k]`` float32, experts ``[T, k]`` int64). The logits are summed in
         float64 and rounded to float32, so a row's logits (and its choice) do not depend on how many rows share the
-        call, which a float32 GEMM's blocking may; the router is a few hundred thousand products a token."""
+        call, which a float32 GEMM's blocking may; the router is a few hundred thousand products a token. On the
+        CPU quickdraft's kernel routes (``qd_route``, one call instead of six torch ops); elsewhere torch does."""
         cached = self._double
         if cached is None or cached[0] is not self.weight:
-            cached = self._double = (self.weight, self.weight.double())
+            cached = self._double = (self.weight, self.weight.double().contiguous())
+        if native.runs_rms_norm(x, self.weight):  # float32/bfloat16 on the CPU, the kernels built
+            experts = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
+            weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
+            x = x.contiguous()
+            rc = native.lib().qd_route(x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1],
+                                       cached[1].data_ptr(), cached[1].shape[0], self.top_k, int(self.normalize),
+                                       experts.data_ptr(), weights.data_ptr())
+            native._check(rc, "qd_route")
+            return weights, experts
         logits = F.linear(x.double(), cached[1]).to(torch.float32)
         probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)

@@ -1,11 +1,10 @@
 """quickdraft's CPU kernels in C: built on first use, loaded, called.
 
 Four sources make one library: ``qmatmul.c`` (weight-only quantized linear layers: int4/int8 and the GGML block
-formats of ``qformats.h``, see ``qmatmul.py``),
-``cpu_ops.c`` (RMSNorm, rotary embedding, the MLP's gated activation: the small per-token operations whose torch
+formats of ``qformats.h``, see ``qmatmul.py``), ``cpu_ops.c`` (RMSNorm, rotary embedding, the MLP's gated activation: the small per-token operations whose torch
 dispatch cost as much as the matmuls in a decode step), ``attention.c`` (decode and verify attention over the paged
 cache, in its stored format, whole or within a sliding window; ``kv.h``) and ``layer.c`` (a whole decoder layer in
-one call). Each computes every result row with the same operations whatever the batch and thread count
+one call, a mixture of experts' router and experts). Each computes every result row with the same operations whatever the batch and thread count
 (bit-identical rows, which speculative verification relies on).
 
 The library is compiled with the system C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``)
@@ -69,6 +68,7 @@ _SIGNATURES = {
     "qd_gated": [_P, _I, _I, _I, _I, _P],
     "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P],
     "qd_argmax": [_P, _I, _I, _L, _P], "qd_moe": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P],
+    "qd_route": [_P, _I, _I, _I, _P, _I, _I, _I, _P, _P],
     "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _L, _L, _P],
     "qd_row_bytes": [_I, _I], "qd_release_threads": [],
 }
