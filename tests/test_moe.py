@@ -370,3 +370,22 @@ def test_fused_attention_of_a_mixtures_layer_equals_the_module_path(moe_dir, wei
     assert fused_calls == 3 and module_calls == 0
     for a, b in zip(fused, modules):
         assert torch.equal(a, b)
+
+
+def test_a_mixture_served_over_http(moe_dir):
+    """The OpenAI-compatible server on a quantized mixture with n-gram speculation: the real openai client gets, plain
+    and streamed, the text LLM.generate gives."""
+    from test_server import serve
+
+    path = moe_dir("qwen3_moe")[0]
+    text = " ".join(f"t{i}" for i in prompt(12, seed=5))
+    expected = LLM(str(path), weights="int8", dtype="float32", kv_cache_memory="16MiB").generate(
+        [text], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].text
+    with serve(path, "moe", weights="int8", speculative="ngram") as server:
+        client = server.client()
+        done = client.completions.create(model="moe", prompt=text, max_tokens=16, temperature=0.0,
+                                         extra_body={"ignore_eos": True})
+        assert done.choices[0].text == expected
+        stream = client.completions.create(model="moe", prompt=text, max_tokens=16, temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
