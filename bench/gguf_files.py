@@ -53,14 +53,27 @@ def quantize(src: Path, dst: Path, ftype: str) -> Path:
     return dst
 
 
+def add_qwen_tokenizer(writer) -> None:
+    """The packaged Qwen2.5 model's tokenizer and chat template, as GGUF metadata of ``writer`` (a GGUFWriter)."""
+    tokenizer = {k: v for k, v in read_header(resolve_model("qwen2.5-coder-0.5b")).metadata.items()
+                 if k.startswith("tokenizer.")}
+    for key, value in tokenizer.items():  # arrays take their element type from the first element
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+
+
 def bonsai_f16(path: Path) -> Path:
     """A random-weight F16 GGUF of the Bonsai 1.7B shape, with the tokenizer of the packaged Qwen2.5 model."""
     if path.is_file():
         return path
     from gguf import GGUFWriter
     s = BONSAI
-    tokenizer = {k: v for k, v in read_header(resolve_model("qwen2.5-coder-0.5b")).metadata.items()
-                 if k.startswith("tokenizer.")}
     writer = GGUFWriter(str(path.with_suffix(".tmp")), "qwen3")
     writer.add_block_count(s["layers"])
     writer.add_context_length(40960)
@@ -73,15 +86,7 @@ def bonsai_f16(path: Path) -> Path:
     writer.add_rope_freq_base(1e6)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_file_type(1)
-    for key, value in tokenizer.items():  # arrays take their element type from the first element
-        if isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        else:
-            writer.add_uint32(key, int(value))
+    add_qwen_tokenizer(writer)
     rng = np.random.default_rng(0)
 
     def mat(rows: int, cols: int) -> np.ndarray:

@@ -33,12 +33,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import humaneval_prompts, machine, memory_bandwidth_gbs, save, table  # noqa: E402
 from cpu_vs_llamacpp import llamacpp_runner, prompt_ids, quickdraft_runner  # noqa: E402
-from gguf_files import folder, quantize  # noqa: E402
+from gguf_files import add_qwen_tokenizer, folder, quantize  # noqa: E402
 
 from quickdraft import LLM  # noqa: E402
 from quickdraft.kv import ForwardItem, SequenceKV  # noqa: E402
-from quickdraft.loading import resolve_model  # noqa: E402
-from quickdraft.loading.gguf_metadata import read_header  # noqa: E402
 from quickdraft.loading.quantize import planned_step_bytes  # noqa: E402
 from quickdraft.models import step_weight_bytes  # noqa: E402
 
@@ -53,8 +51,6 @@ def build_f16(path: Path, layers: int) -> Path:
 
     s, rng = SHAPE, np.random.default_rng(0)
     pool = (rng.standard_normal(1 << 25, dtype=np.float32) * 0.02).astype(np.float16)
-    tokenizer = {k: v for k, v in read_header(resolve_model("qwen2.5-coder-0.5b")).metadata.items()
-                 if k.startswith("tokenizer.")}
     w = GGUFWriter(str(path.with_suffix(".tmp")), "qwen3moe")
     w.add_block_count(layers)
     w.add_context_length(40960)
@@ -70,15 +66,7 @@ def build_f16(path: Path, layers: int) -> Path:
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(1)
-    for key, value in tokenizer.items():
-        if isinstance(value, list):
-            w.add_array(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        else:
-            w.add_uint32(key, int(value))
+    add_qwen_tokenizer(w)
     d, e, f, hd = s["hidden"], s["experts"], s["expert_ffn"], s["head_dim"]
     q, kv = s["heads"] * hd, s["kv_heads"] * hd
     tensors: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (s["vocab"], d), "w"),

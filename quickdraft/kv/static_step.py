@@ -129,9 +129,7 @@ class StaticStep:
         bucket = self.bucket([len(t) for t in tokens])
         if bucket is None:
             raise ValueError(f"no static bucket holds {len(tokens)} sequences of up to {max(map(len, tokens))} tokens")
-        inputs = self._inputs.get(bucket)
-        if inputs is None:
-            inputs = self._inputs[bucket] = _Inputs(bucket, self.width, self.device)
+        inputs = self._inputs_of(bucket)
         self._pack(inputs, bucket, kvs, tokens)
         inputs.device.copy_(inputs.host, non_blocking=True)
         if self.graphs:
@@ -143,6 +141,12 @@ class StaticStep:
             logits = self._forward(bucket, inputs, logit_columns)
         self.forwards += 1
         return [logits[b * bucket.queries:b * bucket.queries + len(t)] for b, t in enumerate(tokens)]
+
+    def _inputs_of(self, bucket: Bucket) -> _Inputs:
+        """The bucket's packed inputs, made on first use."""
+        if bucket not in self._inputs:
+            self._inputs[bucket] = _Inputs(bucket, self.width, self.device)
+        return self._inputs[bucket]
 
     def _pack(self, inputs: _Inputs, bucket: Bucket, kvs: list[SequenceKV], tokens: list[list[int]]) -> None:
         """Fill the host tensor: each sequence's rows, padding elsewhere (token 0 at a scratch slot; an empty
@@ -217,7 +221,4 @@ class StaticStep:
         for seqs in reversed(self.seq_sizes):  # the largest first: smaller graphs reuse its memory pool
             for queries in reversed(self.query_sizes):
                 bucket = Bucket(seqs, queries)
-                inputs = self._inputs.get(bucket)
-                if inputs is None:
-                    inputs = self._inputs[bucket] = _Inputs(bucket, self.width, self.device)
-                self._graph(bucket, inputs, logit_columns)
+                self._graph(bucket, self._inputs_of(bucket), logit_columns)

@@ -386,9 +386,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, use_cache
     makers = {name: functools.partial(dequantized, name) for name in records}
     if cfg.tie_word_embeddings:
         makers["lm_head.weight"] = makers["model.embed_tokens.weight"]
-    types = {hf: qtype_name(r.qtype) for hf, r in records.items()}
-    if "lm_head.weight" not in types:  # a tied head reads the embedding (see hf_tensor_types)
-        types["lm_head.weight"] = types["model.embed_tokens.weight"]
+    stored = {r.gguf_name: qtype_name(r.qtype) for r in records.values()}
+    types = hf_tensor_types(stored, {name: cfg.num_experts for name in stored if is_stacked(name)})
     return Checkpoint(
         config=cfg, tensors=LazyTensors(makers), source=path, fingerprint=fp,
         chat_template=index.metadata.get("tokenizer.chat_template"), gguf_metadata=index.metadata, hf_dir=None,

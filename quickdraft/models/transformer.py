@@ -342,10 +342,6 @@ def step_weight_bytes(model: Transformer) -> int:
     one row per token (a head that is the embedding table itself, float weights tied, reads it whole), and of a
     mixture's experts only the ``num_experts_per_tok`` a token chooses (experts of one layer are the same size)."""
     embed = model.model.embed_tokens.weight
-    total = weight_bytes(model)
-    cfg = model.config
-    for layer in model.model.layers:
-        if layer.sparse:
-            experts = weight_bytes(layer.mlp.experts)
-            total -= experts - experts * cfg.num_experts_per_tok // cfg.num_experts
+    experts, share = expert_read(model)
+    total = weight_bytes(model) - experts + round(experts * share)
     return total if getattr(model.lm_head, "weight", None) is embed else total - embed.numel() * embed.element_size()
