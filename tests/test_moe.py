@@ -6,6 +6,7 @@ name before any weight is read."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from quickdraft import LLM, SamplingParams
 from quickdraft.errors import ModelLoadError
 from quickdraft.kv import ForwardItem, SequenceKV
 from quickdraft.models.feed_forward import Router, SparseMoE
-from test_families import hf_greedy, prompt
+from test_families import _edited, hf_greedy, prompt
 from test_parity import our_logits
 
 VOCAB = 96
@@ -145,7 +146,6 @@ def test_moe_through_the_engine(moe_dir, weights):
     options = dict(dtype="bfloat16", kv_cache_memory="16MiB") if weights == "bfloat16" else \
         dict(weights=weights, kv_cache_memory="16MiB")
     llm = LLM(str(path), **options)
-    layers = llm.model.model.layers
     assert llm.model.fused_stack(None) is None  # a mixture's feed-forward runs between its layers' C calls
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert [o.token_ids for o in llm.generate(prompts, params)] == alone
@@ -157,17 +157,6 @@ def test_moe_through_the_engine(moe_dir, weights):
                  dict(draft=str(path), draft_weights=draft_weights)):
         drafted = LLM(str(path), **options, num_speculative_tokens=3, **spec)
         assert [o.token_ids for o in drafted.generate(prompts, params)] == alone, spec
-
-
-def _edited(tmp_path: Path, source: Path, **changes) -> Path:
-    target = tmp_path / "edited"
-    target.mkdir()
-    for f in source.iterdir():
-        (target / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((source / "config.json").read_text())
-    cfg.update(changes)
-    (target / "config.json").write_text(json.dumps(cfg))
-    return target
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -205,9 +194,12 @@ def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, hf_path: Path, name: str, qtype=None) -> Path:
+def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, expert_count: int | None = None,
+               expert_used: int | None = None, tokenizer: dict | None = None) -> Path:
     """``hf_path``'s checkpoint as llama.cpp's converter writes it: experts stacked per block, q/k permuted for
-    llama, the family's expert keys; 2-D and 3-D weights in ``qtype`` (default float32)."""
+    llama, the family's expert keys (``expert_count``/``expert_used``: other values than the checkpoint's, as a
+    damaged file would declare); 2-D and 3-D weights in ``qtype`` (default float32); ``tokenizer``: another
+    file's ``tokenizer.*`` metadata (default: a word-level list of the model's vocabulary)."""
     import gguf.quants
     from gguf import GGUFWriter
     from safetensors.torch import load_file
@@ -226,17 +218,26 @@ def write_gguf(path: Path, hf_path: Path, name: str, qtype=None) -> Path:
     w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_expert_count(experts)
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_count(experts if expert_count is None else expert_count)
+    w.add_expert_used_count(cfg["num_experts_per_tok"] if expert_used is None else expert_used)
     if name == "qwen3_moe":
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if cfg.get("clip_qkv"):
         w.add_float32("olmoe.attention.clamp_kqv", cfg["clip_qkv"])
-    w.add_tokenizer_model("llama")
-    w.add_token_list(["<eos>"] + [f"t{i}" for i in range(1, VOCAB)])
-    w.add_token_scores([-float(i) for i in range(VOCAB)])
-    w.add_token_types([3] + [1] * (VOCAB - 1))  # <eos> a control token, the others normal
-    w.add_eos_token_id(0)
+    if tokenizer is not None:
+        for key, value in tokenizer.items():
+            if isinstance(value, list):
+                w.add_array(key, value)
+            elif isinstance(value, str):
+                w.add_string(key, value)
+            else:
+                w.add_uint32(key, int(value))
+    else:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<eos>"] + [f"t{i}" for i in range(1, VOCAB)])
+        w.add_token_scores([-float(i) for i in range(VOCAB)])
+        w.add_token_types([3] + [1] * (VOCAB - 1))  # <eos> a control token, the others normal
+        w.add_eos_token_id(0)
 
     def add(gguf_name: str, t: torch.Tensor) -> None:
         t = t.float().numpy()
@@ -389,3 +390,46 @@ def test_a_mixture_served_over_http(moe_dir):
         stream = client.completions.create(model="moe", prompt=text, max_tokens=16, temperature=0.0, stream=True,
                                            extra_body={"ignore_eos": True})
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
+
+
+@pytest.mark.parametrize("count, used, message", [
+    (6, None, r"tensor blk\.0\.ffn_gate_exps\.weight stacks 8 experts; the config has num_experts=6"),
+    (0, None, r"tensor blk\.0\.ffn_down_exps\.weight holds experts but GGUF metadata 'qwen3moe\.expert_count' is "
+              r"absent or 0"),
+    (None, 9, r"'qwen3moe\.expert_used_count'"),
+    (None, 0, r"'qwen3moe\.expert_used_count'"),
+    (1 << 30, None, r"'qwen3moe\.expert_count'"),
+])
+def test_a_gguf_whose_expert_counts_do_not_match_is_refused_by_name(moe_dir, tmp_path, count, used, message):
+    path = write_gguf(tmp_path / "bad.gguf", moe_dir("qwen3_moe")[0], "qwen3_moe", expert_count=count,
+                      expert_used=used)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_structured_outputs_on_a_mixture(tmp_path):
+    """A mixture with SmolLM2's byte-level tokenizer (what the grammar compiler needs): a regex and a choice hold,
+    plainly and under n-gram speculation, with the same text both ways."""
+    from conftest import smollm2_path
+    from quickdraft.loading.gguf_metadata import read_header
+
+    smollm2 = smollm2_path()
+    if smollm2 is None:
+        pytest.skip("needs the packaged SmolLM2 (make models)")
+    meta = read_header(smollm2).metadata
+    tokenizer = {k: v for k, v in meta.items() if k.startswith("tokenizer.") and not isinstance(v, bool)}
+    cls, cfg = FAMILIES["qwen3_moe"]
+    cfg = transformers.Qwen3MoeConfig(**{**cfg.to_dict(), "vocab_size": len(meta["tokenizer.ggml.tokens"])})
+    torch.manual_seed(0)
+    cls(cfg).save_pretrained(tmp_path / "hf")
+    path = write_gguf(tmp_path / "moe.gguf", tmp_path / "hf", "qwen3_moe", tokenizer=tokenizer)
+    texts = {}
+    for options in ({}, {"speculative": "ngram"}):
+        llm = LLM(str(path), weights="int8", kv_cache_memory="16MiB", **options)
+        for name, spec, pattern in (("regex", {"regex": r"[0-9]{3}-(yes|no)"}, r"[0-9]{3}-(yes|no)"),
+                                    ("choice", {"choice": ["red", "green"]}, r"red|green")):
+            out = llm.generate(["Pick one:"], SamplingParams(max_tokens=16, temperature=0.0,
+                                                            structured_outputs=spec))[0]
+            assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop"
+            texts.setdefault(name, set()).add(out.text)
+    assert all(len(t) == 1 for t in texts.values())
