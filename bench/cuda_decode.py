@@ -2,7 +2,8 @@
 bandwidth limit measured in the same run, on random-weight models of real shapes that this script builds itself.
 
 Usage: python bench/cuda_decode.py [--shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b] [--batches 1,8,32]
-         [--tokens 128] [--no-hf] [--device cuda|cpu] [--name cuda_decode]
+         [--tokens 128] [--no-hf] [--device cuda|cpu] [--name cuda_decode] [--quantized int8,int4]
+         [--quantized-shapes qwen2.5-7b]
 Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tokenizer of the shape's vocabulary):
 - the read bandwidth (a device-to-device copy of 1 GiB, bytes read + written per second) and the batch-1 limit it
   gives: bandwidth / bytes of weights a decode step reads;
@@ -11,7 +12,10 @@ Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tok
   and HF transformers ``generate`` (eager, its default cache);
 - the cost of a verify pass of 5 tokens against a one-token decode step (batch 1, median of 30 forwards each);
 - n-gram speculation where the prompt repeats itself: tokens/s, tokens per target pass, and whether its tokens equal
-  plain greedy's.
+  plain greedy's;
+- with ``--quantized int8,int4`` (on ``--quantized-shapes``, default the 7B): the same model with weight-only int8 /
+  int4 (group 32) linears on Triton's kernel (``models/triton_linear.py``), batch 1 and the largest batch, against
+  the limit of the bytes they read.
 Random weights say nothing about acceptance; they time the mechanics. ``--device cpu`` runs a small shape as a smoke
 test of this script where there is no GPU. Prints a table per section and writes bench/results/<name>.json.
 """
@@ -144,8 +148,31 @@ def verify_cost(llm: LLM, vocab: int, repeats: int = 30) -> dict:
     return out
 
 
-def bench_shape(name: str, args, bandwidth: float, root: Path) -> list[dict]:
-    device, batches, rows = args.device, [int(b) for b in args.batches.split(",")], []
+def bench_quantized(directory: Path, name: str, args, bandwidth: float, common: dict, mode: str, rows: list[dict],
+                    record) -> None:
+    """The shape with weight-only int8 / int4 linears (quantized from its bfloat16 weights at load)."""
+    vocab, batches = SHAPES[name]["vocab_size"], [int(b) for b in args.batches.split(",")]
+    for fmt in [f for f in args.quantized.split(",") if f]:
+        t0 = time.perf_counter()
+        llm = LLM(str(directory), static_step=mode, weights=fmt, **common)
+        load_s = time.perf_counter() - t0
+        step_bytes = step_weight_bytes(llm.model)
+        for batch in sorted({batches[0], batches[-1]}):
+            tok_s, _ = time_generate(llm, prompts_for(vocab, batch), args.tokens, args.device)
+            limit = bandwidth / step_bytes
+            rows.append(dict(shape=name, engine=f"quickdraft {mode} {fmt}", batch=batch, tok_s=tok_s, load_s=load_s,
+                             step_gb=step_bytes / 1e9, limit_tok_s=limit if batch == 1 else None,
+                             of_limit=tok_s / limit if batch == 1 else None))
+            print(table([rows[-1]], list(rows[-1])))
+            record()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache() if args.device == "cuda" else None
+
+
+def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict], record) -> None:
+    """Appends the shape's rows to ``rows``, calling ``record`` (which saves them) after each."""
+    device, batches = args.device, [int(b) for b in args.batches.split(",")]
     t0 = time.perf_counter()
     hf_model, directory = build_shape(name, device, root)
     vocab = SHAPES[name]["vocab_size"]
@@ -174,6 +201,7 @@ def bench_shape(name: str, args, bandwidth: float, root: Path) -> list[dict]:
                        vs_hf=tok_s / hf[batch] if batch in hf else None)
             rows.append(row)
             print(table([row], list(row)))
+            record()
         if mode == modes[0]:
             cost = verify_cost(llm, vocab)
             plain_tok_s, plain_ids = time_generate(llm, prompts_for(vocab, 1, repeat=True), args.tokens, device)
@@ -188,12 +216,14 @@ def bench_shape(name: str, args, bandwidth: float, root: Path) -> list[dict]:
                              tok_per_pass=stats.generated_tokens / max(1, stats.rounds),
                              acceptance=stats.acceptance_rate, same=ids == plain_ids))
             print(table(rows[-2:], list(rows[-1])))
+            record()
             del ngram
         else:
             del llm
         gc.collect()
         torch.cuda.empty_cache() if device == "cuda" else None
-    return rows
+    if name in args.quantized_shapes.split(","):
+        bench_quantized(directory, name, args, bandwidth, common, modes[0], rows, record)
 
 
 def main() -> None:
@@ -204,6 +234,8 @@ def main() -> None:
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF transformers' baseline")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script where there is no GPU")
     ap.add_argument("--name", default="cuda_decode")
+    ap.add_argument("--quantized", default="", help="weight-only formats to time too, e.g. int8,int4")
+    ap.add_argument("--quantized-shapes", default="qwen2.5-7b", help="the shapes --quantized runs on")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: this benchmark times quickdraft's CUDA path (--device cpu: a smoke test)")
@@ -215,15 +247,19 @@ def main() -> None:
     bandwidth = read_bandwidth(args.device)
     print(f"device: {card}; torch {torch.__version__}; copy bandwidth (read + write) {bandwidth / 1e12:.2f} TB/s")
     rows: list[dict] = []
+
+    def record() -> Path:  # after every row: a run cut short by its time limit keeps what it measured
+        return save(args.name, {"device": card, "bandwidth_bytes_s": bandwidth, "args": vars(args),
+                                "machine": machine(), "rows": rows})
+
     with tempfile.TemporaryDirectory() as root:
         for name in shapes:
             try:
-                rows += bench_shape(name, args, bandwidth, Path(root))
+                bench_shape(name, args, bandwidth, Path(root), rows, record)
             except Exception as exc:  # noqa: BLE001 - one shape's failure is reported, the others still run
                 rows.append({"shape": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
                 print(f"{name}: {rows[-1]['error']}")
-            path = save(args.name, {"device": card, "bandwidth_bytes_s": bandwidth, "args": vars(args),
-                                    "machine": machine(), "rows": rows})
+            path = record()
     speed = [r for r in rows if "kind" not in r]
     print(f"\n{card}, {args.tokens} greedy tokens after a {PROMPT_TOKENS}-token prompt, bfloat16\n" + table(
         speed, ["shape", "engine", "batch", "tok_s", "limit_tok_s", "of_limit", "hf_tok_s", "vs_hf", "error"]))

@@ -139,6 +139,71 @@ def test_seeded_sampling_repeats_and_matches_cpu(target, draft, kind):
     assert run("cuda", seed=99) != first
 
 
+DECISION_PARAMS = [
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, logit_bias={7: 2.0}, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=5, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=1.1, presence_penalty=0.5, frequency_penalty=0.3, seed=6,
+                   ignore_eos=True)]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_a_steps_decisions_come_back_in_one_copy(target, draft, kind, monkeypatch):
+    """Greedy choices, penalties, bias, truncation, acceptance tests and residual draws of a whole step run on the
+    GPU: torch's sync checker sees exactly one wait for the device while the step decides (the copy of the
+    decisions to the host), and the tokens are the CPU's."""
+    import warnings
+
+    import quickdraft.engine.engine as engine_module
+    real = engine_module.decide
+    syncs: list[int] = []
+
+    def counting(picked, isolated):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                decided = real(picked, isolated)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        return decided
+
+    options = {"num_speculative_tokens": 3} | (
+        {"speculative": "ngram"} if kind == "ngram" else {"draft": draft, "draft_weights": "float32"})
+    prompts = tiny_prompts(64, len(DECISION_PARAMS))
+
+    def run(device: str) -> list[list[int]]:
+        llm = LLM(target, dtype="float32", device=device, kv_cache_memory=TINY_KV, **options)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, DECISION_PARAMS)]
+
+    cpu = run("cpu")
+    monkeypatch.setattr(engine_module, "decide", counting)
+    assert run("cuda") == cpu
+    assert syncs and set(syncs) == {1}, syncs
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_weight_only_int8_and_int4_run_on_tritons_kernel(target, weights):
+    """Quantized linears on the GPU run Triton's kernel (no float copy of a weight): inside the graphs, the same
+    tokens as the dynamic path, and greedy n-gram speculation gives plain greedy's tokens."""
+    from quickdraft.models.quant import Int4Linear, Int8Linear
+
+    prompts = tiny_prompts(64, 4)
+
+    def run(**options) -> tuple[list[list[int]], LLM]:
+        llm = LLM(target, device="cuda", weights=weights, kv_cache_memory=TINY_KV, **options)
+        return [o.token_ids for o in llm.generate(prompts, GREEDY)], llm
+
+    graphs, llm = run()
+    layers = [m for m in llm.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    assert layers and {m.backend for m in layers} == {"triton"}
+    assert llm.target.static.replays > 0
+    assert run(static_step="off")[0] == graphs
+    assert run(speculative="ngram", num_speculative_tokens=3)[0] == graphs
+
+
 def test_float32_cuda_matches_cpu(target, plain_greedy):
     cpu = LLM(target, dtype="float32", device="cpu", kv_cache_memory=TINY_KV)
     assert [o.token_ids for o in cpu.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy

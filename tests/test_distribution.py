@@ -26,10 +26,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import quickdraft.engine.engine as engine_module
+import quickdraft.engine.verify_step as verify_step
 from quickdraft import LLM, SamplingParams
 from quickdraft.kv import ForwardItem, SequenceKV
 from quickdraft.sampling import LogitsProcessor
+from quickdraft.sampling.sampler import draw
+from quickdraft.speculative.verify import verify_with_uniforms
 
 VOCAB = 8
 SAMPLES = int(os.environ.get("QUICKDRAFT_DIST_SAMPLES", "4000"))
@@ -142,13 +144,11 @@ def test_speculative_sampling_matches_target_distribution(models, drafter, tempe
     assert chi_square_pvalue(samples, dist) > 0.001
 
 
-def broken_verify_residual_is_p(p, q, drafts, generator):
+def broken_verify_residual_is_p(p, q, drafts, uniforms):
     """The classic bug: on rejection, resample from p instead of norm(max(p - q, 0))."""
-    for i, d in enumerate(drafts):
-        qi = q[i, d] if q is not None else 1.0
-        if torch.rand((), generator=generator) >= min(1.0, float(p[i, d] / qi)):
-            return i, int(torch.multinomial(p[i], 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+    accepted, _, valid = verify_with_uniforms(p, q, drafts, uniforms)
+    token, _ = draw(p[torch.arange(p.shape[0]), accepted].float(), uniforms[:, -1])
+    return accepted, token, valid
 
 
 # a draft model, and the CI case where the broken verifier is hardest to catch (an n-gram draft is a point mass)
@@ -156,7 +156,7 @@ def broken_verify_residual_is_p(p, q, drafts, generator):
                                                                    ("ngram", 0.7, "penalties", "int4")])
 def test_broken_verifier_fails_the_same_test(models, monkeypatch, drafter, temperature, transform, weights):
     assert (drafter, temperature, transform, weights) in CASES  # the very case the test above runs
-    monkeypatch.setattr(engine_module, "verify_sampled", broken_verify_residual_is_p)
+    monkeypatch.setattr(verify_step, "verify_with_uniforms", broken_verify_residual_is_p)
     llm = make_llm(models, drafter, weights)
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True, **TRANSFORMS[transform])
     dist = exact_distribution(llm, params)
@@ -185,7 +185,7 @@ def test_suffix_drafts_from_earlier_outputs_keep_the_target_distribution(models,
 
 
 def test_broken_verifier_fails_with_suffix_drafts_from_earlier_outputs(models, monkeypatch):
-    monkeypatch.setattr(engine_module, "verify_sampled", broken_verify_residual_is_p)
+    monkeypatch.setattr(verify_step, "verify_with_uniforms", broken_verify_residual_is_p)
     llm = make_llm(models, "suffix")
     llm.drafter.cache.min_tokens = 1
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)

@@ -81,6 +81,26 @@ def test_a_failing_sequence_ends_its_request_alone(llm, alone, where):
     assert llm.target.allocator.num_used == 0 and llm.drafter.runner.allocator.num_used == 0
 
 
+def test_logits_that_are_no_distribution_end_that_request_alone(llm, alone):
+    """The decisions are made on the device and read back once, so a NaN cannot raise where it arises: it is
+    flagged with the tokens and ends its own request there, with the message of the host check."""
+    engine = llm.engine
+    rids = [engine.add_request(p, params) for p, params in zip(PROMPTS, PARAMS)]
+    engine.step()
+    sampled = engine.sequences(rids[2])[0]
+    real = sampled.processor.process
+    sampled.processor.process = lambda logits, *a, **kw: torch.full_like(real(logits, *a, **kw), float("nan"))
+    while engine.has_unfinished():
+        engine.step()
+    seqs = [engine.sequences(rid)[0] for rid in rids]
+    for rid in rids:
+        engine.release(rid)
+    assert [s.output_ids for s in seqs[:2]] == alone[:2]
+    assert [s.finish_reason for s in seqs] == ["length", "length", "error"]
+    assert "probabilities must be finite" in seqs[2].error
+    assert llm.target.allocator.num_used == 0 and llm.drafter.runner.allocator.num_used == 0
+
+
 def test_a_failing_drafter_degrades_that_sequence_to_plain_decoding(llm, alone, monkeypatch):
     real = llm.drafter.propose
     broken: list = []

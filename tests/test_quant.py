@@ -157,7 +157,7 @@ def test_qmatmul_rows_are_batch_invariant_and_match_other_backends(k):
     w, b, _ = _layer_data(n=72, k=k)
     x = torch.randn(11, k, generator=torch.Generator().manual_seed(1)).bfloat16()
     for cls in (Int4Linear, Int8Linear):
-        mods = {be: cls.from_float(w, b, kernel=be) for be in BACKENDS}
+        mods = {be: cls.from_float(w, b, kernel=be) for be in BACKENDS if be != "triton"}  # (the GPU kernel: test_triton_linear.py)
         mod = mods["qmatmul"]
         full = mod(x)
         threads = torch.get_num_threads()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
+import quickdraft.engine.verify_step as verify_step
 from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import ForwardItem, SequenceKV
 from quickdraft.kv import paged_attention as paged
@@ -51,6 +52,33 @@ def test_static_step_gives_the_dynamic_paths_tokens(target, tiny_plain_greedy, d
         assert llm.spec_stats.draft_tokens > 0
     if drafter == "draft":
         assert llm.loaded.engine.drafter.runner.static.forwards > 0  # the draft's own steps are static too
+
+
+MIXED = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+         SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4, ignore_eos=True),
+         SamplingParams(max_tokens=24, temperature=0.0, logit_bias={7: 3.0, 9: -2.0}, ignore_eos=True),
+         SamplingParams(max_tokens=24, temperature=0.8, top_k=20, min_p=0.05, seed=5, ignore_eos=True),
+         SamplingParams(max_tokens=24, temperature=1.1, top_p=0.8, frequency_penalty=0.3, seed=6, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "draft"])
+def test_the_gpu_step_on_the_cpu_gives_the_cpu_steps_tokens(target, drafter, monkeypatch):
+    """A GPU's whole step on the CPU: the static forward, then every decision made where the logits are (greedy
+    choices in one batched comparison, penalties and bias as torch ops, seeded sampling from uniforms drawn ahead).
+    One batch mixes raw greedy, transformed greedy and seeded sampling; it must give the CPU step's tokens."""
+    options = {} if drafter is None else {"num_speculative_tokens": 3} | (
+        {"draft": target} if drafter == "draft" else {"speculative": drafter})
+    prompts = tiny_prompts(64, len(MIXED))
+
+    def run(**step) -> list[list[int]]:
+        llm = LLM(target, dtype="float32", kv_cache_memory=TINY_KV, **options, **step)
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, MIXED)]
+        assert drafter is None or llm.spec_stats.accepted_tokens > 0
+        return out
+
+    cpu = run()
+    monkeypatch.setattr(verify_step, "CPU_GREEDY_ON_HOST", False)
+    assert run(static_step="eager") == cpu
 
 
 def test_seeded_sampling_is_unchanged(target):

@@ -13,7 +13,7 @@ import jsonschema_rs
 import pytest
 import torch
 
-import quickdraft.engine.engine as engine_module
+import quickdraft.engine.verify_step as verify_step
 from quickdraft import LLM, InvalidParameterError, SamplingParams, StructuredOutputs
 from quickdraft.kv import ForwardItem, SequenceKV
 from quickdraft.sampling import LogitsProcessor
@@ -206,7 +206,7 @@ def test_constrained_sampling_with_speculation_follows_the_masked_target(tiny_pa
 
 
 def test_a_broken_verifier_fails_the_constrained_test(tiny_pair, monkeypatch):
-    monkeypatch.setattr(engine_module, "verify_sampled", broken_verify_residual_is_p)
+    monkeypatch.setattr(verify_step, "verify_with_uniforms", broken_verify_residual_is_p)
     llm = tiny_llm(tiny_pair, "draft")
     params = SamplingParams(max_tokens=8, temperature=1.0, structured_outputs={"regex": REGEX})
     dist = exact_masked_distribution(llm, params)

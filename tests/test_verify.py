@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from scipy import stats
 
 from quickdraft.sampling import LogitsProcessor, SamplingParams, make_generator
-from quickdraft.speculative.verify import verify_greedy, verify_sampled, verify_sampled_batch
+from quickdraft.sampling.sampler import draw
+from quickdraft.speculative.verify import (draw_uniforms, verify_greedy, verify_greedy_batch, verify_sampled,
+                                           verify_sampled_batch, verify_with_uniforms)
 
 V = 6
 N = 20_000
@@ -289,3 +291,43 @@ def test_verify_greedy():
     assert verify_greedy(torch.tensor([1, 2]), torch.tensor([1])) == (1, 2)
     with pytest.raises(ValueError):
         verify_greedy([1, 2], [1, 2])
+
+
+def test_verify_greedy_batch_equals_one_at_a_time():
+    """The batched device form: sequences with different draft counts (none, one, several) in one comparison."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        counts = torch.randint(0, 5, (int(torch.randint(1, 6, (), generator=g)),), generator=g).tolist()
+        rows = [torch.randint(0, 4, (k + 1,), generator=g) for k in counts]
+        # drafts equal to the choices up to a random point, so every acceptance count occurs
+        drafts = []
+        for r, k in zip(rows, counts):
+            d = r[:k].clone()
+            cut = int(torch.randint(0, k + 1, (), generator=g))
+            d[cut:] = torch.randint(0, 4, (k - cut,), generator=g)
+            drafts.append(d.tolist())
+        spans, start = [], 0
+        for r in rows:
+            spans.append((start, len(r)))
+            start += len(r)
+        accepted, token = verify_greedy_batch(torch.cat(rows), spans, drafts)
+        assert list(zip(accepted.tolist(), token.tolist())) == [verify_greedy(r, d) for r, d in zip(rows, drafts)]
+    with pytest.raises(ValueError):
+        verify_greedy_batch(torch.tensor([1, 2]), [(0, 2)], [[1, 2]])
+
+
+def test_verification_from_uniforms_is_the_generators():
+    """Uniforms drawn ahead (what a GPU step sends to the device) give what the generator gives when it draws them
+    itself, draw for draw; a row that is no distribution is flagged, not raised, so nothing is read back."""
+    P, Q, _ = make_case("dense", "poor", 3, 4)
+    drafts = torch.tensor([[4, 2, 0]] * 300)  # accepted with probability 0.10, 0.53, 0.61: every count occurs
+    a = verify_sampled_batch(P[None, :4].expand(300, -1, -1), Q[None, :3].expand(300, -1, -1), drafts, make_generator(9))
+    u = draw_uniforms(make_generator(9), 300, 3)
+    b = verify_with_uniforms(P[None, :4].expand(300, -1, -1), Q[None, :3].expand(300, -1, -1), drafts, u)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and bool(b[2].all())
+    assert len(set(a[0].tolist())) == 4  # every acceptance count occurred: the residual and the bonus ran
+    bad = torch.tensor([[[float("nan"), 0.5, 0.5]], [[0.0, 0.0, 0.0]], [[0.2, 0.3, 0.5]]])
+    _, token, valid = verify_with_uniforms(bad, None, torch.zeros(3, 0, dtype=torch.long), draw_uniforms(None, 3, 0))
+    assert valid.tolist() == [False, False, True] and 0 <= int(token[2]) < 3
+    # u at the top of the mass takes the last token that has any
+    assert draw(torch.tensor([[0.3, 0.7, 0.0]]), torch.tensor([1.0]))[0].tolist() == [1]

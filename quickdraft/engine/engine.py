@@ -20,17 +20,17 @@ from quickdraft.engine.outputs import SpecMetrics, StreamChunk
 from quickdraft.engine.scheduler import Scheduler, SchedulerConfig
 from quickdraft.engine.sequence import CarriedState, Sequence, SpeculationState
 from quickdraft.engine.threads import ThreadBudget
+from quickdraft.engine.verify_step import decide
 from quickdraft.errors import InvalidParameterError, PromptTooLongError
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
 from quickdraft.sampling import LogitsProcessor, SamplingParams
 from quickdraft.sampling.grammar import GrammarViolation, compiler_for
-from quickdraft.sampling.sampler import greedy, make_generator, top_logprobs
+from quickdraft.sampling.sampler import make_generator, top_logprobs
 from quickdraft.speculative.controller import SpeculationController
 from quickdraft.speculative.cost import CostModel
 from quickdraft.models import expert_read, weight_bytes
 from quickdraft.speculative.drafters import Drafter, Proposal
 from quickdraft.speculative.planner import DraftPlanner, fit_to_grammar
-from quickdraft.speculative.verify import verify_greedy, verify_sampled
 from quickdraft.tokenizer import Tokenizer
 
 log = logging.getLogger("quickdraft.engine")
@@ -227,10 +227,11 @@ class LLMEngine:
         with self._run_ahead(sampling, proposals):
             logits = self.target.forward(items)
         self.cost.target.record(sum(len(it.tokens) for it in items), self.target.last_forward_s)
-        choices = self._greedy_choices(scheduled, logits, drafts)
+        decided = decide([(seq, rows, drafts[id(seq)]) for (seq, _), rows in zip(scheduled, logits)
+                          if id(seq) in drafts], self._isolated)
         for (seq, _), rows in zip(scheduled, logits):
-            if id(seq) in drafts:
-                self._isolated(seq, self._commit, seq, rows, drafts[id(seq)], choices.get(id(seq)))
+            if id(seq) in decided:
+                self._isolated(seq, self._commit, seq, rows, drafts[id(seq)], *decided[id(seq)])
         for seq, _ in scheduled:
             kv = seq.kv["target"]
             if not seq.finished or seq.finish_reason != "error":
@@ -290,32 +291,9 @@ class LLMEngine:
         if depth is not None:
             self.cost.record_run_ahead(depth)
 
-    @staticmethod
-    def _greedy_choices(scheduled: list, logits: list[torch.Tensor], drafts: dict) -> dict[int, list[int]]:
-        """Off the CPU: the greedy choices of the sequences whose choice is the argmax of their raw rows, from one
-        argmax and one copy to the host (not one sync per sequence); on the CPU each argmax reads rows in place."""
-        picked = [(seq, rows) for (seq, _), rows in zip(scheduled, logits)
-                  if id(seq) in drafts and seq.processor.greedy_on_raw_logits and len(rows)]
-        if not picked or picked[0][1].device.type == "cpu":
-            return {}
-        flat = torch.cat([rows for _, rows in picked]).argmax(-1).tolist()
-        out, start = {}, 0
-        for seq, rows in picked:
-            out[id(seq)] = flat[start:start + len(rows)]
-            start += len(rows)
-        return out
-
-    def _commit(self, seq: Sequence, rows: torch.Tensor, proposal: Proposal, choice: list[int] | None = None) -> None:
-        """``choice``: the target's greedy choices per row, where already taken (``_greedy_choices``)."""
+    def _commit(self, seq: Sequence, rows: torch.Tensor, proposal: Proposal, accepted: int, next_token: int) -> None:
+        """Append what verification decided (``decide``): the first ``accepted`` drafts and ``next_token``."""
         drafted = proposal.tokens
-        if choice is not None:
-            accepted, next_token = verify_greedy(choice, drafted)
-        elif seq.params.greedy:
-            target_choice = greedy(seq.processor.process(rows, drafted=drafted))
-            accepted, next_token = verify_greedy(target_choice, drafted)
-        else:
-            p = seq.processor.probs(rows, drafted=drafted)
-            accepted, next_token = verify_sampled(p, proposal.q, drafted, seq.generator)
         new_tokens = drafted[:accepted] + [next_token]
         logprobs = None
         if seq.params.logprobs is not None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from quickdraft.models import qmatmul
+from quickdraft.models import qmatmul, triton_linear
 from quickdraft.models.quant_backends import (
     aligned,
     check_kernel_tensors,
@@ -78,7 +78,7 @@ class _QuantLinearBase(nn.Module):
 class Int8Linear(_QuantLinearBase):
     """``y = x @ (q * scale[:, None]).T + bias`` with int8 ``q`` per output channel.
 
-    Buffers: ``qweight`` int8 ``[N, K]`` and ``scales`` bfloat16 ``[N]`` (``torch``/``reference`` backends), or the
+    Buffers: ``qweight`` int8 ``[N, K]`` and ``scales`` bfloat16 ``[N]`` (``torch``/``triton``/``reference`` backends), or the
     qmatmul layout ``kweight``/``kscales`` (``q + 128`` as 8-bit values, the row's scale in every group, zero 0)."""
 
     format_code, kernel_name = 8, "int8"
@@ -160,6 +160,8 @@ class Int8Linear(_QuantLinearBase):
                     self._scales_f16 = self.scales.to(torch.float16)
                 scales = self._scales_f16
             y = torch.ops.aten._weight_int8pack_mm(aligned(x2.to(kd)), self.qweight, scales)
+        elif self.backend == "triton":
+            y = triton_linear.int8_matmul(x2, self.qweight, self.scales)
         else:
             w = self.qweight.to(x2.dtype) * self.scales.to(x2.dtype)[:, None]
             y = F.linear(x2, w)
@@ -171,8 +173,8 @@ class Int4Linear(_QuantLinearBase):
 
     Storage by backend: ``qmatmul``: ``kweight``/``kscales`` (the kernel's layout, scales repeated per 32
     columns for G > 32); ``torch``: ``packed`` (the int4pack kernel's ISA-dependent layout) with
-    ``scales_and_zeros`` ``[K // G, N, 2]`` bfloat16; ``reference``: nibbles ``qweight`` ``[N, K // 2]`` (even
-    column in the low nibble) with ``scales_and_zeros``. Build the layer on the device it will run on."""
+    ``scales_and_zeros`` ``[K // G, N, 2]`` bfloat16; ``triton`` and ``reference``: nibbles ``qweight`` ``[N, K // 2]``
+    (even column in the low nibble) with ``scales_and_zeros``. Build the layer on the device it will run on."""
 
     format_code, kernel_name = 4, "int4"
 
@@ -294,7 +296,7 @@ class Int4Linear(_QuantLinearBase):
         """The ``[N, K]`` uint8 values 0..15 (with torch's kernel recovered from its packed layout through it)."""
         if self.backend == "qmatmul":
             return qmatmul.unpack(self.kweight, self.kscales, 4, self.in_features)[0]
-        if self.backend == "reference":
+        if self.backend in ("reference", "triton"):
             return unpack_nibbles(self.qweight)
         n, k, g = self.padded_out, self.in_features, self.group_size
         ones = torch.tensor([1.0, 8.0], dtype=torch.bfloat16).expand(k // g, n, 2).contiguous()  # (q - 8) * 1 + 8
@@ -325,6 +327,8 @@ class Int4Linear(_QuantLinearBase):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(aligned(x2.to(kd)), self.packed, self.group_size, sz)
             if self.padded_out != self.out_features:
                 y = y[:, :self.out_features]
+        elif self.backend == "triton":
+            y = triton_linear.int4_matmul(x2, self.qweight, self.scales_and_zeros, self.group_size)
         else:
             n, k, g = self.out_features, self.in_features, self.group_size
             q = unpack_nibbles(self.qweight).to(x2.dtype).reshape(n, k // g, g)

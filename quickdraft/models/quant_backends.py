@@ -7,6 +7,8 @@ Each layer has one backend, chosen when it is built:
   torch's kernels and a verify pass of 5 rows that costs far less than 5 steps.
 * ``"torch"`` (CPU without the kernel): torch's packed kernels ``aten._weight_int8pack_mm`` and
   ``aten._weight_int4pack_mm_for_cpu``.
+* ``"triton"`` (CUDA, default where Triton is installed): ``triton_linear.py``, a kernel that widens tiles of the
+  quantized weight in registers (the CPU runs it under Triton's interpreter in tests).
 * ``"reference"`` (other devices): dequantize, then matmul; only meant to be correct.
 
 Every backend computes each output row independently of the other rows of the call.
@@ -36,9 +38,9 @@ from __future__ import annotations
 
 import torch
 
-from quickdraft.models import qmatmul
+from quickdraft.models import qmatmul, triton_linear
 
-BACKENDS = ("qmatmul", "torch", "reference")
+BACKENDS = ("qmatmul", "torch", "triton", "reference")
 _N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 _ALIGN = 64
 
@@ -75,9 +77,11 @@ def int4pack_for_cpu(q: torch.Tensor) -> torch.Tensor:
 
 
 def default_backend(device: torch.device | str) -> str:
-    """``qmatmul`` on CPU where the kernel builds, else torch's kernels on CPU, else the reference path."""
-    if torch.device(device).type != "cpu":
-        return "reference"
+    """``qmatmul`` on CPU where the kernel builds, else torch's kernels on CPU; Triton's kernel on CUDA; else the
+    reference path."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return "triton" if device.type == "cuda" and triton_linear.runs_on(device) else "reference"
     return "qmatmul" if qmatmul.available() else "torch"
 
 
@@ -88,6 +92,10 @@ def resolve_backend(kernel: bool | str | None, device: torch.device) -> str:
     backend = "reference" if kernel is False else kernel
     if backend not in BACKENDS:
         raise ValueError(f"quantized layer backend must be one of {BACKENDS}, got {kernel!r}")
+    if backend == "triton":
+        if not triton_linear.runs_on(device):
+            raise ValueError(f"the triton backend needs Triton and a CUDA device (or its interpreter), got {device}")
+        return backend
     if backend != "reference" and device.type != "cpu":
         raise ValueError(f"the {backend} backend needs CPU tensors")
     if backend == "qmatmul" and not qmatmul.available():

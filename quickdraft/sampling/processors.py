@@ -22,6 +22,7 @@ from torch import Tensor
 
 from quickdraft.sampling.grammar import GrammarState
 from quickdraft.sampling.params import SamplingParams
+from quickdraft.sampling.sampler import to_device
 
 # Below this temperature the logits are shifted by their row max before the division, so a large logit over a
 # small temperature cannot overflow to inf (softmax is shift invariant). SamplingParams bounds the temperature.
@@ -79,7 +80,7 @@ class LogitsProcessor:
         # touch only these columns, never a whole 150k-wide row. Tensors in it are never modified
         # in place (fork shares them).
         self._hist: tuple[Tensor, Tensor, Tensor] | None = None
-        self._bias: tuple[Tensor, Tensor] | None = None
+        self._bias: tuple[int, Tensor, Tensor] | None = None
 
     # ---------------------------------------------------------------- history
     @property
@@ -140,25 +141,27 @@ class LogitsProcessor:
         return other
 
     # ------------------------------------------------------------------ caches
-    def _history(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        if self._hist is None or self._hist[0].device != device:
-            prompt = torch.tensor(self._prompt_ids, dtype=torch.long, device=device)
-            out = torch.tensor(self._output_ids, dtype=torch.long, device=device)
+    def _history(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(cols, in_prompt, counts), on the host."""
+        if self._hist is None:
+            prompt = torch.tensor(self._prompt_ids, dtype=torch.long)
+            out = torch.tensor(self._output_ids, dtype=torch.long)
             cols, inv = torch.unique(torch.cat([prompt, out]), sorted=True, return_inverse=True)
-            in_prompt = torch.zeros(cols.numel(), dtype=torch.bool, device=device)
+            in_prompt = torch.zeros(cols.numel(), dtype=torch.bool)
             in_prompt[inv[: prompt.numel()]] = True
-            counts = torch.zeros(cols.numel(), dtype=torch.float32, device=device)
-            counts.index_add_(0, inv[prompt.numel():], torch.ones(out.numel(), device=device))
+            counts = torch.zeros(cols.numel(), dtype=torch.float32)
+            counts.index_add_(0, inv[prompt.numel():], torch.ones(out.numel()))
             self._hist = (cols, in_prompt, counts)
         return self._hist
 
-    def _bias_tensors(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        if self._bias is None or self._bias[0].device != device:
-            items = sorted((self.params.logit_bias or {}).items())
-            idx = torch.tensor([k for k, _ in items], dtype=torch.long, device=device)
-            val = torch.tensor([v for _, v in items], dtype=torch.float32, device=device)
-            self._bias = (idx, val)
-        return self._bias
+    def _bias_tensors(self, device: torch.device, width: int) -> tuple[Tensor, Tensor]:
+        """The bias's ids below ``width`` (the logits' width: ids beyond it are ignored) and its values."""
+        if self._bias is None or self._bias[0] != width or self._bias[1].device != device:
+            items = sorted((k, v) for k, v in (self.params.logit_bias or {}).items() if k < width)
+            idx = to_device(torch.tensor([k for k, _ in items], dtype=torch.long), device)
+            val = to_device(torch.tensor([v for _, v in items], dtype=torch.float32), device)
+            self._bias = (width, idx, val)
+        return self._bias[1], self._bias[2]
 
     # -------------------------------------------------------------- transform
     def process(
@@ -181,19 +184,19 @@ class LogitsProcessor:
         x = x.float()
         n, width = x.shape
         p = self.params
-        if width > self.vocab_size and not bool(torch.isneginf(x[:, self.vocab_size:]).all()):  # not masked yet
+        # on the CPU, skip the copy where the runner already masked them; elsewhere that check would wait for the device
+        if width > self.vocab_size and (x.device.type != "cpu" or not bool(torch.isneginf(x[:, self.vocab_size:]).all())):
             if x.data_ptr() == logits.data_ptr():  # float() made no copy: the caller's logits stay as they are
                 x = x.clone()
             x[:, self.vocab_size:] = float("-inf")
         if self.grammar is not None:
             allowed = self.grammar.allowed(_ids(drafted), offset if start is None else start, n, width)
-            x = x.masked_fill(~allowed.to(x.device), float("-inf"))
+            x = x.masked_fill(~to_device(allowed, x.device), float("-inf"))
 
         if self._use_bias or self._use_rep or self._use_counts:
             if self._use_bias:
-                idx, val = self._bias_tensors(x.device)
-                keep = idx < width
-                x = x.index_add(1, idx[keep], val[keep].unsqueeze(0).expand(n, -1))
+                idx, val = self._bias_tensors(x.device, width)
+                x = x.index_add(1, idx, val.unsqueeze(0).expand(n, -1))
             if self._use_rep or self._use_counts:
                 x = self._apply_penalties(x, _ids(drafted), offset if start is None else start)
 
@@ -223,8 +226,10 @@ class LogitsProcessor:
                 f"got {len(drafted)}"
             )
         p = self.params
-        device = x.device
-        cols, in_prompt, counts = self._history(device)
+        # The history's bookkeeping (merges, the width check) reads ids: it runs on the host, and only the rows'
+        # columns and counts go to the device, so nothing here waits for it.
+        device = torch.device("cpu")
+        cols, in_prompt, counts = self._history()
         extra = drafted[: offset + n - 1]
         if extra:
             # Row i also counts drafted[:offset + i].
@@ -243,6 +248,7 @@ class LogitsProcessor:
             cols, in_prompt, counts = cols[:m], in_prompt[:m], counts[:, :m]
         if cols.numel() == 0:
             return x
+        cols, in_prompt, counts = (to_device(t.contiguous(), x.device) for t in (cols, in_prompt, counts))
         block = x.index_select(1, cols)  # [n, m]
         seen = counts > 0
         if self._use_rep:
@@ -276,7 +282,7 @@ class LogitsProcessor:
             probs = torch.softmax(x, dim=-1)
             sorted_probs, cum = None, None
             candidates = min(_TOP_P_CANDIDATES, p.top_k) if p.top_k > 0 else _TOP_P_CANDIDATES
-            if width > candidates:
+            if width > candidates and x.device.type == "cpu":  # elsewhere the check would wait for the device
                 # Usually the top few hundred tokens (or the top-k) already hold top_p of the
                 # mass: avoid sorting the whole row; fall back to it when they do not.
                 sorted_probs = torch.topk(probs, candidates, dim=-1).values

@@ -49,18 +49,39 @@ def sample_with_uniforms(probs: Tensor, uniforms: Tensor | list[float]) -> Tenso
     The draw is a pure function of (probs, uniform): drafters use it with uniforms keyed by the token's position,
     so a draft is the same whichever thread or round computes it (see ``ModelDrafter``).
     """
+    u = torch.as_tensor(uniforms, dtype=torch.float64, device=probs.device)
+    idx, valid = draw(probs, u)
+    if not bool(valid.all()):
+        raise ValueError("probabilities must be finite and non-negative with a positive sum per row")
+    return idx
+
+
+def draw(probs: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    """``sample_with_uniforms`` without reading anything back to the host: (token ids [n], valid [n] bool).
+
+    A row that is not a distribution (a NaN, a negative entry, no mass) gets ``valid`` False and an arbitrary id;
+    the caller learns it with the ids, in the same copy to the host.
+    """
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    if not bool((total > 0).all() and torch.isfinite(total).all()) or bool((probs < 0).any()):
-        raise ValueError("probabilities must be finite and non-negative with a positive sum per row")
-    u = torch.as_tensor(uniforms, dtype=torch.float64, device=probs.device).reshape(-1, 1) * total
+    valid = ((total > 0) & torch.isfinite(total)).squeeze(-1) & ~(probs < 0).any(dim=-1)
+    u = uniforms.to(torch.float64).reshape(-1, 1) * total
     # First index whose cumulative mass exceeds u: a zero-probability token never is.
     idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     over = idx >= probs.shape[-1]
-    if bool(over.any()):  # u rounded up to the total: take the last token with mass
+    if probs.device.type != "cpu" or bool(over.any()):  # (a host read is free on the CPU, and saves a flip there)
+        # u rounded up to the total: take the last token with mass.
         last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
         idx = torch.where(over, last, idx)
-    return idx
+    return idx, valid
+
+
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` (on the host) on ``device`` without waiting for the device's queued work: a GPU gets it from
+    pinned memory asynchronously; the CPU takes it as it is."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def greedy(logits: Tensor) -> list[int]:

@@ -7,7 +7,8 @@ Sampled: draft ``d_i`` (drawn from ``q_i``) is accepted with probability
 ``min(1, p_i(d_i) / q_i(d_i))``; at the first rejection the emitted token is drawn
 from ``norm(max(p_i - q_i, 0))``; if all k drafts are accepted a bonus token is
 drawn from ``p_k``. Every emitted token is then distributed exactly as plain
-sampling from ``p`` would give. All randomness comes from the given generator.
+sampling from ``p`` would give. All randomness comes from the request's generator, drawn before the step
+(``draw_uniforms``), so the verification itself runs on the device and reads nothing back.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quickdraft.sampling.sampler import sample
+from quickdraft.sampling.sampler import draw, to_device
 
 
 def _as_list(x: Sequence[int] | Tensor) -> list[int]:
@@ -39,59 +40,64 @@ def verify_greedy(target_argmax: Sequence[int] | Tensor, drafts: Sequence[int] |
     return n, t[n]
 
 
-def verify_sampled_batch(
-    p: Tensor,
-    q: Tensor | None,
-    drafts: Tensor | Sequence[Sequence[int]],
-    generator: torch.Generator | None,
-) -> tuple[Tensor, Tensor]:
-    """Batched exact speculative sampling with one shared generator.
+def verify_greedy_batch(choices: Tensor, spans: Sequence[tuple[int, int]], drafts: Sequence[Sequence[int]]
+                        ) -> tuple[Tensor, Tensor]:
+    """:func:`verify_greedy` for a batch, on the choices' device, with nothing read back to the host.
 
-    p: [B, k+1, Vp] target probabilities (already processed, rows summing to 1).
-    q: [B, k, Vq] (or [B, k+1, Vq], the last row ignored) draft probabilities, or None
-       for a deterministic drafter (q is then one-hot at the draft).
-    drafts: [B, k] drafted token ids.
-    Different widths are handled by zero-padding the narrower of p and q.
-    Returns (num_accepted [B] long, next_token [B] long) on the generator's device (p's
-    when there is none); the emitted tokens of row b are drafts[b, :num_accepted[b]]
-    followed by next_token[b]. p and q on another device than the generator (a GPU's
-    probabilities, the engine's CPU generators) are copied to it: the uniforms are drawn
-    where the generator lives, so the same probabilities give the same tokens on any device.
+    choices: [R] the target's choice per logits row of the whole step; spans: (start, rows) of each sequence's rows
+    in it; drafts: each sequence's drafted ids (rows - 1 of them). Returns (num_accepted [B], next_token [B]).
+    The gather index and the padded drafts go to the device in one copy.
     """
-    if p.dim() != 3:
-        raise ValueError(f"p must be [B, k+1, V], got shape {tuple(p.shape)}")
-    if generator is not None and generator.device != p.device:
-        p = p.to(generator.device)
-        q = None if q is None else q.to(generator.device)
+    if len(spans) != len(drafts) or any(rows != len(d) + 1 for (_, rows), d in zip(spans, drafts)):
+        raise ValueError("each sequence needs len(drafts) + 1 choice rows")
+    width = max(len(d) for d in drafts) + 1 if drafts else 1
+    packed = torch.full((2, len(spans), width), -1, dtype=torch.long)
+    for b, ((start, rows), d) in enumerate(zip(spans, drafts)):
+        packed[0, b] = torch.arange(start, start + width).clamp(max=start + rows - 1)
+        packed[1, b, :len(d)] = torch.tensor([int(t) for t in d], dtype=torch.long)
+    index, padded = to_device(packed, choices.device).unbind(0)
+    picked = choices[index]  # [B, width]: row b's choices, its last one repeated past its rows
+    # a padding draft (-1) never equals a choice, so acceptance stops at each sequence's own k
+    num_accepted = (picked[:, :-1] == padded[:, :-1]).long().cumprod(dim=-1).sum(dim=-1)
+    return num_accepted, picked.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+
+
+def draw_uniforms(generator: torch.Generator | None, batch: int, k: int) -> Tensor:
+    """The uniforms a verification of ``k`` drafts per row consumes, [batch, k+1] float64 on the generator's device:
+    k acceptance uniforms (float32 values) then the one the emitted token is drawn with.
+
+    They do not depend on the probabilities, so a step can draw them before its forward and send them to the device
+    with its inputs; a seeded request consumes its generator in the same order on any device.
+    """
+    device = generator.device if generator is not None else torch.device("cpu")
+    accept = torch.rand((batch, k), generator=generator, device=device, dtype=torch.float32)
+    emit = torch.rand((batch, 1), generator=generator, device=device, dtype=torch.float64)
+    return torch.cat([accept.double(), emit], dim=1)
+
+
+def verify_with_uniforms(p: Tensor, q: Tensor | None, drafts: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Exact speculative sampling on p's device with nothing read back to the host.
+
+    p: [B, k+1, V] target probabilities; q: [B, k, V'] draft probabilities or None (a deterministic drafter);
+    drafts: [B, k] ids below max(V, V'); uniforms: [B, k+1] from :func:`draw_uniforms`.
+    Returns (num_accepted [B], next_token [B], valid [B] bool), where ``valid`` is False for a row whose
+    distribution was not one (a NaN in the logits): the caller reads all three in one copy.
+    """
     batch, k1, vp = p.shape
     k = k1 - 1
-    if k < 0:
-        raise ValueError("p needs at least one row")
     device = p.device
-    if isinstance(drafts, Tensor):
-        d = drafts.to(device=device, dtype=torch.long)
-    else:
-        d = torch.tensor([_as_list(row) for row in drafts] if batch else [], dtype=torch.long, device=device)
-    d = d.reshape(batch, k)
     p = p.float()
-    width = vp
+    uniforms = uniforms.to(device)
     if q is not None:
-        if q.dim() != 3 or q.shape[0] != batch or q.shape[1] not in (k, k + 1):
-            raise ValueError(f"q must be [B={batch}, k={k}, V], got shape {tuple(q.shape)}")
-        q = q[:, :k].float()
+        q = q[:, :k].float().to(device)
         width = max(vp, q.shape[-1])
-        if q.shape[-1] < width:
-            q = F.pad(q, (0, width - q.shape[-1]))
-        if vp < width:
-            p = F.pad(p, (0, width - vp))
-    if k and d.numel() and bool(((d < 0) | (d >= width)).any()):
-        raise ValueError(f"drafted token ids must be in [0, {width})")
-
+        q = F.pad(q, (0, width - q.shape[-1]))
+        p = F.pad(p, (0, width - vp))
     if k == 0:
-        nxt = sample(p[:, 0], generator)
-        return torch.zeros(batch, dtype=torch.long, device=device), nxt
-
-    u = torch.rand((batch, k), generator=generator, device=device, dtype=torch.float32)
+        nxt, valid = draw(p[:, 0], uniforms[:, 0])
+        return torch.zeros(batch, dtype=torch.long, device=device), nxt, valid
+    d = drafts.to(device=device, dtype=torch.long).reshape(batch, k)
+    u = uniforms[:, :k].float()
     idx = d.unsqueeze(-1)
     p_d = p[:, :k].gather(-1, idx).squeeze(-1)
     if q is None:
@@ -99,7 +105,7 @@ def verify_sampled_batch(
     else:
         q_d = q.gather(-1, idx).squeeze(-1)
         accept = u * q_d < p_d  # u < p/q without dividing; q(d) = 0 < p(d) accepts, p(d) = 0 never does
-    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [B], stays on device
+    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)
 
     # Only the row at the first rejection (or the bonus row) is needed: gather it, one draw per sequence.
     rejected = num_accepted < k
@@ -114,8 +120,49 @@ def verify_sampled_batch(
     # Zero residual mass (p <= q everywhere, i.e. p == q up to rounding): rejection has
     # probability ~0 there; fall back to p so the draw is still well defined.
     use_residual = rejected.unsqueeze(-1) & (residual.sum(dim=-1, keepdim=True) > 0)
-    dist = torch.where(use_residual, residual, p_row)
-    nxt = sample(dist, generator)
+    nxt, valid = draw(torch.where(use_residual, residual, p_row), uniforms[:, k])
+    return num_accepted, nxt, valid
+
+
+def verify_sampled_batch(
+    p: Tensor,
+    q: Tensor | None,
+    drafts: Tensor | Sequence[Sequence[int]],
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:
+    """Batched exact speculative sampling with one shared generator.
+
+    p: [B, k+1, Vp] target probabilities (already processed, rows summing to 1).
+    q: [B, k, Vq] (or [B, k+1, Vq], the last row ignored) draft probabilities, or None
+       for a deterministic drafter (q is then one-hot at the draft).
+    drafts: [B, k] drafted token ids.
+    Different widths are handled by zero-padding the narrower of p and q.
+    Returns (num_accepted [B] long, next_token [B] long) on p's device; the emitted tokens of row b are
+    drafts[b, :num_accepted[b]] followed by next_token[b]. The uniforms come from the generator (on its device,
+    in the order of :func:`draw_uniforms`), so a seeded call gives the same tokens from the same probabilities
+    on any device.
+    """
+    if p.dim() != 3:
+        raise ValueError(f"p must be [B, k+1, V], got shape {tuple(p.shape)}")
+    batch, k1, vp = p.shape
+    k = k1 - 1
+    if k < 0:
+        raise ValueError("p needs at least one row")
+    if isinstance(drafts, Tensor):
+        d = drafts.to(dtype=torch.long)
+    else:
+        d = torch.tensor([_as_list(row) for row in drafts] if batch else [], dtype=torch.long)
+    d = d.reshape(batch, k)
+    width = vp
+    if q is not None:
+        if q.dim() != 3 or q.shape[0] != batch or q.shape[1] not in (k, k + 1):
+            raise ValueError(f"q must be [B={batch}, k={k}, V], got shape {tuple(q.shape)}")
+        width = max(vp, q.shape[-1])
+    if k and d.numel() and bool(((d < 0) | (d >= width)).any()):
+        raise ValueError(f"drafted token ids must be in [0, {width})")
+    num_accepted, nxt, valid = verify_with_uniforms(p, q, d, draw_uniforms(generator, batch, k))
+    if not bool(valid.all()):
+        raise ValueError("probabilities must be finite and non-negative with a positive sum per row")
     return num_accepted, nxt
 
 

@@ -1,0 +1,103 @@
+"""Deciding a step's tokens: what each sequence accepts of its drafts, and the token it emits after them.
+
+On the CPU a greedy sequence is decided on the host as its rows are read (quickdraft's argmax kernel reads a
+150k-wide row faster than torch's). Everywhere else, and for every sampled sequence, the decision is made where the
+logits are, with nothing read back until the end of the step: greedy choices come from one argmax over the rows of
+every greedy sequence and one batched comparison with their drafts; a sampled sequence's transforms, acceptance test
+and residual draw run as torch ops on uniforms its generator drew on the host beforehand (in the order plain
+verification consumes them, so a seeded request gives the same tokens on any device). The decisions of the whole
+step come to the host in one copy.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from quickdraft.engine.sequence import Sequence
+from quickdraft.sampling.sampler import greedy, to_device
+from quickdraft.speculative.drafters import Proposal
+from quickdraft.speculative.verify import (draw_uniforms, verify_greedy, verify_greedy_batch,
+                                           verify_with_uniforms)
+
+# Runs one sequence's part of the step, ending that sequence alone if it raises (LLMEngine._isolated).
+Isolated = Callable[..., Any]
+
+# On the CPU, greedy sequences are decided on the host; tests turn this off to run the device path there.
+CPU_GREEDY_ON_HOST = True
+
+_NOT_A_DISTRIBUTION = "probabilities must be finite and non-negative with a positive sum per row"
+
+
+def decide(picked: list[tuple[Sequence, torch.Tensor, Proposal]], isolated: Isolated) -> dict[int, tuple[int, int]]:
+    """(accepted drafts, next token) per ``id(seq)`` for each (sequence, its logits rows, its proposal); a sequence
+    whose part fails is ended by ``isolated`` and has no entry."""
+    decided: dict[int, tuple[int, int]] = {}
+    on_device: list[tuple[Sequence, torch.Tensor]] = []  # [3] (accepted, next token, valid) each, not yet read
+    greedy_rows: list[tuple[Sequence, torch.Tensor, Proposal]] = []
+    sampled: list[tuple[Sequence, torch.Tensor, Proposal]] = []
+    for seq, rows, proposal in picked:
+        if not seq.params.greedy:
+            sampled.append((seq, rows, proposal))
+        elif rows.device.type == "cpu" and CPU_GREEDY_ON_HOST:
+            result = isolated(seq, _greedy_on_host, seq, rows, proposal)
+            if result is not None:
+                decided[id(seq)] = result
+        else:
+            choice_rows = rows if seq.processor.greedy_on_raw_logits else \
+                isolated(seq, seq.processor.process, rows, proposal.tokens)
+            if choice_rows is not None:
+                greedy_rows.append((seq, choice_rows, proposal))
+    if greedy_rows:
+        on_device += _greedy_on_device(greedy_rows)
+    if sampled:
+        # every sampled sequence's uniforms, drawn from its own generator, reach the device in one copy
+        counts = [len(proposal.tokens) + 1 for _, _, proposal in sampled]
+        uniforms = torch.cat([draw_uniforms(seq.generator, 1, n - 1).reshape(-1) for (seq, _, _), n
+                              in zip(sampled, counts)])
+        uniforms = to_device(uniforms, sampled[0][1].device).split(counts)
+        for (seq, rows, proposal), u in zip(sampled, uniforms):
+            result = isolated(seq, _sampled, seq, rows, proposal, u)
+            if result is not None:
+                on_device.append((seq, result))
+    if on_device:
+        values = torch.stack([t for _, t in on_device]).tolist()  # the one copy back
+        for (seq, _), (accepted, token, valid) in zip(on_device, values):
+            if valid:
+                decided[id(seq)] = (accepted, token)
+            else:
+                isolated(seq, _fail_with, ValueError(_NOT_A_DISTRIBUTION))
+    return decided
+
+
+def _greedy_on_host(seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> tuple[int, int]:
+    choices = greedy(seq.processor.process(rows, proposal.tokens))
+    return verify_greedy(choices, proposal.tokens)
+
+
+def _greedy_on_device(items: list[tuple[Sequence, torch.Tensor, Proposal]]) -> list[tuple[Sequence, torch.Tensor]]:
+    choices = torch.cat([rows for _, rows, _ in items]).argmax(dim=-1)
+    spans, start = [], 0
+    for _, rows, _ in items:
+        spans.append((start, len(rows)))
+        start += len(rows)
+    accepted, token = verify_greedy_batch(choices, spans, [proposal.tokens for _, _, proposal in items])
+    decided = torch.stack([accepted, token, torch.ones_like(token)], dim=1)
+    return [(seq, row) for (seq, _, _), row in zip(items, decided)]
+
+
+def _sampled(seq: Sequence, rows: torch.Tensor, proposal: Proposal, uniforms: torch.Tensor) -> torch.Tensor:
+    drafted = proposal.tokens
+    width = max(rows.shape[-1], 0 if proposal.q is None else proposal.q.shape[-1])
+    if any(not 0 <= t < width for t in drafted):  # checked here: on a GPU a bad index is a device fault
+        raise ValueError(f"drafted token ids must be in [0, {width})")
+    p = seq.processor.probs(rows, drafted=drafted)
+    q = None if proposal.q is None else proposal.q.unsqueeze(0)
+    drafts = to_device(torch.tensor([drafted], dtype=torch.long), p.device)
+    accepted, token, valid = verify_with_uniforms(p.unsqueeze(0), q, drafts, uniforms.unsqueeze(0))
+    return torch.stack([accepted[0], token[0], valid[0].long()])
+
+
+def _fail_with(exc: Exception) -> None:
+    raise exc

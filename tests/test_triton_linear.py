@@ -1,0 +1,100 @@
+"""The GPU's weight-only int8 and int4 kernel (models/triton_linear.py), run on the CPU under Triton's interpreter:
+it must give what the weights it reads say, against a float64 reference, for every tile edge (rows, columns and
+input widths that are not multiples of a tile) and row count (a decode step, a verify pass, a prompt chunk); a row's
+result must not depend on the rows beside it; a GGUF's Q4 blocks, mapped exactly to int4, give the file's own
+dequantization. tests/test_cuda.py runs it on a GPU inside whole models."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from quickdraft.models import triton_linear
+from quickdraft.models.quant import Int4Linear, Int8Linear
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+# On a GPU the kernel runs there (products in bfloat16: looser bounds); elsewhere on the CPU under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = dict(rtol=0.02, atol=0.15) if DEVICE == "cuda" else dict(rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(autouse=True)
+def interpreted(monkeypatch):
+    monkeypatch.setattr(triton_linear, "KERNEL_ON_CPU", True)
+
+
+def reference(x: torch.Tensor, layer) -> torch.Tensor:
+    return (x.double() @ layer.dequantize().double().T.to(x.device)).float()
+
+
+def randn(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(DEVICE)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17, 70])
+@pytest.mark.parametrize("out_features,in_features", [(40, 96), (64, 256), (7, 160)])
+def test_int8_kernel_equals_the_weights(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows * 1000 + in_features)
+    weight = randn(out_features, in_features, generator=g)
+    layer = Int8Linear.from_float(weight, kernel="triton")
+    assert layer.backend == "triton"
+    x = randn(rows, in_features, generator=g)
+    torch.testing.assert_close(layer(x), reference(x, layer), **TOLERANCE)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17, 70])
+@pytest.mark.parametrize("out_features,in_features,group", [(40, 96, 32), (64, 256, 64), (7, 256, 128)])
+def test_int4_kernel_equals_the_weights(rows, out_features, in_features, group):
+    g = torch.Generator().manual_seed(rows * 1000 + in_features + group)
+    weight = randn(out_features, in_features, generator=g)
+    layer = Int4Linear.from_float(weight, group_size=group, kernel="triton")
+    assert layer.backend == "triton"
+    x = randn(rows, in_features, generator=g)
+    torch.testing.assert_close(layer(x), reference(x, layer), **TOLERANCE)
+    # the same weights on the reference path (dequantize, then matmul): the same layer
+    ref = Int4Linear(layer.int_weight(), layer.scales, layer.zeros, group, kernel="reference")
+    torch.testing.assert_close(layer(x), ref(x), **TOLERANCE)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch():
+    g = torch.Generator().manual_seed(0)
+    layer = Int4Linear.from_float(randn(96, 128, generator=g), kernel="triton")
+    x = randn(40, 128, generator=g)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
+    assert torch.equal(layer(x[:5]), alone[:5]) and torch.equal(layer(x[:17])[:5], alone[:5])
+
+
+def test_bias_and_zero_rows():
+    g = torch.Generator().manual_seed(1)
+    weight, bias = randn(24, 64, generator=g), randn(24, generator=g)
+    layer = Int8Linear.from_float(weight, bias, kernel="triton")
+    x = randn(3, 64, generator=g)
+    torch.testing.assert_close(layer(x), reference(x, layer) + bias, **TOLERANCE)
+    assert layer(x[:0]).shape == (0, 24)
+
+
+def test_gguf_q4_blocks_run_as_the_file_says():
+    gguf = pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType as T
+
+    from quickdraft.loading.dequant import dequantize
+    from quickdraft.loading.gguf_int4 import gguf_int4_params
+
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(48, 256, generator=g).numpy()
+    x = randn(3, 256, generator=g)
+    for qtype in (T.Q4_0, T.Q4_1):  # gguf-py quantizes these two (tests/test_quant.py maps Q4_K)
+        raw = gguf.quants.quantize(weight, qtype)
+        q, scale, zero = gguf_int4_params(raw, int(qtype), (48, 256))
+        layer = Int4Linear(q.to(DEVICE), scale.to(DEVICE), zero.to(DEVICE), 32, kernel="triton")
+        file_weight = dequantize(raw, int(qtype), (48, 256)).double().to(DEVICE)
+        # scale and zero are rounded to bfloat16, as on every int4 backend
+        torch.testing.assert_close(layer(x).double(), x.double() @ file_weight.T, rtol=0.02, atol=0.05)
+
+
+def test_the_backend_is_refused_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(triton_linear, "KERNEL_ON_CPU", False)
+    with pytest.raises(ValueError, match="triton backend needs"):
+        Int8Linear.from_float(torch.randn(8, 32), kernel="triton")
