@@ -9,8 +9,9 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "olmoe")
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "olmoe",
+                           "gpt_oss")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
 # Bounds far beyond any checkpoint's values (factors of 1 to ~100, bases of 10^4 to 10^8, widths of ~16k, contexts of
 # up to ~10M tokens): within them every RoPE angle stays finite and every size fits the C kernels' ints, and a damaged
 # value is refused at load rather than failing every request (or sizing a loop or an allocation) later.
@@ -47,7 +48,10 @@ class RopeScaling:
     agree up to the original context and in decoding); ``llama3`` divides low frequencies by
     ``factor`` and blends the middle band; ``longrope`` (Phi-3) divides each frequency by its own factor,
     ``short_factor`` up to the original context and ``long_factor`` from there (per position, so a token's
-    rotation never depends on the batch), and scales cos and sin by ``attention_factor``."""
+    rotation never depends on the batch), and scales cos and sin by ``attention_factor``; ``yarn`` (gpt-oss) divides
+    the frequencies below the band ``beta_slow``..``beta_fast`` rotations by ``factor``, keeps those above it and
+    ramps linearly between (``truncate``: the band's ends rounded outward), and scales cos and sin by
+    ``attention_factor`` (default ``0.1 ln(factor) + 1``)."""
 
     type: str = "default"
     factor: float = 1.0
@@ -57,6 +61,9 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
@@ -64,7 +71,8 @@ class RopeScaling:
         for name in ("short_factor", "long_factor"):
             if not isinstance(getattr(self, name), tuple) or len(getattr(self, name)) > MAX_WIDTH:
                 raise ValueError(f"rope scaling {name} must be a list of at most {MAX_WIDTH:,} numbers")
-        numbers = [self.factor, self.low_freq_factor, self.high_freq_factor, *self.short_factor, *self.long_factor]
+        numbers = [self.factor, self.low_freq_factor, self.high_freq_factor, *self.short_factor, *self.long_factor,
+                   self.beta_fast, self.beta_slow]
         if self.attention_factor is not None:
             numbers.append(self.attention_factor)
         low, high = FACTOR_RANGE
@@ -74,7 +82,9 @@ class RopeScaling:
         if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError("rope scaling 'llama3' needs high_freq_factor > low_freq_factor")
         original = self.original_max_position_embeddings
-        if self.type in ("llama3", "longrope", "dynamic") and not _is_int(original, 2, MAX_CONTEXT):
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"rope scaling truncate={self.truncate!r}; it must be true or false")
+        if self.type in ("llama3", "longrope", "dynamic", "yarn") and not _is_int(original, 2, MAX_CONTEXT):
             raise ValueError(f"rope scaling {self.type!r} needs original_max_position_embeddings, an int in 2 to "
                              f"{MAX_CONTEXT:,}; got {original!r}")
         if self.type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
@@ -82,11 +92,14 @@ class RopeScaling:
 
     @property
     def attention(self) -> float:
-        """What longrope scales cos and sin by: ``attention_factor``, else transformers' default from ``factor``."""
+        """What longrope and yarn scale cos and sin by: ``attention_factor``, else transformers' default from
+        ``factor``."""
         if self.attention_factor is not None:
             return self.attention_factor
         if self.factor <= 1.0:
             return 1.0
+        if self.type == "yarn":
+            return 0.1 * math.log(self.factor) + 1.0
         return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
 
 
@@ -135,6 +148,16 @@ class ModelConfig:
     expert_intermediate_size: int | None = None
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: a learned logit per query head that every softmax of attention also normalizes over (a "sink" no
+    # value comes from); a bias on the attention's output projection; a bias on the router's logits and on each
+    # expert's linears; experts gated by a clamped SwiGLU, (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g) with
+    # g = min(gate, limit) (None: plain SwiGLU)
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -180,6 +203,10 @@ class ModelConfig:
                 raise ValueError(f"{name}={value!r}; allowed: {SCALAR_RANGE[0]:g} to {SCALAR_RANGE[1]:g}")
         if self.clip_qkv is not None and not _is_number(self.clip_qkv, 1e-6, 1e9):
             raise ValueError(f"clip_qkv={self.clip_qkv!r}; allowed: 1e-06 to 1e+09")
+        if self.swiglu_limit is not None and not _is_number(self.swiglu_limit, 1e-6, 1e9):
+            raise ValueError(f"swiglu_limit={self.swiglu_limit!r}; allowed: 1e-06 to 1e+09")
+        if not _is_number(self.swiglu_alpha, 1e-6, 1e9):
+            raise ValueError(f"swiglu_alpha={self.swiglu_alpha!r}; allowed: 1e-06 to 1e+09")
         if not _is_number(self.rms_norm_eps, 0.0, 1.0) or not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r}; allowed: above 0 up to 1")
         scaling = self.rope_scaling

@@ -140,8 +140,12 @@ def _edited(tmp_path: Path, source: Path, **changes) -> Path:
 
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "falcon"}, r"unsupported model_type 'falcon'; supported: llama, mistral, qwen2, qwen3, gemma3_text"),
+    ({"rope_parameters": {"rope_type": "proportional", "factor": 4.0, "rope_theta": 1e4}},
+     r"rope scaling 'proportional' is not supported; supported: default, linear, dynamic, llama3, longrope, yarn"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-     r"rope scaling 'yarn' is not supported; supported: default, linear, dynamic, llama3, longrope"),
+     r"rope scaling 'yarn' needs original_max_position_embeddings, an int in 2"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "beta_fast": float("inf"),
+                          "original_max_position_embeddings": 32}}, r"rope scaling 'yarn' has a factor inf"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4, "low_freq_factor": 4.0,
                           "high_freq_factor": 1.0, "original_max_position_embeddings": 32}},
      r"high_freq_factor > low_freq_factor"),

@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType as QT, GGUFWriter
 from quickdraft.config import RopeScaling
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading import load_checkpoint, resolve_model
-from quickdraft.loading.gguf import expected_shapes, hf_tensor_types
+from quickdraft.loading.gguf import hf_tensor_types
+from quickdraft.loading.tensor_set import expected_shapes
 from quickdraft.loading.gguf_metadata import tensor_types
 from quickdraft.loading.quant_convert import Sources, gguf_int4_params
 

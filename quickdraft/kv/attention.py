@@ -168,9 +168,10 @@ class AttentionBatch:
                             self.pool.k.stride(0), self.pool.scale_layer_stride)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]. ``scale``: of the dot products
-        (default D ** -0.5); ``window``: a token at position p sees keys p - window < j <= p (default: all)."""
+        (default D ** -0.5); ``window``: a token at position p sees keys p - window < j <= p (default: all);
+        ``sinks`` [H]: each head's softmax also normalizes over exp(sink) (gpt-oss; torch's attention only)."""
         self.pool.write(layer, self.slot_mapping, k, v)
         tokens, heads, dim = q.shape
         kv_heads = k.shape[1]
@@ -180,27 +181,44 @@ class AttentionBatch:
             slots, mask = self._piece(index, window)
             ks, vs = self.pool.read(layer, slots, q.dtype)
             qs = q[first:end].transpose(0, 1).unsqueeze(0)  # [1, H, m, D]
-            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                                               attn_mask=mask, enable_gqa=True, scale=scale)
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+            if sinks is not None:
+                ks, vs, mask = with_sinks(ks, vs, mask[None, None], sinks.view(1, heads, 1, 1))
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True, scale=scale)
             out[first:end] = o[0].transpose(0, 1)
-        if self.native and len(self.items.rows):
+        if not len(self.items.rows):
+            return out
+        if self.native and sinks is None:
             cache = self.pool.layer(layer)
             if native.runs_attend(q, cache):
                 native.attend(q, cache, self.items, out, scale, window or 0)
                 return out
             self.native = False  # a head layout the kernel does not take (checked once per batch)
-        if self.native or not len(self.items.rows):
-            return out
         if (window or 0) not in self._singles:
             self._singles[window or 0] = self._buckets(*self._bucket_args, window)
         grouped = q.view(tokens, kv_heads, heads // kv_heads, dim)  # query heads that share a key/value head
         for rows, key_slots, mask in self._singles[window or 0]:
             ks, vs = self.pool.read(layer, key_slots, q.dtype)  # [R, bucket, KVH, D]
+            ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)
+            if sinks is not None:
+                ks, vs, mask = with_sinks(ks, vs, mask, sinks.view(1, kv_heads, heads // kv_heads, 1))
             with one_thread(q.device):
-                o = F.scaled_dot_product_attention(grouped[rows], ks.transpose(1, 2), vs.transpose(1, 2),
-                                                   attn_mask=mask, scale=scale)  # [R, KVH, G, D]
+                o = F.scaled_dot_product_attention(grouped[rows], ks, vs, attn_mask=mask, scale=scale)  # [R, KVH, G, D]
             out[rows] = o.reshape(len(rows), heads, dim)
         return out
+
+
+def with_sinks(ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention sinks as one more key: a zero key and value after the context (``ks``/``vs`` [..., L, D]), and the
+    boolean ``mask`` [..., L] as additive logits with each head's sink (``sinks``, broadcast to the query rows) as
+    that key's logit. Its score is the sink itself, and its value adds nothing: the softmax over the context is
+    normalized by the sum with exp(sink), as gpt-oss's attention does."""
+    zero = ks.new_zeros(*ks.shape[:-2], 1, ks.shape[-1])
+    bias = torch.zeros(mask.shape, dtype=ks.dtype, device=ks.device).masked_fill_(~mask, float("-inf"))
+    shape = torch.broadcast_shapes(bias.shape[:-1], sinks.shape[:-1])
+    bias = torch.cat([bias.expand(*shape, bias.shape[-1]), sinks.to(ks.dtype).expand(*shape, 1)], dim=-1)
+    return torch.cat([ks, zero], dim=-2), torch.cat([vs, zero], dim=-2), bias
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from quickdraft.kv.attention import with_sinks
 from quickdraft.models.native import CacheLayer, KV_SCALE_GROUP
 
 triton = tl = None  # optional (pip install triton): imported by _kernel, on first use
@@ -67,18 +68,21 @@ def query_last_keys(context_lens: torch.Tensor, query_lens: torch.Tensor, querie
 
 
 def paged_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                    query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int = 0
-                    ) -> torch.Tensor:
+                    query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int = 0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[B * queries, H, D]`` (rows of a sequence consecutive); block_tables ``[B, width]``; context_lens,
-    query_lens ``[B]``. Returns ``[B * queries, H, D]`` in q's dtype. ``window`` 0: every earlier key."""
-    if kernel_runs(q, cache, block_size):
+    query_lens ``[B]``. Returns ``[B * queries, H, D]`` in q's dtype. ``window`` 0: every earlier key. ``sinks``
+    [H] (gpt-oss's attention sinks) take the torch path: a mixture of experts, the one family with them, runs
+    its static step eagerly."""
+    if sinks is None and kernel_runs(q, cache, block_size):
         return _triton_attention(q, cache, block_tables, context_lens, query_lens, queries, block_size, scale, window)
-    return paged_attention_torch(q, cache, block_tables, context_lens, query_lens, queries, block_size, scale, window)
+    return paged_attention_torch(q, cache, block_tables, context_lens, query_lens, queries, block_size, scale, window,
+                                 sinks)
 
 
 def paged_attention_torch(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                          query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int = 0
-                          ) -> torch.Tensor:
+                          query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int = 0,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The same attention as the kernel with torch ops of static shape (reads every block of every table)."""
     batch, width = block_tables.shape
     tokens, heads, dim = q.shape
@@ -99,7 +103,11 @@ def paged_attention_torch(q: torch.Tensor, cache: CacheLayer, block_tables: torc
     mask = mask.repeat_interleave(group, dim=1)[:, None]  # [B, 1, Q*G, L]: rows in (query, head of group) order
     qs = q.view(batch, queries, kv_heads, group, dim).permute(0, 2, 1, 3, 4).reshape(batch, kv_heads,
                                                                                     queries * group, dim)
-    o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    k, v, bias = k.transpose(1, 2), v.transpose(1, 2), mask
+    if sinks is not None:  # each row's head: rows are (query, head of the group) of each key/value head
+        rows = sinks.view(kv_heads, 1, group).expand(kv_heads, queries, group).reshape(1, kv_heads, -1, 1)
+        k, v, bias = with_sinks(k, v, mask, rows)
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=bias, scale=scale)
     o = torch.where(mask.any(-1, keepdim=True), o, 0)  # a row with no keys: zeros, as the kernel
     return o.view(batch, kv_heads, queries, group, dim).permute(0, 2, 1, 3, 4).reshape(tokens, heads, dim)
 

@@ -71,11 +71,11 @@ class StaticAttention:
         self.context_lens, self.query_lens = inputs["context_lens"], inputs["query_lens"]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.pool.write(layer, self.slots, k, v)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return paged_attention(q, self.pool.layer(layer), self.tables, self.context_lens, self.query_lens,
-                               self.queries, self.pool.block_size, scale, window or 0)
+                               self.queries, self.pool.block_size, scale, window or 0, sinks)
 
     def single_tokens(self, layer: int) -> None:
         return None  # the CPU's fused C layers are not part of this path

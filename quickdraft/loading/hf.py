@@ -12,7 +12,7 @@ import torch
 from quickdraft.config import ModelConfig
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading.checkpoint import Checkpoint, LazyTensors, fingerprint
-from quickdraft.loading.gguf import check_tensor_set, expected_shapes
+from quickdraft.loading.tensor_set import check_tensor_set, expected_shapes
 from quickdraft.loading.hf_config import checkpoint_tensors, config_from_hf, is_offset_norm
 from quickdraft.loading.tensor_file import TensorFile, map_tensors
 

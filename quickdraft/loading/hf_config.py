@@ -11,7 +11,7 @@ from quickdraft.errors import ModelLoadError
 
 # model_type in config.json -> our architecture name
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-               "phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
+               "phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe", "gpt_oss": "gpt_oss"}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # transformers' older names for the same scalings
 _ROPE_ALIASES = {"su": "longrope", None: "default"}
@@ -67,7 +67,8 @@ def _rope_scaling(params: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling | 
             high_freq_factor=params.get("high_freq_factor", 4.0), original_max_position_embeddings=original,
             short_factor=_numbers(params.get("short_factor"), "short_factor"),
             long_factor=_numbers(params.get("long_factor"), "long_factor"),
-            attention_factor=params.get("attention_factor"),
+            attention_factor=params.get("attention_factor"), beta_fast=params.get("beta_fast") or 32.0,
+            beta_slow=params.get("beta_slow") or 1.0, truncate=params.get("truncate", True),
         )
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
@@ -127,11 +128,14 @@ def _experts(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     renormalizes its top-k, Qwen3-MoE and OLMoE by ``norm_topk_prob`` (false by default); Qwen3-MoE's experts have
     their own width and some layers may stay dense (``mlp_only_layers``, ``decoder_sparse_step``); OLMoE normalizes
     all of q and k and may clamp them."""
-    if arch not in ("qwen3_moe", "mixtral", "olmoe"):
+    if arch not in ("qwen3_moe", "mixtral", "olmoe", "gpt_oss"):
         return {}
     count = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes num_local_experts
     out = dict(num_experts=count, num_experts_per_tok=cfg.get("num_experts_per_tok"),
-               norm_topk_prob=True if arch == "mixtral" else _flag(cfg, "norm_topk_prob", False))
+               norm_topk_prob=True if arch in ("mixtral", "gpt_oss") else _flag(cfg, "norm_topk_prob", False))
+    if arch == "gpt_oss":  # softmax over the top-k logits: softmax, top-k, renormalized
+        out.update(attention_sinks=True, attention_out_bias=_flag(cfg, "attention_bias", True), router_bias=True,
+                   expert_bias=True, swiglu_limit=cfg.get("swiglu_limit", 7.0), swiglu_alpha=cfg.get("swiglu_alpha", 1.702))
     if arch == "qwen3_moe":
         step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
         if not isinstance(step, int) or isinstance(step, bool) or step < 1 or not isinstance(dense, list):
@@ -180,7 +184,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
             head_dim=cfg.get("head_dim") or hidden // heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            attention_bias=_flag(cfg, "attention_bias", arch == "qwen2"),
+            attention_bias=_flag(cfg, "attention_bias", arch in ("qwen2", "gpt_oss")),
             tie_word_embeddings=_flag(cfg, "tie_word_embeddings", arch == "gemma3"),
             bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
             eos_token_ids=tuple(dict.fromkeys(eos)),
@@ -240,6 +244,8 @@ def _expert_tensors(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]
     expert's views (no copy); a stacked tensor of the wrong shape is left whole, for the shape check to name."""
     if not cfg.num_experts:
         return tensors
+    if cfg.architecture == "gpt_oss":
+        return _gpt_oss_expert_tensors(tensors, cfg)
     out, width = {}, cfg.expert_width
     for name, t in tensors.items():
         if ".block_sparse_moe." in name:
@@ -257,6 +263,38 @@ def _expert_tensors(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]
                     out[f"{prefix}.{e}.down_proj.weight"] = t[e]
             continue
         out[name] = t
+    return out
+
+
+def _gpt_oss_expert_tensors(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """gpt-oss stores a layer's experts stacked and transposed (``x @ W``): ``gate_up_proj [E, H, 2I]`` with gate and
+    up in alternate columns, ``down_proj [E, I, H]``, each with a bias; its router is ``mlp.router``. Each expert
+    becomes an MLP's [out, in] weights (copies: the columns are strided) and biases."""
+    out, width, experts = {}, cfg.expert_width, cfg.num_experts
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if ".mlp.router." in name:
+            out[name.replace(".mlp.router.", ".mlp.gate.")] = t
+            continue
+        if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                                                 "down_proj_bias"):
+            out[name] = t
+            continue
+        shapes = {"gate_up_proj": (experts, cfg.hidden_size, 2 * width), "gate_up_proj_bias": (experts, 2 * width),
+                  "down_proj": (experts, width, cfg.hidden_size), "down_proj_bias": (experts, cfg.hidden_size)}
+        if tuple(t.shape) != shapes[leaf]:
+            raise ModelLoadError(f"{name} has shape {list(t.shape)}; the config needs {list(shapes[leaf])}")
+        for e in range(experts):
+            if leaf == "gate_up_proj":
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :, 0::2].t().contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, :, 1::2].t().contiguous()
+            elif leaf == "gate_up_proj_bias":
+                out[f"{prefix}.{e}.gate_proj.bias"] = t[e, 0::2].contiguous()
+                out[f"{prefix}.{e}.up_proj.bias"] = t[e, 1::2].contiguous()
+            elif leaf == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].t().contiguous()
+            else:
+                out[f"{prefix}.{e}.down_proj.bias"] = t[e]
     return out
 
 

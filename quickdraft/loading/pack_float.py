@@ -37,7 +37,8 @@ def pack_float_linears(model: Transformer, tensors: Mapping[str, torch.Tensor] |
         attn.fuse(PackedLinear(torch.cat([p.weight for p in parts]), bias))
         attn.o_proj = PackedLinear.from_linear(attn.o_proj)
         for _, mlp in layer.feed_forwards():
-            mlp.fuse(PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])))
+            bias = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+            mlp.fuse(PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), bias))
             mlp.down_proj = PackedLinear.from_linear(mlp.down_proj)
     model.lm_head = PackedLinear.from_linear(model.lm_head)
     return names

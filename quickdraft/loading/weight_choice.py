@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from quickdraft.config import ModelConfig
-from quickdraft.loading.gguf import expected_shapes
+from quickdraft.loading.tensor_set import expected_shapes
 from quickdraft.loading.quant_convert import INT4_TYPES, LAYER_LINEARS, layer_kernel
 from quickdraft.models import qmatmul
 from quickdraft.models.block_formats import FORMATS

@@ -23,17 +23,20 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, intermediate: int | None = None) -> None:
         super().__init__()
         width = intermediate or cfg.intermediate_size
-        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+        bias = cfg.expert_bias and intermediate is not None
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=bias)
         self.gate_up_proj: nn.Module | None = None  # gate and up in one module (set by the loader, see fuse())
         self.activated = False
-        self.act = cfg.hidden_act  # down(act(gate) * up): silu (SwiGLU) or gelu_tanh (Gemma's GeGLU)
+        # down(act(gate) * up): silu (SwiGLU) or gelu_tanh (Gemma's GeGLU); gpt-oss clamps its SwiGLU (see forward)
+        self.act = "clamped_swiglu" if cfg.swiglu_limit is not None else cfg.hidden_act
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
 
     def fuse(self, gate_up_proj: nn.Module, activated: bool = False) -> None:
         """Run gate and up as one projection whose output is their concatenation, or, ``activated``, already
         ``silu(gate) * up`` (SwiGLU models only)."""
-        if activated and self.act != "silu":
+        if activated and self.act != "silu":  # (a clamped SwiGLU is not one)
             raise ValueError(f"an activated gate/up projection applies silu; this MLP uses {self.act}")
         self.gate_up_proj, self.activated = gate_up_proj, activated
         del self.gate_proj, self.up_proj
@@ -43,11 +46,14 @@ class MLP(nn.Module):
             return self.down_proj(self.gate_up_proj(x))
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            if native.runs_gated(gate_up):  # one kernel, the one the fused layer applies (see fused.py)
+            if self.act != "clamped_swiglu" and native.runs_gated(gate_up):  # the kernel the fused layer applies
                 return self.down_proj(native.gated(gate_up, self.act))
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.act == "clamped_swiglu":  # gpt-oss, in float32 as transformers' float32 reference
+            gate, up = gate.float().clamp(max=self.limit), up.float().clamp(-self.limit, self.limit)
+            return self.down_proj(((up + 1) * gate * torch.sigmoid(gate * self.alpha)).to(x.dtype))
         act = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
         return self.down_proj(act * up)
 
@@ -55,11 +61,13 @@ class MLP(nn.Module):
 class Router(nn.Module):
     """Each token's top-k experts and their weights: softmax over the router's logits in float32, the k largest
     (ties to the lower id, as torch.topk), renormalized to sum to 1 where the family does (Mixtral always; Qwen3-MoE
-    and OLMoE by ``norm_topk_prob``). The same rule as transformers' routers for the three families."""
+    and OLMoE by ``norm_topk_prob``; gpt-oss's softmax over its top-k logits is the same, after a bias on the
+    logits). The same rule as transformers' routers for the four families."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None  # gpt-oss
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self._double: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, its float64 copy), made once
 
@@ -71,7 +79,7 @@ class Router(nn.Module):
         cached = self._double
         if cached is None or cached[0] is not self.weight:
             cached = self._double = (self.weight, self.weight.double().contiguous())
-        if native.runs_rms_norm(x, self.weight):  # float32/bfloat16 on the CPU, the kernels built
+        if self.bias is None and native.runs_rms_norm(x, self.weight):  # float32/bfloat16 on the CPU, kernels built
             experts = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
             weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
             x = x.contiguous()
@@ -80,7 +88,7 @@ class Router(nn.Module):
                                        experts.data_ptr(), weights.data_ptr())
             native._check(rc, "qd_route")
             return weights, experts
-        logits = F.linear(x.double(), cached[1]).to(torch.float32)
+        logits = F.linear(x.double(), cached[1], None if self.bias is None else self.bias.double()).to(torch.float32)
         probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:

@@ -26,6 +26,26 @@ def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN (gpt-oss): frequencies that turn fewer than ``beta_slow`` times over the original context are divided by
+    ``factor``, those that turn more than ``beta_fast`` times kept, a linear ramp between (HF's
+    ``_compute_yarn_parameters``)."""
+    original = s.original_max_position_embeddings
+
+    def dimension(rotations: float) -> float:  # the dimension whose frequency turns ``rotations`` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(s.beta_fast), dimension(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # the share of each frequency left as it is
+    return inv_freq / s.factor * (1 - kept) + inv_freq * kept
+
+
 def _angles(head_dim: int, theta: float, scaling: RopeScaling | None, pos: torch.Tensor) -> tuple[torch.Tensor, float]:
     """[len(pos), head_dim / 2] angles (float64) of positions ``pos`` and the factor cos and sin are scaled by."""
     inv_freq = _inverse_frequencies(head_dim, theta)
@@ -36,6 +56,8 @@ def _angles(head_dim: int, theta: float, scaling: RopeScaling | None, pos: torch
         return torch.outer(pos, inv_freq / scaling.factor), 1.0
     if kind == "llama3":
         return torch.outer(pos, _llama3(inv_freq, scaling)), 1.0
+    if kind == "yarn":
+        return torch.outer(pos, _yarn(inv_freq, head_dim, theta, scaling)), scaling.attention
     original = scaling.original_max_position_embeddings
     if kind == "dynamic":
         # HF raises the base from the length a forward reaches; position p is first computed in a forward of

@@ -27,8 +27,9 @@ class Attention(Protocol):
     end: int  # one past the largest position (known on the host: no device sync to size the RoPE tables)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-               window: int | None = None) -> torch.Tensor:
-        """Write k, v to the cache; each query attends to its context (its last ``window`` keys where given)."""
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Write k, v to the cache; each query attends to its context (its last ``window`` keys where given);
+        ``sinks`` [H]: a logit per query head that each softmax also normalizes over (gpt-oss)."""
 
     def single_tokens(self, layer: int) -> SingleTokens | None:
         """Where every new token attends alone on quickdraft's CPU kernel: what a fused layer needs; else None."""
@@ -120,7 +121,9 @@ class SelfAttention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
+        # gpt-oss: a learned logit per query head in every softmax's denominator
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
         # q, k and v in one module whose output is their concatenation (set by the loader, see fuse())
         self.qkv_proj: nn.Module | None = None
         self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
@@ -147,7 +150,7 @@ class SelfAttention(nn.Module):
             if self.q_norm is None and self.clip is None and not native.runs_rope(qk):  # torch's rotation (off CPU): q and k in one call
                 qk = rope(qk, attn.positions)
                 v = qkv[:, (heads + kv_heads) * dim:].reshape(t, kv_heads, dim)
-                out = attn.attend(self.layer, qk[:, :heads], qk[:, heads:], v, self.scale, self.window)
+                out = attn.attend(self.layer, qk[:, :heads], qk[:, heads:], v, self.scale, self.window, self.sinks)
                 return self.o_proj(out.reshape(t, -1))
             q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         else:
@@ -161,7 +164,8 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, attn.positions), rope(k, attn.positions)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attn.attend(self.layer, q, k, v, self.scale, self.window).reshape(t, -1))
+        out = attn.attend(self.layer, q, k, v, self.scale, self.window, self.sinks)
+        return self.o_proj(out.reshape(t, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -173,7 +177,8 @@ class DecoderLayer(nn.Module):
         self.sparse = cfg.is_moe_layer(layer)
         # what the fused C layer does not do: OLMoE's whole-q/k norms and clamps; a mixture of experts' layer is
         # fused up to its attention (its feed-forward runs after, see forward) and never in a FusedStack
-        self.fusable = not self.self_attn.norm_whole and self.self_attn.clip is None
+        self.fusable = not self.self_attn.norm_whole and self.self_attn.clip is None and self.self_attn.sinks is None
+        self.fusable = self.fusable and not cfg.attention_out_bias
         self.mlp = SparseMoE(cfg) if self.sparse else MLP(cfg)
         # Gemma: post_attention_layernorm normalizes the attention output, and the MLP has a norm on each side
         self.sandwich = cfg.sandwich_norms
