@@ -23,7 +23,7 @@ F16_FIELDS = {
 # the supported types gguf-py can dequantize (our reference); Q1_0 and Q2_0, which it cannot, are checked against
 # llama.cpp's reference formulas in tests/test_block_formats.py
 ALL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K,
-             QT.IQ4_NL, QT.IQ4_XS)
+             QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4)
 
 
 def smollm_gguf() -> Path:
@@ -42,6 +42,8 @@ def random_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator) -> np.ndar
     raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
     for off in F16_FIELDS.get(qtype, ()):
         raw[:, off : off + 2] = (rng.standard_normal((n_blocks, 1)) * 0.05).astype(np.float16).view(np.uint8)
+    if qtype == QT.MXFP4:  # every exponent whose values stay finite, the subnormal scales (e < 2) included
+        raw[:, 0] = rng.integers(0, 250, size=n_blocks, dtype=np.uint8)
     if qtype == QT.F32:
         raw = rng.standard_normal((n_blocks, 1)).astype(np.float32).view(np.uint8)
     elif qtype == QT.F16:

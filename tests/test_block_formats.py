@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(not qmatmul.available(), reason="the qmatmul ker
 
 FORMATS = list(bf.FORMATS)
 FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-           "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q1_0": (0,), "Q2_0": (0,)}
+           "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q1_0": (0,), "Q2_0": (0,), "MXFP4": ()}
 # widths with and without tail groups: 256 (one block), 64 / 128 (tail only), 576 (SmolLM2: 2 blocks + 2 groups),
 # 896 (Qwen2.5 0.5B: 3 blocks + 4 groups), 1536
 WIDTHS = (256, 64, 128, 576, 896, 1536)
@@ -51,6 +51,9 @@ def random_rows(name: str, n: int, k: int, seed: int, scale: float = 0.01) -> to
     for at in FP16_AT[name]:
         values = (torch.randn(blocks.shape[0], generator=g) * scale).half()
         blocks[:, at:at + 2] = values.view(torch.uint8).reshape(-1, 2)
+    if name == "MXFP4":  # its scale is an exponent byte, 2^(e - 128): values of about ``scale`` (at most 12 steps)
+        top = 128 + math.floor(math.log2(scale)) - 2
+        blocks[:, 0] = torch.randint(top - 4, top + 1, (blocks.shape[0],), generator=g, dtype=torch.uint8)
     return blocks.reshape(-1)
 
 

@@ -6,6 +6,7 @@ of every layer, 48 greedy tokens, through speculation, on int8 weights and in th
 refused by name. (GGUF gpt-oss and its MXFP4 experts are not supported: docs/MEASUREMENTS.md.)"""
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -36,8 +37,18 @@ GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    return make_gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "model", CONFIG)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_released_limit(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """The released models' clamp (7), which a GGUF cannot state otherwise: llama.cpp's gpt-oss has it built in."""
+    return make_gpt_oss(tmp_path_factory.mktemp("gpt_oss_7") / "model", {**CONFIG, "swiglu_limit": 7.0})
+
+
+def make_gpt_oss(path: Path, config: dict) -> tuple[Path, torch.nn.Module]:
     torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)).eval()
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**config)).eval()
     with torch.no_grad():  # transformers' init leaves biases and sinks at 0: give them values that matter
         for name, p in model.named_parameters():
             if p.dim() == 1 or name.endswith("bias") or "router" in name:
@@ -45,7 +56,6 @@ def gpt_oss(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
             elif "experts" in name:
                 p.normal_(0.0, 0.1)
         model.get_output_embeddings().weight.mul_(8.0)
-    path = tmp_path_factory.mktemp("gpt_oss") / "model"
     model.save_pretrained(path, safe_serialization=True)
     write_word_tokenizer(path, VOCAB)
     return path, transformers.GptOssForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -144,3 +154,169 @@ def test_a_missing_sink_is_refused(gpt_oss, tmp_path):
     with pytest.raises(ModelLoadError, match=r"missing tensors model\.layers\.1\.self_attn\.sinks"):
         LLM(str(target), dtype="float32", kv_cache_memory="16MiB")
     assert json.loads((target / "config.json").read_text())["model_type"] == "gpt_oss"
+
+
+GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.router": "ffn_gate_inp"}
+
+
+def write_gpt_oss_gguf(path: Path, hf_path: Path, experts_type=None) -> Path:
+    """The checkpoint as llama.cpp's converter writes gpt-oss: gate and up de-interleaved into stacks of [E, I, H]
+    (down [E, H, I]) with stacked biases, sinks as ``attn_sinks.weight``, the YaRN and window keys; the experts in
+    ``experts_type`` (e.g. MXFP4, as the released files; default float32), everything else float32."""
+    import gguf.quants
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_path / "config.json").read_text())
+    state = load_file(hf_path / "model.safetensors")
+    w = GGUFWriter(str(path), "gpt-oss")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(cfg["rope_parameters"]["factor"])
+    w.add_rope_scaling_orig_ctx_len(cfg["rope_parameters"]["original_max_position_embeddings"])
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<eos>"] + [f"t{i}" for i in range(1, VOCAB)])
+    w.add_token_scores([-float(i) for i in range(VOCAB)])
+    w.add_token_types([3] + [1] * (VOCAB - 1))
+    w.add_eos_token_id(0)
+
+    def add(name: str, t: torch.Tensor, qtype=None) -> None:
+        t = t.float().contiguous().numpy()
+        if qtype is None:
+            w.add_tensor(name, t)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"])
+    add("output_norm.weight", state["model.norm.weight"])
+    add("output.weight", state["lm_head.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for hf, kind in GGUF_LAYER.items():
+            for leaf in ("weight", "bias"):
+                if f"{p}{hf}.{leaf}" in state:
+                    add(f"blk.{i}.{kind}.{leaf}", state[f"{p}{hf}.{leaf}"])
+        add(f"blk.{i}.attn_sinks.weight", state[f"{p}self_attn.sinks"])
+        gate_up, gate_up_bias = state[f"{p}mlp.experts.gate_up_proj"], state[f"{p}mlp.experts.gate_up_proj_bias"]
+        add(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :, 0::2].transpose(1, 2), experts_type)
+        add(f"blk.{i}.ffn_up_exps.weight", gate_up[:, :, 1::2].transpose(1, 2), experts_type)
+        add(f"blk.{i}.ffn_down_exps.weight", state[f"{p}mlp.experts.down_proj"].transpose(1, 2), experts_type)
+        add(f"blk.{i}.ffn_gate_exps.bias", gate_up_bias[:, 0::2])
+        add(f"blk.{i}.ffn_up_exps.bias", gate_up_bias[:, 1::2])
+        add(f"blk.{i}.ffn_down_exps.bias", state[f"{p}mlp.experts.down_proj_bias"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gpt_oss_gguf_matches_transformers(gpt_oss_released_limit, tmp_path):
+    """A float32 GGUF written as llama.cpp's converter writes gpt-oss: transformers' logits, router choices and
+    greedy tokens."""
+    hf_path, hf = gpt_oss_released_limit
+    llm = LLM(str(write_gpt_oss_gguf(tmp_path / "f32.gguf", hf_path)), dtype="float32", weights="float32",
+              kv_cache_memory="16MiB")
+    cfg = llm.model.config
+    assert (cfg.architecture, cfg.attention_sinks, cfg.rope_scaling.type, cfg.sliding_window) == \
+        ("gpt_oss", True, "yarn", WINDOW)
+    assert [cfg.window(i) for i in range(3)] == [WINDOW, None, WINDOW]
+    ids = prompt(60)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert (our_logits(llm, ids) - ref).abs().max().item() < 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(our_router_choices(llm, ids), hf_router_choices(hf, ids)))
+    start = prompt(8, seed=2)
+    assert llm.generate([start], GREEDY)[0].token_ids == hf_greedy(hf, start, 48)
+
+
+def test_mxfp4_experts_run_at_their_own_size(gpt_oss_released_limit, tmp_path):
+    """Experts in MXFP4, as the released files store them: read as float32 they are transformers' model with the same
+    rounded weights (1e-4); by default each expert runs on its own MXFP4 blocks (136 bytes a 256, the file's size) on
+    quickdraft's kernel, within the int8 activations' rounding of those weights, and speculation keeps its tokens."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType as QT
+
+    from quickdraft.models.block_linear import BlockLinear
+
+    hf_path, hf = gpt_oss_released_limit
+    path = write_gpt_oss_gguf(tmp_path / "mxfp4.gguf", hf_path, QT.MXFP4)
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:  # [E, rows, cols] through MXFP4 and back
+        raw = gguf.quants.quantize(t.contiguous().numpy(), QT.MXFP4)
+        return torch.from_numpy(gguf.quants.dequantize(raw, QT.MXFP4)).reshape(t.shape)
+
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            experts = layer.mlp.experts
+            gate_up = experts.gate_up_proj.data
+            for half in (0, 1):
+                gate_up[:, :, half::2] = rounded(gate_up[:, :, half::2].transpose(1, 2)).transpose(1, 2)
+            experts.down_proj.data = rounded(experts.down_proj.data.transpose(1, 2)).transpose(1, 2).contiguous()
+        ids = prompt(60)
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    float_run = LLM(str(path), dtype="float32", weights="float32", kv_cache_memory="16MiB")
+    assert float_run.loaded.checkpoint.tensor_types["model.layers.0.mlp.experts.5.down_proj.weight"] == "MXFP4"
+    floats = our_logits(float_run, ids)
+    assert (floats - ref).abs().max().item() < 1e-4
+    own = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    experts = [m for m in own.model.modules() if isinstance(m, BlockLinear) and m.kernel_name == "MXFP4"]
+    assert len(experts) == 3 * 6 * 3  # layers x experts x (gate, up, down)
+    assert sum(m.kweight.numel() for m in experts) == 3 * 6 * 3 * 32 * 64 // 32 * 17
+    assert ((our_logits(own, ids) - floats).abs().max() / floats.abs().max()).item() < 0.03
+    prompts = [prompt(8, seed=s) for s in (2, 3)] + [prompt(4, seed=5) * 5]
+    plain = [o.token_ids for o in own.generate(prompts, GREEDY)]
+    spec = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", speculative="ngram", num_speculative_tokens=3)
+    assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == plain
+
+
+def test_mxfp4_packed_hf_experts_are_refused_by_name(gpt_oss, tmp_path):
+    """The released HF checkpoints pack the experts as MXFP4 blocks and scales: refused with the way that works."""
+    from safetensors.torch import load_file, save_file
+
+    target = _edited(tmp_path, gpt_oss[0])
+    tensors = load_file(target / "model.safetensors")
+    gate_up = tensors.pop("model.layers.0.mlp.experts.gate_up_proj")
+    tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(6, 64, 2, 16, dtype=torch.uint8)
+    tensors["model.layers.0.mlp.experts.gate_up_proj_scales"] = torch.zeros(6, 64, 2, dtype=torch.uint8)
+    save_file(tensors, target / "model.safetensors")
+    assert gate_up.shape == (6, 64, 64)
+    with pytest.raises(ModelLoadError, match=r"gate_up_proj_(blocks|scales): experts packed as MXFP4 .* their GGUF"):
+        LLM(str(target), dtype="float32", kv_cache_memory="16MiB")
+
+
+@pytest.mark.parametrize("experts_type", [None, "MXFP4"])
+def test_llama_cpp_reads_the_gguf_as_we_do(gpt_oss_released_limit, tmp_path, experts_type):
+    """The real peer on the same file (where llama-cpp-python is installed): its logits are ours within its own
+    arithmetic (f16 products; MXFP4 with 8-bit activations), every position's argmax the same: the file's layout
+    (sinks, window pattern, YaRN, biases, MXFP4 nibbles) is read as llama.cpp reads it."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (pip install quickdraft[llamacpp])")
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+    from llama_cpp import Llama
+
+    qtype = None if experts_type is None else QT[experts_type]
+    path = write_gpt_oss_gguf(tmp_path / "m.gguf", gpt_oss_released_limit[0], qtype)
+    ids = prompt(40)
+    ours = our_logits(LLM(str(path), dtype="float32", weights="float32", kv_cache_memory="16MiB"), ids)
+    peer = Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+    peer.eval(ids)
+    theirs = torch.tensor(np.array(peer.scores[:len(ids)]))
+    assert (ours - theirs).abs().max().item() < (2e-3 if qtype is None else 2e-2) * ours.abs().max().item()
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))

@@ -197,13 +197,14 @@ def read_index(path: Path) -> GGUFIndex:
     records: dict[str, TensorRecord] = {}
     for name, _, qtype, offset, nbytes in header.tensors:
         stacked = is_stacked(name)
-        targets = hf_targets(name, shapes, shapes[name][0] if stacked and len(shapes[name]) == 3 else 0)
+        # a stack is experts x rows x columns, or experts x rows for the experts' biases
+        targets = hf_targets(name, shapes, shapes[name][0] if stacked and len(shapes[name]) in (2, 3) else 0)
         if not targets:
             if not IGNORED.match(name) and not stacked:
                 log.warning("%s: ignoring unknown tensor %s", path.name, name)
             elif stacked:
                 raise ModelLoadError(f"{path}: tensor {name} has shape {shapes[name]}; a stack of experts is 3-D "
-                                     f"(experts x rows x columns)")
+                                     f"(experts x rows x columns), or 2-D for their biases")
             continue
         whole = TensorRecord(name, qtype, shapes[name], offset, nbytes)
         if stacked:
@@ -230,8 +231,9 @@ def read_index(path: Path) -> GGUFIndex:
 
 
 def split_experts(whole: TensorRecord, cfg: ModelConfig, path: Path) -> list[TensorRecord]:
-    """A block's stacked experts ``[E, rows, cols]``, one record per expert: rows are stored whole, so expert e is a
-    contiguous byte range. A stack of another count than the config's is refused by name."""
+    """A block's stacked experts ``[E, rows, cols]`` (their biases ``[E, rows]``), one record per expert: rows are
+    stored whole, so expert e is a contiguous byte range. A stack of another count than the config's is refused by
+    name."""
     experts, rows = whole.shape[0], whole.shape[1]
     if experts != cfg.num_experts:
         raise ModelLoadError(f"{path}: tensor {whole.gguf_name} stacks {experts} experts; the config has "

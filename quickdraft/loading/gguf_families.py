@@ -17,20 +17,26 @@ Config (``family_fields``):
   use RoPE base 10000, and the attention scale is 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 62-layer 27B). Its
   norm weights are stored as 1 + w, which is what the model multiplies by.
 * phi3: ``phi3.attention.sliding_window`` is ignored, as llama.cpp does (its converters fill it wrongly).
-* mixtures of experts (``{arch}.expert_count``): ``qwen3moe``, ``olmoe``, and ``llama`` with experts (Mixtral, run as
-  ``mixtral``). A block's experts are stacked in ``ffn_gate_exps``/``ffn_up_exps`` ``[E, I, H]`` and
+* mixtures of experts (``{arch}.expert_count``): ``qwen3moe``, ``olmoe``, ``gpt-oss``, and ``llama`` with experts
+  (Mixtral, run as ``mixtral``). A block's experts are stacked in ``ffn_gate_exps``/``ffn_up_exps`` ``[E, I, H]`` and
   ``ffn_down_exps`` ``[E, H, I]``, quantized per row; expert e is rows ``e * I .. (e + 1) * I`` of the stack seen as
   2-D, a contiguous byte range, so each expert is a tensor of its own (``experts.E.gate_proj``...) read at its own
   type. The router is ``ffn_gate_inp``; a block without one keeps a dense MLP. The top-k weights are renormalized as
-  llama.cpp does per architecture (qwen3moe and llama: yes, olmoe: no; ``{arch}.expert_weights_norm`` where
-  written). Shared experts and gating other than softmax are refused.
+  llama.cpp does per architecture (qwen3moe, gpt-oss and llama: yes, olmoe: no; ``{arch}.expert_weights_norm``
+  where written). Shared experts and gating other than softmax are refused.
+* gpt-oss: a bias on q/k/v/o, on the router (``ffn_gate_inp.bias``) and on each expert (``ffn_*_exps.bias``, stacked
+  ``[E, rows]``); a sink logit per head (``attn_sinks.weight``); every other layer slides over
+  ``gpt-oss.attention.sliding_window``, the first one included (llama.cpp's pattern of 2); YaRN over
+  ``rope.scaling.original_context_length`` with the released model's settings the file does not store (beta 32/1,
+  the band not rounded: its config's ``truncate: false``); the clamped SwiGLU's alpha 1.702 and limit 7 (llama.cpp's
+  constants too).
 
 RoPE scaling (``rope_scaling``): ``{arch}.rope.scaling.type`` linear (or absent, with a factor: llama.cpp's default)
 divides every frequency by the factor. Llama 3.1/3.2 files store the llama3 scaling as ``rope_freqs.weight``, a
 divisor per frequency: the same arithmetic as longrope with equal short and long factors. Phi-3 files store longrope
 as ``rope_factors_short``/``rope_factors_long`` with ``phi3.rope.scaling.original_context_length`` and
-``phi3.rope.scaling.attn_factor``. Anything else (yarn, a rotary part of the head, logit soft-capping) is refused
-rather than run as something it is not.
+``phi3.rope.scaling.attn_factor``. gpt-oss files declare yarn (see above). Anything else (yarn elsewhere, a rotary part
+of the head, logit soft-capping) is refused rather than run as something it is not.
 """
 from __future__ import annotations
 
@@ -66,6 +72,7 @@ LAYER_NAMES = {  # GGUF name in a block -> the HF names it holds, in row order
     "ffn_up": ("mlp.up_proj",),
     "ffn_down": ("mlp.down_proj",),
     "ffn_gate_inp": ("mlp.gate",),
+    "attn_sinks": ("self_attn.sinks",),
     "attn_norm": ("input_layernorm",),
     "ffn_norm": ("post_attention_layernorm",),
     "post_attention_norm": ("post_attention_layernorm",),
@@ -74,7 +81,8 @@ LAYER_NAMES = {  # GGUF name in a block -> the HF names it holds, in row order
 LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-                      "phi3": "phi3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}  # general.architecture -> ours
+                      "phi3": "phi3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
+                      "gpt-oss": "gpt_oss"}  # general.architecture -> ours
 MAX_EXPERTS = 1 << 12
 # read into the config (RoPE factors), or not needed (rotary tables are recomputed)
 IGNORED = re.compile(r"(rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd.*)$")
@@ -104,6 +112,8 @@ def hf_targets(gguf_name: str, names: Container[str], experts: int = 0) -> tuple
     if m is None or m.group(2) not in LAYER_NAMES:
         return ()
     layer, kind, suffix = m.groups()
+    if kind == "attn_sinks":  # a parameter of its own, not a module's weight
+        return (f"model.layers.{layer}.self_attn.sinks",)
     targets = LAYER_NAMES[kind]
     if kind == "ffn_norm" and f"blk.{layer}.post_attention_norm.weight" in names:
         targets = ("pre_feedforward_layernorm",)
@@ -146,6 +156,8 @@ def family_fields(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[i
     out.update(_experts(arch, metadata, shapes, path, base["num_layers"]))
     if arch == "gemma3":
         out.update(_gemma3(metadata, path, base))
+    elif arch == "gpt-oss":
+        out.update(_gpt_oss(metadata, shapes, path, base))
     elif arch == "phi3" and metadata.get("phi3.attention.sliding_window"):
         log.info("%s: ignoring phi3.attention.sliding_window=%s, as llama.cpp does", path.name,
                  metadata["phi3.attention.sliding_window"])
@@ -162,9 +174,9 @@ def _experts(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, .
             raise ModelLoadError(f"{path}: tensor {stacked[0]} holds experts but GGUF metadata '{arch}.expert_count' "
                                  f"is absent or 0")
         return {}
-    if arch not in ("qwen3moe", "olmoe", "llama"):
+    if arch not in ("qwen3moe", "olmoe", "llama", "gpt-oss"):
         raise ModelLoadError(f"{path}: experts in a {arch!r} file are not supported; mixtures supported: qwen3moe, "
-                             f"olmoe, llama (Mixtral)")
+                             f"olmoe, gpt-oss, llama (Mixtral)")
     used = int_value(metadata, f"{arch}.expert_used_count", path, 1, count)
     if int_value(metadata, f"{arch}.expert_shared_count", path, 0, MAX_EXPERTS, default=0):
         raise ModelLoadError(f"{path}: shared experts ({arch}.expert_shared_count) are not supported")
@@ -185,6 +197,20 @@ def _experts(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, .
         clamp = metadata.get("olmoe.attention.clamp_kqv")
         out.update(qk_norm_per_head=False, clip_qkv=None if clamp in (None, 0, 0.0) else clamp)
     return out
+
+
+GPT_OSS_SWIGLU = (1.702, 7.0)  # alpha, limit: the released models' (llama.cpp hard-codes them too)
+
+
+def _gpt_oss(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path,
+             base: dict[str, Any]) -> dict[str, Any]:
+    layers = base["num_layers"]
+    window = int_value(metadata, "gpt-oss.attention.sliding_window", path, 1, MAX_CONTEXT)
+    alpha, limit = GPT_OSS_SWIGLU
+    return dict(attention_sinks=True, attention_out_bias="blk.0.attn_output.bias" in shapes,
+                router_bias="blk.0.ffn_gate_inp.bias" in shapes, expert_bias="blk.0.ffn_gate_exps.bias" in shapes,
+                swiglu_alpha=alpha, swiglu_limit=limit, sliding_window=window,
+                layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)))
 
 
 def _gemma3(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[str, Any]:
@@ -214,6 +240,8 @@ def rope_scaling(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[in
         raise ModelLoadError(f"{path}: GGUF metadata '{arch}.rope.dimension_count' is {rotary:,} but the head "
                              f"dimension is {head_dim:,}; RoPE over part of a head is not supported")
     kind = metadata.get(f"{arch}.rope.scaling.type")
+    if arch == "gpt-oss" and kind == "yarn":
+        return _yarn(arch, metadata, path)
     if kind not in (None, "none", "linear"):
         raise ModelLoadError(f"{path}: RoPE scaling {show(kind)} ({arch}.rope.scaling.type) is not supported; "
                              f"supported: {', '.join(SUPPORTED_ROPE)}")
@@ -239,6 +267,16 @@ def rope_scaling(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[in
         raise ModelLoadError(f"{path}: GGUF declares both linear RoPE scaling ({factor_key}={factor}) and "
                              f"per-frequency factors; one of them is supported at a time")
     return RopeScaling("linear", factor=float(factor)) if linear else factors
+
+
+def _yarn(arch: str, metadata: dict[str, Any], path: Path) -> RopeScaling:
+    """gpt-oss's YaRN: the factor and original context from the file, the rest as the released config has them."""
+    factor = positive_float(metadata, f"{arch}.rope.scaling.factor", path, None)
+    original = int_value(metadata, f"{arch}.rope.scaling.original_context_length", path, 2, MAX_CONTEXT)
+    try:
+        return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original, truncate=False)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: GGUF YaRN settings are not usable: {exc}") from exc
 
 
 def _phi3_factors(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path, n: int, context: int,

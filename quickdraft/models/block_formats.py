@@ -16,6 +16,7 @@ BLOCK = 256  # the kernel's block of input columns (8 groups of 32)
 GROUP = 32
 CHUNK_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # stored position of chunk t, its own inverse (qmatmul.c)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled (ggml's kvalues_mxfp4)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ FORMATS = {f.name: f for f in (
     BlockFormat("IQ4_XS", 29, 256, 136, 138, 0, 0),
     BlockFormat("Q1_0", 30, 128, 18, 36, 128, 18),
     BlockFormat("Q2_0", 31, 64, 18, 72, 64, 18),
+    BlockFormat("MXFP4", 32, 32, 17, 136, 32, 17),
 )}
 
 
@@ -75,7 +77,7 @@ class Decoded:
     """A tensor's rows as integers: ``low`` the 4-bit part of each value (or all of it), ``bit`` a fifth bit (Q5_*) or
     Q1_0's bit, ``two`` two bits (Q6_K's top bits, Q2_0's value), ``byte`` an 8-bit value (Q8_0: q + 128), each
     ``[N, K]`` uint8 in element order; the fp16 numbers as raw bits ``[N, ...]`` int16 (``d``, ``m`` per block of
-    the file; ``dmin``); ``sc``/``mn`` small per-sub-block integers."""
+    the file; ``dmin``; MXFP4's ``d``: its exponent bytes, uint8); ``sc``/``mn`` small per-sub-block integers."""
 
     low: torch.Tensor | None = None
     bit: torch.Tensor | None = None
@@ -90,6 +92,13 @@ class Decoded:
 
 def _fp16_bits(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.int16).reshape(b.shape[0], -1)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """MXFP4's exponent bytes as the float32 scale of its doubled values, 2^(e - 128) (ggml's e8m0_to_fp32_half:
+    a subnormal for e < 2)."""
+    e = e.to(torch.int32)
+    return torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23).view(torch.float32)
 
 
 def _nibbles(qs: torch.Tensor, span: int) -> torch.Tensor:
@@ -121,6 +130,8 @@ def decode(name: str, data: torch.Tensor, n: int, k: int) -> Decoded:
     out = Decoded()
     if name in ("Q4_0", "IQ4_NL"):
         out.d, out.low = rows(_fp16_bits(b[:, :2])), rows(_nibbles(b[:, 2:], 16))
+    elif name == "MXFP4":  # an exponent byte (kept as it is) instead of IQ4_NL's fp16 d, the same nibbles
+        out.d, out.low = rows(b[:, :1]), rows(_nibbles(b[:, 1:], 16))
     elif name == "Q4_1":
         out.d, out.m, out.low = rows(_fp16_bits(b[:, :2])), rows(_fp16_bits(b[:, 2:4])), rows(_nibbles(b[:, 4:], 16))
     elif name == "Q5_0":
@@ -237,7 +248,7 @@ def _blocks(name: str, dec: Decoded, n: int, nb: int) -> torch.Tensor:
         parts.append(_bits2(two))
     if byte is not None:
         parts.append(_stored(byte).reshape(n, nb, BLOCK))
-    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"):
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"):
         parts.append(_per_group(dec.d, n, nb, 8))
         if dec.m is not None:
             parts.append(_per_group(dec.m, n, nb, 8))
@@ -266,7 +277,7 @@ def _tail(name: str, dec: Decoded, n: int, full: int, rest: int) -> torch.Tensor
         return t[:, full:].reshape(n, g, GROUP)
 
     def numbers(t: torch.Tensor, per: int) -> torch.Tensor:  # one fp16 per ``per`` groups of the tail
-        return t[:, first_group // per:].contiguous().view(torch.uint8).reshape(n, g // per, 2)
+        return t[:, first_group // per:].contiguous().view(torch.uint8).reshape(n, g // per, -1)
 
     if name == "Q1_0":  # records of 4 groups: 16 bytes of bits, d
         bits = _pack_bits(dec.bit[:, full:].reshape(n, g // 4, 128))
@@ -321,6 +332,8 @@ def dequantize(name: str, data: torch.Tensor, n: int, k: int) -> torch.Tensor:
     table = torch.tensor(IQ4_VALUES, dtype=torch.float32)
     if name == "IQ4_NL":
         return table[dec.low.long()] * per(_f16(dec.d), 32)
+    if name == "MXFP4":
+        return torch.tensor(MXFP4_VALUES, dtype=torch.float32)[dec.low.long()] * per(e8m0_half(dec.d), 32)
     if name == "IQ4_XS":
         return table[dec.low.long()] * per(per(_f16(dec.d), 8) * dec.sc.float(), 32)
     if name == "Q1_0":

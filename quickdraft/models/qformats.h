@@ -32,10 +32,12 @@
  *   IQ4_XS nib, d, sc[8] s8 (the file's 6-bit scale - 32)   d sc KVALUES[q]   138 (136)
  *   Q1_0   bits1 (value 1), d[2] (one per 128)        q ? d : -d         36 (36)
  *   Q2_0   bits2 (values 0..3), d[4] (one per 64)     d (q - 1)          72 (72)
+ *   MXFP4  nib (index into MXFP4_VALUES), e[8] u8     2^(e-128) MXFP4_VALUES[q]   136 (136; gpt-oss's experts:
+ *          e2m1 values doubled, the e8m0 exponent as ggml's e8m0_to_fp32_half reads it)
  * A row of K columns is K / 256 blocks, then the columns past the last whole block (K % 256) as tail records in
  * element order, each as the file stores it but for the value order below: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
  * IQ4_NL one group (nibbles: element i in the low nibble of byte i, element i + 16 in its high one; Q5 high bits:
- * bit i of 4 bytes; Q8_0: q + 128), Q1_0 four groups (bit i of 16 bytes), Q2_0 two groups (group h: 8 bytes,
+ * bit i of 4 bytes; Q8_0: q + 128; MXFP4: nibbles as IQ4_NL's, then e), Q1_0 four groups (bit i of 16 bytes), Q2_0 two groups (group h: 8 bytes,
  * element 8 q + k in bits 2 q of byte k), followed by d (and m). So every row has the file's bytes, or within 3 %.
  * The K-quants and IQ4_XS need K % 256 == 0 (as in GGML); INT4 and INT8 pad K to a multiple of 256.
  */
@@ -50,7 +52,7 @@
 enum {
     QF_INT4 = 4, QF_INT8 = 8,
     QF_Q4_0 = 20, QF_Q4_1, QF_Q5_0, QF_Q5_1, QF_Q8_0, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_IQ4_NL, QF_IQ4_XS, QF_Q1_0,
-    QF_Q2_0,
+    QF_Q2_0, QF_MXFP4,
 };
 
 #define QF_BLOCK 256
@@ -60,8 +62,18 @@ enum {
 static const uint8_t IQ4_VALUES_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 static const uint8_t IQ4_LOW_NIBBLES[16] = {1, 8, 13, 15, 15, 13, 10, 6, 1, 13, 9, 6, 5, 5, 9, 1};
 static const uint8_t IQ4_HIGH_NIBBLES[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 9, 10, 11, 12, 13, 15};
+/* MXFP4's e2m1 values, doubled (0, 1, 2, 3, 4, 6, 8, 12, then their negatives), plus 128, and their nibbles */
+static const uint8_t MXFP4_VALUES_U8[16] = {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120,
+                                            116};
+static const uint8_t MXFP4_LOW_NIBBLES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, 15, 14, 13, 12, 10, 8, 4};
+static const uint8_t MXFP4_HIGH_NIBBLES[16] = {8, 8, 8, 8, 8, 8, 8, 8, 8, 7, 7, 7, 7, 7, 7, 7};
 
-static inline int qf_known(int f) { return f == QF_INT4 || f == QF_INT8 || (f >= QF_Q4_0 && f <= QF_Q2_0); }
+/* the value table of a lookup format (IQ4_NL, IQ4_XS, MXFP4), and its values' low and high nibbles */
+static inline const uint8_t *qf_values(int F) { return F == QF_MXFP4 ? MXFP4_VALUES_U8 : IQ4_VALUES_U8; }
+static inline const uint8_t *qf_low_nibbles(int F) { return F == QF_MXFP4 ? MXFP4_LOW_NIBBLES : IQ4_LOW_NIBBLES; }
+static inline const uint8_t *qf_high_nibbles(int F) { return F == QF_MXFP4 ? MXFP4_HIGH_NIBBLES : IQ4_HIGH_NIBBLES; }
+
+static inline int qf_known(int f) { return f == QF_INT4 || f == QF_INT8 || (f >= QF_Q4_0 && f <= QF_MXFP4); }
 static inline int qf_padded(int f) { return f == QF_INT4 || f == QF_INT8; }
 
 static inline int qf_block_bytes(int f) {
@@ -69,6 +81,7 @@ static inline int qf_block_bytes(int f) {
     case QF_INT4: return 128;
     case QF_INT8: return 256;
     case QF_Q4_0: case QF_IQ4_NL: return 144;
+    case QF_MXFP4: return 136;
     case QF_Q4_1: return 160;
     case QF_Q5_0: return 176;
     case QF_Q5_1: return 192;
@@ -86,7 +99,7 @@ static inline int qf_block_bytes(int f) {
 /* Columns of one tail record (0: the format takes no tail) and its bytes. */
 static inline int qf_tail_cols(int f) {
     switch (f) {
-    case QF_Q4_0: case QF_Q4_1: case QF_Q5_0: case QF_Q5_1: case QF_Q8_0: case QF_IQ4_NL: return 32;
+    case QF_Q4_0: case QF_Q4_1: case QF_Q5_0: case QF_Q5_1: case QF_Q8_0: case QF_IQ4_NL: case QF_MXFP4: return 32;
     case QF_Q1_0: return 128;
     case QF_Q2_0: return 64;
     default: return 0;
@@ -96,6 +109,7 @@ static inline int qf_tail_cols(int f) {
 static inline int qf_tail_bytes(int f) {
     switch (f) {
     case QF_Q4_0: case QF_IQ4_NL: case QF_Q1_0: case QF_Q2_0: return 18;
+    case QF_MXFP4: return 17;
     case QF_Q4_1: return 20;
     case QF_Q5_0: return 22;
     case QF_Q5_1: return 24;
@@ -144,6 +158,14 @@ static inline __attribute__((always_inline)) block_scales qf_scales(int F, const
         s.scale = bf16x8(sz);
         s.shift = _mm256_fnmadd_ps(_mm256_set1_ps(F == QF_INT4 ? 8.f : 128.f), s.scale, bf16x8(sz + 8));
         break;
+    case QF_MXFP4: { /* 2^(e - 128) from the exponent bytes, as ggml's e8m0_to_fp32_half (a subnormal for e < 2) */
+        const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 128)));
+        const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        s.scale = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+        s.shift = _mm256_mul_ps(neg128, s.scale);
+        break;
+    }
     case QF_Q4_0: case QF_IQ4_NL:
         s.scale = f16x8(blk + 128);
         s.shift = _mm256_mul_ps(F == QF_Q4_0 ? neg8 : neg128, s.scale);
@@ -196,10 +218,10 @@ static inline __attribute__((always_inline)) block_scales qf_scales(int F, const
 
 static inline int qf_has_nibbles(int F) {
     return F == QF_INT4 || F == QF_Q4_0 || F == QF_Q4_1 || F == QF_Q5_0 || F == QF_Q5_1 || F == QF_Q4_K ||
-           F == QF_Q5_K || F == QF_Q6_K || F == QF_IQ4_NL || F == QF_IQ4_XS;
+           F == QF_Q5_K || F == QF_Q6_K || F == QF_IQ4_NL || F == QF_IQ4_XS || F == QF_MXFP4;
 }
 static inline int qf_fifth_bit(int F) { return F == QF_Q5_0 || F == QF_Q5_1 || F == QF_Q5_K; }
-static inline int qf_lookup(int F) { return F == QF_IQ4_NL || F == QF_IQ4_XS; }
+static inline int qf_lookup(int F) { return F == QF_IQ4_NL || F == QF_IQ4_XS || F == QF_MXFP4; }
 static inline int qf_bytes(int F) { return F == QF_INT8 || F == QF_Q8_0; }
 /* the largest value v takes: 15, 31, 63 or 255 (what the AVX2 dot products must not saturate on) */
 static inline int qf_max_value(int F) {
@@ -256,7 +278,7 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
     }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
     if (qf_lookup(F)) { /* without VNNI the indices stay: dot8 looks up the values' two nibbles itself */
-        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES_U8));
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qf_values(F)));
         for (int p = 0; p < 8; p++) w[p] = _mm256_shuffle_epi8(table, w[p]);
     }
 #endif
@@ -310,7 +332,7 @@ static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_
         w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_srli_epi16(v, 2), top));
     }
     if (qf_lookup(F)) {
-        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_VALUES_U8));
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)qf_values(F)));
         for (int u = 0; u < 4; u++) w[u] = _mm512_shuffle_epi8(table, w[u]);
     }
     if (qf_bytes(F))
@@ -347,8 +369,8 @@ static inline __attribute__((always_inline)) __m256i qf_tail_values(int F, const
 #else
     if (qf_fifth_bit(F)) w = _mm256_or_si256(w, _mm256_and_si256(bits_to_bytes(ld32(rec + 16)), _mm256_set1_epi8(16)));
 #endif
-    if (F == QF_IQ4_NL)
-        w = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES_U8)), w);
+    if (F == QF_IQ4_NL || F == QF_MXFP4)
+        w = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qf_values(F))), w);
     return w;
 }
 
@@ -358,10 +380,18 @@ static inline float f16_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
 static inline __attribute__((always_inline)) void qf_tail_scale(int F, const uint8_t *rec, float *scale, float *shift) {
     switch (F) {
     case QF_Q4_0: *scale = f16_at(rec + 16), *shift = -8.f * *scale; break;
     case QF_IQ4_NL: *scale = f16_at(rec + 16), *shift = -128.f * *scale; break;
+    case QF_MXFP4: *scale = e8m0_half(rec[16]), *shift = -128.f * *scale; break;
     case QF_Q4_1: *scale = f16_at(rec + 16), *shift = f16_at(rec + 18); break;
     case QF_Q5_0: *scale = f16_at(rec + 20), *shift = -16.f * *scale; break;
     case QF_Q5_1: *scale = f16_at(rec + 20), *shift = f16_at(rec + 22); break;

@@ -2,7 +2,7 @@
  *
  * W is one of the formats of qformats.h: quickdraft's own int4/int8 (affine per group of 32 input columns, bfloat16
  * scales and zeros), or a GGML block format read at the file's own size (Q4_0 .. Q8_0, the K-quants, IQ4_NL /
- * IQ4_XS, Q1_0 / Q2_0), each repacked so that a group's dot product is one int32 lane. Every format is
+ * IQ4_XS, Q1_0 / Q2_0, MXFP4), each repacked so that a group's dot product is one int32 lane. Every format is
  * w = scale * v + shift per group with v an unsigned byte. x is quantized per row and per group of 32 to int8
  * (absmax / 127, round to nearest even), so each group's dot product is an exact int32 sum computed with vpdpbusd
  * (u8 x s8), or on AVX2 without VNNI with vpmaddubsw + vpmaddwd, exact too (the sums never saturate, see dot8), so
@@ -212,8 +212,8 @@ static inline __attribute__((always_inline)) __m256i dot8(int F, const __m256i w
     const int vmax = qf_max_value(F);
     if (vmax == 255) {
         __m256i lo = _mm256_setzero_si256(), hi8 = _mm256_setzero_si256();
-        const __m256i lo_table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LOW_NIBBLES));
-        const __m256i hi_table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_HIGH_NIBBLES));
+        const __m256i lo_table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qf_low_nibbles(F)));
+        const __m256i hi_table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qf_high_nibbles(F)));
         for (int c = 0; c < 8; c++) { /* lookup formats hold indices here: their values' nibbles by table */
             const __m256i l = qf_lookup(F) ? _mm256_shuffle_epi8(lo_table, w[c]) : _mm256_and_si256(w[c], low);
             const __m256i h = qf_lookup(F) ? _mm256_shuffle_epi8(hi_table, w[c])
@@ -406,6 +406,7 @@ TILES_OF(QF_IQ4_NL, tiles_iq4_nl)
 TILES_OF(QF_IQ4_XS, tiles_iq4_xs)
 TILES_OF(QF_Q1_0, tiles_q1_0)
 TILES_OF(QF_Q2_0, tiles_q2_0)
+TILES_OF(QF_MXFP4, tiles_mxfp4)
 
 typedef void (*tiles_fn)(int, const uint8_t *, const uint16_t *, int, int, int, int, const x_rows *, int, tile_sums *);
 
@@ -425,6 +426,7 @@ static tiles_fn tiles_for(int f) {
     case QF_IQ4_XS: return tiles_iq4_xs;
     case QF_Q1_0: return tiles_q1_0;
     case QF_Q2_0: return tiles_q2_0;
+    case QF_MXFP4: return tiles_mxfp4;
     default: return NULL;
     }
 }
