@@ -45,7 +45,8 @@ def make_case(rng: random.Random, heads: int, kv_heads: int, dim: int, fmt: torc
     return pool, q, its, items
 
 
-def reference(pool: KVPool, q: torch.Tensor, its: native.AttnItems, window: int = 0) -> torch.Tensor:
+def reference(pool: KVPool, q: torch.Tensor, its: native.AttnItems, window: int = 0,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     k_all, v_all = pool.read(0, its.slots, torch.float64)  # dequantized exactly (int8 * float32 scale)
     heads, dim = q.shape[1:]
     out = torch.empty(len(its.lengths), heads, dim, dtype=torch.float64)
@@ -55,13 +56,17 @@ def reference(pool: KVPool, q: torch.Tensor, its: native.AttnItems, window: int 
         group = heads // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [L, H, D]
         scores = torch.einsum("hd,lhd->hl", q[r].double(), k) * dim ** -0.5
+        if sinks is not None:  # one more logit per head, whose value is zero
+            scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
+            v = torch.cat([v, torch.zeros_like(v[:1])])
         out[r] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
     return out
 
 
-def run(pool: KVPool, q: torch.Tensor, its: native.AttnItems, window: int = 0) -> torch.Tensor:
+def run(pool: KVPool, q: torch.Tensor, its: native.AttnItems, window: int = 0,
+        sinks: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty_like(q)
-    native.attend(q, pool.layer(0), its, out, q.shape[-1] ** -0.5, window)
+    native.attend(q, pool.layer(0), its, out, q.shape[-1] ** -0.5, window, sinks)
     return out
 
 
@@ -122,6 +127,31 @@ def test_window_matches_float64_reference(shape, fmt):
             got, want = run(pool, q, its, window).double(), reference(pool, q, its, window)
             tol = 2e-5 if act == torch.float32 else 8e-3
             assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), (groups, longest, window)
+
+
+@pytest.mark.parametrize("fmt", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("shape", [(14, 2, 64), (8, 8, 64)])
+def test_sinks_match_float64_reference(shape, fmt):
+    """gpt-oss's attention sinks: a logit per head in every row's softmax, with no value; across partitions (the
+    merge adds the sink once) and with windows. Sinks of -inf change no bit, and a row's bits do not depend on its
+    batch."""
+    heads, kv_heads, dim = shape
+    rng = random.Random(hash((shape, str(fmt), "sinks")) % 1000)
+    act = torch.float32 if fmt == torch.float32 else torch.bfloat16
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(3)) * 2 + 6  # comparable to the scores
+    for groups, longest in (([1, 1, 1], 40), ([5, 1, 3], 2600)):
+        pool, q, its, items = make_case(rng, heads, kv_heads, dim, fmt, groups, longest, act)
+        for window in (0, 100, 1030):
+            got, want = run(pool, q, its, window, sinks).double(), reference(pool, q, its, window, sinks)
+            tol = 2e-5 if act == torch.float32 else 8e-3
+            assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), (groups, longest, window)
+            assert (got - run(pool, q, its, window).double()).abs().max() > 10 * tol  # the sinks take mass
+        assert torch.equal(run(pool, q, its, 0, torch.full((heads,), float("-inf"))), run(pool, q, its))
+        together = run(pool, q, its, 0, sinks)
+        one = native.AttnItems(torch.tensor([0]), its.slots[2:3].contiguous(), its.lengths[2:3], torch.tensor([0, 1]))
+        alone = torch.empty_like(q[:1])
+        native.attend(q[2:3].contiguous(), pool.layer(0), one, alone, dim ** -0.5, 0, sinks)
+        assert torch.equal(alone[0], together[2]), items[2]
 
 
 @pytest.mark.parametrize("fmt", [torch.float32, torch.bfloat16, torch.int8])

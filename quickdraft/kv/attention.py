@@ -171,7 +171,7 @@ class AttentionBatch:
                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]. ``scale``: of the dot products
         (default D ** -0.5); ``window``: a token at position p sees keys p - window < j <= p (default: all);
-        ``sinks`` [H]: each head's softmax also normalizes over exp(sink) (gpt-oss; torch's attention only)."""
+        ``sinks`` [H]: each head's softmax also normalizes over exp(sink) (gpt-oss)."""
         self.pool.write(layer, self.slot_mapping, k, v)
         tokens, heads, dim = q.shape
         kv_heads = k.shape[1]
@@ -188,10 +188,10 @@ class AttentionBatch:
             out[first:end] = o[0].transpose(0, 1)
         if not len(self.items.rows):
             return out
-        if self.native and sinks is None:
+        if self.native:
             cache = self.pool.layer(layer)
             if native.runs_attend(q, cache):
-                native.attend(q, cache, self.items, out, scale, window or 0)
+                native.attend(q, cache, self.items, out, scale, window or 0, sinks)
                 return out
             self.native = False  # a head layout the kernel does not take (checked once per batch)
         if (window or 0) not in self._singles:

@@ -358,10 +358,12 @@ static int attend_partition(const void *q, long q_stride, int q_bf16, int H, int
 static int parts_of(long length) { return (int)((length + PART - 1) / PART); }
 
 /* Row r's result from its partitions first .. end - 1 (partial results nr * (D + 2) floats apart, from base),
- * merged in order, to o [D] */
-static void merge_row(const float *base, int nr, int D, int r, int first, int end, float *o) {
-    float mx = -INFINITY, total = 0.f;
+ * merged in order, to o [D]; `sink` (gpt-oss's attention sinks; -INFINITY: none) is one more logit of the softmax
+ * whose value is zero: it adds exp(sink) to the sum of weights and nothing to o (with none, exactly nothing) */
+static void merge_row(const float *base, int nr, int D, int r, int first, int end, float sink, float *o) {
+    float mx = sink, total = 0.f;
     for (int p = first; p < end; p++) mx = fmaxf(mx, base[(size_t)p * nr * (D + 2) + r]);
+    if (sink > -INFINITY) total = expf(sink - mx);
     for (int d = 0; d < D; d++) o[d] = 0.f;
     for (int p = first; p < end; p++) {
         const float *pr = base + (size_t)p * nr * (D + 2);
@@ -374,9 +376,9 @@ static void merge_row(const float *base, int nr, int D, int r, int first, int en
 }
 
 /* out [T][H][D] (q's dtype), rows rows[r] written: each item's query row attends to its context, or with window > 0
- * to the last window positions of it. */
+ * to the last window positions of it; sinks: NULL, or a logit per query head [H] in every row's softmax. */
 int qd_attend(const void *q, long q_stride, int q_bf16, int H, int KVH, int D, const qd_kv_cache *kv,
-              const qd_attn_items *it, float scale, int window, void *out) {
+              const qd_attn_items *it, float scale, int window, const float *sinks, void *out) {
     if (KVH <= 0 || H % KVH || D % 8 || D > MAX_DIM || (kv->format == QD_KV_INT8 && D % QGROUP) || it->groups < 0
         || window < 0)
         return -2;
@@ -435,7 +437,7 @@ int qd_attend(const void *q, long q_stride, int q_bf16, int H, int KVH, int D, c
                     for (int gg = 0; gg < G; gg++) {
                         float o[MAX_DIM];
                         merge_row(res + res_of_group[g] + (size_t)h * nparts * nr * (D + 2), nr, D, i * G + gg,
-                                  own_first, own_end, o);
+                                  own_first, own_end, sinks ? sinks[h * G + gg] : -INFINITY, o);
                         const size_t ob = (size_t)it->rows[first + i] * H * D + (size_t)(h * G + gg) * D;
                         for (int d = 0; d < D; d++) st(out, q_bf16, ob + d, o[d]);
                     }

@@ -115,7 +115,7 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     CHECK(qd_kv_store(qkv + (q_width + kv_width) * es, (long)qkv_width, bf16, T, L->kv_heads, L->head_dim, slot_mapping,
                       kv->v, kv->v_scale, kv->format));
     CHECK(qd_attend(qkv, (long)qkv_width, bf16, L->heads, L->kv_heads, L->head_dim, kv, items, L->attn_scale,
-                    L->window, att));
+                    L->window, NULL, att)); /* (a layer with attention sinks is not fused) */
     CHECK(run_linear(&L->o, att, bf16, T, tmp));
     if (L->post_attn_norm) CHECK(qd_rmsnorm(tmp, bf16, L->post_attn_norm, L->norm_bf16, T, L->hidden, L->eps, tmp));
     add_into(x, tmp, bf16, n_h);
