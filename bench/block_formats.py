@@ -42,6 +42,8 @@ def layers_for(n: int, k: int) -> dict[str, torch.nn.Module]:
         blocks[:, fp16:fp16 + 2] = (torch.rand(blocks.shape[0], generator=g) * 0.01).half().view(torch.uint8).view(-1, 2)
         if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
             blocks[:, 2:4] = blocks[:, 0:2]
+        if name == "MXFP4":  # an exponent byte, not an fp16: scales 2^-8 .. 2^-5, as a model's weights have them
+            blocks[:, 0] = torch.randint(120, 124, (blocks.shape[0],), generator=g, dtype=torch.uint8)
         out[name] = BlockLinear(bf.repack(name, raw, n, k), name, k)
     w = torch.randn(n, k, generator=g) * 0.02
     out["int4"], out["int8"] = Int4Linear.from_float(w), Int8Linear.from_float(w)
