@@ -320,3 +320,13 @@ def test_llama_cpp_reads_the_gguf_as_we_do(gpt_oss_released_limit, tmp_path, exp
     theirs = torch.tensor(np.array(peer.scores[:len(ids)]))
     assert (ours - theirs).abs().max().item() < (2e-3 if qtype is None else 2e-2) * ours.abs().max().item()
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_a_gpt_oss_gguf_ends_a_turn_on_harmonys_tokens(tmp_path):
+    """<|return|> (the final answer's end) and <|call|> (a tool call's) end generation, as llama.cpp stops on them;
+    <|end|> only ends one message of the turn (the analysis channel before the final one)."""
+    from quickdraft.loading.gguf import eos_token_ids
+
+    tokens = ["a", "<|end|>", "<|return|>", "<|call|>", "<|endoftext|>"]
+    ids = eos_token_ids({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 2}, "gpt-oss", len(tokens))
+    assert set(ids) == {2, 3, 4}

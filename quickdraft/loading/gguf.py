@@ -73,7 +73,8 @@ def _token_id(tokens: Any, text: str) -> int | None:
 def eos_token_ids(metadata: dict[str, Any], arch: str, vocab_size: int | None = None) -> tuple[int, ...]:
     """EOS ids: the declared eos (and eot/eom) ids, plus the end-of-turn tokens the vocabulary has: ChatML's
     ``<|im_end|>``, and per family ``<|endoftext|>`` (qwen2/qwen3), ``<end_of_turn>`` (gemma3), ``<|end|>`` and
-    ``<|endoftext|>`` (phi3); ids outside ``vocab_size`` (when given) are dropped."""
+    ``<|endoftext|>`` (phi3), ``<|return|>`` and ``<|call|>`` (gpt-oss); ids outside ``vocab_size`` (when given) are
+    dropped."""
     ids: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         value = metadata.get(key)

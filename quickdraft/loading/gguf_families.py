@@ -134,6 +134,8 @@ _END_OF_TURN = {  # besides <|im_end|>: the end-of-turn tokens llama.cpp and the
     "qwen2": ("<|endoftext|>",), "qwen3": ("<|endoftext|>",), "qwen3moe": ("<|endoftext|>",),
     "gemma3": ("<end_of_turn>",),
     "phi3": ("<|end|>", "<|endoftext|>"),
+    # harmony: <|return|> ends the final answer, <|call|> a tool call (<|end|> ends a message, not the turn)
+    "gpt-oss": ("<|return|>", "<|call|>", "<|endoftext|>"),
 }
 
 
