@@ -42,8 +42,8 @@ def random_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator) -> np.ndar
     raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
     for off in F16_FIELDS.get(qtype, ()):
         raw[:, off : off + 2] = (rng.standard_normal((n_blocks, 1)) * 0.05).astype(np.float16).view(np.uint8)
-    if qtype == QT.MXFP4:  # every exponent whose values stay finite, the subnormal scales (e < 2) included
-        raw[:, 0] = rng.integers(0, 250, size=n_blocks, dtype=np.uint8)
+    if qtype == QT.MXFP4:  # every exponent quickdraft reads (up to 2^120), the subnormal scales (e < 2) included
+        raw[:, 0] = rng.integers(0, 249, size=n_blocks, dtype=np.uint8)
     if qtype == QT.F32:
         raw = rng.standard_normal((n_blocks, 1)).astype(np.float32).view(np.uint8)
     elif qtype == QT.F16:

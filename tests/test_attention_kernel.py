@@ -147,6 +147,7 @@ def test_sinks_match_float64_reference(shape, fmt):
             assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), (groups, longest, window)
             assert (got - run(pool, q, its, window).double()).abs().max() > 10 * tol  # the sinks take mass
         assert torch.equal(run(pool, q, its, 0, torch.full((heads,), float("-inf"))), run(pool, q, its))
+        assert torch.isnan(run(pool, q, its, 0, torch.full((heads,), float("nan")))).all()  # as torch's path
         together = run(pool, q, its, 0, sinks)
         one = native.AttnItems(torch.tensor([0]), its.slots[2:3].contiguous(), its.lengths[2:3], torch.tensor([0, 1]))
         alone = torch.empty_like(q[:1])

@@ -330,3 +330,20 @@ def test_a_gpt_oss_gguf_ends_a_turn_on_harmonys_tokens(tmp_path):
     tokens = ["a", "<|end|>", "<|return|>", "<|call|>", "<|endoftext|>"]
     ids = eos_token_ids({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 2}, "gpt-oss", len(tokens))
     assert set(ids) == {2, 3, 4}
+
+
+def test_damaged_mxfp4_scales_are_refused_by_name():
+    """An exponent byte past 2^120 (no model's weights; the kernel's arithmetic would overflow to NaN) is refused on
+    every path that reads the blocks: the kernel's repacking and the dequantizer."""
+    from quickdraft.loading.dequant import dequantize
+    from quickdraft.loading.ggml_types import BY_NAME
+    from quickdraft.models import block_formats
+
+    raw = torch.zeros(4, 17, dtype=torch.uint8)
+    raw[:, 0] = 120
+    block_formats.repack("MXFP4", raw.reshape(-1), 2, 64)  # a model's scales: read
+    raw[3, 0] = 249
+    for read in (lambda: block_formats.repack("MXFP4", raw.reshape(-1), 2, 64),
+                 lambda: dequantize(raw.reshape(-1), BY_NAME["MXFP4"], (2, 64))):
+        with pytest.raises(ValueError, match=r"MXFP4 block's exponent byte is 249: a scale of 2\^121"):
+            read()

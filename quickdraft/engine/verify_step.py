@@ -45,8 +45,7 @@ def decide(picked: list[tuple[Sequence, torch.Tensor, Proposal]], isolated: Isol
             if result is not None:
                 decided[id(seq)] = result
         else:
-            choice_rows = rows if seq.processor.greedy_on_raw_logits else \
-                isolated(seq, seq.processor.process, rows, proposal.tokens)
+            choice_rows = isolated(seq, _greedy_rows, seq, rows, proposal)
             if choice_rows is not None:
                 greedy_rows.append((seq, choice_rows, proposal))
     if greedy_rows:
@@ -76,6 +75,14 @@ def _greedy_on_host(seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> tu
     return verify_greedy(choices, proposal.tokens)
 
 
+def _greedy_rows(seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+    """The rows a greedy sequence's choices are the argmax of (checked here: the batched comparison serves the whole
+    step, and one sequence's bad shape must end that sequence alone)."""
+    if len(rows) != len(proposal.tokens) + 1:
+        raise ValueError(f"{len(rows)} logits rows for {len(proposal.tokens)} drafts; a verify pass has drafts + 1")
+    return rows if seq.processor.greedy_on_raw_logits else seq.processor.process(rows, proposal.tokens)
+
+
 def _greedy_on_device(items: list[tuple[Sequence, torch.Tensor, Proposal]]) -> list[tuple[Sequence, torch.Tensor]]:
     choices = torch.cat([rows for _, rows, _ in items]).argmax(dim=-1)
     spans, start = [], 0
@@ -88,12 +95,17 @@ def _greedy_on_device(items: list[tuple[Sequence, torch.Tensor, Proposal]]) -> l
 
 
 def _sampled(seq: Sequence, rows: torch.Tensor, proposal: Proposal, uniforms: torch.Tensor) -> torch.Tensor:
-    drafted = proposal.tokens
-    width = max(rows.shape[-1], 0 if proposal.q is None else proposal.q.shape[-1])
-    if any(not 0 <= t < width for t in drafted):  # checked here: on a GPU a bad index is a device fault
+    drafted, q = proposal.tokens, proposal.q
+    # checked here, on the host: on a GPU a bad index is a device fault, and torch's own errors name no drafter
+    if q is not None and (q.dim() != 2 or q.shape[0] not in (len(drafted), len(drafted) + 1)):
+        raise ValueError(f"the drafter's q has shape {tuple(q.shape)}; it needs a row per draft ({len(drafted)})")
+    if len(rows) != len(drafted) + 1:
+        raise ValueError(f"{len(rows)} logits rows for {len(drafted)} drafts; a verify pass has drafts + 1")
+    width = max(rows.shape[-1], 0 if q is None else q.shape[-1])
+    if any(not 0 <= t < width for t in drafted):
         raise ValueError(f"drafted token ids must be in [0, {width})")
     p = seq.processor.probs(rows, drafted=drafted)
-    q = None if proposal.q is None else proposal.q.unsqueeze(0)
+    q = None if q is None else q.unsqueeze(0)
     drafts = to_device(torch.tensor([drafted], dtype=torch.long), p.device)
     accepted, token, valid = verify_with_uniforms(p.unsqueeze(0), q, drafts, uniforms.unsqueeze(0))
     return torch.stack([accepted[0], token[0], valid[0].long()])

@@ -272,11 +272,15 @@ def rope_scaling(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[in
 
 
 def _yarn(arch: str, metadata: dict[str, Any], path: Path) -> RopeScaling:
-    """gpt-oss's YaRN: the factor and original context from the file, the rest as the released config has them."""
+    """gpt-oss's YaRN: the factor and original context from the file, its betas where the file has them (llama.cpp's
+    ``rope.scaling.yarn_beta_fast/slow``), the rest as the released config has them."""
     factor = positive_float(metadata, f"{arch}.rope.scaling.factor", path, None)
     original = int_value(metadata, f"{arch}.rope.scaling.original_context_length", path, 2, MAX_CONTEXT)
+    fast = positive_float(metadata, f"{arch}.rope.scaling.yarn_beta_fast", path, 32.0)
+    slow = positive_float(metadata, f"{arch}.rope.scaling.yarn_beta_slow", path, 1.0)
     try:
-        return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original, truncate=False)
+        return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original, truncate=False,
+                           beta_fast=fast, beta_slow=slow)
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{path}: GGUF YaRN settings are not usable: {exc}") from exc
 

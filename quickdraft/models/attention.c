@@ -363,7 +363,7 @@ static int parts_of(long length) { return (int)((length + PART - 1) / PART); }
 static void merge_row(const float *base, int nr, int D, int r, int first, int end, float sink, float *o) {
     float mx = sink, total = 0.f;
     for (int p = first; p < end; p++) mx = fmaxf(mx, base[(size_t)p * nr * (D + 2) + r]);
-    if (sink > -INFINITY) total = expf(sink - mx);
+    if (sink != -INFINITY) total = expf(sink - mx); /* (a NaN sink gives NaN, as torch's path does) */
     for (int d = 0; d < D; d++) o[d] = 0.f;
     for (int p = first; p < end; p++) {
         const float *pr = base + (size_t)p * nr * (D + 2);

@@ -17,6 +17,8 @@ GROUP = 32
 CHUNK_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # stored position of chunk t, its own inverse (qmatmul.c)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled (ggml's kvalues_mxfp4)
+# MXFP4 exponent bytes above this scale weights past 2^120 (no model's): the kernel's shift, -128 scale, would overflow
+MXFP4_MAX_EXPONENT = 248
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,9 @@ def decode(name: str, data: torch.Tensor, n: int, k: int) -> Decoded:
     if name in ("Q4_0", "IQ4_NL"):
         out.d, out.low = rows(_fp16_bits(b[:, :2])), rows(_nibbles(b[:, 2:], 16))
     elif name == "MXFP4":  # an exponent byte (kept as it is) instead of IQ4_NL's fp16 d, the same nibbles
+        if bool((b[:, 0] > MXFP4_MAX_EXPONENT).any()):
+            raise ValueError(f"an MXFP4 block's exponent byte is {int(b[:, 0].max())}: a scale of 2^"
+                             f"{int(b[:, 0].max()) - 128}, past any weight's (at most {MXFP4_MAX_EXPONENT} is read)")
         out.d, out.low = rows(b[:, :1]), rows(_nibbles(b[:, 1:], 16))
     elif name == "Q4_1":
         out.d, out.m, out.low = rows(_fp16_bits(b[:, :2])), rows(_fp16_bits(b[:, 2:4])), rows(_nibbles(b[:, 4:], 16))

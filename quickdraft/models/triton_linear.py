@@ -41,15 +41,10 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cpu" and KERNEL_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-BLOCK_K = 64  # the same for every row count: a row's sums then run in the same order whatever its batch
-
-
-def _tiles(rows: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): decode and verify steps (a few rows) spread the weight's rows over many programs;
-    prompt chunks take larger tiles."""
-    if rows <= 16:
-        return 16, 32
-    return (32, 64) if rows <= 64 else (64, 64)
+# One tile for every row count (16 rows: tl.dot's smallest; a decode step's weight rows spread over many programs):
+# a row's products and sums then run through the same instructions in the same order whatever its batch, which
+# greedy speculation's equality with plain decoding relies on. Prompt chunks pay for it in re-read weight tiles.
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 64
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -70,10 +65,9 @@ def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: 
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
-    block_m, block_n = _tiles(rows)
-    grid = (-(-n // block_n), -(-rows // block_m))
+    grid = (-(-n // BLOCK_N), -(-rows // BLOCK_M))
     _kernel()[grid](x, qweight, scales.contiguous(), out, rows, n, k, x.stride(0), out.stride(0),
-                    BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                    BITS=bits, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                     DOT_BF16=x.is_cuda)
     return out
 
@@ -89,8 +83,9 @@ def _kernel():
     def weight_only_matmul(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_om,
                            BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr):
-        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # int64 offsets: a weight of more than 2^31 values (a 256k vocabulary's head) must not wrap
+        rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k0 = 0
         while k0 < K:  # (a while loop: the interpreter cannot take range() over a runtime bound)
