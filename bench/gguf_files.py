@@ -55,9 +55,13 @@ def quantize(src: Path, dst: Path, ftype: str) -> Path:
 
 def add_qwen_tokenizer(writer) -> None:
     """The packaged Qwen2.5 model's tokenizer and chat template, as GGUF metadata of ``writer`` (a GGUFWriter)."""
-    tokenizer = {k: v for k, v in read_header(resolve_model("qwen2.5-coder-0.5b")).metadata.items()
-                 if k.startswith("tokenizer.")}
-    for key, value in tokenizer.items():  # arrays take their element type from the first element
+    add_metadata(writer, {k: v for k, v in read_header(resolve_model("qwen2.5-coder-0.5b")).metadata.items()
+                          if k.startswith("tokenizer.")})
+
+
+def add_metadata(writer, items: dict) -> None:
+    """Key/values read from another GGUF's header, written with ``writer`` (a GGUFWriter) in their own types."""
+    for key, value in items.items():  # arrays take their element type from the first element
         if isinstance(value, list):
             writer.add_array(key, value)
         elif isinstance(value, str):

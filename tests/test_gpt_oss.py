@@ -21,7 +21,7 @@ from quickdraft.config import RopeScaling
 from quickdraft.errors import ModelLoadError
 from quickdraft.models.rope import rope_tables
 from test_families import _edited, hf_greedy, prompt
-from test_moe import hf_router_choices, our_router_choices
+from test_moe import add_model_keys, add_word_tokenizer, hf_router_choices, our_router_choices
 from test_parity import our_logits
 
 VOCAB = 96
@@ -172,28 +172,15 @@ def write_gpt_oss_gguf(path: Path, hf_path: Path, experts_type=None) -> Path:
     cfg = json.loads((hf_path / "config.json").read_text())
     state = load_file(hf_path / "model.safetensors")
     w = GGUFWriter(str(path), "gpt-oss")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    add_model_keys(w, cfg)
     w.add_expert_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_expert_count(cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_sliding_window(cfg["sliding_window"])
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(cfg["rope_parameters"]["factor"])
     w.add_rope_scaling_orig_ctx_len(cfg["rope_parameters"]["original_max_position_embeddings"])
-    w.add_tokenizer_model("llama")
-    w.add_token_list(["<eos>"] + [f"t{i}" for i in range(1, VOCAB)])
-    w.add_token_scores([-float(i) for i in range(VOCAB)])
-    w.add_token_types([3] + [1] * (VOCAB - 1))
-    w.add_eos_token_id(0)
+    add_word_tokenizer(w, VOCAB)
 
     def add(name: str, t: torch.Tensor, qtype=None) -> None:
         t = t.float().contiguous().numpy()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,9 @@ from quickdraft.kv import ForwardItem, SequenceKV
 from quickdraft.models.feed_forward import Router, SparseMoE
 from test_families import _edited, hf_greedy, prompt
 from test_parity import our_logits
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from gguf_files import add_metadata  # noqa: E402
 
 VOCAB = 96
 TOLERANCE = 1e-4  # as test_families.py
@@ -194,6 +198,29 @@ def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_model_keys(w, cfg: dict) -> None:
+    """The layer sizes, norm epsilon and RoPE base of an HF ``config.json`` as GGUF keys (``w``: a GGUFWriter)."""
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+
+
+def add_word_tokenizer(w, vocab: int = VOCAB) -> None:
+    """A word-level list of ``vocab`` tokens as GGUF tokenizer keys: <eos> (id 0) a control token."""
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<eos>"] + [f"t{i}" for i in range(1, vocab)])
+    w.add_token_scores([-float(i) for i in range(vocab)])
+    w.add_token_types([3] + [1] * (vocab - 1))  # <eos> a control token, the others normal
+    w.add_eos_token_id(0)
+
+
 def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, expert_count: int | None = None,
                expert_used: int | None = None, tokenizer: dict | None = None) -> Path:
     """``hf_path``'s checkpoint as llama.cpp's converter writes it: experts stacked per block, q/k permuted for
@@ -208,16 +235,7 @@ def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, expert_count: i
     arch, state = GGUF_ARCH[name], load_file(hf_path / "model.safetensors")
     experts = cfg.get("num_experts") or cfg["num_local_experts"]
     w = GGUFWriter(str(path), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    add_model_keys(w, cfg)
     w.add_expert_count(experts if expert_count is None else expert_count)
     w.add_expert_used_count(cfg["num_experts_per_tok"] if expert_used is None else expert_used)
     if name == "qwen3_moe":
@@ -225,19 +243,9 @@ def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, expert_count: i
     if cfg.get("clip_qkv"):
         w.add_float32("olmoe.attention.clamp_kqv", cfg["clip_qkv"])
     if tokenizer is not None:
-        for key, value in tokenizer.items():
-            if isinstance(value, list):
-                w.add_array(key, value)
-            elif isinstance(value, str):
-                w.add_string(key, value)
-            else:
-                w.add_uint32(key, int(value))
+        add_metadata(w, tokenizer)
     else:
-        w.add_tokenizer_model("llama")
-        w.add_token_list(["<eos>"] + [f"t{i}" for i in range(1, VOCAB)])
-        w.add_token_scores([-float(i) for i in range(VOCAB)])
-        w.add_token_types([3] + [1] * (VOCAB - 1))  # <eos> a control token, the others normal
-        w.add_eos_token_id(0)
+        add_word_tokenizer(w)
 
     def add(gguf_name: str, t: torch.Tensor) -> None:
         t = t.float().numpy()
