@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from quickdraft.engine.sequence import Sequence
-from quickdraft.sampling.sampler import greedy, to_device
+from quickdraft.sampling.sampler import NOT_A_DISTRIBUTION, greedy, to_device
 from quickdraft.speculative.drafters import Proposal
 from quickdraft.speculative.verify import (draw_uniforms, verify_greedy, verify_greedy_batch,
                                            verify_with_uniforms)
@@ -26,8 +26,6 @@ Isolated = Callable[..., Any]
 
 # On the CPU, greedy sequences are decided on the host; tests turn this off to run the device path there.
 CPU_GREEDY_ON_HOST = True
-
-_NOT_A_DISTRIBUTION = "probabilities must be finite and non-negative with a positive sum per row"
 
 
 def decide(picked: list[tuple[Sequence, torch.Tensor, Proposal]], isolated: Isolated) -> dict[int, tuple[int, int]]:
@@ -66,7 +64,7 @@ def decide(picked: list[tuple[Sequence, torch.Tensor, Proposal]], isolated: Isol
             if valid:
                 decided[id(seq)] = (accepted, token)
             else:
-                isolated(seq, _fail_with, ValueError(_NOT_A_DISTRIBUTION))
+                isolated(seq, _fail_with, ValueError(NOT_A_DISTRIBUTION))
     return decided
 
 
@@ -78,8 +76,7 @@ def _greedy_on_host(seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> tu
 def _greedy_rows(seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> torch.Tensor:
     """The rows a greedy sequence's choices are the argmax of (checked here: the batched comparison serves the whole
     step, and one sequence's bad shape must end that sequence alone)."""
-    if len(rows) != len(proposal.tokens) + 1:
-        raise ValueError(f"{len(rows)} logits rows for {len(proposal.tokens)} drafts; a verify pass has drafts + 1")
+    _check_rows(rows, proposal.tokens)
     return rows if seq.processor.greedy_on_raw_logits else seq.processor.process(rows, proposal.tokens)
 
 
@@ -99,8 +96,7 @@ def _sampled(seq: Sequence, rows: torch.Tensor, proposal: Proposal, uniforms: to
     # checked here, on the host: on a GPU a bad index is a device fault, and torch's own errors name no drafter
     if q is not None and (q.dim() != 2 or q.shape[0] not in (len(drafted), len(drafted) + 1)):
         raise ValueError(f"the drafter's q has shape {tuple(q.shape)}; it needs a row per draft ({len(drafted)})")
-    if len(rows) != len(drafted) + 1:
-        raise ValueError(f"{len(rows)} logits rows for {len(drafted)} drafts; a verify pass has drafts + 1")
+    _check_rows(rows, drafted)
     width = max(rows.shape[-1], 0 if q is None else q.shape[-1])
     if any(not 0 <= t < width for t in drafted):
         raise ValueError(f"drafted token ids must be in [0, {width})")
@@ -109,6 +105,11 @@ def _sampled(seq: Sequence, rows: torch.Tensor, proposal: Proposal, uniforms: to
     drafts = to_device(torch.tensor([drafted], dtype=torch.long), p.device)
     accepted, token, valid = verify_with_uniforms(p.unsqueeze(0), q, drafts, uniforms.unsqueeze(0))
     return torch.stack([accepted[0], token[0], valid[0].long()])
+
+
+def _check_rows(rows: torch.Tensor, drafted: list[int]) -> None:
+    if len(rows) != len(drafted) + 1:
+        raise ValueError(f"{len(rows)} logits rows for {len(drafted)} drafts; a verify pass has drafts + 1")
 
 
 def _fail_with(exc: Exception) -> None:

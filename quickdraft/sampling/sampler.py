@@ -9,6 +9,7 @@ from torch import Tensor
 from quickdraft.models import native
 
 _SEED_MOD = 2**64
+NOT_A_DISTRIBUTION = "probabilities must be finite and non-negative with a positive sum per row"
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
@@ -52,7 +53,7 @@ def sample_with_uniforms(probs: Tensor, uniforms: Tensor | list[float]) -> Tenso
     u = torch.as_tensor(uniforms, dtype=torch.float64, device=probs.device)
     idx, valid = draw(probs, u)
     if not bool(valid.all()):
-        raise ValueError("probabilities must be finite and non-negative with a positive sum per row")
+        raise ValueError(NOT_A_DISTRIBUTION)
     return idx
 
 

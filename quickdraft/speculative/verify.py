@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quickdraft.sampling.sampler import draw, to_device
+from quickdraft.sampling.sampler import NOT_A_DISTRIBUTION, draw, to_device
 
 
 def _as_list(x: Sequence[int] | Tensor) -> list[int]:
@@ -162,7 +162,7 @@ def verify_sampled_batch(
         raise ValueError(f"drafted token ids must be in [0, {width})")
     num_accepted, nxt, valid = verify_with_uniforms(p, q, d, draw_uniforms(generator, batch, k))
     if not bool(valid.all()):
-        raise ValueError("probabilities must be finite and non-negative with a positive sum per row")
+        raise ValueError(NOT_A_DISTRIBUTION)
     return num_accepted, nxt
 
 
