@@ -23,7 +23,6 @@ padding row (``i >= query_lens[b]``) repeats the last real row's keys; a padding
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 import torch
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 
 from quickdraft.kv.attention import with_sinks
 from quickdraft.models.native import CacheLayer, KV_SCALE_GROUP
+from quickdraft.models.triton_linear import triton_available
 
 triton = tl = None  # optional (pip install triton): imported by _kernel, on first use
 
@@ -38,10 +38,6 @@ BLOCK_M = 16  # query rows per program: tl.dot's smallest tile
 # Run the kernel on CPU tensors too, in Triton's interpreter (tests set it; Triton must have been first imported
 # with TRITON_INTERPRET=1, since Triton reads it once: torch imports Triton itself when it is installed).
 KERNEL_ON_CPU = False
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def kernel_possible(block_size: int) -> bool:

@@ -202,17 +202,17 @@ def _experts(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, .
 
 
 GPT_OSS_SWIGLU = (1.702, 7.0)  # alpha, limit: the released models' (llama.cpp hard-codes them too)
+GPT_OSS_PATTERN = 2  # every 2nd layer attends to the whole context, the others (the first one too) slide
 
 
 def _gpt_oss(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path,
              base: dict[str, Any]) -> dict[str, Any]:
-    layers = base["num_layers"]
     window = int_value(metadata, "gpt-oss.attention.sliding_window", path, 1, MAX_CONTEXT)
     alpha, limit = GPT_OSS_SWIGLU
     return dict(attention_sinks=True, attention_out_bias="blk.0.attn_output.bias" in shapes,
                 router_bias="blk.0.ffn_gate_inp.bias" in shapes, expert_bias="blk.0.ffn_gate_exps.bias" in shapes,
                 swiglu_alpha=alpha, swiglu_limit=limit, sliding_window=window,
-                layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)))
+                layer_types=every_nth_full(base["num_layers"], GPT_OSS_PATTERN))
 
 
 def _gemma3(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[str, Any]:

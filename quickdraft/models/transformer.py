@@ -175,10 +175,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sparse = cfg.is_moe_layer(layer)
-        # what the fused C layer does not do: OLMoE's whole-q/k norms and clamps; a mixture of experts' layer is
-        # fused up to its attention (its feed-forward runs after, see forward) and never in a FusedStack
-        self.fusable = not self.self_attn.norm_whole and self.self_attn.clip is None and self.self_attn.sinks is None
-        self.fusable = self.fusable and not cfg.attention_out_bias
+        # what the fused C layer does not do: OLMoE's whole-q/k norms and clamps, gpt-oss's sinks and output bias; a
+        # mixture of experts' layer is fused up to its attention (its feed-forward runs after, see forward) and never
+        # in a FusedStack
+        attn = self.self_attn
+        self.fusable = not (attn.norm_whole or attn.clip is not None or attn.sinks is not None or cfg.attention_out_bias)
         self.mlp = SparseMoE(cfg) if self.sparse else MLP(cfg)
         # Gemma: post_attention_layernorm normalizes the attention output, and the MLP has a norm on each side
         self.sandwich = cfg.sandwich_norms
