@@ -87,7 +87,7 @@ class GrammarCompiler:
                     self._compiled.popitem(last=False)
             else:
                 self._compiled.move_to_end(key)
-            return GrammarState(matcher.deep_copy(), self.tokenizer.vocab_size)
+            return GrammarState(matcher.deep_copy(), self.tokenizer.vocab_size, frozenset(self.tokenizer.eos_token_ids))
 
     def _check_start(self, matcher, spec: StructuredOutputs) -> None:
         """Refuse what the compiler rejected, and a constraint nothing can start: unsatisfiable (a schema that
@@ -122,15 +122,17 @@ class GrammarState:
     """One sequence's position in its grammar. The matcher has consumed the committed tokens and then ``_ahead``
     (speculative tokens: a draft being built or verified); every query first moves it to the prefix it is about."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    def __init__(self, matcher, vocab_size: int, stop_ids: frozenset[int] = frozenset()) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self._stop_ids = stop_ids  # end-of-turn tokens, which a grammar may also name as text (harmony's <|call|>)
+        self._stop_outside = False  # the last of _ahead is such a token, taken without entering the matcher
         self._ahead: list[int] = []
         self._words = (vocab_size + 31) // 32
 
     def fork(self) -> "GrammarState":
-        other = GrammarState(self._matcher.deep_copy(), self.vocab_size)
-        other._ahead = list(self._ahead)
+        other = GrammarState(self._matcher.deep_copy(), self.vocab_size, self._stop_ids)
+        other._ahead, other._stop_outside = list(self._ahead), self._stop_outside
         return other
 
     def _seek(self, prefix: Sequence[int]) -> int:
@@ -141,13 +143,26 @@ class GrammarState:
         while same < len(ahead) and same < len(prefix) and ahead[same] == prefix[same]:
             same += 1
         if same < len(ahead):
-            self._matcher.rollback(len(ahead) - same)
+            dropped = len(ahead) - same - self._stop_outside  # that one never entered the matcher
+            self._stop_outside = False
+            if dropped:
+                self._matcher.rollback(dropped)
             del ahead[same:]
-        if same < len(prefix):
+        if same < len(prefix) and not self._stop_outside:
             rest = [int(t) for t in prefix[same:]]
             taken = self._matcher.try_consume_tokens(rest)
             ahead.extend(rest[:taken])
+            if taken < len(rest) and rest[taken] in self._stop_ids and self._names(rest[taken]):
+                ahead.append(rest[taken])  # the output ends here, on a token the grammar writes itself
+                self._stop_outside = True
         return len(ahead)
+
+    def _names(self, token: int) -> bool:
+        """Whether the grammar writes this stop token as text here (harmony's <|call|>): its mask allows it, but
+        ``try_consume_tokens`` takes a stop token only where the grammar may end. The output ends on it, so it is
+        checked on a copy and never enters the matcher."""
+        probe = self._matcher.deep_copy()
+        return bool(probe.consume_token(token)) and not probe.is_error()
 
     def allowed(self, drafted: Sequence[int], offset: int, rows: int, width: int) -> Tensor:
         """[rows, width] bool: row i's allowed ids after committed + drafted[:offset + i] (none after an illegal
@@ -191,7 +206,7 @@ class GrammarState:
         if self._seek(tokens) != len(tokens):
             raise GrammarViolation(f"token {tokens[len(self._ahead)]} is not allowed by the request's grammar "
                                    f"here: {_first_lines(self._matcher.get_error() or 'no error recorded', 2)}")
-        self._ahead = []
+        self._ahead, self._stop_outside = [], False
 
     @property
     def finished(self) -> bool:

@@ -54,8 +54,10 @@ class MessagesRequest(CountTokensRequest):
     repetition_penalty: StrictFloat | None = None
     priority: StrictInt | None = None
     speculative: Any = None
+    structured_outputs: Any = None  # as on chat completions: json, regex, choice or grammar
 
-    SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "priority", "speculative")
+    SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "priority", "speculative",
+                                           "structured_outputs")
 
 
 def _text(content: Any, where: str) -> str:
@@ -200,14 +202,14 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     message_id = new_id("msg")
     if body.stream:
         events = MessageEvents(message_id, ctx.model_name, run.job.prompt_tokens)
-        stream = message_events(events, chat_pieces(run.job, run.tools, ctx.token_text))
+        stream = message_events(events, chat_pieces(run.job, run.reading, ctx.token_text))
         return event_stream(stream, run.job)
     try:
-        choice, text, calls = await whole_chat(run.job, run.tools, ctx.token_text, request)
+        whole = await whole_chat(run.job, run.reading, ctx.token_text, request)
     except ClientGone:
         return Response(status_code=499)
-    blocks = content_blocks(text, calls)
-    return JSONResponse(message_body(message_id, ctx.model_name, blocks, choice, run.job.prompt_tokens))
+    blocks = content_blocks(whole.reasoning, whole.text, whole.calls)
+    return JSONResponse(message_body(message_id, ctx.model_name, blocks, whole.choice, run.job.prompt_tokens))
 
 
 @router.post("/v1/messages/count_tokens", responses=_ERRORS)

@@ -6,7 +6,8 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from quickdraft.serving.chat_stream import CallArguments, CallStart, ChatPiece, Finished, TextPiece
+from quickdraft.serving.chat_stream import (CallArguments, CallStart, ChatPiece, Finished, ReasoningPiece,
+                                           TextPiece)
 from quickdraft.serving.guard import anthropic_error_body
 from quickdraft.serving.openai_format import Choice, describe_error, usage
 from quickdraft.serving.tools import ToolCall, arguments_valid
@@ -33,10 +34,11 @@ def message_usage(prompt_tokens: int, choice: Choice) -> dict:
             "speculative": u["speculative"]}
 
 
-def content_blocks(text: str | None, calls: list[ToolCall]) -> list[dict]:
-    """Text, then one tool_use block a call; a call whose arguments are not a whole object (cut by max_tokens)
-    stays text."""
-    blocks = [{"type": "text", "text": text}] if text else []
+def content_blocks(thinking: str | None, text: str | None, calls: list[ToolCall]) -> list[dict]:
+    """The thinking (a thinking block, unsigned: this server signs nothing), the text, then one tool_use block a
+    call; a call whose arguments are not a whole object (cut by max_tokens) stays text."""
+    blocks = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
+    blocks += [{"type": "text", "text": text}] if text else []
     for call in calls:
         if arguments_valid(call):
             blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)})
@@ -57,7 +59,8 @@ def event(type_: str, **fields) -> str:
 
 @dataclass
 class MessageEvents:
-    """Turns an output's pieces into Anthropic stream events: one content block per text run or tool call."""
+    """Turns an output's pieces into Anthropic stream events: one content block per run of thinking or text, or
+    per tool call."""
 
     message_id: str
     model: str
@@ -72,6 +75,10 @@ class MessageEvents:
         return [event("message_start", message=message), event("ping")]
 
     def piece(self, piece: ChatPiece) -> list[str]:
+        if isinstance(piece, ReasoningPiece):
+            out = [] if self._open == "thinking" else self._start({"type": "thinking", "thinking": "", "signature": ""})
+            return out + [event("content_block_delta", index=self._index,
+                                delta={"type": "thinking_delta", "thinking": piece.text})]
         if isinstance(piece, TextPiece):
             out = [] if self._open == "text" else self._start({"type": "text", "text": ""})
             return out + [event("content_block_delta", index=self._index,

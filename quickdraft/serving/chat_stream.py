@@ -1,18 +1,25 @@
-"""A chat request's output as the APIs built on chat see it (Responses, Anthropic Messages): text pieces and tool
-calls as they stream, then the finished choice. Both read the same ``ToolCallStream`` the chat-completions stream
+"""A chat request's output as the APIs built on chat see it (Responses, Anthropic Messages): thinking and text
+pieces and tool calls as they stream, then the finished choice. Both read the same ``ToolCallStream`` the chat-completions stream
 reads, so every API sends the same calls for the same output."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from quickdraft.serving.openai_format import Choice, TokenText, chat_choice, chat_chunk_fields
+from quickdraft.serving.openai_format import ChatReading, Choice, TokenText, chat_choice, chat_chunk_fields
 from quickdraft.serving.streams import merge_streams
 from quickdraft.serving.tools import ToolCall
 
 
 @dataclass
 class TextPiece:
+    text: str
+
+
+@dataclass
+class ReasoningPiece:
+    """Thinking the model wrote before (or between) its answer's pieces."""
+
     text: str
 
 
@@ -39,12 +46,12 @@ class Finished:
     choice: Choice
 
 
-ChatPiece = TextPiece | CallStart | CallArguments | Finished
+ChatPiece = ReasoningPiece | TextPiece | CallStart | CallArguments | Finished
 
 
-async def chat_pieces(job, tools, token_text: TokenText) -> AsyncIterator[ChatPiece]:
+async def chat_pieces(job, reading: ChatReading, token_text: TokenText) -> AsyncIterator[ChatPiece]:
     """The pieces of a one-choice chat job's output, in order; ``Finished`` last. A failed request raises."""
-    fields_of = chat_chunk_fields(False, token_text, tools)
+    fields_of = chat_chunk_fields(False, token_text, reading)
     choice = Choice(0)
     async for _, chunk in merge_streams(job.streams):
         choice.count(chunk)
@@ -52,6 +59,8 @@ async def chat_pieces(job, tools, token_text: TokenText) -> AsyncIterator[ChatPi
         if fields is None:
             continue
         delta = fields["delta"]
+        if delta.get("reasoning_content"):
+            yield ReasoningPiece(delta["reasoning_content"])
         if delta.get("content"):
             yield TextPiece(delta["content"])
         for call in delta.get("tool_calls", ()):
@@ -65,13 +74,23 @@ async def chat_pieces(job, tools, token_text: TokenText) -> AsyncIterator[ChatPi
     yield Finished(choice)
 
 
-async def whole_chat(job, tools, token_text: TokenText, request) -> tuple[Choice, str | None, list[ToolCall]]:
-    """A one-choice chat job's whole output: the choice (its finish reason after tool parsing), the text (None if
-    blank) and the calls, as ``openai_format.chat_choice`` reads them; ClientGone if the client left first."""
+@dataclass
+class WholeChat:
+    """A one-choice chat job's whole output as ``openai_format.chat_choice`` reads it: the choice (its finish
+    reason after tool parsing), the thinking and the text (None if blank) and the calls."""
+
+    choice: Choice
+    reasoning: str | None
+    text: str | None
+    calls: list[ToolCall]
+
+
+async def whole_chat(job, reading: ChatReading, token_text: TokenText, request) -> WholeChat:
+    """The whole output, once generated; ClientGone if the client left first."""
     choice = (await job.gather_or_abort(request))[0]
-    whole = chat_choice(choice, False, token_text, tools)
+    whole = chat_choice(choice, False, token_text, reading)
     choice.finish_reason = whole["finish_reason"]
     message = whole["message"]
     calls = [ToolCall(c["function"]["name"], c["function"]["arguments"], c["id"])
              for c in message.get("tool_calls") or ()]
-    return choice, message.get("content") or None, calls
+    return WholeChat(choice, message.get("reasoning_content") or None, message.get("content") or None, calls)

@@ -18,6 +18,7 @@ from quickdraft.serving.errors import (EngineError, EngineStoppedError, NotFound
                                       RequestTimeoutError)
 from quickdraft.serving.guard import error_body
 from quickdraft.serving.protocol import ErrorResponse, ModelNotFoundError, param_of
+from quickdraft.serving.reasoning import ReasoningFormat, ReasoningReader
 from quickdraft.serving.tools import ToolCall, ToolCallStream, ToolSpec, arguments_valid, parse_tool_calls
 
 TokenText = Callable[[int], str]
@@ -206,15 +207,28 @@ class ToolParsing:
         return "tool_calls" if calls and reason == "stop" and all(map(arguments_valid, calls)) else reason
 
 
-def chat_choice(c: Choice, logprobs: bool, token_text: TokenText, tools: ToolParsing | None = None) -> dict:
-    """A whole /v1/chat/completions choice; with tools, calls in the text become ``message.tool_calls``."""
-    message: dict = {"role": "assistant", "content": "".join(c.text)}
-    finish_reason = c.finish_reason
+@dataclass(frozen=True)
+class ChatReading:
+    """How a chat request's output is read: its thinking apart (None: the model writes none separately) and its
+    tool calls (None: the request has no tools)."""
+
+    tools: ToolParsing | None = None
+    reasoning: ReasoningFormat | None = None
+
+
+def chat_choice(c: Choice, logprobs: bool, token_text: TokenText, reading: ChatReading = ChatReading()) -> dict:
+    """A whole /v1/chat/completions choice: thinking as ``message.reasoning_content``, calls in the rest of the text
+    as ``message.tool_calls``."""
+    thought, text = (None, "".join(c.text)) if reading.reasoning is None else reading.reasoning.split("".join(c.text))
+    message: dict = {"role": "assistant", "content": text}
+    finish_reason, tools = c.finish_reason, reading.tools
     if tools is not None:
-        content, calls = parse_tool_calls(message["content"], tools.spec, tools.style)
+        content, calls = parse_tool_calls(text, tools.spec, tools.style)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": [call.to_openai() for call in calls]}
             finish_reason = tools.finish_reason(calls, finish_reason)
+    if thought is not None:
+        message["reasoning_content"] = thought
     return {"index": c.index, "message": message,
             "logprobs": chat_logprobs(c.logprobs, token_text) if logprobs else None,
             "finish_reason": finish_reason}
@@ -247,21 +261,31 @@ def chat_opening(n: int) -> list[dict]:
             for i in range(n)]
 
 
-def chat_chunk_fields(logprobs: bool, token_text: TokenText, tools: ToolParsing | None = None) -> ChoiceFields:
-    """What a chunk becomes in a /v1/chat/completions stream event: a content delta and chat logprobs; with tools,
-    a call's text becomes ``tool_calls`` deltas (``ToolCallStream``) and the finish reason "tool_calls"."""
-    streams: dict[int, ToolCallStream] = {}
+def chat_chunk_fields(logprobs: bool, token_text: TokenText, reading: ChatReading = ChatReading()) -> ChoiceFields:
+    """What a chunk becomes in a /v1/chat/completions stream event: content and ``reasoning_content`` deltas and chat
+    logprobs; with tools, a call's text becomes ``tool_calls`` deltas (``ToolCallStream``) and the finish reason
+    "tool_calls"."""
+    readers: dict[int, tuple[ReasoningReader | None, ToolCallStream | None]] = {}
+    tools = reading.tools
 
     def fields(prompt_index: int, idx: int, chunk: StreamChunk) -> dict | None:
         lp = chat_logprobs(chunk.logprobs or [], token_text) if logprobs else None
+        if idx not in readers:
+            readers[idx] = (reading.reasoning.reader() if reading.reasoning is not None else None,
+                            ToolCallStream(tools.spec, tools.style) if tools is not None else None)
+        thinking, calls = readers[idx]
+        pieces = [("content", chunk.text)] if thinking is None else \
+            thinking.feed(chunk.text) + (thinking.finish() if chunk.finished else [])
+        deltas = [{"reasoning_content": text} for kind, text in pieces if kind == "reasoning"]
+        content = "".join(text for kind, text in pieces if kind == "content")
         extra = {}
-        if tools is None:
-            delta = {"content": chunk.text} if chunk.text else {}
+        if calls is None:
+            deltas += [{"content": content}] if content else []
         else:
-            stream = streams.setdefault(idx, ToolCallStream(tools.spec, tools.style))
-            delta = _merged(stream.feed(chunk.text) + (stream.finish() if chunk.finished else []))
+            deltas += calls.feed(content) + (calls.finish() if chunk.finished else [])
             if chunk.finished:
-                extra["finish_reason"] = tools.finish_reason(stream.calls, chunk.finish_reason)
+                extra["finish_reason"] = tools.finish_reason(calls.calls, chunk.finish_reason)
+        delta = _merged(deltas)
         if not delta and not chunk.finished and not (lp and lp["content"]):
             return None
         return {"delta": delta, "logprobs": lp, **extra}
@@ -270,9 +294,11 @@ def chat_chunk_fields(logprobs: bool, token_text: TokenText, tools: ToolParsing 
 
 
 def _merged(deltas: list[dict]) -> dict:
-    """One event's delta from several: content joined, tool-call pieces in order."""
+    """One event's delta from several: reasoning and content joined, tool-call pieces in order."""
     out: dict = {}
     for d in deltas:
+        if "reasoning_content" in d:
+            out["reasoning_content"] = out.get("reasoning_content", "") + d["reasoning_content"]
         if "content" in d:
             out["content"] = out.get("content", "") + d["content"]
         if "tool_calls" in d:

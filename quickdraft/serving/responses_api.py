@@ -59,9 +59,11 @@ class ResponsesRequest(BaseModel):
     repetition_penalty: StrictFloat | None = None
     priority: StrictInt | None = None
     speculative: Any = None
+    structured_outputs: Any = None  # as on chat completions: json, regex, choice or grammar
 
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "priority", "speculative", "parallel_tool_calls", "model")
+                "repetition_penalty", "priority", "speculative", "parallel_tool_calls", "model",
+                "structured_outputs")
 
 
 def _text(content: Any, where: str) -> str:
@@ -112,7 +114,7 @@ def input_messages(value: Any, known_calls: set[str]) -> list[dict]:
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"),
                                                                                   f"{where}.output")})
         elif kind == "reasoning":
-            continue  # a reasoning model's summary sent back: this server's models write none, nothing to render
+            continue  # thinking sent back: chat templates drop an earlier turn's thinking, nothing to render
         else:
             raise InvalidParameterError(f"{where} must be a message (role user, assistant, system or developer), a "
                                         f"function_call or a function_call_output, got {reprlib.repr(item)}")
@@ -208,13 +210,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
     if body.stream:
         events = ResponseEvents(shell, run.job.prompt_tokens)
-        stream = response_events(events, chat_pieces(run.job, run.tools, ctx.token_text), remember)
+        stream = response_events(events, chat_pieces(run.job, run.reading, ctx.token_text), remember)
         return event_stream(stream, run.job)
     try:
-        choice, text, calls = await whole_chat(run.job, run.tools, ctx.token_text, request)
+        whole = await whole_chat(run.job, run.reading, ctx.token_text, request)
     except ClientGone:
         return Response(status_code=499)
-    output = output_items(text, calls)
-    remember(output, choice)
-    return JSONResponse(shell.body(status_of(choice), output, choice, run.job.prompt_tokens))
+    output = output_items(whole.reasoning, whole.text, whole.calls)
+    remember(output, whole.choice)
+    return JSONResponse(shell.body(status_of(whole.choice), output, whole.choice, run.job.prompt_tokens))
 

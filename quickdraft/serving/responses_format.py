@@ -1,4 +1,4 @@
-"""A chat output told as OpenAI's Responses API tells it: output items (messages and function calls), the response
+"""A chat output told as OpenAI's Responses API tells it: output items (reasoning, messages, function calls), the response
 object, and the stream's typed events (``response.created`` ... ``response.completed``)."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from quickdraft.serving.chat_stream import CallArguments, CallStart, ChatPiece, Finished, TextPiece
+from quickdraft.serving.chat_stream import (CallArguments, CallStart, ChatPiece, Finished, ReasoningPiece,
+                                           TextPiece)
 from quickdraft.serving.openai_format import Choice, describe_error, usage
 from quickdraft.serving.tools import ToolCall
 
@@ -19,6 +20,12 @@ def new_id(prefix: str) -> str:
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    """The model's thinking, as the Responses API gives an open-weight model's (``reasoning_text`` content)."""
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict:
@@ -55,9 +62,11 @@ def status_of(choice: Choice) -> str:
     return "incomplete" if choice.finish_reason == "length" else "completed"
 
 
-def output_items(text: str | None, calls: list[ToolCall]) -> list[dict]:
-    """A whole output's items: its text as one message (if any), then one function_call item a call."""
-    items = [message_item(new_id("msg"), text)] if text else []
+def output_items(reasoning: str | None, text: str | None, calls: list[ToolCall]) -> list[dict]:
+    """A whole output's items: its thinking (if any), its text as one message (if any), then one function_call
+    item a call."""
+    items = [reasoning_item(new_id("rs"), reasoning)] if reasoning else []
+    items += [message_item(new_id("msg"), text)] if text else []
     return items + [call_item(new_id("fc"), call) for call in calls]
 
 
@@ -81,10 +90,12 @@ class ResponseEvents:
         return [self.event("response.created", response=body), self.event("response.in_progress", response=body)]
 
     def piece(self, piece: ChatPiece) -> list[str]:
-        if isinstance(piece, TextPiece):
-            out = [] if self._open is not None and self._open["type"] == "message" else self._close() + self._start(
-                message_item(new_id("msg"), "", "in_progress"))
-            return out + [self._delta("response.output_text.delta", piece.text)]
+        if isinstance(piece, (ReasoningPiece, TextPiece)):
+            kind, item, type_ = ("reasoning", reasoning_item, "response.reasoning_text.delta") \
+                if isinstance(piece, ReasoningPiece) else ("message", message_item, "response.output_text.delta")
+            out = [] if self._open is not None and self._open["type"] == kind else self._close() + self._start(
+                item(new_id("rs" if kind == "reasoning" else "msg"), "", "in_progress"))
+            return out + [self._delta(type_, piece.text)]
         if isinstance(piece, CallStart):
             item = call_item(new_id("fc"), ToolCall(piece.name, "", piece.call_id), "in_progress")
             out = self._close() + self._start(item)
@@ -103,18 +114,18 @@ class ResponseEvents:
     def _start(self, item: dict) -> list[str]:
         self._open = item
         out = [self.event("response.output_item.added", output_index=len(self.output), item=item)]
-        if item["type"] == "message":
+        if item["type"] != "function_call":
             out.append(self.event("response.content_part.added", item_id=item["id"], output_index=len(self.output),
-                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+                                  content_index=0, part=dict(item["content"][0])))
         return out
 
     def _delta(self, type_: str, text: str) -> str:
         item = self._open
-        key = "text" if item["type"] == "message" else "arguments"
-        if key == "text":
+        if item["type"] != "function_call":
             item["content"][0]["text"] += text
+            extra = {"logprobs": []} if item["type"] == "message" else {}
             return self.event(type_, item_id=item["id"], output_index=len(self.output), content_index=0, delta=text,
-                              logprobs=[])
+                              **extra)
         item["arguments"] += text
         return self.event(type_, item_id=item["id"], output_index=len(self.output), delta=text)
 
@@ -125,10 +136,12 @@ class ResponseEvents:
         index = len(self.output)
         item["status"] = "completed"
         self.output.append(item)
-        if item["type"] == "message":
+        if item["type"] != "function_call":
             part = item["content"][0]
-            return [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                               text=part["text"], logprobs=[]),
+            done, extra = ("response.output_text.done", {"logprobs": []}) if item["type"] == "message" else \
+                ("response.reasoning_text.done", {})
+            return [self.event(done, item_id=item["id"], output_index=index, content_index=0, text=part["text"],
+                               **extra),
                     self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                                part=part),
                     self.event("response.output_item.done", output_index=index, item=item)]

@@ -21,10 +21,11 @@ from quickdraft.serving.errors import invalid_parameter
 from quickdraft.serving.guard import ServerLimits
 from quickdraft.serving.jobs import ClientGone, Job
 from quickdraft.serving.metrics import CONTENT_TYPE, ServerMetrics
-from quickdraft.serving.openai_format import (ERROR_RESPONSES, Choice, CompletionChunkFields, TokenTexts,
-                                              ToolParsing, chat_choice, chat_chunk_fields, chat_opening, completion_choice,
+from quickdraft.serving.openai_format import (ERROR_RESPONSES, ChatReading, Choice, CompletionChunkFields,
+                                              TokenTexts, ToolParsing, chat_choice, chat_chunk_fields, chat_opening, completion_choice,
                                               error_response, response_head, usage)
 from quickdraft.serving.response_store import ResponseStore
+from quickdraft.serving.reasoning import reasoning_format
 from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError, in_call_order,
                                          _SamplingFields, response_format_constraint)
 from quickdraft.serving.sse import stream_response
@@ -129,10 +130,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 @dataclass
 class ChatRun:
-    """A chat request queued in the engine: its job and how its output is read for tool calls (None: no tools)."""
+    """A chat request queued in the engine: its job and how its output is read (thinking, tool calls)."""
 
     job: Job
-    tools: ToolParsing | None
+    reading: ChatReading
 
 
 async def start_chat(ctx: ServerContext, body: ChatCompletionRequest, top_logprobs: int | None = None) -> ChatRun:
@@ -144,12 +145,16 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest, top_logpro
     constraint = await _constraint(ctx, body, ("response_format", response_format_constraint(body.response_format)),
                                    ("tool_choice", StructuredOutputs.of(forced_call, "tool_choice")))
     ids = await chat_prompt_ids(ctx, body, tool_spec)
+    template = ctx.llm.tokenizer.chat_template
+    reasoning = reasoning_format(template, ctx.llm.tokenizer.decode(ids[-16:]))
     params = _sampling_params(ctx, body, len(ids), body.requested_max_tokens, top_logprobs, "messages", constraint)
+    if reasoning is not None and reasoning.style == "harmony" and body.skip_special_tokens is None:
+        params.skip_special_tokens = False  # harmony's markers are special tokens: the reader needs them
     job = Job.new("chatcmpl", [(ids, None)], [params])
     await job.start(ctx.engine)
     tools = None if tool_spec is None or tool_spec.choice == "none" else \
-        ToolParsing(tool_spec, tool_call_style(ctx.llm.tokenizer.chat_template))
-    return ChatRun(job, tools)
+        ToolParsing(tool_spec, tool_call_style(template))
+    return ChatRun(job, ChatReading(tools, reasoning))
 
 
 async def chat_prompt_ids(ctx: ServerContext, body: ChatCompletionRequest, tool_spec: ToolSpec | None) -> list[int]:
@@ -171,10 +176,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     job, logprobs = run.job, bool(body.logprobs)
     if body.stream:
         head = response_head(job.id, "chat.completion.chunk", job.created, ctx.model_name)
-        return stream_response(job, head, body.include_usage, chat_chunk_fields(logprobs, ctx.token_text, run.tools),
+        return stream_response(job, head, body.include_usage, chat_chunk_fields(logprobs, ctx.token_text, run.reading),
                                chat_opening(job.n), body.include_draft_info)
     head = response_head(job.id, "chat.completion", job.created, ctx.model_name)
-    return await _whole_response(request, job, head, lambda c: chat_choice(c, logprobs, ctx.token_text, run.tools))
+    return await _whole_response(request, job, head, lambda c: chat_choice(c, logprobs, ctx.token_text, run.reading))
 
 
 async def _whole_response(request: Request, job: Job, head: dict, choice_json: Callable[[Choice], dict]) -> Response:

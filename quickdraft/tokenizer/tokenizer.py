@@ -28,6 +28,9 @@ END_OF_TURN_TOKENS = (
     "<｜end▁of▁sentence｜>",
     "<end_of_utterance>",
 )
+# gpt-oss's harmony ends a turn with <|return|> (an answer) or <|call|> (a tool call); its <|end|> only closes one
+# message of the turn (the reasoning, before the answer), so there it does not stop generation (as in llama.cpp).
+HARMONY_TURN_ENDS = ("<|return|>", "<|call|>")
 
 
 class Tokenizer:
@@ -69,10 +72,13 @@ class Tokenizer:
         for tid in extra_eos_token_ids:
             if tid is not None and tid not in eos:
                 eos.append(tid)
-        for text in END_OF_TURN_TOKENS:
+        harmony = all(backend.token_to_id(t) in self.special_token_ids for t in HARMONY_TURN_ENDS)
+        for text in HARMONY_TURN_ENDS + END_OF_TURN_TOKENS if harmony else END_OF_TURN_TOKENS:
             tid = backend.token_to_id(text)
             if tid is not None and tid in self.special_token_ids and tid not in eos:
                 eos.append(tid)
+        if harmony:  # even where a file declares it (an eot id), as llama.cpp drops it
+            eos = [tid for tid in eos if tid != backend.token_to_id("<|end|>")]
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         self._token_bytes: list[bytes | None] | None = None
 

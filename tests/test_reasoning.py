@@ -1,0 +1,211 @@
+"""A reasoning model's thinking apart from its answer: gpt-oss's harmony channels and <think> tags, read by
+``serving/reasoning.py`` into ``reasoning_content`` (chat completions), reasoning items (Responses) and thinking
+blocks (Anthropic Messages), streamed or whole, with harmony's tool calls as OpenAI tool calls.
+
+The models are tiny random ones with a real byte-level BPE tokenizer (trained here by ``tokenizers``) holding
+harmony's special tokens; a grammar (llguidance, special tokens included) makes them write the exact text each test
+reads, through a real server on 127.0.0.1 and the real ``openai`` and ``anthropic`` clients."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import anthropic
+import pytest
+
+from conftest import make_tiny_checkpoint
+from test_server import serve
+
+from quickdraft.serving.reasoning import ReasoningFormat, reasoning_format, reasoning_style
+from quickdraft.tokenizer import Tokenizer
+
+HARMONY_SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                    "<|return|>", "<|call|>"]
+# a sketch of gpt-oss's template: it renders the same markers (the released template adds the system header,
+# tool namespaces and earlier thinking)
+HARMONY_TEMPLATE = (
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>"
+    "{{ m.content }}<|end|>{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
+THINK_TEMPLATE = ("{%- for m in messages %}<|start|>{{ m.role }}\n{{ m.content.split('</think>')[-1] }}<|end|>"
+                  "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant\n{% if opened %}<think>\n"
+                  "{% endif %}{%- endif %}")
+THOUGHT, ANSWER = "The user wants the weather; Paris is sunny.", "It is sunny in Paris."
+ANALYSIS = f'<|channel|> "analysis" <|message|> "{THOUGHT}" <|end|> <|start|> "assistant" '
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def harmony(*messages: tuple[str, str]) -> str:
+    """Harmony text of (header, body) messages, <|end|> between them, as a model writes it after <|start|>assistant."""
+    return "<|end|><|start|>assistant".join(f"<|channel|>{head}<|message|>{body}" for head, body in messages)
+
+
+def split_streamed(form: ReasoningFormat, text: str, cuts: list[int]) -> tuple[str | None, str]:
+    reader, pieces, last = form.reader(), [], 0
+    for cut in cuts + [len(text)]:
+        pieces += reader.feed(text[last:cut])
+        last = cut
+    pieces += reader.finish()
+    assert all(t for _, t in pieces), "no empty pieces"
+    return ("".join(t for k, t in pieces if k == "reasoning") or None), "".join(t for k, t in pieces if k == "content")
+
+
+OUTPUTS = [  # (form, output, (reasoning, content))
+    (ReasoningFormat("harmony"), harmony(("analysis", THOUGHT), ("final", ANSWER)), (THOUGHT, ANSWER)),
+    (ReasoningFormat("harmony"), harmony(("analysis", "a"), ("commentary", "Checking."), ("final", "b")),
+     ("a", "Checking.b")),  # a preamble is said to the user
+    (ReasoningFormat("harmony"), harmony(("analysis", THOUGHT), ('commentary to=functions.get_weather <|constrain|>json',
+                                                                 '{"city":"Paris"}')),
+     (THOUGHT, '<tool_call>{"name": "get_weather", "arguments": {"city":"Paris"}}</tool_call>')),
+    (ReasoningFormat("harmony"), "<|channel|>analysis<|message|>cut mid-way", ("cut mid-way", "")),
+    (ReasoningFormat("harmony"), "A plain answer <script>alert(1)</script>", (None, "A plain answer <script>alert(1)</script>")),
+    (ReasoningFormat("harmony"), "<|channel|>" + "x" * 300, (None, "<|channel|>" + "x" * 300)),  # never a message
+    (ReasoningFormat("think"), "<think>\nhmm, 2+2\n</think>\n\n4", ("hmm, 2+2\n", "4")),
+    (ReasoningFormat("think", opened=True), "hmm</think>4", ("hmm", "4")),
+    (ReasoningFormat("think"), "4, not <think>x</think>", (None, "4, not <think>x</think>")),
+    (ReasoningFormat("think"), "<think>never closed", ("never closed", "")),
+    (ReasoningFormat("think"), "<think>a</think>b</think>c", ("a", "b</think>c")),
+]
+
+
+@pytest.mark.parametrize("form, output, expected", OUTPUTS)
+def test_a_stream_cut_anywhere_reads_as_the_whole_output(form, output, expected):
+    assert form.split(output) == expected
+    rng = random.Random(0)
+    for size in (1, 2, 3, 7):
+        assert split_streamed(form, output, list(range(size, len(output), size))) == expected
+    for _ in range(50):
+        assert split_streamed(form, output, sorted(rng.sample(range(1, len(output)), min(5, len(output) - 1)))) \
+            == expected
+
+
+def test_the_style_is_read_off_the_template():
+    assert reasoning_style(HARMONY_TEMPLATE) == "harmony"
+    assert reasoning_style("{{ m.content.split('</think>')[-1] }}") == "think"
+    assert reasoning_style("<|im_start|>{{ m.role }}") is None and reasoning_style(None) is None
+    assert reasoning_format(THINK_TEMPLATE, "<|start|>assistant\n<think>\n").opened
+    assert not reasoning_format(THINK_TEMPLATE, "<think>\n\n</think>\n\n").opened  # thinking switched off
+
+
+def write_tokenizer(directory: Path, template: str) -> Path:
+    """A real byte-level BPE tokenizer with harmony's special tokens, and the chat template."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=HARMONY_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([THOUGHT, ANSWER, "analysis final commentary assistant user functions"] * 10, trainer)
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|return|>", "bos_token": None,
+                                                                 "chat_template": template}))
+    return directory
+
+
+def make_model(directory: Path, template: str) -> Path:
+    tokenizer = write_tokenizer(directory / "tokenizer", template)
+    vocab = Tokenizer.from_hf_dir(tokenizer).vocab_size
+    return make_tiny_checkpoint(directory / "model", vocab_size=vocab, tokenizer_from=tokenizer)
+
+
+def test_harmony_turns_end_on_return_and_call_not_on_end(tmp_path):
+    tok = Tokenizer.from_hf_dir(write_tokenizer(tmp_path / "h", HARMONY_TEMPLATE))
+    ids = {t: tok.token_to_id(t) for t in HARMONY_SPECIALS}
+    assert ids["<|return|>"] in tok.eos_token_ids and ids["<|call|>"] in tok.eos_token_ids
+    assert ids["<|end|>"] not in tok.eos_token_ids  # it closes the thinking, and the answer follows
+    data = json.loads((tmp_path / "h" / "tokenizer.json").read_text())  # a vocabulary without harmony: Phi-3's end
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in ("<|return|>", "<|call|>")]
+    (tmp_path / "h" / "tokenizer.json").write_text(json.dumps(data))
+    assert Tokenizer.from_hf_dir(tmp_path / "h").token_to_id("<|end|>") in \
+        Tokenizer.from_hf_dir(tmp_path / "h").eos_token_ids
+
+
+@pytest.fixture(scope="module")
+def harmony_server(tmp_path_factory):
+    with serve(make_model(tmp_path_factory.mktemp("harmony"), HARMONY_TEMPLATE), "oss") as server:
+        yield server
+
+
+def forced(grammar: str, **body) -> dict:
+    """Request fields that make the random model write exactly the grammar's text, greedily."""
+    return {"temperature": 0, "max_tokens": 80, "extra_body": {"structured_outputs": {"grammar": grammar}}, **body}
+
+
+ANSWERED = f'start: {ANALYSIS} <|channel|> "final" <|message|> "{ANSWER}"'
+CALLED = (f'start: {ANALYSIS} <|channel|> "commentary to=functions.get_weather " <|constrain|> "json" <|message|> '
+          '"{\\"city\\":\\"Paris\\"}" <|call|>')  # the grammar names the stop token
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_chat_completions_carry_the_thinking_apart(harmony_server):
+    client = harmony_server.client()
+    r = client.chat.completions.create(model="oss", messages=ASK, **forced(ANSWERED))
+    message = r.choices[0].message
+    assert message.content == ANSWER and message.model_extra["reasoning_content"] == THOUGHT
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="oss", messages=ASK, stream=True, **forced(ANSWERED)))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == ANSWER
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == THOUGHT
+    first_answer = next(i for i, d in enumerate(deltas) if d.content)
+    assert not any((d.model_extra or {}).get("reasoning_content") for d in deltas[first_answer:])
+
+
+def test_a_harmony_call_is_an_openai_tool_call(harmony_server):
+    client = harmony_server.client()
+    r = client.chat.completions.create(model="oss", messages=ASK, tools=[WEATHER], **forced(CALLED))
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert choice.message.model_extra["reasoning_content"] == THOUGHT
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = list(client.chat.completions.create(model="oss", messages=ASK, tools=[WEATHER], stream=True,
+                                                 **forced(CALLED)))
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert [tc.function.name for tc in calls] == ["get_weather"]
+    assert json.loads("".join(tc.function.arguments for tc in calls)) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_responses_and_anthropic_messages_carry_the_thinking(harmony_server):
+    grammar = {"structured_outputs": {"grammar": ANSWERED}, "temperature": 0}
+    r = harmony_server.client().responses.create(model="oss", input="Weather in Paris?",
+                                                 max_output_tokens=80, extra_body=grammar)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == THOUGHT and r.output_text == ANSWER
+    events = list(harmony_server.client().responses.create(model="oss", input="Weather in Paris?",
+                                                           max_output_tokens=80, extra_body=grammar, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THOUGHT
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ANSWER
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+
+    claude = anthropic.Anthropic(base_url=harmony_server.url, api_key="unused", max_retries=0)
+    m = claude.messages.create(model="oss", max_tokens=80, messages=ASK, extra_body=grammar)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == \
+        [("thinking", THOUGHT), ("text", ANSWER)]
+    with claude.messages.stream(model="oss", max_tokens=80, messages=ASK, extra_body=grammar) as s:
+        streamed = s.get_final_message()
+    assert [b.type for b in streamed.content] == ["thinking", "text"] and streamed.content[0].thinking == THOUGHT
+
+
+def test_special_tokens_asked_away_leave_the_text_unread(harmony_server):
+    """A client that asks for special tokens to be skipped gets the text without harmony's markers: all content."""
+    r = harmony_server.client().chat.completions.create(model="oss", messages=ASK,
+                                                        **forced(ANSWERED, extra_body={"skip_special_tokens": True,
+                                                                 "structured_outputs": {"grammar": ANSWERED}}))
+    assert r.choices[0].message.content == f"analysis{THOUGHT}assistantfinal{ANSWER}"
+    assert "reasoning_content" not in r.choices[0].message.model_extra
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_think_tags_through_the_server(tmp_path, opened):
+    template = THINK_TEMPLATE.replace("{% if opened %}", "{% if true %}" if opened else "{% if false %}")
+    grammar = f'start: {"" if opened else chr(34) + "<think>" + chr(34)} "\\n{THOUGHT}\\n</think>\\n\\n{ANSWER}"'
+    with serve(make_model(tmp_path, template), "think") as server:
+        r = server.client().chat.completions.create(model="think", messages=ASK, **forced(grammar))
+    assert r.choices[0].message.content == ANSWER
+    assert r.choices[0].message.model_extra["reasoning_content"] == THOUGHT + "\n"
