@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -272,18 +273,87 @@ def test_mxfp4_experts_run_at_their_own_size(gpt_oss_released_limit, tmp_path):
     assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == plain
 
 
-def test_mxfp4_packed_hf_experts_are_refused_by_name(gpt_oss, tmp_path):
-    """The released HF checkpoints pack the experts as MXFP4 blocks and scales: refused with the way that works."""
+def write_packed_hf(path: Path, hf_path: Path) -> Path:
+    """The checkpoint as the released gpt-oss directories store it: experts as MXFP4 ``*_blocks`` [E, rows, G, 16]
+    (weight 2j in the low nibble of byte j) and ``*_scales`` [E, rows, G] (rows: gate and up alternating), rounded by
+    gguf-py's MXFP4 quantizer, and the ``quantization_config`` that makes transformers read them."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType as QT
     from safetensors.torch import load_file, save_file
 
-    target = _edited(tmp_path, gpt_oss[0])
+    shutil.copytree(hf_path, path)
+    state = load_file(hf_path / "model.safetensors")
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = state.pop(name).transpose(1, 2).contiguous()  # [E, out, in]
+        raw = torch.from_numpy(gguf.quants.quantize(w.numpy(), QT.MXFP4)).reshape(*w.shape[:2], -1, 17)
+        values = torch.cat((raw[..., 1:] & 15, raw[..., 1:] >> 4), dim=-1)  # GGUF's order: weight j at j
+        state[name + "_blocks"] = (values[..., 0::2] | (values[..., 1::2] << 4)).contiguous()
+        state[name + "_scales"] = raw[..., 0].contiguous()
+    save_file(state, path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def packed_hf(gpt_oss_released_limit, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """The packed directory, and transformers' own reading of it (it dequantizes MXFP4 on a CPU)."""
+    path = write_packed_hf(tmp_path_factory.mktemp("packed") / "model", gpt_oss_released_limit[0])
+    return path, transformers.GptOssForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_mxfp4_packed_hf_experts_read_as_transformers_reads_them(packed_hf):
+    """The released directories' MXFP4 experts, read as float32: transformers' logits (its own dequantization of
+    the same directory) within 1e-4, its router choices and 48 greedy tokens."""
+    path, hf = packed_hf
+    llm = LLM(str(path), dtype="float32", weights="float32", kv_cache_memory="16MiB")
+    ids = prompt(60)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert (our_logits(llm, ids) - ref).abs().max().item() < 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(our_router_choices(llm, ids), hf_router_choices(hf, ids)))
+    start = prompt(8, seed=2)
+    assert llm.generate([start], GREEDY)[0].token_ids == hf_greedy(hf, start, 48)
+
+
+def test_mxfp4_packed_hf_experts_run_at_their_own_size(packed_hf, gpt_oss_released_limit, tmp_path):
+    """By default each expert runs on its own MXFP4 blocks, repacked as GGUF's: the GGUF of the same weights gives
+    the same bits (same blocks, same kernel), and n-gram speculation keeps the greedy tokens."""
+    from gguf import GGMLQuantizationType as QT
+
+    from quickdraft.models.block_linear import BlockLinear
+
+    own = LLM(str(packed_hf[0]), dtype="float32", kv_cache_memory="16MiB")
+    experts = [m for m in own.model.modules() if isinstance(m, BlockLinear) and m.kernel_name == "MXFP4"]
+    assert len(experts) == 3 * 6 * 3 and sum(m.kweight.numel() for m in experts) == 3 * 6 * 3 * 32 * 64 // 32 * 17
+    gguf_run = LLM(str(write_gpt_oss_gguf(tmp_path / "mxfp4.gguf", gpt_oss_released_limit[0], QT.MXFP4)),
+                   dtype="float32", kv_cache_memory="16MiB")
+    ids = prompt(60)
+    assert torch.equal(our_logits(own, ids), our_logits(gguf_run, ids))
+    start = [prompt(8, seed=s) for s in (2, 3)]
+    plain = [o.token_ids for o in own.generate(start, GREEDY)]
+    spec = LLM(str(packed_hf[0]), dtype="float32", kv_cache_memory="16MiB", speculative="ngram",
+               num_speculative_tokens=3)
+    assert [o.token_ids for o in spec.generate(start, GREEDY)] == plain
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.update({"model.layers.1.mlp.experts.down_proj_blocks": torch.zeros(6, 64, 2, 16, dtype=torch.uint8)}),
+     r"down_proj_blocks is torch.uint8 \[6, 64, 2, 16\]; the config needs uint8 \[6, 64, 1, 16\]"),
+    (lambda t: t.pop("model.layers.0.mlp.experts.gate_up_proj_scales"), r"gate_up_proj_blocks has no gate_up_proj_scales"),
+    (lambda t: t.update({"model.layers.2.mlp.experts.down_proj_scales": torch.zeros(6, 64, 2, dtype=torch.uint8)}),
+     r"down_proj_scales is torch.uint8 \[6, 64, 2\]; the config needs uint8 \[6, 64, 1\]"),
+])
+def test_damaged_mxfp4_stacks_are_refused_by_name(packed_hf, tmp_path, edit, message):
+    from safetensors.torch import load_file, save_file
+
+    target = _edited(tmp_path, packed_hf[0])
     tensors = load_file(target / "model.safetensors")
-    gate_up = tensors.pop("model.layers.0.mlp.experts.gate_up_proj")
-    tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(6, 64, 2, 16, dtype=torch.uint8)
-    tensors["model.layers.0.mlp.experts.gate_up_proj_scales"] = torch.zeros(6, 64, 2, dtype=torch.uint8)
+    edit(tensors)
     save_file(tensors, target / "model.safetensors")
-    assert gate_up.shape == (6, 64, 64)
-    with pytest.raises(ModelLoadError, match=r"gate_up_proj_(blocks|scales): experts packed as MXFP4 .* their GGUF"):
+    with pytest.raises(ModelLoadError, match=message):
         LLM(str(target), dtype="float32", kv_cache_memory="16MiB")
 
 

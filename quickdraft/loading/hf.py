@@ -13,7 +13,9 @@ from quickdraft.config import ModelConfig
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading.checkpoint import Checkpoint, LazyTensors, fingerprint
 from quickdraft.loading.tensor_set import check_tensor_set, expected_shapes
+from quickdraft.loading.dequant import dequantize
 from quickdraft.loading.hf_config import checkpoint_tensors, config_from_hf, is_offset_norm
+from quickdraft.loading.hf_mxfp4 import MXFP4, take_mxfp4_experts
 from quickdraft.loading.tensor_file import TensorFile, map_tensors
 
 log = logging.getLogger(__name__)
@@ -101,10 +103,12 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpo
         cfg = ModelConfig(**kwargs)
     except ValueError as exc:
         raise ModelLoadError(f"{config_path}: {exc}") from exc
+    packed = take_mxfp4_experts(tensors, cfg)  # gpt-oss's released experts: GGUF MXFP4 blocks when read
     tensors = checkpoint_tensors(tensors, cfg)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    check_tensor_set({k: tuple(v.shape) for k, v in tensors.items()}, cfg, path)
+    check_tensor_set({**{k: tuple(v.shape) for k, v in tensors.items()}, **{k: s for k, (_, s) in packed.items()}},
+                     cfg, path)
     wanted = expected_shapes(cfg)
     extra = sorted(set(tensors) - set(wanted))
     if extra:
@@ -114,11 +118,21 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpo
     if cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     makers = {name: functools.partial(_converted, t, dtype, is_offset_norm(name, cfg)) for name, t in tensors.items()}
+    makers.update((name, functools.partial(_dequantized, blocks, shape, dtype)) for name, (blocks, shape) in
+                  packed.items())
     return Checkpoint(
         config=cfg, tensors=LazyTensors(makers), source=path, fingerprint=fingerprint(path),
-        chat_template=chat_template_from_dir(path), gguf_metadata=None, hf_dir=path, quantization="safetensors",
+        chat_template=chat_template_from_dir(path), gguf_metadata=None, hf_dir=path,
+        quantization="safetensors",
+        tensor_types={name: "MXFP4" for name in packed} if packed else None,
+        blocks=LazyTensors({name: blocks for name, (blocks, _) in packed.items()}) if packed else None,
+        block_types=dict.fromkeys(packed, MXFP4) if packed else None,
         dtype=dtype, files=mapped,
     )
+
+
+def _dequantized(blocks, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(blocks(), MXFP4, shape).to(dtype)
 
 
 def _converted(t: torch.Tensor, dtype: torch.dtype, add_one: bool = False) -> torch.Tensor:

@@ -276,10 +276,6 @@ def _gpt_oss_expert_tensors(tensors: dict[str, Any], cfg: ModelConfig) -> dict[s
         if ".mlp.router." in name:
             out[name.replace(".mlp.router.", ".mlp.gate.")] = t
             continue
-        if prefix.endswith("mlp.experts") and leaf.endswith(("_blocks", "_scales")):
-            raise ModelLoadError(f"{name}: experts packed as MXFP4 in a Hugging Face directory (the released gpt-oss "
-                                 "checkpoints) are not supported; their GGUF (llama.cpp's convert_hf_to_gguf.py keeps "
-                                 "the experts MXFP4) runs them at their own size")
         if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
                                                                  "down_proj_bias"):
             out[name] = t
