@@ -1,12 +1,17 @@
 """A mixture of experts on the CPU against llama.cpp, on the same GGUF: a random-weight model with Qwen3-30B-A3B's
 layer shape (hidden 2048, 128 experts, 8 chosen per token, expert width 768, 32 query / 4 key-value heads of 128,
-Qwen's 151,936-token vocabulary), in llama.cpp's Q4_K_M, as many layers as ``--layers`` says.
+Qwen's 151,936-token vocabulary), in llama.cpp's Q4_K_M, as many layers as ``--layers`` says; or, with
+``--family gpt-oss``, gpt-oss-20b's (hidden 2880, 32 experts, 4 chosen, expert width 2880, 64 query / 8 key-value
+heads of 64, a 128-token window on every other layer, sinks and biases, 201,088 tokens) in the released GGUF's types:
+experts MXFP4, the other matrices Q8_0, norms, biases and sinks F32.
 
-Usage: python bench/moe_cpu.py [--layers 24] [--tokens 64] [--prompts 4] [--name moe_cpu]
-Builds (once, in the cache's bench-files folder) an F16 file with gguf-py, quantizes it with llama.cpp's own
-quantizer (llama-cpp-python's ``llama_model_quantize``) and deletes the F16 source; the layer count is bounded by the
-disk the F16 source needs (1.25 GB a layer) as much as by memory (the Q4_K_M file, 0.37 GB a layer, must stay in
-the page cache for either engine). Then, with greedy decoding of ``--tokens`` tokens after each of ``--prompts``
+Usage: python bench/moe_cpu.py [--family qwen3moe|gpt-oss] [--layers 24] [--tokens 64] [--prompts 4] [--name moe_cpu]
+Builds the file once, in the cache's bench-files folder. Qwen3-MoE: an F16 file written with gguf-py, quantized by
+llama.cpp's own quantizer (llama-cpp-python's ``llama_model_quantize``), the F16 source then deleted; the layer count
+is bounded by the disk the F16 source needs (1.25 GB a layer) as much as by memory (the Q4_K_M file, 0.37 GB a layer,
+must stay in the page cache for either engine). gpt-oss: random blocks written in their types directly (0.45 GB a
+layer; llama.cpp's quantizer has no MXFP4 target for float experts). The tokenizer is the packaged Qwen2.5's, padded
+with control tokens to the shape's vocabulary. Then, with greedy decoding of ``--tokens`` tokens after each of ``--prompts``
 HumanEval prompts (prefill included):
 - quickdraft (default weights: each tensor at its own type) and llama.cpp (llama-cpp-python, built natively), tokens/s
   side by side (prefill included, and decode alone: tokens after the first over the time after the first), each
@@ -33,15 +38,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import humaneval_prompts, machine, memory_bandwidth_gbs, save, table  # noqa: E402
 from cpu_vs_llamacpp import llamacpp_runner, prompt_ids, quickdraft_runner  # noqa: E402
-from gguf_files import add_qwen_tokenizer, folder, quantize  # noqa: E402
+from gguf_files import add_metadata, add_qwen_tokenizer, folder, quantize  # noqa: E402
 
 from quickdraft import LLM  # noqa: E402
+from quickdraft.loading import resolve_model  # noqa: E402
+from quickdraft.loading.gguf_metadata import read_header  # noqa: E402
 from quickdraft.kv import ForwardItem, SequenceKV  # noqa: E402
 from quickdraft.loading.quantize import planned_step_bytes  # noqa: E402
 from quickdraft.models import step_weight_bytes  # noqa: E402
 
 SHAPE = dict(hidden=2048, experts=128, used=8, expert_ffn=768, ffn=6144, heads=32, kv_heads=4, head_dim=128,
              vocab=151936)
+GPT_OSS = dict(hidden=2880, experts=32, used=4, expert_ffn=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088,
+               window=128)
 
 
 def build_f16(path: Path, layers: int) -> Path:
@@ -103,7 +112,85 @@ def build_f16(path: Path, layers: int) -> Path:
     return path
 
 
-def model_file(layers: int) -> Path:
+def build_gpt_oss(path: Path, layers: int) -> Path:
+    """gpt-oss-20b's shape in its released GGUF's types, random blocks written as they are: MXFP4 experts (exponents
+    2^-10..2^-8: weights of a few thousandths, at most 0.023), Q8_0 attention, embedding and head (scale 2^-13,
+    weights of about 0.009), random F32 routers and biases, zero sinks, YaRN as the released file (factor 32 over 4,096 positions)."""
+    from gguf import GGMLQuantizationType as QT, GGUFWriter, RopeScalingType
+
+    s, rng = GPT_OSS, np.random.default_rng(0)
+    w = GGUFWriter(str(path.with_suffix(".tmp")), "gpt-oss")
+    w.add_block_count(layers)
+    w.add_context_length(131072)
+    w.add_embedding_length(s["hidden"])
+    w.add_feed_forward_length(s["expert_ffn"])
+    w.add_expert_feed_forward_length(s["expert_ffn"])
+    w.add_expert_count(s["experts"])
+    w.add_expert_used_count(s["used"])
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv_heads"])
+    w.add_key_length(s["head_dim"])
+    w.add_value_length(s["head_dim"])
+    w.add_rope_freq_base(150000.0)
+    w.add_rope_scaling_type(RopeScalingType.YARN)
+    w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_sliding_window(s["window"])
+    w.add_layer_norm_rms_eps(1e-5)
+    tokenizer = {k: v for k, v in read_header(resolve_model("qwen2.5-coder-0.5b")).metadata.items()
+                 if k.startswith("tokenizer.")}
+    pad = s["vocab"] - len(tokenizer["tokenizer.ggml.tokens"])
+    tokenizer["tokenizer.ggml.tokens"] = tokenizer["tokenizer.ggml.tokens"] + [f"<|pad_{i}|>" for i in range(pad)]
+    tokenizer["tokenizer.ggml.token_type"] = tokenizer["tokenizer.ggml.token_type"] + [3] * pad  # control tokens
+    add_metadata(w, tokenizer)
+    d, e, f, hd, v = s["hidden"], s["experts"], s["expert_ffn"], s["head_dim"], s["vocab"]
+    q, kv = s["heads"] * hd, s["kv_heads"] * hd
+    tensors: list[tuple[str, tuple[int, ...], object]] = [("token_embd.weight", (v, d), QT.Q8_0),
+                                                          ("output_norm.weight", (d,), "ones"),
+                                                          ("output.weight", (v, d), QT.Q8_0)]
+    for i in range(layers):
+        p = f"blk.{i}."
+        tensors += [(p + "attn_norm.weight", (d,), "ones"), (p + "post_attention_norm.weight", (d,), "ones"),
+                    (p + "attn_sinks.weight", (s["heads"],), "zeros")]
+        for name, rows, cols in (("attn_q", q, d), ("attn_k", kv, d), ("attn_v", kv, d), ("attn_output", d, q)):
+            tensors += [(p + name + ".weight", (rows, cols), QT.Q8_0), (p + name + ".bias", (rows,), "small")]
+        tensors += [(p + "ffn_gate_inp.weight", (e, d), "router"), (p + "ffn_gate_inp.bias", (e,), "small")]
+        for name, rows, cols in (("ffn_gate_exps", f, d), ("ffn_up_exps", f, d), ("ffn_down_exps", d, f)):
+            tensors += [(p + name + ".weight", (e, rows, cols), QT.MXFP4), (p + name + ".bias", (e, rows), "small")]
+
+    def data(shape: tuple[int, ...], kind: object) -> np.ndarray:
+        if kind in ("ones", "zeros"):
+            return (np.ones if kind == "ones" else np.zeros)(shape, dtype=np.float32)
+        if kind in ("router", "small"):
+            return rng.standard_normal(shape, dtype=np.float32) * (1.0 if kind == "router" else 0.01)
+        blocks = rng.integers(0, 256, (int(np.prod(shape)) // 32, 17 if kind == QT.MXFP4 else 34), dtype=np.uint8)
+        if kind == QT.MXFP4:
+            blocks[:, 0] = rng.integers(117, 120, blocks.shape[0], dtype=np.uint8)  # the exponent byte
+        else:
+            blocks[:, :2] = np.frombuffer(np.float16(2.0 ** -13).tobytes(), dtype=np.uint8)  # the scale
+        return blocks.reshape(*shape[:-1], -1)
+
+    for name, shape, kind in tensors:
+        if isinstance(kind, str):
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        else:
+            per_row = shape[-1] // 32 * (17 if kind == QT.MXFP4 else 34)
+            w.add_tensor_info(name, (*shape[:-1], per_row), np.dtype(np.uint8),
+                              int(np.prod(shape[:-1])) * per_row, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, kind in tensors:
+        w.write_tensor_data(data(shape, kind))
+    w.close()
+    path.with_suffix(".tmp").replace(path)
+    return path
+
+
+def model_file(family: str, layers: int) -> Path:
+    if family == "gpt-oss":
+        out = folder() / f"gpt-oss-20b-shape-{layers}l-MXFP4.gguf"
+        return out if out.is_file() else build_gpt_oss(out, layers)
     out = folder() / f"qwen3moe-30b-a3b-shape-{layers}l-Q4_K_M.gguf"
     if not out.is_file():
         source = folder() / f"qwen3moe-30b-a3b-shape-{layers}l-F16.gguf"
@@ -135,13 +222,14 @@ def verify_cost(path: Path, repeats: int = 15) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--family", choices=("qwen3moe", "gpt-oss"), default="qwen3moe")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="moe_cpu")
     args = ap.parse_args()
-    path = model_file(args.layers)
+    path = model_file(args.family, args.layers)
     size = path.stat().st_size
     print(f"model: {path.name}, {size / 1e9:.2f} GB", flush=True)
     texts = [("humaneval", t) for t in humaneval_prompts(args.prompts)]
@@ -176,8 +264,10 @@ def main() -> None:
                    decode_quickdraft_over_llamacpp=decode["quickdraft"] / decode["llama.cpp"],
                    ngram_over_plain=ngram / plain["quickdraft"], step_bytes_quickdraft=ours,
                    step_bytes_file=planned, bytes_ratio=ours / planned, **cost)
-    print(f"\nQwen3-30B-A3B layer shape, {args.layers} layers, Q4_K_M, {args.tokens} greedy tokens x {args.prompts} "
-          f"HumanEval prompts\n" + table(rows, list(rows[0])) + "\n\n" + table([summary], list(summary)))
+    shape = "gpt-oss-20b's layer shape, MXFP4 experts" if args.family == "gpt-oss" else \
+        "Qwen3-30B-A3B layer shape, Q4_K_M"
+    print(f"\n{shape}, {args.layers} layers, {args.tokens} greedy tokens x {args.prompts} HumanEval prompts\n"
+          + table(rows, list(rows[0])) + "\n\n" + table([summary], list(summary)))
     out = save(args.name, {"machine": machine(), "args": vars(args), "model": path.name, "rows": rows,
                            "summary": summary})
     print(f"wrote {out}")

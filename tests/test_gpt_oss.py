@@ -404,3 +404,41 @@ def test_damaged_mxfp4_scales_are_refused_by_name():
                  lambda: dequantize(raw.reshape(-1), BY_NAME["MXFP4"], (2, 64))):
         with pytest.raises(ValueError, match=r"MXFP4 block's exponent byte is 249: a scale of 2\^121"):
             read()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_gpt_oss_layers_equal_the_module_path(gpt_oss_released_limit, tmp_path, dtype, monkeypatch):
+    """MXFP4 experts on the kernel: each layer's attention (sinks, output bias) as one C call, then its experts (biases,
+    clamped SwiGLU) as one ``qd_moe`` call, give the module path's logits and caches bit for bit (a verify pass beside
+    a decode token)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from quickdraft.models.feed_forward import SparseMoE
+    from test_fused import _verify_step
+
+    path = write_gpt_oss_gguf(tmp_path / "mxfp4.gguf", gpt_oss_released_limit[0], QT.MXFP4)
+    llm = LLM(str(path), dtype=dtype, kv_cache_memory="16MiB")
+    assert all(layer.mlp.fused().act[0] == 2 for layer in llm.model.model.layers)  # the clamped SwiGLU in C
+    fused, fused_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), True, monkeypatch)
+    monkeypatch.setattr(SparseMoE, "fused", lambda self: None)
+    modules, module_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), False, monkeypatch)
+    assert fused_calls == 3 and module_calls == 0
+    for a, b in zip(fused, modules):
+        assert torch.equal(a, b)
+
+
+def test_the_clamped_swiglu_kernel_is_transformers_formula():
+    """``qd_gated``'s clamped SwiGLU: transformers' float32 formula within a rounding (exp differs in its last bit at
+    most), across and beyond the clamp; a NaN stays a NaN as torch.clamp keeps it; a limit that is no number is
+    refused."""
+    from quickdraft.models import native
+
+    gate_up = torch.cat((torch.linspace(-12, 12, 4001), torch.linspace(-9, 9, 4001))).reshape(1, -1)
+    gate_up[0, 7] = float("nan")
+    gate, up = gate_up.chunk(2, dim=-1)
+    g, u = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    ref = (u + 1) * g * torch.sigmoid(g * 1.702)
+    got = native.gated(gate_up, "clamped_swiglu", 7.0, 1.702)
+    assert torch.isnan(got[0, 7]) and torch.allclose(got, ref, rtol=1e-6, atol=1e-6, equal_nan=True)
+    with pytest.raises(RuntimeError, match="qd_gated"):
+        native.gated(gate_up, "clamped_swiglu", float("nan"), 1.702)

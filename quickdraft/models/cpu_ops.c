@@ -88,20 +88,29 @@ int qd_rope(void *x, int bf16, int T, int heads, int D, long row_stride, const i
     return 0;
 }
 
-enum { QD_SILU = 0, QD_GELU_TANH = 1 };
+enum { QD_SILU = 0, QD_GELU_TANH = 1, QD_CLAMPED_SWIGLU = 2 };
 
 /* y [M][N] = act(gate) * up from gate_up [M][2N] = [gate | up] per row, in float32, rounded once (the gated MLP
  * activation when gate and up projections ran as one). act QD_SILU: silu, the formula qmatmul applies inside its
- * kernel; QD_GELU_TANH: torch's gelu(approximate="tanh"), 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). */
-int qd_gated(const void *gate_up, int bf16, int M, int N, int act, void *y) {
-    if (M < 0 || N <= 0 || (act != QD_SILU && act != QD_GELU_TANH)) return -2;
+ * kernel; QD_GELU_TANH: torch's gelu(approximate="tanh"), 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)));
+ * QD_CLAMPED_SWIGLU: gpt-oss's, (up' + 1) * g * sigmoid(alpha * g) with g = min(gate, limit) and up' = up clamped to
+ * [-limit, limit] (a NaN stays a NaN, as torch.clamp keeps it); limit and alpha are read for it alone. */
+int qd_gated(const void *gate_up, int bf16, int M, int N, int act, float limit, float alpha, void *y) {
+    if (M < 0 || N <= 0 || (act != QD_SILU && act != QD_GELU_TANH && act != QD_CLAMPED_SWIGLU)) return -2;
+    if (act == QD_CLAMPED_SWIGLU && !(limit > 0.f && alpha == alpha)) return -2;
     const float beta = 0.7978845608028654f, kappa = 0.044715f;
     for (int m = 0; m < M; m++)
         for (int n = 0; n < N; n++) {
             const float g = ld(gate_up, bf16, (size_t)m * 2 * N + n), u = ld(gate_up, bf16, (size_t)m * 2 * N + N + n);
-            const float a = act == QD_SILU ? g / (1.f + expf(-g))
-                                           : 0.5f * g * (1.f + tanhf(beta * (g + kappa * (g * g * g))));
-            st(y, bf16, (size_t)m * N + n, a * u);
+            float a;
+            if (act == QD_CLAMPED_SWIGLU) {
+                const float gc = g > limit ? limit : g, uc = u < -limit ? -limit : u > limit ? limit : u;
+                a = ((uc + 1.f) * gc) * (1.f / (1.f + expf(-(gc * alpha))));
+            } else {
+                a = (act == QD_SILU ? g / (1.f + expf(-g)) : 0.5f * g * (1.f + tanhf(beta * (g + kappa * (g * g * g)))))
+                    * u;
+            }
+            st(y, bf16, (size_t)m * N + n, a);
         }
     return 0;
 }

@@ -46,8 +46,8 @@ class MLP(nn.Module):
             return self.down_proj(self.gate_up_proj(x))
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            if self.act != "clamped_swiglu" and native.runs_gated(gate_up):  # the kernel the fused layer applies
-                return self.down_proj(native.gated(gate_up, self.act))
+            if native.runs_gated(gate_up):  # the kernel the fused layer and qd_moe apply
+                return self.down_proj(native.gated(gate_up, self.act, self.limit or 0.0, self.alpha or 0.0))
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -79,13 +79,15 @@ class Router(nn.Module):
         cached = self._double
         if cached is None or cached[0] is not self.weight:
             cached = self._double = (self.weight, self.weight.double().contiguous())
-        if self.bias is None and native.runs_rms_norm(x, self.weight):  # float32/bfloat16 on the CPU, kernels built
+        if native.runs_rms_norm(x, self.weight):  # float32/bfloat16 on the CPU, kernels built
             experts = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
             weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
             x = x.contiguous()
+            bias = None if self.bias is None else self.bias.detach().double().contiguous()
             rc = native.lib().qd_route(x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1],
-                                       cached[1].data_ptr(), cached[1].shape[0], self.top_k, int(self.normalize),
-                                       experts.data_ptr(), weights.data_ptr())
+                                       cached[1].data_ptr(), None if bias is None else bias.data_ptr(),
+                                       cached[1].shape[0], self.top_k, int(self.normalize), experts.data_ptr(),
+                                       weights.data_ptr())
             native._check(rc, "qd_route")
             return weights, experts
         logits = F.linear(x.double(), cached[1], None if self.bias is None else self.bias.double()).to(torch.float32)

@@ -57,7 +57,7 @@ class _LayerDesc(ctypes.Structure):  # qd_layer_desc
                 ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int),
                 ("act", ctypes.c_int), ("window", ctypes.c_int),
                 ("qkv", _LinearDesc), ("o", _LinearDesc), ("gate_up", _LinearDesc), ("down", _LinearDesc),
-                ("cos", _P), ("sin", _P)]
+                ("cos", _P), ("sin", _P), ("sinks", _P)]
 
 
 def _norms(layer: nn.Module) -> dict[str, nn.Module | None]:
@@ -141,13 +141,17 @@ class FusedLayer:
         dtypes = {lin.kind for lin in (qkv, o, gate_up, down)}
         dtype = torch.bfloat16 if _BF16 in dtypes else None  # bfloat16 weights need bfloat16 activations
         act = native.ACTIVATIONS[layer.mlp.act] if not layer.sparse else 0
+        if not layer.sparse and layer.mlp.act == "clamped_swiglu":
+            return None  # a dense MLP never has gpt-oss's activation
+        sinks = None if attn.sinks is None else attn.sinks.detach().float().reshape(attn.num_heads).contiguous()
         desc = _LayerDesc(**{place: norm.weight.data_ptr() for place, norm in placed.items()},
                           norm_bf16=int(norms[0].dtype == torch.bfloat16), eps=layer.input_layernorm.eps,
                           attn_scale=attn.scale, hidden=hidden, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
                           head_dim=attn.head_dim, intermediate=down.in_features, act=act,
                           window=attn.window or 0, qkv=qkv, o=o, gate_up=gate_up, down=down,
-                          cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr())
-        return cls(desc, [*keep, *norms, rope.cos, rope.sin], dtype)
+                          cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr(),
+                          sinks=None if sinks is None else sinks.data_ptr())
+        return cls(desc, [*keep, *norms, rope.cos, rope.sin, sinks], dtype)
 
     def runs(self, x: torch.Tensor, tokens: SingleTokens) -> bool:
         return (x.dtype in (torch.float32, torch.bfloat16) and (self.dtype is None or x.dtype == self.dtype)
@@ -192,24 +196,31 @@ class FusedStack:
 
 
 class FusedExperts:
-    """A mixture's experts as one C call (``qd_moe``): every expert's gate/up (applying SwiGLU) and down on
-    quickdraft's quantized kernel, the routing loop and the weighted sum in C, with the module path's arithmetic
-    (``SparseMoE``), so both give the same bits. None from ``build`` where an expert's linears do not run there."""
+    """A mixture's experts as one C call (``qd_moe``): every expert's gate/up (applying SwiGLU, or returning
+    [gate | up] for ``qd_gated``'s activation: gpt-oss's clamped SwiGLU) and down on quickdraft's quantized kernel, the
+    routing loop and the weighted sum in C, with the module path's arithmetic (``SparseMoE``), so both give the same
+    bits. None from ``build`` where an expert's linears do not run there."""
 
-    def __init__(self, gate_up: ctypes.Array, down: ctypes.Array, keep: list[object], hidden: int) -> None:
-        self.gate_up, self.down, self._keep, self.hidden = gate_up, down, keep, hidden
+    def __init__(self, gate_up: ctypes.Array, down: ctypes.Array, keep: list[object], hidden: int,
+                 act: tuple[int, float, float]) -> None:
+        self.gate_up, self.down, self._keep, self.hidden, self.act = gate_up, down, keep, hidden, act
 
     @classmethod
     def build(cls, experts: list[nn.Module]) -> FusedExperts | None:
-        """``experts``: the mixture's MLPs, each with an activated (SwiGLU) gate/up projection."""
-        if not native.available() or not all(getattr(e, "activated", False) for e in experts):
+        """``experts``: the mixture's MLPs, each with one gate/up projection, activated (SwiGLU) or not."""
+        if not native.available() or any(getattr(e, "gate_up_proj", None) is None for e in experts):
             return None
+        if len({e.activated for e in experts}) != 1 or (not experts[0].activated and experts[0].act != "clamped_swiglu"):
+            return None  # (other activations are dense MLPs')
         described = [(_linear(e.gate_up_proj), _linear(e.down_proj)) for e in experts]
         if any(g is None or d is None or g[0].kind != _QUANTIZED or d[0].kind != _QUANTIZED for g, d in described):
             return None
         gate_up = (_LinearDesc * len(experts))(*[g[0] for g, _ in described])
         down = (_LinearDesc * len(experts))(*[d[0] for _, d in described])
-        return cls(gate_up, down, [x for g, d in described for x in (g[1], d[1])], described[0][1][0].out_features)
+        first = experts[0]
+        act = (0, 0.0, 0.0) if first.activated else (native.ACTIVATIONS[first.act], first.limit, first.alpha)
+        return cls(gate_up, down, [x for g, d in described for x in (g[1], d[1])], described[0][1][0].out_features,
+                   act)
 
     def runs(self, x: torch.Tensor) -> bool:
         return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
@@ -221,6 +232,6 @@ class FusedExperts:
         out = torch.empty_like(x)
         rc = native.lib().qd_moe(self.gate_up, self.down, len(self.gate_up), x.data_ptr(), int(x.dtype == torch.bfloat16),
                                  x.shape[0], self.hidden, experts.shape[1], experts.data_ptr(), weights.data_ptr(),
-                                 out.data_ptr())
+                                 *self.act, out.data_ptr())
         native._check(rc, "qd_moe")
         return out

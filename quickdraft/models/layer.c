@@ -23,7 +23,7 @@ int qd_rmsnorm(const void *x, int x_bf16, const void *w, int w_bf16, int M, int 
 int qd_head_norm(void *x, int bf16, const void *w, int w_bf16, int T, int heads, int D, long row_stride, float eps);
 int qd_rope(void *x, int bf16, int T, int heads, int D, long row_stride, const int64_t *positions,
             const float *cos_table, const float *sin_table);
-int qd_gated(const void *gate_up, int bf16, int M, int N, int act, void *y);
+int qd_gated(const void *gate_up, int bf16, int M, int N, int act, float limit, float alpha, void *y);
 
 enum { QD_QUANTIZED = 1, QD_BF16 = 2 };
 
@@ -53,6 +53,7 @@ typedef struct {
     int window; /* keys a token sees at most, itself included (qd_attend's window); 0: its whole context */
     qd_linear_desc qkv, o, gate_up, down;
     const float *cos, *sin; /* this layer's RoPE tables (layers of one model may differ) */
+    const float *sinks;     /* float32 [heads]: a logit per head every softmax also normalizes over (gpt-oss); NULL */
 } qd_layer_desc;
 
 static int run_linear(const qd_linear_desc *d, const void *x, int bf16, int M, void *y) {
@@ -115,7 +116,7 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     CHECK(qd_kv_store(qkv + (q_width + kv_width) * es, (long)qkv_width, bf16, T, L->kv_heads, L->head_dim, slot_mapping,
                       kv->v, kv->v_scale, kv->format));
     CHECK(qd_attend(qkv, (long)qkv_width, bf16, L->heads, L->kv_heads, L->head_dim, kv, items, L->attn_scale,
-                    L->window, NULL, att)); /* (a layer with attention sinks is not fused) */
+                    L->window, L->sinks, att));
     CHECK(run_linear(&L->o, att, bf16, T, tmp));
     if (L->post_attn_norm) CHECK(qd_rmsnorm(tmp, bf16, L->post_attn_norm, L->norm_bf16, T, L->hidden, L->eps, tmp));
     add_into(x, tmp, bf16, n_h);
@@ -127,7 +128,7 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
         CHECK(run_linear(&L->gate_up, h, bf16, T, act));
     } else {
         CHECK(run_linear(&L->gate_up, h, bf16, T, gu));
-        CHECK(qd_gated(gu, bf16, T, L->intermediate, L->act, act));
+        CHECK(qd_gated(gu, bf16, T, L->intermediate, L->act, 0.f, 0.f, act));
     }
     CHECK(run_linear(&L->down, act, bf16, T, tmp));
     if (L->post_mlp_norm) CHECK(qd_rmsnorm(tmp, bf16, L->post_mlp_norm, L->norm_bf16, T, L->hidden, L->eps, tmp));
@@ -155,27 +156,34 @@ int qd_decoder_stack(const qd_layer_desc *const *layers, int n, void *x, int bf1
 }
 
 /* A mixture of experts' feed-forward for T tokens (x [T][hidden]), each routed to k experts (experts, weights:
- * [T][k]): out[t] = the sum, over t's experts in ascending id order, of weight * down_e(gate_up_e(x[t])), summed in
- * float32 and rounded once to x's dtype. gate_up_e applies SwiGLU itself. Each chosen expert runs once, on the rows
- * that chose it (gathered in token order); its output is rounded to the activation dtype before it is weighted: the
- * arithmetic of the module path (SparseMoE in feed_forward.py), so both give the same bits. Experts nobody chose are
- * not read. The chosen experts are spread over the threads (one kernel call each, on its thread: a decode step's 8
- * small experts would otherwise pay a fork and join per call); each token then sums its experts' outputs in id
- * order. Returns 0, -1 (out of memory) or -2 (bad arguments). */
+ * [T][k]): out[t] = the sum, over t's experts in ascending id order, of weight * down_e(act(gate_up_e(x[t]))), summed
+ * in float32 and rounded once to x's dtype. Either every gate_up_e applies SwiGLU itself (its swiglu flag), or each
+ * returns [gate | up] and qd_gated applies act (with limit and alpha: gpt-oss's clamped SwiGLU). Each chosen expert
+ * runs once, on the rows that chose it (gathered in token order); its output is rounded to the activation dtype before
+ * it is weighted: the arithmetic of the module path (SparseMoE in feed_forward.py), so both give the same bits.
+ * Experts nobody chose are not read. The chosen experts are spread over the threads (one kernel call each, on its
+ * thread: a decode step's 8 small experts would otherwise pay a fork and join per call); each token then sums its
+ * experts' outputs in id order. Returns 0, -1 (out of memory) or -2 (bad arguments). */
 int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_experts, const void *x, int bf16,
-           int T, int hidden, int k, const int64_t *experts, const float *weights, void *out) {
+           int T, int hidden, int k, const int64_t *experts, const float *weights, int act, float limit, float alpha,
+           void *out) {
     if (T < 0 || k < 1 || hidden < 1 || num_experts < 1) return -2;
     const long pairs = (long)T * k;
     for (long i = 0; i < pairs; i++)
         if (experts[i] < 0 || experts[i] >= num_experts) return -2;
     int inter = 0;
+    const int swiglu = gate_up[0].swiglu;
     for (int e = 0; e < num_experts; e++) {
-        if (gate_up[e].in_features != hidden || down[e].out_features != hidden || !gate_up[e].swiglu) return -2;
-        if (gate_up[e].out_features > inter) inter = gate_up[e].out_features;
+        const int width = down[e].in_features;
+        if (gate_up[e].in_features != hidden || down[e].out_features != hidden || gate_up[e].swiglu != swiglu ||
+            gate_up[e].out_features != (swiglu ? width : 2 * width))
+            return -2;
+        if (width > inter) inter = width;
     }
+    const size_t gu_width = swiglu ? 0 : 2 * (size_t)inter; /* [gate | up] rows before qd_gated */
     const size_t es = bf16 ? 2 : 4;
     /* row r (0 .. pairs - 1) of the gathered input, hidden and output: experts in id order, each its tokens in order */
-    const size_t need = (size_t)pairs * ((size_t)hidden * 2 * es + (size_t)inter * es + sizeof(int) + 4)
+    const size_t need = (size_t)pairs * ((size_t)hidden * 2 * es + ((size_t)inter + gu_width) * es + sizeof(int) + 4)
                         + (size_t)(num_experts + 1) * sizeof(int) + (size_t)T * sizeof(int)
                         + (size_t)T * hidden * sizeof(float);
     if (need > buffers.cap) {
@@ -192,6 +200,7 @@ int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_ex
     int *first = (int *)(w + pairs); /* expert e's rows: first[e] .. first[e + 1] - 1 */
     int *filled = first + num_experts + 1;
     float *sums = (float *)(filled + T); /* [T][hidden] */
+    char *gu = (char *)(sums + (size_t)T * hidden); /* [pairs][2 * inter] where qd_gated applies act */
     memset(filled, 0, (size_t)T * sizeof(int));
     int r = 0;
     for (int e = 0; e < num_experts; e++) {
@@ -211,9 +220,13 @@ int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_ex
     for (int e = 0; e < num_experts; e++) {
         const int n = first[e + 1] - first[e];
         if (!n) continue;
-        const size_t r0 = (size_t)first[e];
-        if (run_linear(&gate_up[e], rows_x + r0 * hidden * es, bf16, n, h + r0 * inter * es) ||
-            run_linear(&down[e], h + r0 * inter * es, bf16, n, y + r0 * hidden * es))
+        const size_t r0 = (size_t)first[e], width = (size_t)down[e].in_features;
+        char *hr = h + r0 * inter * es;
+        if (swiglu ? run_linear(&gate_up[e], rows_x + r0 * hidden * es, bf16, n, hr)
+                   : run_linear(&gate_up[e], rows_x + r0 * hidden * es, bf16, n, gu + r0 * gu_width * es) ||
+                     qd_gated(gu + r0 * gu_width * es, bf16, n, (int)width, act, limit, alpha, hr))
+            failed = 1;
+        else if (run_linear(&down[e], hr, bf16, n, y + r0 * hidden * es))
             failed = 1;
     }
     if (failed) return -1;
@@ -234,14 +247,14 @@ int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_ex
 }
 
 /* A mixture's router for T tokens (x [T][hidden]; w [num_experts][hidden], the router's weights widened to double
- * once by the caller): each token's k
- * experts (largest probability first, a tie to the lower id) and their weights. Each logit is summed in double (every
- * product of two floats is exact there) over 8 lanes of strided indices, the lanes then added in a fixed order, and
- * rounded to float32: a token's choice never depends on the other rows of the call. Softmax in float32 (max
+ * once by the caller; bias: NULL, or [num_experts] in double, gpt-oss's): each token's k experts (largest probability
+ * first, a tie to the lower id) and their weights. Each logit is summed in double (every product of two floats is
+ * exact there) over 8 lanes of strided indices, the lanes then added in a fixed order, the bias added, and rounded to
+ * float32: a token's choice never depends on the other rows of the call. Softmax in float32 (max
  * subtracted), then the k largest probabilities, divided by their sum where normalize is set. Both paths of a
  * mixture on the CPU route here. Returns 0, -1 (out of memory) or -2 (bad arguments). */
-int qd_route(const void *x, int bf16, int T, int hidden, const double *w, int num_experts, int k, int normalize,
-             int64_t *experts, float *weights) {
+int qd_route(const void *x, int bf16, int T, int hidden, const double *w, const double *bias, int num_experts, int k,
+             int normalize, int64_t *experts, float *weights) {
     if (T < 0 || hidden < 1 || num_experts < 1 || k < 1 || k > num_experts) return -2;
     double *rows = malloc((size_t)T * hidden * sizeof(double) + (size_t)T * num_experts * sizeof(float) + 1);
     if (!rows) return -1;
@@ -260,7 +273,7 @@ int qd_route(const void *x, int bf16, int T, int hidden, const double *w, int nu
                 for (int l = 0; l < 8; l++) lane[l] += xr[c + l] * we[c + l];
             for (int l = 0; c < hidden; c++, l++) lane[l] += xr[c] * we[c];
             const double sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-            probs[e] = (float)sum;
+            probs[e] = (float)(bias ? sum + bias[e] : sum);
             if (probs[e] > top) top = probs[e];
         }
         float total = 0.f;

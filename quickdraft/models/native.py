@@ -51,7 +51,7 @@ COMPILE_TIMEOUT_S = 300.0  # a compiler that hangs must not hang the first model
 MAX_HEAD_DIM = 256
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # the cache formats the kernels read (kv.h)
 KV_SCALE_GROUP = 32  # int8 cache values per float32 scale (QGROUP in kv.h)
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the gate activations qd_gated applies (cpu_ops.c), as config names them
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "clamped_swiglu": 2}  # qd_gated's (cpu_ops.c), as the MLPs name them
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -64,9 +64,9 @@ _SIGNATURES = {
     "qd_attend": [_P, _L, _I, _I, _I, _I, _P, _P, _F, _I, _P, _P],
     "qd_kv_store": [_P, _L, _I, _I, _I, _I, _P, _P, _P, _I],
     "qd_linear_bf16": [_P, _I, _I, _P, _I, _P, _P],
-    "qd_gated": [_P, _I, _I, _I, _I, _P], "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P],
-    "qd_argmax": [_P, _I, _I, _L, _P], "qd_moe": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P],
-    "qd_route": [_P, _I, _I, _I, _P, _I, _I, _I, _P, _P],
+    "qd_gated": [_P, _I, _I, _I, _I, _F, _F, _P], "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P],
+    "qd_argmax": [_P, _I, _I, _L, _P], "qd_moe": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _F, _F, _P],
+    "qd_route": [_P, _I, _I, _I, _P, _P, _I, _I, _I, _P, _P],
     "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _L, _L, _P],
     "qd_row_bytes": [_I, _I], "qd_release_threads": [],
 }
@@ -293,15 +293,15 @@ def runs_gated(gate_up: torch.Tensor) -> bool:
     return _float_kind(gate_up) and gate_up.shape[-1] % 2 == 0 and available()
 
 
-def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+def gated(gate_up: torch.Tensor, act: str, limit: float = 0.0, alpha: float = 0.0) -> torch.Tensor:
     """``act(gate) * up`` of ``gate_up [..., 2N] = [gate | up]`` (float32 or bfloat16 on CPU), in float32 and rounded
-    once; ``act``: ``silu`` or ``gelu_tanh`` (torch's ``gelu(approximate="tanh")``). The fused decoder layer
-    (``layer.c``) applies the same kernel."""
+    once; ``act``: ``silu``, ``gelu_tanh`` (torch's ``gelu(approximate="tanh")``) or gpt-oss's ``clamped_swiglu``
+    (``limit``, ``alpha``). The fused decoder layer and ``qd_moe`` (``layer.c``) apply the same kernel."""
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
     y = gate_up.new_empty(*gate_up.shape[:-1], n)
     _check(lib().qd_gated(gate_up.data_ptr(), int(gate_up.dtype == torch.bfloat16), gate_up.numel() // (2 * n), n,
-                          ACTIVATIONS[act], y.data_ptr()), "qd_gated")
+                          ACTIVATIONS[act], limit, alpha, y.data_ptr()), "qd_gated")
     return y
 
 

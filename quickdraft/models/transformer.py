@@ -175,11 +175,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sparse = cfg.is_moe_layer(layer)
-        # what the fused C layer does not do: OLMoE's whole-q/k norms and clamps, gpt-oss's sinks and output bias; a
-        # mixture of experts' layer is fused up to its attention (its feed-forward runs after, see forward) and never
-        # in a FusedStack
+        # what the fused C layer does not do: OLMoE's whole-q/k norms and clamps; a mixture of experts' layer is fused
+        # up to its attention (its feed-forward runs after, see forward) and never in a FusedStack
         attn = self.self_attn
-        self.fusable = not (attn.norm_whole or attn.clip is not None or attn.sinks is not None or cfg.attention_out_bias)
+        self.fusable = not (attn.norm_whole or attn.clip is not None)
         self.mlp = SparseMoE(cfg) if self.sparse else MLP(cfg)
         # Gemma: post_attention_layernorm normalizes the attention output, and the MLP has a norm on each side
         self.sandwich = cfg.sandwich_norms
