@@ -442,3 +442,16 @@ def test_the_clamped_swiglu_kernel_is_transformers_formula():
     assert torch.isnan(got[0, 7]) and torch.allclose(got, ref, rtol=1e-6, atol=1e-6, equal_nan=True)
     with pytest.raises(RuntimeError, match="qd_gated"):
         native.gated(gate_up, "clamped_swiglu", float("nan"), 1.702)
+
+
+def test_a_step_reads_what_the_header_plans(gpt_oss_released_limit, tmp_path):
+    """The bytes a decode step reads, planned from the GGUF's header alone (stacked expert biases included, a
+    token's share of each stack), are what the loaded model's layers read."""
+    from gguf import GGMLQuantizationType as QT
+
+    from quickdraft.loading.quantize import planned_step_bytes
+    from quickdraft.models import step_weight_bytes
+
+    path = write_gpt_oss_gguf(tmp_path / "mxfp4.gguf", gpt_oss_released_limit[0], QT.MXFP4)
+    planned, read = planned_step_bytes(path), step_weight_bytes(LLM(str(path), kv_cache_memory="16MiB").model)
+    assert abs(read / planned - 1) < 0.05, (read, planned)

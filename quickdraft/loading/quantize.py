@@ -273,7 +273,8 @@ def planned_step_bytes(path: str | Path) -> int:
     ``expert_used_count`` a token chooses."""
     table = tensor_shapes(path)
     used = experts_used(path) if any(is_stacked(name) for name in table) else 0
-    types = hf_tensor_types({name: t for name, (t, _) in table.items()})
+    stacks = {name: shape[0] for name, (_, shape) in table.items() if is_stacked(name)}  # each expert typed
+    types = hf_tensor_types({name: t for name, (t, _) in table.items()}, stacks)
     fmt = auto_format(types)
     head = head_kernel(fmt, default_lm_head(fmt), types)
     total = 0
@@ -283,8 +284,9 @@ def planned_step_bytes(path: str | Path) -> int:
         kernel = head if name in ("output.weight", "token_embd.weight") else layer_kernel(fmt, stored) if fmt else None
         if name.endswith("ffn_gate_inp.weight"):  # a mixture's router stays float, like the norms
             kernel = None
-        if is_stacked(name) and kernel is not None:  # [experts, rows, cols]: a token reads `used` of them
-            total += planned_kernel_bytes(shape[1:], kernel) * used
+        if is_stacked(name):  # [experts, rows, cols] (or a stack of biases): a token reads `used` of them
+            one = shape[1:]
+            total += (planned_kernel_bytes(one, kernel) if len(one) == 2 and kernel else math.prod(one) * 4) * used
         elif len(shape) == 2 and kernel is not None:
             total += planned_kernel_bytes(shape, kernel)
         else:
