@@ -345,6 +345,10 @@ def test_mxfp4_packed_hf_experts_run_at_their_own_size(packed_hf, gpt_oss_releas
     (lambda t: t.pop("model.layers.0.mlp.experts.gate_up_proj_scales"), r"gate_up_proj_blocks has no gate_up_proj_scales"),
     (lambda t: t.update({"model.layers.2.mlp.experts.down_proj_scales": torch.zeros(6, 64, 2, dtype=torch.uint8)}),
      r"down_proj_scales is torch.uint8 \[6, 64, 2\]; the config needs uint8 \[6, 64, 1\]"),
+    (lambda t: t["model.layers.1.mlp.experts.gate_up_proj_scales"].view(-1)[7].fill_(250),
+     r"layers\.1\.mlp\.experts\.gate_up_proj_scales holds the exponent byte 250; .* 0\.\.248"),
+    (lambda t: t.update({"model.layers.0.mlp.experts.down_proj": torch.zeros(6, 32, 64)}),
+     r"layers\.0\.mlp\.experts\.down_proj is stored twice: unpacked and as MXFP4 blocks"),
 ])
 def test_damaged_mxfp4_stacks_are_refused_by_name(packed_hf, tmp_path, edit, message):
     from safetensors.torch import load_file, save_file

@@ -62,6 +62,16 @@ OUTPUTS = [  # (form, output, (reasoning, content))
     (ReasoningFormat("harmony"), "<|channel|>analysis<|message|>cut mid-way", ("cut mid-way", "")),
     (ReasoningFormat("harmony"), "A plain answer <script>alert(1)</script>", (None, "A plain answer <script>alert(1)</script>")),
     (ReasoningFormat("harmony"), "<|channel|>" + "x" * 300, (None, "<|channel|>" + "x" * 300)),  # never a message
+    (ReasoningFormat("harmony"), "<|channel|>analysis" + " " * 300 + "<|message|>x<|end|>",  # a header past 256
+     (None, "<|channel|>analysis" + " " * 300 + "<|message|>x<|end|>")),
+    (ReasoningFormat("harmony"), ' to=functions.get_weather<|channel|>commentary json<|message|>{"city":"Paris"}',
+     (None, '<tool_call>{"name": "get_weather", "arguments": {"city":"Paris"}}</tool_call>')),  # recipient first
+    (ReasoningFormat("harmony"), harmony(("commentary to=functions.f", '{"a":"</tool_call><tool_call>{}"}')),
+     (None, '<tool_call>{"name": "f", "arguments": {"a":"\\u003c/tool_call>\\u003ctool_call>{}"}}</tool_call>')),
+    (ReasoningFormat("harmony", calls=False), harmony(("commentary to=functions.f", '{"a":1}')), (None, '{"a":1}')),
+    (ReasoningFormat("harmony"), "<|channel|>analysis<|end|><|start|>assistant<|channel|>final<|message|>X",
+     (None, "X")),  # the last channel of a header counts
+    (ReasoningFormat("harmony"), harmony(("final", "Hi")) + "<|end|> more", (None, "Hi more")),  # text, no header
     (ReasoningFormat("think"), "<think>\nhmm, 2+2\n</think>\n\n4", ("hmm, 2+2\n", "4")),
     (ReasoningFormat("think", opened=True), "hmm</think>4", ("hmm", "4")),
     (ReasoningFormat("think"), "4, not <think>x</think>", (None, "4, not <think>x</think>")),
@@ -87,6 +97,16 @@ def test_the_style_is_read_off_the_template():
     assert reasoning_style("<|im_start|>{{ m.role }}") is None and reasoning_style(None) is None
     assert reasoning_format(THINK_TEMPLATE, "<|start|>assistant\n<think>\n").opened
     assert not reasoning_format(THINK_TEMPLATE, "<think>\n\n</think>\n\n").opened  # thinking switched off
+    # a constrained output (a schema, a demanded call) is its grammar's from its first token: no thinking opened
+    assert not reasoning_format(THINK_TEMPLATE, "<|start|>assistant\n<think>\n", constrained=True).opened
+
+
+def test_a_hostile_output_reads_whole_and_streamed_alike():
+    """Markers by the hundred thousand (1.2 M characters; the reader's work is linear in them, each search starting
+    where the last stopped), whole and streamed in 7-character chunks: the same reading."""
+    text = "<|channel|>analysis<|message|>a" + "<|end|><|channel|>analysis<|message|>a" * 30_000
+    form = ReasoningFormat("harmony")
+    assert form.split(text) == split_streamed(form, text, list(range(7, len(text), 7))) == ("a" * 30_001, "")
 
 
 def write_tokenizer(directory: Path, template: str) -> Path:
@@ -201,11 +221,46 @@ def test_special_tokens_asked_away_leave_the_text_unread(harmony_server):
     assert "reasoning_content" not in r.choices[0].message.model_extra
 
 
-@pytest.mark.parametrize("opened", [False, True])
-def test_think_tags_through_the_server(tmp_path, opened):
-    template = THINK_TEMPLATE.replace("{% if opened %}", "{% if true %}" if opened else "{% if false %}")
-    grammar = f'start: {"" if opened else chr(34) + "<think>" + chr(34)} "\\n{THOUGHT}\\n</think>\\n\\n{ANSWER}"'
-    with serve(make_model(tmp_path, template), "think") as server:
+def test_think_tags_through_the_server(tmp_path):
+    grammar = f'start: "<think>\\n{THOUGHT}\\n</think>\\n\\n{ANSWER}"'
+    with serve(make_model(tmp_path, THINK_TEMPLATE.replace("{% if opened %}", "{% if false %}")), "think") as server:
         r = server.client().chat.completions.create(model="think", messages=ASK, **forced(grammar))
     assert r.choices[0].message.content == ANSWER
     assert r.choices[0].message.model_extra["reasoning_content"] == THOUGHT + "\n"
+
+
+def test_a_prompt_that_opens_the_thinking(tmp_path):
+    """A template that ends the prompt inside <think> (DeepSeek-R1's): the output is thinking until </think>, here all
+    of it (a random model never closes it), streamed as whole; a constrained output (a schema, a demanded call) is its
+    grammar's from the first token, so it is the answer."""
+    with serve(make_model(tmp_path, THINK_TEMPLATE.replace("{% if opened %}", "{% if true %}")), "think") as server:
+        client = server.client()
+        whole = client.chat.completions.create(model="think", messages=ASK, temperature=0, max_tokens=12)
+        message = whole.choices[0].message
+        assert not message.content and message.model_extra["reasoning_content"]
+        chunks = list(client.chat.completions.create(model="think", messages=ASK, temperature=0, max_tokens=12,
+                                                     stream=True))
+        assert "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks
+                       if c.choices) == message.model_extra["reasoning_content"]
+        chosen = client.chat.completions.create(model="think", messages=ASK, temperature=0, max_tokens=8,
+                                                extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        assert chosen.choices[0].message.content in ("yes", "no")
+        assert "reasoning_content" not in chosen.choices[0].message.model_extra
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_a_grammar_may_name_a_stop_token(tmp_path, speculative):
+    """A grammar that writes a stop token itself (harmony's <|call|>) ends the output there, also one that ignores
+    its end and a grammar that goes on past it (a stop token ends the output wherever it stands), plain and under
+    speculation; before, the token's own mask allowed it and committing it failed the request."""
+    from quickdraft import LLM, SamplingParams
+
+    llm = LLM(str(make_model(tmp_path, HARMONY_TEMPLATE)), dtype="float32", kv_cache_memory="16MiB",
+              **({"speculative": speculative} if speculative else {}))
+    call = llm.tokenizer.token_to_id("<|call|>")
+    for grammar in ('start: "ab" <|call|>', 'start: "ab" <|call|> "cd"'):
+        for ignore_eos in (False, True):
+            out = llm.generate(["ab ab ab"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=ignore_eos,
+                                                            structured_outputs={"grammar": grammar}))[0]
+            assert out.token_ids[-1] == call and out.finish_reason == "stop"
+            assert llm.tokenizer.decode(out.token_ids[:-1]) == "ab"

@@ -17,6 +17,7 @@ import torch
 from quickdraft.config import ModelConfig
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading.ggml_types import BY_NAME
+from quickdraft.models.block_formats import MXFP4_MAX_EXPONENT as MAX_EXPONENT
 
 MXFP4 = BY_NAME["MXFP4"]
 GROUP = 32
@@ -33,8 +34,9 @@ def gguf_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def take_mxfp4_experts(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, tuple[Callable[[], torch.Tensor],
                                                                                      tuple[int, int]]]:
     """Remove a gpt-oss checkpoint's MXFP4 expert stacks from ``tensors``; return each expert's gate/up/down weight
-    by HF name as (maker of its GGUF MXFP4 blocks, its [out, in] shape). A stack or its scales of the wrong shape,
-    or one without the other, is refused by name before any weight is read."""
+    by HF name as (maker of its GGUF MXFP4 blocks, its [out, in] shape). A stack or its scales of the wrong shape, one
+    without the other, or an exponent byte the kernel cannot scale by, is refused by name before any weight is read;
+    so is a stack the directory also holds unpacked."""
     out: dict[str, tuple[Callable[[], torch.Tensor], tuple[int, int]]] = {}
     packed = sorted(n for n in tensors if n.endswith(tuple(f"mlp.experts.{s}_{k}" for s in _STACKS
                                                              for k in ("blocks", "scales"))))
@@ -56,6 +58,11 @@ def take_mxfp4_experts(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, t
         if tuple(scales.shape) != want[:3] or scales.dtype != torch.uint8:
             raise ModelLoadError(f"{stack}_scales is {scales.dtype} {list(scales.shape)}; the config needs uint8 "
                                  f"{list(want[:3])}")
+        top = int(scales.max()) if scales.numel() else 0  # (the scales alone: 1/17 of the experts' bytes)
+        if top > MAX_EXPONENT:
+            raise ModelLoadError(f"{stack}_scales holds the exponent byte {top}; MXFP4 scales 2^(e - 127) are read "
+                                 f"for e in 0..{MAX_EXPONENT} (past that, scales of 2^120 that no model has, which the kernel's scale would "
+                                 f"overflow)")
         prefix = stack.rpartition(".")[0]
         for e in range(experts):
             if stack.endswith("gate_up_proj"):  # gate rows even, up rows odd
@@ -68,6 +75,9 @@ def take_mxfp4_experts(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, t
     leftover = [n for n in tensors if n.endswith(("_blocks", "_scales")) and ".mlp.experts." in n]
     if leftover:
         raise ModelLoadError(f"{leftover[0]} has no blocks beside it")
+    twice = sorted(n for n in tensors if n + "_blocks" in packed or n in out)
+    if twice:
+        raise ModelLoadError(f"{twice[0]} is stored twice: unpacked and as MXFP4 blocks")
     return out
 
 

@@ -69,7 +69,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None  # gpt-oss
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self._double: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, its float64 copy), made once
+        # (weight, bias, their float64 copies), made once per weight
+        self._double: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, hidden]`` -> (weights ``[T, k]`` float32, experts ``[T, k]`` int64). The logits are summed in
@@ -77,20 +78,21 @@ class Router(nn.Module):
         call, which a float32 GEMM's blocking may; the router is a few hundred thousand products a token. On the
         CPU quickdraft's kernel routes (``qd_route``, one call instead of six torch ops); elsewhere torch does."""
         cached = self._double
-        if cached is None or cached[0] is not self.weight:
-            cached = self._double = (self.weight, self.weight.double().contiguous())
+        if cached is None or cached[0] is not self.weight or cached[1] is not self.bias:
+            bias = None if self.bias is None else self.bias.detach().double().contiguous()
+            cached = self._double = (self.weight, self.bias, self.weight.double().contiguous(), bias)
+        weight64, bias64 = cached[2], cached[3]
         if native.runs_rms_norm(x, self.weight):  # float32/bfloat16 on the CPU, kernels built
             experts = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
             weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
             x = x.contiguous()
-            bias = None if self.bias is None else self.bias.detach().double().contiguous()
             rc = native.lib().qd_route(x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1],
-                                       cached[1].data_ptr(), None if bias is None else bias.data_ptr(),
-                                       cached[1].shape[0], self.top_k, int(self.normalize), experts.data_ptr(),
+                                       weight64.data_ptr(), None if bias64 is None else bias64.data_ptr(),
+                                       weight64.shape[0], self.top_k, int(self.normalize), experts.data_ptr(),
                                        weights.data_ptr())
             native._check(rc, "qd_route")
             return weights, experts
-        logits = F.linear(x.double(), cached[1], None if self.bias is None else self.bias.double()).to(torch.float32)
+        logits = F.linear(x.double(), weight64, bias64).to(torch.float32)
         probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:

@@ -180,6 +180,7 @@ int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_ex
             return -2;
         if (width > inter) inter = width;
     }
+    if (!swiglu && (act < 0 || act > 2 || (act == 2 && !(limit > 0.f && alpha == alpha)))) return -2; /* qd_gated's */
     const size_t gu_width = swiglu ? 0 : 2 * (size_t)inter; /* [gate | up] rows before qd_gated */
     const size_t es = bf16 ? 2 : 4;
     /* row r (0 .. pairs - 1) of the gathered input, hidden and output: experts in id order, each its tokens in order */

@@ -206,8 +206,9 @@ class DecoderLayer(nn.Module):
         norms = tuple(m._parameters["weight"].data_ptr() for m in (
             mods["input_layernorm"], mods["post_attention_layernorm"], mods.get("pre_feedforward_layernorm"),
             mods.get("post_feedforward_layernorm"), attn.get("q_norm"), attn.get("k_norm")) if m is not None)
+        sinks = mods["self_attn"]._parameters.get("sinks")
         key = (attn.get("qkv_proj"), attn["o_proj"], mlp.get("gate_up_proj"), mlp.get("down_proj"), norms,
-               rope.cos.data_ptr())
+               rope.cos.data_ptr(), None if sinks is None else sinks.data_ptr())
         cached = self._fused
         if cached is None or cached[0] != key:
             cached = self._fused = (key, FusedLayer.build(self, rope))

@@ -127,12 +127,13 @@ class GrammarState:
         self.vocab_size = vocab_size
         self._stop_ids = stop_ids  # end-of-turn tokens, which a grammar may also name as text (harmony's <|call|>)
         self._stop_outside = False  # the last of _ahead is such a token, taken without entering the matcher
+        self._ended = False  # such a token was committed: the output is over (even one that ignores its end)
         self._ahead: list[int] = []
         self._words = (vocab_size + 31) // 32
 
     def fork(self) -> "GrammarState":
         other = GrammarState(self._matcher.deep_copy(), self.vocab_size, self._stop_ids)
-        other._ahead, other._stop_outside = list(self._ahead), self._stop_outside
+        other._ahead, other._stop_outside, other._ended = list(self._ahead), self._stop_outside, self._ended
         return other
 
     def _seek(self, prefix: Sequence[int]) -> int:
@@ -206,14 +207,16 @@ class GrammarState:
         if self._seek(tokens) != len(tokens):
             raise GrammarViolation(f"token {tokens[len(self._ahead)]} is not allowed by the request's grammar "
                                    f"here: {_first_lines(self._matcher.get_error() or 'no error recorded', 2)}")
+        self._ended = self._ended or self._stop_outside  # a stop token ends the output, where a grammar names it too
         self._ahead, self._stop_outside = [], False
 
     @property
     def finished(self) -> bool:
         """The committed text is complete and nothing but the end of the sequence may follow."""
         self._seek([])
-        return self._matcher.is_stopped()
+        return self._ended or self._matcher.is_stopped()
 
     def reset(self) -> None:
         self._seek([])
         self._matcher.reset()
+        self._ended = False

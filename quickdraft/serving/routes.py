@@ -25,7 +25,7 @@ from quickdraft.serving.openai_format import (ERROR_RESPONSES, ChatReading, Choi
                                               TokenTexts, ToolParsing, chat_choice, chat_chunk_fields, chat_opening, completion_choice,
                                               error_response, response_head, usage)
 from quickdraft.serving.response_store import ResponseStore
-from quickdraft.serving.reasoning import reasoning_format
+from quickdraft.serving.reasoning import markers_are_special, reasoning_format
 from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError, in_call_order,
                                          _SamplingFields, response_format_constraint)
 from quickdraft.serving.sse import stream_response
@@ -145,15 +145,17 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest, top_logpro
     constraint = await _constraint(ctx, body, ("response_format", response_format_constraint(body.response_format)),
                                    ("tool_choice", StructuredOutputs.of(forced_call, "tool_choice")))
     ids = await chat_prompt_ids(ctx, body, tool_spec)
-    template = ctx.llm.tokenizer.chat_template
-    reasoning = reasoning_format(template, ctx.llm.tokenizer.decode(ids[-16:]))
+    tokenizer = ctx.llm.tokenizer
+    tools = None if tool_spec is None or tool_spec.choice == "none" else \
+        ToolParsing(tool_spec, tool_call_style(tokenizer.chat_template))
+    reasoning = reasoning_format(tokenizer.chat_template, tokenizer.decode(ids[-16:]), constraint is not None,
+                                 tools is not None)
     params = _sampling_params(ctx, body, len(ids), body.requested_max_tokens, top_logprobs, "messages", constraint)
-    if reasoning is not None and reasoning.style == "harmony" and body.skip_special_tokens is None:
-        params.skip_special_tokens = False  # harmony's markers are special tokens: the reader needs them
+    if reasoning is not None and body.skip_special_tokens is None and markers_are_special(
+            reasoning.style, lambda text: tokenizer.token_to_id(text) in tokenizer.special_token_ids):
+        params.skip_special_tokens = False  # (harmony's always are)
     job = Job.new("chatcmpl", [(ids, None)], [params])
     await job.start(ctx.engine)
-    tools = None if tool_spec is None or tool_spec.choice == "none" else \
-        ToolParsing(tool_spec, tool_call_style(template))
     return ChatRun(job, ChatReading(tools, reasoning))
 
 
