@@ -264,3 +264,18 @@ def test_a_grammar_may_name_a_stop_token(tmp_path, speculative):
                                                             structured_outputs={"grammar": grammar}))[0]
             assert out.token_ids[-1] == call and out.finish_reason == "stop"
             assert llm.tokenizer.decode(out.token_ids[:-1]) == "ab"
+
+
+def test_draft_info_spells_what_each_event_carries(harmony_server):
+    """The page's token spans (``stream_options.include_draft_info``) spell each event's content, never the markers
+    or the thinking the reader took out of it."""
+    import httpx
+
+    body = {"messages": ASK, "stream": True, "temperature": 0, "max_tokens": 80,
+            "structured_outputs": {"grammar": ANSWERED}, "stream_options": {"include_draft_info": True}}
+    with httpx.stream("POST", harmony_server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [e["choices"][0] for e in events if e["choices"] and "draft_info" in e["choices"][0]]
+    assert choices and all("".join(s["text"] for s in c["draft_info"]["spans"]) == c["delta"].get("content", "")
+                           for c in choices)
+    assert "".join(c["delta"].get("content", "") for c in choices) == ANSWER

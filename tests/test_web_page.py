@@ -112,7 +112,8 @@ def test_model_output_stays_inert(browser, server):
     page.goto(server + "/")
     stored = [{"id": "x", "title": "<img src=x onerror=alert(1)>", "messages": [
         {"role": "user", "content": HOSTILE[0]},
-        {"role": "assistant", "content": "\n\n".join(HOSTILE), "spans": [{"text": t, "draft": True} for t in HOSTILE]}]}]
+        {"role": "assistant", "content": "\n\n".join(HOSTILE), "reasoning": "\n".join(HOSTILE),
+         "spans": [{"text": t, "draft": True} for t in HOSTILE]}]}]
     page.evaluate("s => localStorage.setItem('quickdraft.conversations', s)", json.dumps(stored))
     page.reload()
     page.wait_for_selector(".message.assistant")
@@ -121,8 +122,36 @@ def test_model_output_stays_inert(browser, server):
         assert (link.get_attribute("href") or "").startswith("http")
     assert page.locator("#messages img, #messages script, #sidebar img").count() == 0
     assert page.locator(".message.assistant .markdown").inner_text().count("window.__pwned") == 4
+    assert page.locator(".message.assistant .thought").text_content().count("window.__pwned") == 4
     assert page.evaluate("window.__pwned") is None
     context.close()
+
+
+def test_a_reasoning_models_thinking_is_shown_apart(browser, tmp_path):
+    """A model whose template opens <think> in the prompt (tests/test_reasoning.py's tiny one): the page shows the
+    API's ``reasoning_content`` in its Thinking block, and the answer apart (here none: a random model never closes
+    its thinking)."""
+    from test_reasoning import THINK_TEMPLATE, make_model
+
+    model = make_model(tmp_path, THINK_TEMPLATE.replace("{% if opened %}", "{% if true %}"))
+    proc, url = start_cli_server(model, "--kv-cache-memory", "16MiB")
+    try:
+        context = browser.new_context(bypass_csp=True)
+        page = context.new_page()
+        page.goto(url + "/")
+        page.wait_for_selector("#model option", state="attached")
+        page.fill("#temperature", "0")
+        ask(page, "Weather in Paris?", max_tokens=12)
+        api = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 12, "temperature": 0}).json()
+        thought = api["choices"][0]["message"]["reasoning_content"]
+        assert thought and page.locator(".message.assistant .thought").text_content() == thought
+        assert page.locator(".message.assistant .thinking").is_visible()
+        assert page.locator(".message.assistant .tokens").inner_text() == ""
+        context.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_a_wrong_key_shows_the_401_message(browser):

@@ -46,7 +46,7 @@ async def _events(job: Job, head: dict, include_usage: bool, choice_fields: Choi
             if fields is None:
                 continue
             if draft_info:
-                fields = {**fields, "draft_info": draft_spans(chunk, fields.get("text"))}
+                fields = {**fields, "draft_info": draft_spans(chunk, fields.get("text"), fields.get("delta"))}
             # fields may name their own finish_reason (a chat choice that ended in tool calls)
             yield sse({**head, "choices": [{"index": idx, "finish_reason": c.finish_reason, **fields}], **extra})
         if include_usage:
@@ -72,10 +72,15 @@ def event_stream(events: AsyncIterator[str], job: Job) -> StreamingResponse:
     return StreamingResponse(closing(), media_type="text/event-stream", headers=_HEADERS)
 
 
-def draft_spans(chunk, sent: str | None = None) -> dict:
+def draft_spans(chunk, sent: str | None = None, delta: dict | None = None) -> dict:
     """The chunk's text cut by the token that wrote each piece, each marked whether that token was an accepted
     draft, and how many of its tokens were: what a page needs to colour speculation. ``sent``: the text the event
-    carries when it starts with more than the chunk's (an echoed prompt: the target's, not a draft's)."""
+    carries when it starts with more than the chunk's (an echoed prompt: the target's, not a draft's). ``delta``: a
+    chat event's; where its content is not the chunk's text (thinking read apart, a tool call held back), one span
+    of that content, so the spans always spell what the event carries."""
+    if delta is not None and delta.get("content", "") != chunk.text:
+        content = delta.get("content", "")
+        return {"spans": [{"text": content, "draft": False}] if content else [], "accepted": sum(chunk.from_draft)}
     prefix = sent[:len(sent) - len(chunk.text)] if sent and len(sent) > len(chunk.text) else ""
     spans, at = ([{"text": prefix, "draft": False}] if prefix else []), 0
     for chars, drafted in chunk.spans:

@@ -122,6 +122,15 @@ function messageElement(message, index) {
     el.appendChild(body);
     return el;
   }
+  const thinking = document.createElement("details");
+  thinking.className = "thinking";
+  const summary = document.createElement("summary");
+  summary.textContent = "Thinking";
+  const thought = document.createElement("div");
+  thought.className = "thought";
+  thought.textContent = message.reasoning || "";
+  thinking.append(summary, thought);
+  thinking.hidden = !message.reasoning;
   const tokens = document.createElement("div");
   tokens.className = "tokens";
   tokenSpans(tokens, message.spans || [{ text: message.content, draft: false }]);
@@ -141,7 +150,7 @@ function messageElement(message, index) {
     toggle.textContent = showMarkdown ? "Draft tokens" : "Markdown";
   });
   actions.append(toggle, button("Copy", () => navigator.clipboard && navigator.clipboard.writeText(message.content)));
-  el.append(tokens, rendered, stats, actions);
+  el.append(thinking, tokens, rendered, stats, actions);
   el.dataset.index = String(index);
   return el;
 }
@@ -222,11 +231,12 @@ function requestBody(messages) {
 
 // Sends the conversation and streams the answer into a new assistant message.
 async function complete(c) {
-  const answer = { role: "assistant", content: "", spans: [], stats: null };
+  const answer = { role: "assistant", content: "", reasoning: "", spans: [], stats: null };
   c.messages.push(answer);
   render();
   const el = $("messages").lastElementChild;
   const tokens = el.querySelector(".tokens");
+  const thinking = el.querySelector(".thinking");
   tokens.replaceChildren();
   const controller = new AbortController();
   running = { controller };
@@ -256,6 +266,13 @@ async function complete(c) {
         if (data.usage) usage = data.usage;
         const choice = data.choices && data.choices[0];
         if (!choice) continue;
+        const thought = choice.delta && choice.delta.reasoning_content;
+        if (thought) { // a reasoning model's thinking, apart from its answer (textContent: never markup)
+          if (firstAt === null) firstAt = performance.now();
+          answer.reasoning += thought;
+          thinking.hidden = false;
+          thinking.querySelector(".thought").textContent = answer.reasoning;
+        }
         const spans = choice.draft_info ? choice.draft_info.spans
           : (choice.delta && choice.delta.content ? [{ text: choice.delta.content, draft: false }] : []);
         if (spans.length && firstAt === null) firstAt = performance.now();
@@ -277,7 +294,7 @@ async function complete(c) {
   } finally {
     running = null;
     setRunning(false);
-    if (!answer.content && !answer.stats) c.messages.pop();
+    if (!answer.content && !answer.reasoning && !answer.stats) c.messages.pop();
     save();
     render();
   }
