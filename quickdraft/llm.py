@@ -215,8 +215,8 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.chat_prompt(c) for c in conversations], params)
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self.loaded.chat_prompt(messages, tools)
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> list[int]:
+        return self.loaded.chat_prompt(messages, tools, **template_kwargs)
 
     def embed(self, inputs: Prompt | Seq[Prompt], pooling: str = "last", normalize: bool = True) -> list[list[float]]:
         """One embedding per input (a string or token ids): the model's final hidden states pooled (see

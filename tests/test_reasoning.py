@@ -279,3 +279,40 @@ def test_draft_info_spells_what_each_event_carries(harmony_server):
     assert choices and all("".join(s["text"] for s in c["draft_info"]["spans"]) == c["delta"].get("content", "")
                            for c in choices)
     assert "".join(c["delta"].get("content", "") for c in choices) == ANSWER
+
+
+# a template that insists on its variables: what reaches it is what the request said
+STRICT_TEMPLATE = (
+    "{%- if reasoning_effort is not defined or reasoning_effort != 'high' %}{{ raise_exception('effort: ' ~ "
+    "(reasoning_effort if reasoning_effort is defined else 'none')) }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' and (m.thinking != 'T' or m.reasoning_content != 'T') %}"
+    "{{ raise_exception('no thinking') }}{%- endif %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"
+    "{%- endfor %}<|start|>assistant{% if enable_thinking is defined and not enable_thinking %} quiet{% endif %}")
+
+
+def test_template_variables_reach_the_template(tmp_path):
+    """``reasoning_effort`` (chat completions; Responses' ``reasoning.effort``), ``chat_template_kwargs`` (Qwen3's
+    ``enable_thinking``) and an earlier turn's ``reasoning_content`` (as ``thinking`` too, gpt-oss's name) reach the
+    chat template; a bad effort or a name the server sets itself is a 400 naming it."""
+    import openai
+
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "reasoning_content": "T"},
+               {"role": "user", "content": "Weather?"}]
+    with serve(make_model(tmp_path, STRICT_TEMPLATE), "strict") as server:
+        client = server.client()
+        ask = dict(model="strict", messages=history, max_tokens=2, temperature=0)
+        with pytest.raises(openai.BadRequestError, match="effort: none"):
+            client.chat.completions.create(**ask)
+        with pytest.raises(openai.BadRequestError, match="effort: low"):
+            client.chat.completions.create(**ask, reasoning_effort="low")
+        loud = client.chat.completions.create(**ask, reasoning_effort="high")
+        quiet = client.chat.completions.create(**ask, reasoning_effort="high",
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert quiet.usage.prompt_tokens > loud.usage.prompt_tokens  # " quiet" rendered
+        assert client.responses.create(model="strict", input="Weather?", max_output_tokens=2, temperature=0,
+                                       reasoning={"effort": "high"}).status in ("completed", "incomplete")
+        with pytest.raises(openai.BadRequestError, match="reasoning_effort must be 'low', 'medium' or 'high'"):
+            client.chat.completions.create(**ask, extra_body={"reasoning_effort": "max"})
+        with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set 'messages'"):
+            client.chat.completions.create(**ask, reasoning_effort="high",
+                                           extra_body={"chat_template_kwargs": {"messages": []}})

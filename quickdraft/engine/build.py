@@ -192,10 +192,11 @@ class LoadedEngine:
         for runner in self.runners:
             runner.release_memory(keep_prefix_cache)
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ready for the reply; ``tools``
-        (OpenAI's function list) reach the template as its ``tools``."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        (OpenAI's function list) reach the template as its ``tools``, ``template_kwargs`` as variables (Qwen3's
+        ``enable_thinking``, gpt-oss's ``reasoning_effort``)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -139,6 +139,12 @@ class ChatMessage(BaseModel):
         out.update(role=self.role, content=content if content is not None else "")
         if self.name is not None:
             out["name"] = self.name
+        # an earlier turn's thinking, under the names templates read it by (Qwen3's, gpt-oss's)
+        thought = next((out[k] for k in ("reasoning_content", "reasoning", "thinking") if isinstance(out.get(k), str)),
+                       None)
+        if thought is not None:
+            out.setdefault("reasoning_content", thought)
+            out.setdefault("thinking", thought)
         return out
 
 
@@ -163,6 +169,11 @@ def in_call_order(messages: list[dict]) -> list[dict]:
     return out
 
 
+_TEMPLATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                     "unk_token", "pad_token", "raise_exception", "strftime_now", "namespace"})
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: StrictInt | None = None
@@ -172,10 +183,28 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Any = None  # checked by serving/tools.py
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None  # accepted; the model decides how many calls it writes
+    reasoning_effort: StrictStr | None = None  # "low" | "medium" | "high": the template's (gpt-oss's) variable
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (vLLM's): e.g. enable_thinking
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_variables(self) -> dict[str, Any]:
+        """``chat_template_kwargs`` and ``reasoning_effort``, checked: names a template can use that do not stand
+        for what the server itself passes (messages, tools, special tokens)."""
+        out = dict(self.chat_template_kwargs or {})
+        for name in out:
+            if not _TEMPLATE_NAME.fullmatch(name) or name in RESERVED_TEMPLATE_NAMES:
+                raise InvalidParameterError(
+                    f"chat_template_kwargs may not set {name[:64]!r}: names are identifiers, and "
+                    f"{', '.join(sorted(RESERVED_TEMPLATE_NAMES))} are the server's")
+        if self.reasoning_effort is not None:
+            if self.reasoning_effort not in ("low", "medium", "high"):
+                raise InvalidParameterError(f"reasoning_effort must be 'low', 'medium' or 'high', got "
+                                            f"{self.reasoning_effort[:64]!r}")
+            out["reasoning_effort"] = self.reasoning_effort
+        return out
 
 
 # ---- errors ---------------------------------------------------------------------------------------------
@@ -200,7 +229,7 @@ KNOWN_PARAMS = {
     "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
     "include_stop_str_in_output", "skip_special_tokens", "priority", "deadline_s", "prompt", "messages",
     "top_logprobs", "max_completion_tokens", "model", "speculative", "structured_outputs", "response_format",
-    "tools", "tool_choice",
+    "tools", "tool_choice", "reasoning_effort", "chat_template_kwargs",
 }
 
 

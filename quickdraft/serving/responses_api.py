@@ -60,6 +60,7 @@ class ResponsesRequest(BaseModel):
     priority: StrictInt | None = None
     speculative: Any = None
     structured_outputs: Any = None  # as on chat completions: json, regex, choice or grammar
+    reasoning: Any = None  # {"effort": "low" | "medium" | "high"}: the template's reasoning_effort
 
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "priority", "speculative", "parallel_tool_calls", "model",
@@ -158,6 +159,9 @@ def chat_request(body: ResponsesRequest, history: list[dict], known_calls: set[s
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     tools, tool_choice = chat_tools(body.tools, body.tool_choice)
     fields = {k: getattr(body, k) for k in ResponsesRequest.SAMPLING if getattr(body, k) is not None}
+    effort = body.reasoning.get("effort") if isinstance(body.reasoning, dict) else None
+    if effort is not None:
+        fields["reasoning_effort"] = "low" if effort == "minimal" else effort  # (harmony has no lower level)
     try:
         chat = ChatCompletionRequest.model_validate({
             **fields, "messages": system + history + turn, "tools": tools, "tool_choice": tool_choice,

@@ -161,11 +161,12 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest, top_logpro
 
 async def chat_prompt_ids(ctx: ServerContext, body: ChatCompletionRequest, tool_spec: ToolSpec | None) -> list[int]:
     """The conversation rendered with the model's chat template (tools fitted to it), as token ids."""
+    variables = body.template_variables()
     messages = in_call_order([m.for_template() for m in body.messages])
     messages, template_tools = await asyncio.to_thread(prepare_messages, messages, tool_spec,
                                                       ctx.llm.tokenizer.chat_template)
     try:
-        return await asyncio.to_thread(ctx.llm.chat_prompt, messages, template_tools)
+        return await asyncio.to_thread(ctx.llm.chat_prompt, messages, template_tools, **variables)
     except (ValueError, TypeError, KeyError, RecursionError, jinja2.TemplateError) as exc:
         raise invalid_parameter(f"messages could not be rendered with the model's chat template: {exc}",
                                 "messages") from exc
