@@ -295,3 +295,24 @@ def test_a_draft_with_a_cut_head_replays_its_own_graphs(target):
     prompts = tiny_prompts(64, 3)
     assert len(llm.generate(prompts, GREEDY)) == 3
     assert llm.loaded.engine.drafter.runner.static.replays > 0
+
+
+def test_a_draft_steps_tokens_come_back_in_one_copy():
+    """A draft model's step decides every sequence's token on the GPU (greedy rows and drawn ones) and reads them
+    back in one copy; the tokens are the CPU's."""
+    import warnings
+
+    from quickdraft.speculative.drafters import draft_tokens
+
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(0)).cuda()
+    uniforms = [None, 0.3, None, 0.7, 0.1, None]
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            tokens, _ = draft_tokens(logits, uniforms)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert sum("synchroniz" in str(w.message) for w in caught) == 1
+    assert tokens == draft_tokens(logits.cpu(), uniforms)[0]

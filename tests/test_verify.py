@@ -331,3 +331,32 @@ def test_verification_from_uniforms_is_the_generators():
     assert valid.tolist() == [False, False, True] and 0 <= int(token[2]) < 3
     # u at the top of the mass takes the last token that has any
     assert draw(torch.tensor([[0.3, 0.7, 0.0]]), torch.tensor([1.0]))[0].tolist() == [1]
+
+
+def test_a_draft_steps_tokens_decided_together_equal_one_at_a_time():
+    """``draft_tokens`` decides a whole draft step at once (one copy back on a GPU): each row's token is the one its
+    own greedy argmax or inverse-CDF draw gives, its q row its own softmax bit for bit; a row with no finite logit is
+    None; a sampled row that is no distribution raises."""
+    from quickdraft.sampling.sampler import NOT_A_DISTRIBUTION, greedy, sample_with_uniforms
+    from quickdraft.speculative.drafters import draft_tokens
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        n, width = 1 + trial % 7, 50 + 97 * trial
+        logits = torch.randn(n, width, generator=g) * 3
+        logits[0, :] = float("-inf") if trial % 5 == 0 else logits[0, :]
+        uniforms = [None if (trial + j) % 3 == 0 else float(torch.rand(1, generator=g)) for j in range(n)]
+        tokens, qs = draft_tokens(logits, uniforms)
+        for j in range(n):
+            row = logits[j:j + 1]
+            if not torch.isfinite(row).any():
+                assert tokens[j] is None
+            elif uniforms[j] is None:
+                assert tokens[j] == greedy(row)[0] and qs[j] is None
+            else:
+                q = torch.softmax(row, dim=-1)
+                assert tokens[j] == int(sample_with_uniforms(q, [uniforms[j]])[0]) and torch.equal(qs[j], q[0])
+    bad = torch.zeros(2, 8)
+    bad[1, 3] = float("nan")
+    with pytest.raises(ValueError, match=NOT_A_DISTRIBUTION[:20]):
+        draft_tokens(bad, [None, 0.5])

@@ -21,7 +21,7 @@ import torch
 from quickdraft.kv import ForwardItem, ModelRunner, OutOfBlocks, SequenceKV
 from quickdraft.models import weight_bytes
 from quickdraft.sampling import LogitsProcessor, SamplingParams
-from quickdraft.sampling.sampler import greedy, sample_with_uniforms
+from quickdraft.sampling.sampler import NOT_A_DISTRIBUTION, draw, greedy, to_device
 from quickdraft.speculative.vocab import CrossVocabulary, SharedVocabulary
 
 
@@ -65,6 +65,39 @@ def draft_uniform(seed: int, position: int) -> float:
     """
     digest = hashlib.blake2b(struct.pack("<QQ", seed % 2**64, position), digest_size=8, key=_DRAFT_KEY).digest()
     return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
+
+
+def draft_tokens(logits: torch.Tensor, uniforms: Sequence[float | None]) -> tuple[list[int | None],
+                                                                                   list[torch.Tensor | None]]:
+    """One draft step's tokens for processed logits ``[n, V]``: row i greedy where ``uniforms[i]`` is None, else
+    drawn from its softmax with that uniform (its q row returned too). None for a row with no finite logit. On a GPU
+    the whole step's decisions come back in one copy (was two waits per sequence); on the CPU greedy rows use
+    quickdraft's argmax kernel. A sampled row that is no distribution raises, as ``sample_with_uniforms`` does."""
+    n = logits.shape[0]
+    finite = torch.isfinite(logits).any(dim=-1)
+    picked = torch.zeros(n, dtype=torch.int64, device=logits.device)
+    valid = torch.ones(n, dtype=torch.bool, device=logits.device)
+    q_rows: list[torch.Tensor | None] = [None] * n
+    sampled = [j for j, u in enumerate(uniforms) if u is not None]
+    if sampled:
+        index = to_device(torch.tensor(sampled), logits.device)  # (a list index would be a waiting copy on a GPU)
+        q = torch.softmax(logits[index], dim=-1)
+        drawn, ok = draw(q, to_device(torch.tensor([uniforms[j] for j in sampled], dtype=torch.float64), logits.device))
+        picked[index], valid[index] = drawn, ok
+        for j, row in zip(sampled, q.unbind(0)):
+            q_rows[j] = row
+    greedy_rows = [j for j, u in enumerate(uniforms) if u is None]
+    on_host = logits.device.type == "cpu"
+    if greedy_rows and not on_host:
+        rows = to_device(torch.tensor(greedy_rows), logits.device)
+        picked[rows] = logits[rows].argmax(dim=-1)
+    finite_l, picked_l, valid_l = torch.stack([finite.long(), picked, valid.long()]).tolist()
+    if greedy_rows and on_host:
+        for j, token in zip(greedy_rows, greedy(logits[greedy_rows])):
+            picked_l[j] = token
+    if any(f and not v for f, v in zip(finite_l, valid_l)):
+        raise ValueError(NOT_A_DISTRIBUTION)
+    return [t if f else None for t, f in zip(picked_l, finite_l)], q_rows
 
 
 class Drafter:
@@ -234,19 +267,17 @@ class ModelDrafter(Drafter):
             steps += 1
             for item, context in zip(items, contexts):
                 self.vocab.record(item.kv, context)
-            for i, row in zip(active, rows):
-                seq = seqs[i]
-                logits = seq.processor.process(self.vocab.widen(row), drafted=drafts[i], offset=len(drafts[i]))
-                if not bool(torch.isfinite(logits).any()):  # e.g. the grammar wants a token outside a cross vocab
+            logits = torch.cat([seqs[i].processor.process(self.vocab.widen(row), drafted=drafts[i],
+                                                          offset=len(drafts[i]))[:1] for i, row in zip(active, rows)])
+            uniforms = [None if seqs[i].params.greedy else
+                        draft_uniform(seqs[i].draft_nonce, len(seqs[i].token_ids) + len(drafts[i])) for i in active]
+            tokens, q_rows = draft_tokens(logits, uniforms)
+            for i, token, q in zip(active, tokens, q_rows):
+                if token is None:  # no finite logit: e.g. the grammar wants a token outside a cross vocabulary
                     ended.add(i)
                     continue
-                if seq.params.greedy:
-                    token = greedy(logits[:1])[0]
-                else:
-                    q = torch.softmax(logits, dim=-1)
-                    u = draft_uniform(seq.draft_nonce, len(seq.token_ids) + len(drafts[i]))
-                    token = int(sample_with_uniforms(q, [u])[0])
-                    qs[i].append(q[0])
+                if q is not None:
+                    qs[i].append(q)
                 drafts[i].append(token)
             if timings is not None:
                 timings.append((len(items), sum(len(item.tokens) for item in items), time.perf_counter() - t0))
