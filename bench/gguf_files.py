@@ -59,6 +59,25 @@ def add_qwen_tokenizer(writer) -> None:
                           if k.startswith("tokenizer.")})
 
 
+def add_shape_keys(writer, shape: dict, layers: int, context: int, rope_base: float, eps: float) -> None:
+    """A random-weight model's sizes as GGUF keys of ``writer`` (a GGUFWriter): ``shape``'s hidden, ffn, heads,
+    kv_heads and head_dim, and for a mixture its experts, used and expert_ffn."""
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(shape["hidden"])
+    writer.add_feed_forward_length(shape["ffn"])
+    if "experts" in shape:
+        writer.add_expert_feed_forward_length(shape["expert_ffn"])
+        writer.add_expert_count(shape["experts"])
+        writer.add_expert_used_count(shape["used"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_key_length(shape["head_dim"])
+    writer.add_value_length(shape["head_dim"])
+    writer.add_rope_freq_base(rope_base)
+    writer.add_layer_norm_rms_eps(eps)
+
+
 def add_metadata(writer, items: dict) -> None:
     """Key/values read from another GGUF's header, written with ``writer`` (a GGUFWriter) in their own types."""
     for key, value in items.items():  # arrays take their element type from the first element
@@ -79,16 +98,7 @@ def bonsai_f16(path: Path) -> Path:
     from gguf import GGUFWriter
     s = BONSAI
     writer = GGUFWriter(str(path.with_suffix(".tmp")), "qwen3")
-    writer.add_block_count(s["layers"])
-    writer.add_context_length(40960)
-    writer.add_embedding_length(s["hidden"])
-    writer.add_feed_forward_length(s["ffn"])
-    writer.add_head_count(s["heads"])
-    writer.add_head_count_kv(s["kv_heads"])
-    writer.add_key_length(s["head_dim"])
-    writer.add_value_length(s["head_dim"])
-    writer.add_rope_freq_base(1e6)
-    writer.add_layer_norm_rms_eps(1e-6)
+    add_shape_keys(writer, s, s["layers"], context=40960, rope_base=1e6, eps=1e-6)
     writer.add_file_type(1)
     add_qwen_tokenizer(writer)
     rng = np.random.default_rng(0)

@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import humaneval_prompts, machine, memory_bandwidth_gbs, save, table  # noqa: E402
 from cpu_vs_llamacpp import llamacpp_runner, prompt_ids, quickdraft_runner  # noqa: E402
-from gguf_files import add_metadata, add_qwen_tokenizer, folder, quantize  # noqa: E402
+from gguf_files import add_metadata, add_qwen_tokenizer, add_shape_keys, folder, quantize  # noqa: E402
 
 from quickdraft import LLM  # noqa: E402
 from quickdraft.loading import resolve_model  # noqa: E402
@@ -49,8 +49,8 @@ from quickdraft.models import step_weight_bytes  # noqa: E402
 
 SHAPE = dict(hidden=2048, experts=128, used=8, expert_ffn=768, ffn=6144, heads=32, kv_heads=4, head_dim=128,
              vocab=151936)
-GPT_OSS = dict(hidden=2880, experts=32, used=4, expert_ffn=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088,
-               window=128)
+GPT_OSS = dict(hidden=2880, experts=32, used=4, expert_ffn=2880, ffn=2880, heads=64, kv_heads=8, head_dim=64,
+               vocab=201088, window=128)
 
 
 def build_f16(path: Path, layers: int) -> Path:
@@ -61,19 +61,7 @@ def build_f16(path: Path, layers: int) -> Path:
     s, rng = SHAPE, np.random.default_rng(0)
     pool = (rng.standard_normal(1 << 25, dtype=np.float32) * 0.02).astype(np.float16)
     w = GGUFWriter(str(path.with_suffix(".tmp")), "qwen3moe")
-    w.add_block_count(layers)
-    w.add_context_length(40960)
-    w.add_embedding_length(s["hidden"])
-    w.add_feed_forward_length(s["ffn"])
-    w.add_expert_feed_forward_length(s["expert_ffn"])
-    w.add_expert_count(s["experts"])
-    w.add_expert_used_count(s["used"])
-    w.add_head_count(s["heads"])
-    w.add_head_count_kv(s["kv_heads"])
-    w.add_key_length(s["head_dim"])
-    w.add_value_length(s["head_dim"])
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
+    add_shape_keys(w, s, layers, context=40960, rope_base=1e6, eps=1e-6)
     w.add_file_type(1)
     add_qwen_tokenizer(w)
     d, e, f, hd = s["hidden"], s["experts"], s["expert_ffn"], s["head_dim"]
@@ -120,23 +108,11 @@ def build_gpt_oss(path: Path, layers: int) -> Path:
 
     s, rng = GPT_OSS, np.random.default_rng(0)
     w = GGUFWriter(str(path.with_suffix(".tmp")), "gpt-oss")
-    w.add_block_count(layers)
-    w.add_context_length(131072)
-    w.add_embedding_length(s["hidden"])
-    w.add_feed_forward_length(s["expert_ffn"])
-    w.add_expert_feed_forward_length(s["expert_ffn"])
-    w.add_expert_count(s["experts"])
-    w.add_expert_used_count(s["used"])
-    w.add_head_count(s["heads"])
-    w.add_head_count_kv(s["kv_heads"])
-    w.add_key_length(s["head_dim"])
-    w.add_value_length(s["head_dim"])
-    w.add_rope_freq_base(150000.0)
+    add_shape_keys(w, s, layers, context=131072, rope_base=150000.0, eps=1e-5)
     w.add_rope_scaling_type(RopeScalingType.YARN)
     w.add_rope_scaling_factor(32.0)
     w.add_rope_scaling_orig_ctx_len(4096)
     w.add_sliding_window(s["window"])
-    w.add_layer_norm_rms_eps(1e-5)
     tokenizer = {k: v for k, v in read_header(resolve_model("qwen2.5-coder-0.5b")).metadata.items()
                  if k.startswith("tokenizer.")}
     pad = s["vocab"] - len(tokenizer["tokenizer.ggml.tokens"])

@@ -62,13 +62,10 @@ def make_gpt_oss(path: Path, config: dict) -> tuple[Path, torch.nn.Module]:
     return path, transformers.GptOssForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def test_gpt_oss_matches_transformers(gpt_oss):
-    path, hf = gpt_oss
-    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
-    cfg = llm.model.config
-    assert (cfg.architecture, cfg.num_experts, cfg.attention_sinks, cfg.rope_scaling.type) == ("gpt_oss", 6, True, "yarn")
-    assert [cfg.window(i) for i in range(3)] == [WINDOW, None, WINDOW]
-    ids = prompt(60)  # far past the window: sliding layers drop keys
+def assert_reads_as_transformers(llm: LLM, hf: torch.nn.Module) -> None:
+    """transformers' logits within 1e-4 over a 60-token prompt (far past the window: sliding layers drop keys), its
+    router choices on every token of every layer, and its 48 greedy tokens."""
+    ids = prompt(60)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     diff = (our_logits(llm, ids) - ref).abs().max().item()
@@ -77,6 +74,15 @@ def test_gpt_oss_matches_transformers(gpt_oss):
     assert len(ours) == len(theirs) == 3 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
     start = prompt(8, seed=2)
     assert llm.generate([start], GREEDY)[0].token_ids == hf_greedy(hf, start, 48)
+
+
+def test_gpt_oss_matches_transformers(gpt_oss):
+    path, hf = gpt_oss
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    cfg = llm.model.config
+    assert (cfg.architecture, cfg.num_experts, cfg.attention_sinks, cfg.rope_scaling.type) == ("gpt_oss", 6, True, "yarn")
+    assert [cfg.window(i) for i in range(3)] == [WINDOW, None, WINDOW]
+    assert_reads_as_transformers(llm, hf)
 
 
 def test_the_clamp_and_the_sinks_are_exercised(gpt_oss):
@@ -224,13 +230,7 @@ def test_gpt_oss_gguf_matches_transformers(gpt_oss_released_limit, tmp_path):
     assert (cfg.architecture, cfg.attention_sinks, cfg.rope_scaling.type, cfg.sliding_window) == \
         ("gpt_oss", True, "yarn", WINDOW)
     assert [cfg.window(i) for i in range(3)] == [WINDOW, None, WINDOW]
-    ids = prompt(60)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    assert (our_logits(llm, ids) - ref).abs().max().item() < 1e-4
-    assert all(torch.equal(a, b) for a, b in zip(our_router_choices(llm, ids), hf_router_choices(hf, ids)))
-    start = prompt(8, seed=2)
-    assert llm.generate([start], GREEDY)[0].token_ids == hf_greedy(hf, start, 48)
+    assert_reads_as_transformers(llm, hf)
 
 
 def test_mxfp4_experts_run_at_their_own_size(gpt_oss_released_limit, tmp_path):
@@ -309,13 +309,7 @@ def test_mxfp4_packed_hf_experts_read_as_transformers_reads_them(packed_hf):
     the same directory) within 1e-4, its router choices and 48 greedy tokens."""
     path, hf = packed_hf
     llm = LLM(str(path), dtype="float32", weights="float32", kv_cache_memory="16MiB")
-    ids = prompt(60)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    assert (our_logits(llm, ids) - ref).abs().max().item() < 1e-4
-    assert all(torch.equal(a, b) for a, b in zip(our_router_choices(llm, ids), hf_router_choices(hf, ids)))
-    start = prompt(8, seed=2)
-    assert llm.generate([start], GREEDY)[0].token_ids == hf_greedy(hf, start, 48)
+    assert_reads_as_transformers(llm, hf)
 
 
 def test_mxfp4_packed_hf_experts_run_at_their_own_size(packed_hf, gpt_oss_released_limit, tmp_path):
