@@ -17,9 +17,9 @@ from quickdraft.serving.tools import (
     ToolSpec,
     parse_tool_calls,
     parse_tools,
-    prepare_messages,
     tool_call_style,
 )
+from quickdraft.serving.tool_prompts import prepare_messages
 from quickdraft.tokenizer.chat import GEMMA_TEMPLATE, render_chat_template
 
 WEATHER = {"type": "function", "function": {
@@ -178,7 +178,8 @@ def test_qwen_template_renders_tools_calls_and_results_itself(qwen):
     assert tools == [WEATHER, time_tool]
     # Qwen's template writes ``arguments | tojson``: it needs a dict, or the JSON text would be quoted again
     assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
-    assert messages[2]["content"] == "" and messages[3]["role"] == "tool"
+    # it takes a calling message's null content as the client sent it (its ``if message.content`` skips it)
+    assert messages[2]["content"] is None and messages[3]["role"] == "tool"
     prompt = qwen.apply_chat_template(messages, True, tools=tools)
     assert prompt.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n")
     assert "\n<tools>\n" + json.dumps(WEATHER) + "\n" + json.dumps(time_tool) + "\n</tools>" in prompt
@@ -192,6 +193,38 @@ def test_qwen_template_renders_tools_calls_and_results_itself(qwen):
     prompt = qwen.apply_chat_template(messages, True)
     assert "<tools>" not in prompt and '"arguments": {"city": "Paris"}' in prompt
     assert CONVERSATION[2]["content"] is None  # the caller's messages are left alone
+
+
+# DeepSeek-R1's way: the calls are rendered only where the calling message's content is null
+NULL_CONTENT_TEMPLATE = (
+    "{%- for m in messages %}{%- if m.role == 'assistant' and m.content is none %}<calls>{%- for c in m.tool_calls %}"
+    "[{{ c.function.name }} {{ c.function.arguments }}]{%- endfor %}</calls>{%- elif m.role == 'tool' %}"
+    "<out>{{ m.content }}</out>{%- else %}<{{ m.role }}>{{ m.content }}{%- endif %}{%- endfor %}")
+# the usual way: the content is concatenated, so a null one would fail the render
+CONCATENATING_TEMPLATE = (
+    "{%- for m in messages %}{{ '<' + m.role + '>' + m.content }}{%- if m.tool_calls %}{%- for c in m.tool_calls %}"
+    "[{{ c.function.name }} {{ c.function.arguments }}]{%- endfor %}{%- endif %}{%- endfor %}")
+# a template that prints a null content as "None"
+PRINTING_TEMPLATE = NULL_CONTENT_TEMPLATE.replace("m.content is none", "m.content is none and false")
+
+
+@pytest.mark.parametrize("template, content, rendered", [
+    (NULL_CONTENT_TEMPLATE, None, '<calls>[get_weather {"city": "Paris"}][get.time-2 {}]</calls><out>{"temp": 21}'),
+    (CONCATENATING_TEMPLATE, "", '<assistant>[get_weather {"city": "Paris"}][get.time-2 {}]<user>Tool result'),
+    (PRINTING_TEMPLATE, "", "<assistant><out>"),
+])
+def test_a_calling_messages_null_content_reaches_the_templates_that_take_it(template, content, rendered):
+    """Each template gets what it renders: a null content where it takes one (a probe render, as llama.cpp's
+    template checks do), else an empty string; the calls are never lost and "None" is never printed."""
+    for sent in (None, ""):
+        turns = [{**m, "content": sent} if m.get("tool_calls") else m for m in CONVERSATION]
+        messages, _ = prepare_messages(turns, spec(), template)
+        assert messages[2]["content"] == content
+        prompt = render_chat_template(template, messages, tools=[WEATHER])
+        assert rendered in prompt and "None" not in prompt
+    with pytest.raises(ValueError, match=r"messages\[1\]\['content'\] must be a string"):
+        render_chat_template(NULL_CONTENT_TEMPLATE, [{"role": "user", "content": "x"},
+                                                     {"role": "assistant", "content": None}])  # no calls: refused
 
 
 def test_smollm2_template_gets_tools_as_text(smollm2):

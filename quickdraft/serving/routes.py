@@ -29,7 +29,8 @@ from quickdraft.serving.reasoning import markers_are_special, reasoning_format
 from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError, in_call_order,
                                          _SamplingFields, response_format_constraint)
 from quickdraft.serving.sse import stream_response
-from quickdraft.serving.tools import ToolSpec, parse_tools, prepare_messages, tool_call_style
+from quickdraft.serving.tool_prompts import prepare_messages
+from quickdraft.serving.tools import ToolSpec, parse_tools, tool_call_style
 
 if TYPE_CHECKING:
     from quickdraft.llm import LLM

@@ -1,6 +1,6 @@
 """OpenAI tool calling for /v1/chat/completions, without the HTTP: ``parse_tools`` checks the request's fields
-(``ToolSpec.constraint`` forces a demanded call), ``prepare_messages`` fits tools and past calls to a chat template,
-``parse_tool_calls`` and ``ToolCallStream`` read the calls from the output: never raising, in linear time."""
+(``ToolSpec.constraint`` forces a demanded call; ``tool_prompts.prepare_messages`` fits tools and past calls to a chat
+template), ``parse_tool_calls`` and ``ToolCallStream`` read the calls from the output: never raising, in linear time."""
 from __future__ import annotations
 
 import json
@@ -143,87 +143,13 @@ def tool_call_style(template: str | None) -> str:
     return "generic"
 
 
-def _loads_object(text: str) -> dict | None:
+def loads_object(text: str) -> dict | None:
+    """The JSON object ``text`` holds; None where it is not one (or nests past what the decoder takes)."""
     try:
         value = _DECODER.decode(text)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
-
-
-def _client_calls(i: int, calls: Any) -> list[tuple[str | None, str, Any, str]]:
-    """An assistant message's tool_calls as (id, name, arguments: a dict when its JSON is an object, their text)."""
-    where = f"messages[{i}].tool_calls"
-    if not isinstance(calls, list) or len(calls) > MAX_CALLS:
-        raise must_be(where, f"a list of at most {MAX_CALLS} calls", calls)
-    out = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        arguments = fn.get("arguments", "{}") if isinstance(fn, dict) else None
-        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(arguments, (str, dict))
-                or not isinstance(call.get("id") or "", str)):
-            raise must_be(f"{where}[{j}]", 'a call {"id", "type": "function", "function": {"name", "arguments"}}', call)
-        parsed = _loads_object(arguments) if isinstance(arguments, str) else arguments
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        out.append((call.get("id") or None, fn["name"], arguments if parsed is None else parsed, text))
-    return out
-
-
-def _instructions(spec: ToolSpec) -> str:
-    """The system text that teaches a template without tools the <tool_call> form (or the demanded answer)."""
-    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in spec.template_tools())
-    call = '{"name": <function-name>, "arguments": <arguments-object>}'
-    how = (f"Call the function {spec.choice} now: answer only with its arguments, as one JSON object." if spec.forced
-           else f"Call one or more of them now: answer only with a JSON array of calls, [{call}]."
-           if spec.choice == "required" else "To call one, answer with a JSON object within <tool_call></tool_call> "
-           f'tags, one block a call:\n<tool_call>\n{call}\n</tool_call>\nFunction results come back in messages '
-           'that start with "Tool result".')
-    return f"# Tools\n\nYou can call these functions:\n<tools>\n{listing}\n</tools>\n\n{how}"
-
-
-def prepare_messages(messages: list[dict], spec: ToolSpec | None,
-                     template: str | None) -> tuple[list[dict], list[dict] | None]:
-    """The messages to render and the ``tools`` to pass to ``template`` (None: none); what the template cannot
-    render itself (tool list, earlier calls, their results) becomes text."""
-    t = template or ""  # what it renders itself: the tool list, assistant tool_calls, "tool" messages
-    own_tools, own_calls, own_results = bool(re.search(r"\btools\b", t)), "tool_calls" in t, bool(re.search(
-        r"""["']tool["']""", t))
-    # arguments as a dict (transformers' convention: Qwen's template does ``arguments | tojson``), not JSON text
-    mapping = "arguments" not in t or bool(re.search(r"arguments\s*(\|\s*tojson|is\s+(mapping|string))", t))
-    out: list[dict] = []
-    names: dict[str, str] = {}  # call id -> function name, for the results that follow
-    merge = False  # the last message is a result made user text: the next result joins it (turns may alternate)
-    for i, message in enumerate(messages):
-        m = {**message, "content": "" if message.get("content") is None else message["content"]}
-        calls = _client_calls(i, m.pop("tool_calls")) if m.get("tool_calls") is not None else []
-        names.update((c[0], c[1]) for c in calls if c[0])
-        if calls and own_calls:
-            m["tool_calls"] = [{"id": c[0] or f"call_{i}_{j}", "type": "function", "function": {
-                "name": c[1], "arguments": c[2] if mapping else c[3]}} for j, c in enumerate(calls)]
-        elif calls:
-            blocks = [f"{OPEN}\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n{CLOSE}"
-                      for _, n, a, _ in calls]
-            m["content"] = "\n".join(([m["content"]] if m["content"] else []) + blocks)
-        if m.get("role") == "tool" and not own_results:
-            call_id = m.get("tool_call_id") if isinstance(m.get("tool_call_id"), str) else None
-            name = m.get("name") if isinstance(m.get("name"), str) else names.get(call_id or "")
-            label = ", ".join(x for x in (call_id and f"call {call_id}", name) if x)
-            text = f"Tool result ({label}): {m['content']}" if label else f"Tool result: {m['content']}"
-            if merge:  # joined once at the end: a long run of results stays linear
-                out[-1]["parts"].append(text)
-                continue
-            m = {"role": "user", "parts": [text]}
-        merge = message.get("role") == "tool" and not own_results
-        out.append(m)
-    out = [{"role": m["role"], "content": "\n\n".join(m["parts"])} if "parts" in m else m for m in out]
-    active = spec is not None and spec.choice != "none"
-    if active and not own_tools:
-        note = _instructions(spec)
-        if out and out[0].get("role") == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{note}" if out[0]["content"] else note}
-        else:
-            out.insert(0, {"role": "system", "content": note})
-    return out, (spec.template_tools() if active and own_tools else None)
 
 
 @dataclass(frozen=True)
@@ -240,7 +166,7 @@ class ToolCall:
 
 def arguments_valid(call: "ToolCall") -> bool:
     """The call's arguments are a JSON object (a demanded call cut by max_tokens or a stop string is not)."""
-    return _loads_object(call.arguments) is not None
+    return loads_object(call.arguments) is not None
 
 
 def _compact(arguments: dict) -> str:
@@ -253,7 +179,7 @@ def _call(value: Any, names: set[str]) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in names:
         return None
     arguments = value.get("arguments", value.get("parameters"))
-    arguments = _loads_object(arguments) if isinstance(arguments, str) else arguments
+    arguments = loads_object(arguments) if isinstance(arguments, str) else arguments
     return ToolCall(value["name"], _compact(arguments)) if isinstance(arguments, dict) else None
 
 

@@ -73,10 +73,11 @@ def compile_template(template: str) -> jinja2.Template:
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check `messages` is a non-empty list of dicts with string 'role' and 'content'.
+    """Check `messages` is a non-empty list of dicts with string 'role' and 'content' (an assistant message that
+    calls tools may have a null content, as OpenAI's clients send it: some templates render the calls only then).
 
-    Returns shallow copies, without keys whose value is None (as transformers does), so a
-    template cannot mutate the caller's dicts.
+    Returns shallow copies, without the other keys whose value is None, so a template cannot mutate the caller's
+    dicts.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)):
         raise ValueError(f"messages must be a list of dicts with 'role' and 'content', got {type(messages).__name__}")
@@ -86,16 +87,17 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+        calls = message.get("role") == "assistant" and bool(message.get("tool_calls"))
         for key in ("role", "content"):
             if key not in message:
                 raise ValueError(f"messages[{i}] has no {key!r} key (each message needs 'role' and 'content')")
-            if not isinstance(message[key], str):
+            if not isinstance(message[key], str) and not (key == "content" and calls and message[key] is None):
                 raise ValueError(
                     f"messages[{i}][{key!r}] must be a string, got {type(message[key]).__name__}"
                 )
         if not message["role"]:
             raise ValueError(f"messages[{i}]['role'] is an empty string")
-        out.append({k: v for k, v in message.items() if v is not None})
+        out.append({k: v for k, v in message.items() if v is not None or k == "content"})
     return out
 
 
