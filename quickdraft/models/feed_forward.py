@@ -69,30 +69,39 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None  # gpt-oss
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        # (weight, bias, their float64 copies), made once per weight
-        self._double: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
+        # the weight and bias these copies are of, and the copies: the weight in float32 (qd_route widens each
+        # value as it reads it: half the bytes of float64), in float64 for torch (elsewhere), the bias in float64
+        self._copied: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._copies: dict[str, torch.Tensor | None] = {}
+
+    def _copy(self, name: str) -> torch.Tensor | None:
+        """The weight ("weight32", "weight64") or bias ("bias64") in the type a path reads, made once per weight."""
+        if self._copied is None or self._copied[0] is not self.weight or self._copied[1] is not self.bias:
+            self._copied, self._copies = (self.weight, self.bias), {}
+        if name not in self._copies:
+            source = self.bias if name == "bias64" else self.weight
+            self._copies[name] = None if source is None else \
+                source.detach().to(torch.float32 if name == "weight32" else torch.float64).contiguous()
+        return self._copies[name]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, hidden]`` -> (weights ``[T, k]`` float32, experts ``[T, k]`` int64). The logits are summed in
         float64 and rounded to float32, so a row's logits (and its choice) do not depend on how many rows share the
         call, which a float32 GEMM's blocking may; the router is a few hundred thousand products a token. On the
         CPU quickdraft's kernel routes (``qd_route``, one call instead of six torch ops); elsewhere torch does."""
-        cached = self._double
-        if cached is None or cached[0] is not self.weight or cached[1] is not self.bias:
-            bias = None if self.bias is None else self.bias.detach().double().contiguous()
-            cached = self._double = (self.weight, self.bias, self.weight.double().contiguous(), bias)
-        weight64, bias64 = cached[2], cached[3]
+        bias64 = self._copy("bias64")
         if native.runs_rms_norm(x, self.weight):  # float32/bfloat16 on the CPU, kernels built
+            weight32 = self._copy("weight32")
             experts = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
             weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
             x = x.contiguous()
             rc = native.lib().qd_route(x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1],
-                                       weight64.data_ptr(), None if bias64 is None else bias64.data_ptr(),
-                                       weight64.shape[0], self.top_k, int(self.normalize), experts.data_ptr(),
+                                       weight32.data_ptr(), None if bias64 is None else bias64.data_ptr(),
+                                       weight32.shape[0], self.top_k, int(self.normalize), experts.data_ptr(),
                                        weights.data_ptr())
             native._check(rc, "qd_route")
             return weights, experts
-        logits = F.linear(x.double(), weight64, bias64).to(torch.float32)
+        logits = F.linear(x.double(), self._copy("weight64"), bias64).to(torch.float32)
         probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:

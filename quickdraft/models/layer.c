@@ -247,36 +247,41 @@ int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_ex
     return 0;
 }
 
-/* A mixture's router for T tokens (x [T][hidden]; w [num_experts][hidden], the router's weights widened to double
- * once by the caller; bias: NULL, or [num_experts] in double, gpt-oss's): each token's k experts (largest probability
- * first, a tie to the lower id) and their weights. Each logit is summed in double (every product of two floats is
- * exact there) over 8 lanes of strided indices, the lanes then added in a fixed order, the bias added, and rounded to
- * float32: a token's choice never depends on the other rows of the call. Softmax in float32 (max
- * subtracted), then the k largest probabilities, divided by their sum where normalize is set. Both paths of a
- * mixture on the CPU route here. Returns 0, -1 (out of memory) or -2 (bad arguments). */
-int qd_route(const void *x, int bf16, int T, int hidden, const double *w, const double *bias, int num_experts, int k,
+/* A mixture's router for T tokens (x [T][hidden]; w [num_experts][hidden] in float32, the router's weights; bias: NULL,
+ * or [num_experts] in double, gpt-oss's): each token's k experts (largest probability first, a tie to the lower id)
+ * and their weights. Each logit is summed in double (every product of two floats is exact there) over 8 lanes of
+ * strided indices, the lanes then added in a fixed order, the bias added, and rounded to float32: a token's choice
+ * never depends on the other rows of the call, nor on which thread summed which logit (the threads split the
+ * logits, so a decode step's one token is routed by both). Softmax in float32 (max subtracted), then the k largest
+ * probabilities, divided by their sum where normalize is set. Both paths of a mixture on the CPU route here.
+ * Returns 0, -1 (out of memory) or -2 (bad arguments). */
+int qd_route(const void *x, int bf16, int T, int hidden, const float *w, const double *bias, int num_experts, int k,
              int normalize, int64_t *experts, float *weights) {
     if (T < 0 || hidden < 1 || num_experts < 1 || k < 1 || k > num_experts) return -2;
     double *rows = malloc((size_t)T * hidden * sizeof(double) + (size_t)T * num_experts * sizeof(float) + 1);
     if (!rows) return -1;
     float *all_probs = (float *)(rows + (size_t)T * hidden);
+    for (long i = 0; i < (long)T * hidden; i++) rows[i] = ld(x, bf16, (size_t)i);
+    const long logits = (long)T * num_experts;
+#pragma omp parallel for schedule(static) if (logits >= 64)
+    for (long i = 0; i < logits; i++) {
+        const int e = (int)(i % num_experts);
+        const double *xr = rows + (size_t)(i / num_experts) * hidden;
+        const float *we = w + (size_t)e * hidden;
+        double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int c = 0;
+        for (; c + 8 <= hidden; c += 8)
+            for (int l = 0; l < 8; l++) lane[l] += xr[c + l] * (double)we[c + l];
+        for (int l = 0; c < hidden; c++, l++) lane[l] += xr[c] * (double)we[c];
+        const double sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+        all_probs[i] = (float)(bias ? sum + bias[e] : sum);
+    }
 #pragma omp parallel for schedule(static) if (T >= 8)
     for (int t = 0; t < T; t++) {
-        double *xr = rows + (size_t)t * hidden;
         float *probs = all_probs + (size_t)t * num_experts;
-        for (int c = 0; c < hidden; c++) xr[c] = ld(x, bf16, (size_t)t * hidden + c);
         float top = -INFINITY;
-        for (int e = 0; e < num_experts; e++) {
-            const double *we = w + (size_t)e * hidden;
-            double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            int c = 0;
-            for (; c + 8 <= hidden; c += 8)
-                for (int l = 0; l < 8; l++) lane[l] += xr[c + l] * we[c + l];
-            for (int l = 0; c < hidden; c++, l++) lane[l] += xr[c] * we[c];
-            const double sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-            probs[e] = (float)(bias ? sum + bias[e] : sum);
+        for (int e = 0; e < num_experts; e++)
             if (probs[e] > top) top = probs[e];
-        }
         float total = 0.f;
         for (int e = 0; e < num_experts; e++) {
             probs[e] = expf(probs[e] - top);
