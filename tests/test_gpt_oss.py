@@ -406,9 +406,9 @@ def test_damaged_mxfp4_scales_are_refused_by_name():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_gpt_oss_layers_equal_the_module_path(gpt_oss_released_limit, tmp_path, dtype, monkeypatch):
-    """MXFP4 experts on the kernel: each layer's attention (sinks, output bias) as one C call, then its experts (biases,
-    clamped SwiGLU) as one ``qd_moe`` call, give the module path's logits and caches bit for bit (a verify pass beside
-    a decode token)."""
+    """MXFP4 experts on the kernel: every layer whole in one C call, its attention (sinks, output bias), router (bias)
+    and experts (biases, clamped SwiGLU, ``qd_moe``) included, gives the module path's logits and caches bit for bit
+    (a verify pass beside a decode token)."""
     from gguf import GGMLQuantizationType as QT
 
     from quickdraft.models.feed_forward import SparseMoE

@@ -150,7 +150,8 @@ def test_moe_through_the_engine(moe_dir, weights):
     options = dict(dtype="bfloat16", kv_cache_memory="16MiB") if weights == "bfloat16" else \
         dict(weights=weights, kv_cache_memory="16MiB")
     llm = LLM(str(path), **options)
-    assert llm.model.fused_stack(None) is None  # a mixture's feed-forward runs between its layers' C calls
+    # quantized experts: every layer, router and experts included, in one C call; bfloat16 experts run as modules
+    assert (llm.model.fused_stack(None) is not None) == (weights != "bfloat16")
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert [o.token_ids for o in llm.generate(prompts, params)] == alone
     hits = llm.engine.prefix_cache_hits
@@ -369,8 +370,8 @@ def test_the_seeded_cost_model_prices_the_union_of_experts():
 
 @pytest.mark.parametrize("weights,dtype", [("int8", "bfloat16"), ("int4", "float32")])
 def test_fused_attention_of_a_mixtures_layer_equals_the_module_path(moe_dir, weights, dtype, monkeypatch):
-    """A verify pass beside a decode token: each sparse layer's attention as one C call, then its experts (one C
-    call), gives the module path's logits and caches bit for bit; the dense layer of the mixture is fused whole."""
+    """A verify pass beside a decode token: every layer whole in one C call (``FusedStack``; a sparse layer's router
+    and experts inside it) gives the module path's logits and caches bit for bit."""
     from test_fused import _verify_step
 
     llm = LLM(str(moe_dir("qwen3_moe")[0]), weights=weights, dtype=dtype, kv_cache_memory="16MiB")

@@ -74,7 +74,7 @@ class Router(nn.Module):
         self._copied: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._copies: dict[str, torch.Tensor | None] = {}
 
-    def _copy(self, name: str) -> torch.Tensor | None:
+    def read_as(self, name: str) -> torch.Tensor | None:
         """The weight ("weight32", "weight64") or bias ("bias64") in the type a path reads, made once per weight."""
         if self._copied is None or self._copied[0] is not self.weight or self._copied[1] is not self.bias:
             self._copied, self._copies = (self.weight, self.bias), {}
@@ -89,9 +89,9 @@ class Router(nn.Module):
         float64 and rounded to float32, so a row's logits (and its choice) do not depend on how many rows share the
         call, which a float32 GEMM's blocking may; the router is a few hundred thousand products a token. On the
         CPU quickdraft's kernel routes (``qd_route``, one call instead of six torch ops); elsewhere torch does."""
-        bias64 = self._copy("bias64")
+        bias64 = self.read_as("bias64")
         if native.runs_rms_norm(x, self.weight):  # float32/bfloat16 on the CPU, kernels built
-            weight32 = self._copy("weight32")
+            weight32 = self.read_as("weight32")
             experts = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
             weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
             x = x.contiguous()
@@ -101,7 +101,7 @@ class Router(nn.Module):
                                        weights.data_ptr())
             native._check(rc, "qd_route")
             return weights, experts
-        logits = F.linear(x.double(), self._copy("weight64"), bias64).to(torch.float32)
+        logits = F.linear(x.double(), self.read_as("weight64"), bias64).to(torch.float32)
         probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
@@ -128,6 +128,11 @@ class SparseMoE(nn.Module):
         if cached is None or cached[0] != key:
             cached = self._fused = (key, FusedExperts.build(list(experts)))
         return cached[1]
+
+    def fused_key(self) -> tuple:
+        """What a fused decoder layer holding this mixture was built on: its experts' C call and its router's
+        weights."""
+        return self.fused(), self.gate.weight, self.gate.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Each token's output is the sum of its chosen experts' outputs times their weights, added in float32 in

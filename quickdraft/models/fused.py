@@ -50,6 +50,12 @@ class _LinearDesc(ctypes.Structure):
                 ("dense", _P), ("dense_bias", _P)]
 
 
+class _MoeDesc(ctypes.Structure):  # qd_moe_desc
+    _fields_ = [("num_experts", ctypes.c_int), ("k", ctypes.c_int), ("normalize", ctypes.c_int), ("act", ctypes.c_int),
+                ("limit", ctypes.c_float), ("alpha", ctypes.c_float), ("router", _P), ("router_bias", _P),
+                ("gate_up", _P), ("down", _P)]
+
+
 class _LayerDesc(ctypes.Structure):  # qd_layer_desc
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P),
                 ("post_mlp_norm", _P), ("norm_bf16", ctypes.c_int), ("eps", ctypes.c_float),
@@ -57,7 +63,7 @@ class _LayerDesc(ctypes.Structure):  # qd_layer_desc
                 ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int),
                 ("act", ctypes.c_int), ("window", ctypes.c_int),
                 ("qkv", _LinearDesc), ("o", _LinearDesc), ("gate_up", _LinearDesc), ("down", _LinearDesc),
-                ("cos", _P), ("sin", _P), ("sinks", _P)]
+                ("cos", _P), ("sin", _P), ("sinks", _P), ("moe", _MoeDesc)]
 
 
 def _norms(layer: nn.Module) -> dict[str, nn.Module | None]:
@@ -71,6 +77,24 @@ def _norms(layer: nn.Module) -> dict[str, nn.Module | None]:
                 "post_mlp_norm": layer.post_feedforward_layernorm}
     return {"input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm,
             "q_norm": attn.q_norm, "k_norm": attn.k_norm, "post_attn_norm": None, "post_mlp_norm": None}
+
+
+def _moe(layer: nn.Module) -> tuple[_MoeDesc, list[object]]:
+    """A mixture's router and experts as qd_layer_desc's ``moe``, and what must stay alive with them; an empty
+    description (the caller runs the feed-forward) where the module path would not run them in C (experts off the
+    kernel, a router weight the kernel does not read, Gemma's sandwich norms)."""
+    mlp = layer.mlp
+    experts, router = mlp.fused(), mlp.gate
+    kernel_router = router.weight.device.type == "cpu" and router.weight.dtype in (torch.float32, torch.bfloat16)
+    if experts is None or not kernel_router or layer.sandwich:
+        return _MoeDesc(), []
+    weight, bias = router.read_as("weight32"), router.read_as("bias64")
+    act, limit, alpha = experts.act
+    desc = _MoeDesc(num_experts=len(experts.gate_up), k=router.top_k, normalize=int(router.normalize), act=act,
+                    limit=limit, alpha=alpha, router=weight.data_ptr(),
+                    router_bias=None if bias is None else bias.data_ptr(),
+                    gate_up=ctypes.addressof(experts.gate_up), down=ctypes.addressof(experts.down))
+    return desc, [experts, weight, bias]
 
 
 def _linear(module: nn.Module) -> tuple[_LinearDesc, object] | None:
@@ -100,12 +124,13 @@ class FusedLayer:
     def __init__(self, desc: _LayerDesc, keep: list[object], dtype: torch.dtype) -> None:
         self.desc, self._keep, self.dtype = desc, keep, dtype
         self._ref = ctypes.byref(desc)
+        self.whole = bool(desc.gate_up.kind or desc.moe.num_experts)  # the feed-forward too
 
     @classmethod
     def build(cls, layer: nn.Module, rope: nn.Module) -> FusedLayer | None:
         """``layer``: a ``DecoderLayer``; None where the fused path does not apply (see the module docstring). A
-        mixture of experts' layer (``layer.sparse``) is fused up to its attention's residual add; the caller runs
-        its feed-forward."""
+        mixture of experts' layer (``layer.sparse``) runs its router and experts in the call too where they run in C
+        (``whole``); else the call ends at its attention's residual add, and the caller runs its feed-forward."""
         attn, mlp = layer.self_attn, layer.mlp
         placed = {place: norm for place, norm in _norms(layer).items() if norm is not None}
         norms = [norm.weight for norm in placed.values()]
@@ -124,7 +149,8 @@ class FusedLayer:
         (qkv, a), (o, b), (gate_up, c), (down, d) = linears
         intermediate = down.in_features
         if layer.sparse:
-            return cls._described(layer, rope, placed, norms, qkv, o, gate_up, down, [a, b])
+            moe, held = _moe(layer)
+            return cls._described(layer, rope, placed, norms, qkv, o, gate_up, down, [a, b, *held], moe)
         # gate/up either apply SwiGLU in the kernel (an "activated" MLP) or return [gate | up] for qd_gated
         if bool(gate_up.swiglu) != mlp.activated or gate_up.out_features != intermediate * (1 if mlp.activated else 2):
             return None
@@ -134,7 +160,8 @@ class FusedLayer:
 
     @classmethod
     def _described(cls, layer: nn.Module, rope: nn.Module, placed: dict, norms: list, qkv: _LinearDesc,
-                   o: _LinearDesc, gate_up: _LinearDesc, down: _LinearDesc, keep: list) -> FusedLayer | None:
+                   o: _LinearDesc, gate_up: _LinearDesc, down: _LinearDesc, keep: list,
+                   moe: _MoeDesc | None = None) -> FusedLayer | None:
         attn, hidden = layer.self_attn, o.out_features
         if qkv.out_features != sum(attn.qkv_sizes) or hidden % 8:
             return None
@@ -150,7 +177,7 @@ class FusedLayer:
                           head_dim=attn.head_dim, intermediate=down.in_features, act=act,
                           window=attn.window or 0, qkv=qkv, o=o, gate_up=gate_up, down=down,
                           cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr(),
-                          sinks=None if sinks is None else sinks.data_ptr())
+                          sinks=None if sinks is None else sinks.data_ptr(), moe=moe or _MoeDesc())
         return cls(desc, [*keep, *norms, rope.cos, rope.sin, sinks], dtype)
 
     def runs(self, x: torch.Tensor, tokens: SingleTokens) -> bool:
@@ -176,7 +203,8 @@ class FusedStack:
         self._array = (_P * len(layers))(*[ctypes.addressof(layer.desc) for layer in layers])
         needs = {layer.dtype for layer in layers} - {None}
         self.dtype = needs.pop() if len(needs) == 1 else None
-        self.usable = len(needs) <= 1 and len({layer.desc.hidden for layer in layers}) == 1
+        self.usable = len(needs) <= 1 and len({layer.desc.hidden for layer in layers}) == 1 and all(
+            layer.whole for layer in layers)
         self.hidden = layers[0].desc.hidden
 
     def runs(self, x: torch.Tensor, tokens: SingleTokens) -> bool:

@@ -39,8 +39,20 @@ typedef struct {
     const float *dense_bias;
 } qd_linear_desc;
 
+/* A mixture of experts' feed-forward as qd_route and qd_moe take it: the router's weights (float32
+ * [num_experts][hidden]) and bias (double, or NULL), each expert's gate/up and down, the activation when gate/up
+ * returns [gate | up] (act, limit, alpha: qd_gated's). */
+typedef struct {
+    int num_experts, k, normalize, act;
+    float limit, alpha;
+    const float *router;
+    const double *router_bias;
+    const qd_linear_desc *gate_up, *down;
+} qd_moe_desc;
+
 /* A decoder layer: pre-norm attention and a gated MLP, act(gate) * up (act 0: silu, 1: gelu_tanh, qd_gated's), or
- * attention alone (gate_up.kind 0: a mixture of experts' layer, whose feed-forward the caller runs).
+ * a mixture of experts (gate_up.kind 0, moe.num_experts > 0: qd_route, then qd_moe), or attention alone (gate_up.kind
+ * 0, moe.num_experts 0: a mixture's layer whose feed-forward the caller runs).
  * gate_up either applies SwiGLU itself (gate_up.swiglu, silu only) or returns [gate | up] for qd_gated. Optional
  * parts (NULL: none): q_norm and k_norm, RMSNorm of each q and k head (head_dim weights) before RoPE; post_attn_norm
  * and post_mlp_norm, RMSNorm of the attention's and the MLP's output before its residual add (Gemma's sandwich, in
@@ -54,7 +66,14 @@ typedef struct {
     qd_linear_desc qkv, o, gate_up, down;
     const float *cos, *sin; /* this layer's RoPE tables (layers of one model may differ) */
     const float *sinks;     /* float32 [heads]: a logit per head every softmax also normalizes over (gpt-oss); NULL */
+    qd_moe_desc moe;        /* a mixture of experts' feed-forward (gate_up.kind 0); moe.num_experts 0: the caller's */
 } qd_layer_desc;
+
+int qd_route(const void *x, int bf16, int T, int hidden, const float *w, const double *bias, int num_experts, int k,
+             int normalize, int64_t *experts, float *weights);
+int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_experts, const void *x, int bf16,
+           int T, int hidden, int k, const int64_t *experts, const float *weights, int act, float limit, float alpha,
+           void *out);
 
 static int run_linear(const qd_linear_desc *d, const void *x, int bf16, int M, void *y) {
     if (d->kind == QD_QUANTIZED)
@@ -73,6 +92,11 @@ static __thread struct {
     char *data;
     size_t cap;
 } buffers; /* the layer's intermediate activations, grown as needed and reused */
+
+static __thread struct {
+    int64_t *experts; /* [T][k] expert ids, then [T][k] float weights */
+    size_t cap;
+} routes; /* a mixture's routing, in the fused layer */
 
 #define CHECK(call) do { int rc_ = (call); if (rc_) return rc_; } while (0)
 
@@ -120,7 +144,25 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     CHECK(run_linear(&L->o, att, bf16, T, tmp));
     if (L->post_attn_norm) CHECK(qd_rmsnorm(tmp, bf16, L->post_attn_norm, L->norm_bf16, T, L->hidden, L->eps, tmp));
     add_into(x, tmp, bf16, n_h);
-    if (!L->gate_up.kind) return 0; /* no MLP here: a mixture of experts' layer, whose feed-forward the caller runs */
+    if (!L->gate_up.kind && !L->moe.num_experts) return 0; /* a mixture's layer whose feed-forward the caller runs */
+    if (!L->gate_up.kind) { /* a mixture of experts: the module path's SparseMoE, in the same calls */
+        const qd_moe_desc *m = &L->moe;
+        const size_t pairs = (size_t)T * m->k;
+        if (m->k < 1 || pairs > routes.cap) {
+            int64_t *grown = m->k < 1 ? NULL : realloc(routes.experts, pairs * (sizeof(int64_t) + sizeof(float)));
+            if (!grown) return m->k < 1 ? -2 : -1;
+            routes.experts = grown;
+            routes.cap = pairs;
+        }
+        float *weights = (float *)(routes.experts + pairs);
+        CHECK(qd_rmsnorm(x, bf16, L->post_norm, L->norm_bf16, T, L->hidden, L->eps, h));
+        CHECK(qd_route(h, bf16, T, L->hidden, m->router, m->router_bias, m->num_experts, m->k, m->normalize,
+                       routes.experts, weights));
+        CHECK(qd_moe(m->gate_up, m->down, m->num_experts, h, bf16, T, L->hidden, m->k, routes.experts, weights,
+                     m->act, m->limit, m->alpha, tmp));
+        add_into(x, tmp, bf16, n_h);
+        return 0;
+    }
 
     /* MLP block */
     CHECK(qd_rmsnorm(x, bf16, L->post_norm, L->norm_bf16, T, L->hidden, L->eps, h));
@@ -164,6 +206,11 @@ int qd_decoder_stack(const qd_layer_desc *const *layers, int n, void *x, int bf1
  * Experts nobody chose are not read. The chosen experts are spread over the threads (one kernel call each, on its
  * thread: a decode step's 8 small experts would otherwise pay a fork and join per call); each token then sums its
  * experts' outputs in id order. Returns 0, -1 (out of memory) or -2 (bad arguments). */
+static __thread struct {
+    char *data;
+    size_t cap;
+} moe_buffers; /* qd_moe's gathered rows and outputs: apart from the fused layer's, which hold its input */
+
 int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_experts, const void *x, int bf16,
            int T, int hidden, int k, const int64_t *experts, const float *weights, int act, float limit, float alpha,
            void *out) {
@@ -187,13 +234,13 @@ int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_ex
     const size_t need = (size_t)pairs * ((size_t)hidden * 2 * es + ((size_t)inter + gu_width) * es + sizeof(int) + 4)
                         + (size_t)(num_experts + 1) * sizeof(int) + (size_t)T * sizeof(int)
                         + (size_t)T * hidden * sizeof(float);
-    if (need > buffers.cap) {
-        char *grown = realloc(buffers.data, need);
+    if (need > moe_buffers.cap) {
+        char *grown = realloc(moe_buffers.data, need);
         if (!grown) return -1;
-        buffers.data = grown;
-        buffers.cap = need;
+        moe_buffers.data = grown;
+        moe_buffers.cap = need;
     }
-    char *rows_x = buffers.data;
+    char *rows_x = moe_buffers.data;
     char *h = rows_x + (size_t)pairs * hidden * es;
     char *y = h + (size_t)pairs * inter * es;
     int *row_of = (int *)(y + (size_t)pairs * hidden * es); /* [T][k]: the row of token t's j-th expert (id order) */

@@ -176,7 +176,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sparse = cfg.is_moe_layer(layer)
         # what the fused C layer does not do: OLMoE's whole-q/k norms and clamps; a mixture of experts' layer is fused
-        # up to its attention (its feed-forward runs after, see forward) and never in a FusedStack
+        # with its router and experts where they run in C, else up to its attention (its feed-forward runs after)
         attn = self.self_attn
         self.fusable = not (attn.norm_whole or attn.clip is not None)
         self.mlp = SparseMoE(cfg) if self.sparse else MLP(cfg)
@@ -208,7 +208,8 @@ class DecoderLayer(nn.Module):
             mods.get("post_feedforward_layernorm"), attn.get("q_norm"), attn.get("k_norm")) if m is not None)
         sinks = mods["self_attn"]._parameters.get("sinks")
         key = (attn.get("qkv_proj"), attn["o_proj"], mlp.get("gate_up_proj"), mlp.get("down_proj"), norms,
-               rope.cos.data_ptr(), None if sinks is None else sinks.data_ptr())
+               rope.cos.data_ptr(), None if sinks is None else sinks.data_ptr(),
+               mods["mlp"].fused_key() if self.sparse else None)
         cached = self._fused
         if cached is None or cached[0] != key:
             cached = self._fused = (key, FusedLayer.build(self, rope))
@@ -219,8 +220,8 @@ class DecoderLayer(nn.Module):
         if tokens is not None:
             fused = self.fused(rope)
             if fused is not None and fused.runs(x, tokens):
-                x = fused(x, tokens)  # a mixture's layer: its attention and residual add; then its experts
-                return x + self.mlp(self.post_attention_layernorm(x)) if self.sparse else x
+                x = fused(x, tokens)  # a mixture's layer not fused whole: its attention and residual add
+                return x if fused.whole else x + self.mlp(self.post_attention_layernorm(x))
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, attn))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -286,11 +287,9 @@ class Transformer(nn.Module):
         """The first ``num_layers`` layers as one C call when every one of them is fused (see fused.py), else None;
         rebuilt whenever a layer's fused form was."""
         chosen = list(self.model.layers)[:num_layers]
-        if any(layer.sparse for layer in chosen):  # a mixture's feed-forward runs between its layers' calls
-            return None
         layers = [layer.fused(self.rope_of(layer)) for layer in chosen]
-        if not layers or any(layer is None for layer in layers):
-            return None
+        if not layers or any(layer is None or not layer.whole for layer in layers):
+            return None  # (a mixture's feed-forward not fused runs between its layers' calls)
         stack = self._stacks.get(num_layers)
         if stack is None or any(a is not b for a, b in zip(stack.layers, layers)):
             stack = self._stacks[num_layers] = FusedStack(layers)
