@@ -376,11 +376,19 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
     for (int r = 0; r < TILE; r++) st->dot[r] = acc[r], st->part[r] = part[r], st->tail_shift[r] = tail_shift[r];
 }
 
-/* One tile of every row count for format F, in its own function (a switch over formats of inlined tiles would be
- * one very large function). */
-#define TILES_OF(F, name)                                                                                           \
-    static void name(int rows, const uint8_t *wrow, const uint16_t *szrow, int b0, int b1, int nblk, int ntail,    \
-                     const x_rows *X, int m0, tile_sums *st) {                                                       \
+/* Every format, with the name its functions take. */
+#define FORMATS(X)                                                                                                  \
+    X(QF_INT4, int4) X(QF_INT8, int8) X(QF_Q4_0, q4_0) X(QF_Q4_1, q4_1) X(QF_Q5_0, q5_0) X(QF_Q5_1, q5_1)          \
+    X(QF_Q8_0, q8_0) X(QF_Q4_K, q4_k) X(QF_Q5_K, q5_k) X(QF_Q6_K, q6_k) X(QF_IQ4_NL, iq4_nl) X(QF_IQ4_XS, iq4_xs) \
+    X(QF_Q1_0, q1_0) X(QF_Q2_0, q2_0) X(QF_MXFP4, mxfp4)
+
+/* For format F, in functions of its own (a switch over formats of inlined tiles would be one very large function):
+ * tiles_NAME, one tile of every row count; columns_NAME, the totals of columns n0 .. n1 - 1 of a single row of x (a
+ * decode step's matrix-vector product), each a one-row tile taken whole with its sums kept in registers: the same
+ * operations, so the same bits, as the tile path. */
+#define KERNELS_OF(F, name)                                                                                         \
+    static void tiles_##name(int rows, const uint8_t *wrow, const uint16_t *szrow, int b0, int b1, int nblk,        \
+                             int ntail, const x_rows *X, int m0, tile_sums *st) {                                    \
         switch (rows) {                                                                                             \
         case 8: tile(8, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                     \
         case 7: tile(7, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                     \
@@ -391,42 +399,36 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
         case 2: tile(2, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                     \
         default: tile(1, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                    \
         }                                                                                                           \
+    }                                                                                                               \
+    static void columns_##name(const uint8_t *w, const uint16_t *sz, size_t row_bytes, int full, int nblk,         \
+                               int ntail, const x_rows *X, int n0, int n1, float *total) {                           \
+        for (int n = n0; n < n1; n++) {                                                                             \
+            tile_sums s;                                                                                            \
+            tile(1, F, w + (size_t)n * row_bytes, sz ? sz + (size_t)n * full * 16 : NULL, 0, nblk, nblk, ntail, X, \
+                 0, &s);                                                                                            \
+            total[n - n0] = tile_total(&s, 0);                                                                      \
+        }                                                                                                           \
     }
-TILES_OF(QF_INT4, tiles_int4)
-TILES_OF(QF_INT8, tiles_int8)
-TILES_OF(QF_Q4_0, tiles_q4_0)
-TILES_OF(QF_Q4_1, tiles_q4_1)
-TILES_OF(QF_Q5_0, tiles_q5_0)
-TILES_OF(QF_Q5_1, tiles_q5_1)
-TILES_OF(QF_Q8_0, tiles_q8_0)
-TILES_OF(QF_Q4_K, tiles_q4_k)
-TILES_OF(QF_Q5_K, tiles_q5_k)
-TILES_OF(QF_Q6_K, tiles_q6_k)
-TILES_OF(QF_IQ4_NL, tiles_iq4_nl)
-TILES_OF(QF_IQ4_XS, tiles_iq4_xs)
-TILES_OF(QF_Q1_0, tiles_q1_0)
-TILES_OF(QF_Q2_0, tiles_q2_0)
-TILES_OF(QF_MXFP4, tiles_mxfp4)
+#define DEFINE_KERNELS(F, name) KERNELS_OF(F, name)
+FORMATS(DEFINE_KERNELS)
 
 typedef void (*tiles_fn)(int, const uint8_t *, const uint16_t *, int, int, int, int, const x_rows *, int, tile_sums *);
+typedef void (*columns_fn)(const uint8_t *, const uint16_t *, size_t, int, int, int, const x_rows *, int, int, float *);
 
 static tiles_fn tiles_for(int f) {
     switch (f) {
-    case QF_INT4: return tiles_int4;
-    case QF_INT8: return tiles_int8;
-    case QF_Q4_0: return tiles_q4_0;
-    case QF_Q4_1: return tiles_q4_1;
-    case QF_Q5_0: return tiles_q5_0;
-    case QF_Q5_1: return tiles_q5_1;
-    case QF_Q8_0: return tiles_q8_0;
-    case QF_Q4_K: return tiles_q4_k;
-    case QF_Q5_K: return tiles_q5_k;
-    case QF_Q6_K: return tiles_q6_k;
-    case QF_IQ4_NL: return tiles_iq4_nl;
-    case QF_IQ4_XS: return tiles_iq4_xs;
-    case QF_Q1_0: return tiles_q1_0;
-    case QF_Q2_0: return tiles_q2_0;
-    case QF_MXFP4: return tiles_mxfp4;
+#define TILES_CASE(F, name) case F: return tiles_##name;
+        FORMATS(TILES_CASE)
+#undef TILES_CASE
+    default: return NULL;
+    }
+}
+
+static columns_fn columns_for(int f) {
+    switch (f) {
+#define COLUMNS_CASE(F, name) case F: return columns_##name;
+        FORMATS(COLUMNS_CASE)
+#undef COLUMNS_CASE
     default: return NULL;
     }
 }
@@ -476,6 +478,25 @@ int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, con
         while (task >= first_task[p + 1]) p++;
         const int n0 = (task - first_task[p]) * ROWS_PER_TASK;
         const int n1 = n0 + ROWS_PER_TASK < N[p] ? n0 + ROWS_PER_TASK : N[p];
+        if (M == 1) { /* a decode step: each column's total straight from its tile's registers */
+            const int full = Kpad / BLOCK;
+            float total[2][ROWS_PER_TASK];
+            for (int part = p; part < p + 1 + swiglu; part++) {
+                const int f = fmt[part];
+                columns_for(f)(w[part], qf_padded(f) ? scales_zeros[part] : NULL, qf_row_bytes(f, K, Kpad), full,
+                               qf_padded(f) ? full : K / BLOCK, qf_padded(f) ? 0 : (K % BLOCK) / GROUP, &X, n0, n1,
+                               total[part - p]);
+            }
+            for (int n = n0; n < n1; n++) {
+                float v = total[0][n - n0] + (bias[p] ? bias[p][n] : 0.f);
+                if (swiglu) {
+                    const float up = total[1][n - n0] + (bias[1] ? bias[1][n] : 0.f);
+                    v = v / (1.f + expf(-v)) * up;
+                }
+                st(y, y_bf16, (size_t)offset[p] + n, v);
+            }
+            continue;
+        }
         for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
             const int rows = M - m0 < ROW_TILE ? M - m0 : ROW_TILE;
             tile_sums sums[2][ROWS_PER_TASK]; /* set by the first chunk (b0 = 0) */
