@@ -382,6 +382,26 @@ def test_fused_attention_of_a_mixtures_layer_equals_the_module_path(moe_dir, wei
         assert torch.equal(a, b)
 
 
+def test_a_replaced_router_rebuilds_the_fused_layer(moe_dir, monkeypatch):
+    """A router weight replaced after loading (a new Parameter, other values): the fused layer is rebuilt on it, and
+    the step still gives the module path's bits."""
+    from test_fused import _verify_step
+
+    llm = LLM(str(moe_dir("qwen3_moe")[0]), weights="int8", kv_cache_memory="16MiB")
+    layer = next(layer for layer in llm.model.model.layers if layer.sparse)
+    rope = llm.model.rope_of(layer)
+    before = layer.fused(rope)
+    assert before is not None and before.whole
+    gate = layer.mlp.gate
+    gate.weight = torch.nn.Parameter(torch.flip(gate.weight.detach(), [0]).clone())
+    assert layer.fused(rope) is not before
+    fused, fused_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), True, monkeypatch)
+    modules, _ = _verify_step(llm, prompt(20), prompt(5, seed=3), False, monkeypatch)
+    assert fused_calls == llm.model.config.num_layers
+    for a, b in zip(fused, modules):
+        assert torch.equal(a, b)
+
+
 def test_a_mixture_served_over_http(moe_dir):
     """The OpenAI-compatible server on a quantized mixture with n-gram speculation: the real openai client gets, plain
     and streamed, the text LLM.generate gives."""

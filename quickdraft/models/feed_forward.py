@@ -131,8 +131,9 @@ class SparseMoE(nn.Module):
 
     def fused_key(self) -> tuple:
         """What a fused decoder layer holding this mixture was built on: its experts' C call and its router's
-        weights."""
-        return self.fused(), self.gate.weight, self.gate.bias
+        weights (by storage: a key of tensors would compare their values)."""
+        bias = self.gate.bias
+        return self.fused(), self.gate.weight.data_ptr(), None if bias is None else bias.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Each token's output is the sum of its chosen experts' outputs times their weights, added in float32 in
