@@ -206,25 +206,43 @@ CONCATENATING_TEMPLATE = (
     "[{{ c.function.name }} {{ c.function.arguments }}]{%- endfor %}{%- endif %}{%- endfor %}")
 # a template that prints a null content as "None"
 PRINTING_TEMPLATE = NULL_CONTENT_TEMPLATE.replace("m.content is none", "m.content is none and false")
+# a template that renders the calls only beside a content that is not null: null would drop them
+DROPPING_TEMPLATE = (
+    "{%- for m in messages %}<{{ m.role }}>{%- if m.content is not none %}{{ m.content }}{%- if m.tool_calls %}"
+    "{%- for c in m.tool_calls %}[{{ c.function.name }} {{ c.function.arguments }}]{%- endfor %}{%- endif %}"
+    "{%- endif %}{%- endfor %}")
 
 
-@pytest.mark.parametrize("template, content, rendered", [
-    (NULL_CONTENT_TEMPLATE, None, '<calls>[get_weather {"city": "Paris"}][get.time-2 {}]</calls><out>{"temp": 21}'),
-    (CONCATENATING_TEMPLATE, "", '<assistant>[get_weather {"city": "Paris"}][get.time-2 {}]<user>Tool result'),
-    (PRINTING_TEMPLATE, "", "<assistant><out>"),
+@pytest.mark.parametrize("template, rendered", [
+    (NULL_CONTENT_TEMPLATE, '<calls>[get_weather {"city": "Paris"}][get.time-2 {}]</calls><out>{"temp": 21}'),
+    (CONCATENATING_TEMPLATE, '<assistant>[get_weather {"city": "Paris"}][get.time-2 {}]<user>Tool result'),
+    (PRINTING_TEMPLATE, "<assistant><out>"),
+    (DROPPING_TEMPLATE, '<assistant>[get_weather {"city": "Paris"}][get.time-2 {}]<user>Tool result'),
 ])
-def test_a_calling_messages_null_content_reaches_the_templates_that_take_it(template, content, rendered):
-    """Each template gets what it renders: a null content where it takes one (a probe render, as llama.cpp's
-    template checks do), else an empty string; the calls are never lost and "None" is never printed."""
+def test_a_calling_messages_null_content_reaches_the_templates_that_take_it(template, rendered):
+    """A calling message's empty content goes on as null, as OpenAI's clients send it; the render gives null to a
+    template that takes it (a probe render, as llama.cpp's template checks do: no error, no "None" printed, the
+    call still there) and an empty string to any other. The calls are never lost and "None" is never printed."""
     for sent in (None, ""):
         turns = [{**m, "content": sent} if m.get("tool_calls") else m for m in CONVERSATION]
         messages, _ = prepare_messages(turns, spec(), template)
-        assert messages[2]["content"] == content
+        assert messages[2]["content"] is None
         prompt = render_chat_template(template, messages, tools=[WEATHER])
         assert rendered in prompt and "None" not in prompt
+
+
+@pytest.mark.parametrize("template", [None, GEMMA_TEMPLATE])
+def test_a_null_content_reaches_no_template_that_cannot_take_it(template):
+    """Outside the server too (``LLM.chat``, ``apply_chat_template``): ChatML's concatenation and Gemma's template get
+    an empty string for a calling message's null content (no TypeError, no "None" in the prompt); a null content
+    without calls is refused by name."""
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "user", "content": "y"}]
+    assert "None" not in render_chat_template(template, turns)
     with pytest.raises(ValueError, match=r"messages\[1\]\['content'\] must be a string"):
         render_chat_template(NULL_CONTENT_TEMPLATE, [{"role": "user", "content": "x"},
-                                                     {"role": "assistant", "content": None}])  # no calls: refused
+                                                     {"role": "assistant", "content": None}])
 
 
 def test_smollm2_template_gets_tools_as_text(smollm2):

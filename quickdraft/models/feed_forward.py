@@ -69,20 +69,23 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None  # gpt-oss
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        # the weight and bias these copies are of, and the copies: the weight in float32 (qd_route widens each
-        # value as it reads it: half the bytes of float64), in float64 for torch (elsewhere), the bias in float64
-        self._copied: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._copies: dict[str, torch.Tensor | None] = {}
+        # (the weight, the bias, their copies by name), replaced whole: threads that share the model (run-ahead
+        # self-drafting) read it in one go. The copies: the weight in float32 (qd_route widens each value as it reads
+        # it: half the bytes of float64), in float64 for torch (elsewhere), the bias in float64
+        self._copied: tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor | None]] | None = None
 
     def read_as(self, name: str) -> torch.Tensor | None:
         """The weight ("weight32", "weight64") or bias ("bias64") in the type a path reads, made once per weight."""
-        if self._copied is None or self._copied[0] is not self.weight or self._copied[1] is not self.bias:
-            self._copied, self._copies = (self.weight, self.bias), {}
-        if name not in self._copies:
-            source = self.bias if name == "bias64" else self.weight
-            self._copies[name] = None if source is None else \
+        state = self._copied
+        if state is None or state[0] is not self.weight or state[1] is not self.bias:
+            state = (self.weight, self.bias, {})
+        if name not in state[2]:
+            source = state[1] if name == "bias64" else state[0]
+            copy = None if source is None else \
                 source.detach().to(torch.float32 if name == "weight32" else torch.float64).contiguous()
-        return self._copies[name]
+            state = (state[0], state[1], {**state[2], name: copy})
+        self._copied = state
+        return state[2][name]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, hidden]`` -> (weights ``[T, k]`` float32, experts ``[T, k]`` int64). The logits are summed in

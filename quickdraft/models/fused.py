@@ -94,7 +94,7 @@ def _moe(layer: nn.Module) -> tuple[_MoeDesc, list[object]]:
                     limit=limit, alpha=alpha, router=weight.data_ptr(),
                     router_bias=None if bias is None else bias.data_ptr(),
                     gate_up=ctypes.addressof(experts.gate_up), down=ctypes.addressof(experts.down))
-    return desc, [experts, weight, bias]
+    return desc, [experts, weight, bias, router.weight, router.bias]  # the key's storage stays theirs (fused_key)
 
 
 def _linear(module: nn.Module) -> tuple[_LinearDesc, object] | None:

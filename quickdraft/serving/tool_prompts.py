@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
 from typing import Any
 
-import jinja2
 
 from quickdraft.serving.tools import (
     CLOSE,
@@ -17,7 +15,6 @@ from quickdraft.serving.tools import (
     loads_object,
     must_be,
 )
-from quickdraft.tokenizer.chat import render_chat_template
 
 
 def _client_calls(i: int, calls: Any) -> list[tuple[str | None, str, Any, str]]:
@@ -50,22 +47,6 @@ def _instructions(spec: ToolSpec) -> str:
     return f"# Tools\n\nYou can call these functions:\n<tools>\n{listing}\n</tools>\n\n{how}"
 
 
-@lru_cache(maxsize=32)
-def renders_null_content(template: str, mapping: bool) -> bool:
-    """Whether ``template`` takes a null content in an assistant message that only calls tools (what OpenAI's clients
-    send, and what llama.cpp passes to a template that takes it): DeepSeek-R1's renders the calls only then, while
-    others fail on it, or print "None"."""
-    call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {} if mapping else "{}"}}
-
-    def render(content: str | None) -> str:
-        turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": content, "tool_calls": [call]}]
-        return render_chat_template(template, turns, add_generation_prompt=False)
-    try:
-        return render(None).count("None") <= render("").count("None")
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError, jinja2.TemplateError):
-        return False
-
-
 def prepare_messages(messages: list[dict], spec: ToolSpec | None,
                      template: str | None) -> tuple[list[dict], list[dict] | None]:
     """The messages to render and the ``tools`` to pass to ``template`` (None: none); what the template cannot
@@ -85,8 +66,8 @@ def prepare_messages(messages: list[dict], spec: ToolSpec | None,
         if calls and own_calls:
             m["tool_calls"] = [{"id": c[0] or f"call_{i}_{j}", "type": "function", "function": {
                 "name": c[1], "arguments": c[2] if mapping else c[3]}} for j, c in enumerate(calls)]
-            if not m["content"] and m["role"] == "assistant" and renders_null_content(t, mapping):
-                m["content"] = None
+            if not m["content"] and m["role"] == "assistant":
+                m["content"] = None  # as OpenAI's clients send it: the render gives the template null or ""
         elif calls:
             blocks = [f"{OPEN}\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n{CLOSE}"
                       for _, n, a, _ in calls]

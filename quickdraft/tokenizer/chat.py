@@ -74,7 +74,8 @@ def compile_template(template: str) -> jinja2.Template:
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check `messages` is a non-empty list of dicts with string 'role' and 'content' (an assistant message that
-    calls tools may have a null content, as OpenAI's clients send it: some templates render the calls only then).
+    calls tools may have a null content, as OpenAI's clients send it: a template that takes it gets it, see
+    ``takes_null_content``, any other an empty string).
 
     Returns shallow copies, without the other keys whose value is None, so a template cannot mutate the caller's
     dicts.
@@ -87,7 +88,8 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
-        calls = message.get("role") == "assistant" and bool(message.get("tool_calls"))
+        calls = message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list) and bool(
+            message["tool_calls"])
         for key in ("role", "content"):
             if key not in message:
                 raise ValueError(f"messages[{i}] has no {key!r} key (each message needs 'role' and 'content')")
@@ -101,6 +103,42 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+PROBE_CALL = "quickdraft_probe_call"  # the function the null-content probe calls
+
+
+@lru_cache(maxsize=32)
+def takes_null_content(template: str, object_arguments: bool) -> bool:
+    """Whether ``template`` renders an assistant message that only calls tools with a null content (what OpenAI's
+    clients send, and what llama.cpp passes to a template that takes it): DeepSeek-R1's renders the calls only then.
+    A template that fails on null, prints "None", or drops the call under null does not; it gets "" instead.
+    ``object_arguments``: the calls' arguments are objects (else JSON text), as the template will get them."""
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": PROBE_CALL, "arguments": {} if object_arguments else "{}"}}
+    compiled = compile_template(template)
+
+    def render(content: str | None) -> str:
+        turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": content, "tool_calls": [call]}]
+        return compiled.render(messages=turns, add_generation_prompt=False, tools=None, documents=None)
+    try:
+        with_null, with_empty = render(None), render("")
+    except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RecursionError, jinja2.TemplateError):
+        return False
+    return (with_null.count("None") <= with_empty.count("None")
+            and with_null.count(PROBE_CALL) >= max(1, with_empty.count(PROBE_CALL)))
+
+
+def _fit_null_contents(template: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A calling message's null content as the template takes it: null where it does (``takes_null_content``), else
+    an empty string."""
+    nulls = [m for m in messages if m.get("content") is None]
+    if not nulls:
+        return messages
+    fn = nulls[0]["tool_calls"][0].get("function") if isinstance(nulls[0]["tool_calls"][0], dict) else None
+    if takes_null_content(template, isinstance(fn, dict) and isinstance(fn.get("arguments"), dict)):
+        return messages
+    return [{**m, "content": ""} if m.get("content") is None else m for m in messages]
+
+
 def render_chat_template(
     template: str | None,
     messages: list[dict[str, Any]],
@@ -109,8 +147,9 @@ def render_chat_template(
     **kwargs: Any,
 ) -> str:
     """Render `messages` with `template` (ChatML when None). Extra kwargs (tools, ...) reach the template."""
-    checked = validate_messages(messages)
-    compiled = compile_template(template if template is not None else CHATML_TEMPLATE)
+    source = template if template is not None else CHATML_TEMPLATE
+    checked = _fit_null_contents(source, validate_messages(messages))
+    compiled = compile_template(source)
     variables: dict[str, Any] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
     variables.update(kwargs)
     variables.setdefault("tools", None)
