@@ -148,9 +148,10 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     if (!L->gate_up.kind) { /* a mixture of experts: the module path's SparseMoE, in the same calls */
         const qd_moe_desc *m = &L->moe;
         const size_t pairs = (size_t)T * m->k;
-        if (m->k < 1 || pairs > routes.cap) {
-            int64_t *grown = m->k < 1 ? NULL : realloc(routes.experts, pairs * (sizeof(int64_t) + sizeof(float)));
-            if (!grown) return m->k < 1 ? -2 : -1;
+        if (m->k < 1) return -2;
+        if (pairs > routes.cap) {
+            int64_t *grown = realloc(routes.experts, pairs * (sizeof(int64_t) + sizeof(float)));
+            if (!grown) return -1;
             routes.experts = grown;
             routes.cap = pairs;
         }

@@ -6,15 +6,7 @@ import json
 import re
 from typing import Any
 
-
-from quickdraft.serving.tools import (
-    CLOSE,
-    MAX_CALLS,
-    OPEN,
-    ToolSpec,
-    loads_object,
-    must_be,
-)
+from quickdraft.serving.tools import CLOSE, MAX_CALLS, OPEN, ToolSpec, loads_object, must_be
 
 
 def _client_calls(i: int, calls: Any) -> list[tuple[str | None, str, Any, str]]:
