@@ -3,19 +3,21 @@ bandwidth limit measured in the same run, on random-weight models of real shapes
 
 Usage: python bench/cuda_decode.py [--shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b] [--batches 1,8,32]
          [--tokens 128] [--no-hf] [--device cuda|cpu] [--name cuda_decode] [--quantized int8,int4]
-         [--quantized-shapes qwen2.5-7b]
+         [--quantized-shapes qwen2.5-7b] [--profile]
 Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tokenizer of the shape's vocabulary):
 - the read bandwidth (a device-to-device copy of 1 GiB, bytes read + written per second) and the batch-1 limit it
   gives: bandwidth / bytes of weights a decode step reads;
 - tokens/s of a 32-token prompt and ``--tokens`` greedy tokens (prefill included) at each batch: quickdraft with
   ``static_step="graphs"`` (replayed CUDA graphs), quickdraft ``static_step="off"`` (the dynamic path) at batch 1,
   and HF transformers ``generate`` (eager, its default cache);
-- the cost of a verify pass of 5 tokens against a one-token decode step (batch 1, median of 30 forwards each);
+- the cost of a verify pass of 5 tokens against a one-token decode step (batch 1, median of 30 forwards each), and
+  on a GPU the device's own time for each (its graph replayed back to back): the rest of a step is the host's;
 - n-gram speculation where the prompt repeats itself: tokens/s, tokens per target pass, and whether its tokens equal
   plain greedy's;
 - with ``--quantized int8,int4`` (on ``--quantized-shapes``, default the 7B): the same model with weight-only int8 /
   int4 (group 32) linears on Triton's kernel (``models/triton_linear.py``), batch 1 and the largest batch, against
-  the limit of the bytes they read.
+  the limit of the bytes they read;
+- with ``--profile``: where the host's time goes in a batch-1 answer (cProfile, a text file per shape).
 Random weights say nothing about acceptance; they time the mechanics. ``--device cpu`` runs a small shape as a smoke
 test of this script where there is no GPU. Prints a table per section and writes bench/results/<name>.json.
 """
@@ -145,7 +147,29 @@ def verify_cost(llm: LLM, vocab: int, repeats: int = 30) -> dict:
         out[f"step_{n}_ms"] = 1000 * statistics.median(seconds[3:])
     runner.free(kv)
     out["verify5_over_step"] = out["step_5_ms"] / out["step_1_ms"]
+    if runner.static is not None and runner.static.graphs:  # the device's share of a step, the rest is the host's
+        for n in (1, 5):
+            out[f"graph_{n}_ms"] = 1000 * runner.static.device_seconds(1, n, runner.logit_columns)
     return out
+
+
+def profile_host(llm: LLM, vocab: int, args, name: str) -> None:
+    """Where a batch-1 decode's host time goes: cProfile's 30 costliest functions (by their own time) over a
+    ``--tokens`` answer, written beside the JSON as ``<name>_profile_<shape>.txt``."""
+    import cProfile
+    import io
+    import pstats
+
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(prompts_for(vocab, 1), params)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    path = Path(__file__).resolve().parent / "results" / f"{Path(args.name).name}_profile_{name}.txt"
+    path.write_text(text.getvalue())
+    print(f"{name}: host profile in {path}")
 
 
 def bench_quantized(directory: Path, name: str, args, bandwidth: float, common: dict, mode: str, rows: list[dict],
@@ -202,6 +226,8 @@ def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict],
             rows.append(row)
             print(table([row], list(row)))
             record()
+        if mode == modes[0] and args.profile:
+            profile_host(llm, vocab, args, name)
         if mode == modes[0]:
             cost = verify_cost(llm, vocab)
             plain_tok_s, plain_ids = time_generate(llm, prompts_for(vocab, 1, repeat=True), args.tokens, device)
@@ -236,6 +262,7 @@ def main() -> None:
     ap.add_argument("--name", default="cuda_decode")
     ap.add_argument("--quantized", default="", help="weight-only formats to time too, e.g. int8,int4")
     ap.add_argument("--quantized-shapes", default="qwen2.5-7b", help="the shapes --quantized runs on")
+    ap.add_argument("--profile", action="store_true", help="cProfile a batch-1 answer per shape (host time)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: this benchmark times quickdraft's CUDA path (--device cpu: a smoke test)")
@@ -264,8 +291,8 @@ def main() -> None:
     print(f"\n{card}, {args.tokens} greedy tokens after a {PROMPT_TOKENS}-token prompt, bfloat16\n" + table(
         speed, ["shape", "engine", "batch", "tok_s", "limit_tok_s", "of_limit", "hf_tok_s", "vs_hf", "error"]))
     print("\n" + table([r for r in rows if "kind" in r], ["shape", "engine", "kind", "step_1_ms", "step_5_ms",
-                                                          "verify5_over_step", "tok_s", "speedup", "tok_per_pass",
-                                                          "same"]))
+                                                          "verify5_over_step", "graph_1_ms", "graph_5_ms", "tok_s",
+                                                          "speedup", "tok_per_pass", "same"]))
     print(f"wrote {path}")
 
 

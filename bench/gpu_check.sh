@@ -19,10 +19,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 start=$(date +%s)
 timeout 200 python3 -m pytest -q -rs tests/test_cuda.py tests/test_paged_attention.py tests/test_static_step.py \
-    tests/test_triton_linear.py \
+    tests/test_triton_linear.py tests/test_triton_ops.py \
     2>&1 | tee "$OUT/tests.txt"
 echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
-timeout 350 python3 bench/cuda_decode.py ${1:+--shapes "$1"} --quantized int8,int4 --name gpu_check_decode 2>&1 \
+timeout 350 python3 bench/cuda_decode.py ${1:+--shapes "$1"} --quantized int8,int4 --profile --name gpu_check_decode 2>&1 \
     | tee "$OUT/bench.txt"
-cp bench/results/gpu_check_decode.json "$OUT/" 2>/dev/null
+cp bench/results/gpu_check_decode.json bench/results/gpu_check_decode_profile_*.txt "$OUT/" 2>/dev/null
 echo "total: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"

@@ -116,6 +116,13 @@ def test_greedy_speculation_equals_plain(target, draft, plain_greedy, kind, k):
         assert stats.acceptance_rate > 0.95
 
 
+def test_a_graphs_device_time_is_timed_on_the_scratch_block(plain, plain_greedy):
+    static = plain.target.static
+    assert 0 < static.device_seconds(1, 1, plain.target.logit_columns) < 0.1
+    assert 0 < static.device_seconds(4, 3, plain.target.logit_columns) < 0.1
+    assert [o.token_ids for o in plain.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
+
+
 def test_batch_equals_each_alone(plain, plain_greedy):
     alone = [plain.generate([p], GREEDY)[0].token_ids for p in tiny_prompts(64, 6)]
     assert alone == plain_greedy
@@ -157,6 +164,7 @@ def test_a_steps_decisions_come_back_in_one_copy(target, draft, kind, monkeypatc
     import quickdraft.engine.engine as engine_module
     real = engine_module.decide
     syncs: list[int] = []
+    places: list[list[str]] = []  # where each step waited, for the failure's message
 
     def counting(picked, isolated):
         torch.cuda.synchronize()
@@ -167,7 +175,9 @@ def test_a_steps_decisions_come_back_in_one_copy(target, draft, kind, monkeypatc
                 decided = real(picked, isolated)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        waits = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+        syncs.append(len(waits))
+        places.append(waits)
         return decided
 
     options = {"num_speculative_tokens": 3} | (
@@ -181,26 +191,27 @@ def test_a_steps_decisions_come_back_in_one_copy(target, draft, kind, monkeypatc
     cpu = run("cpu")
     monkeypatch.setattr(engine_module, "decide", counting)
     assert run("cuda") == cpu
-    assert syncs and set(syncs) == {1}, syncs
+    assert syncs and set(syncs) == {1}, [p for p in places if len(p) != 1][:3]
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_weight_only_int8_and_int4_run_on_tritons_kernel(target, weights):
-    """Quantized linears on the GPU run Triton's kernel (no float copy of a weight): inside the graphs, the same
-    tokens as the dynamic path, and greedy n-gram speculation gives plain greedy's tokens."""
+    """Quantized linears on the GPU run Triton's kernel (no float copy of a weight): inside the graphs, the tokens
+    of the same step run eagerly, and greedy n-gram speculation gives plain greedy's tokens. (Against the dynamic
+    path, whose attention is another kernel, a bfloat16 near-tie may flip: seen at token 25 on an H200.)"""
     from quickdraft.models.quant import Int4Linear, Int8Linear
 
     prompts = tiny_prompts(64, 4)
 
     def run(**options) -> tuple[list[list[int]], LLM]:
-        llm = LLM(target, device="cuda", weights=weights, kv_cache_memory=TINY_KV, **options)
+        llm = LLM(target, dtype="float32", device="cuda", weights=weights, kv_cache_memory=TINY_KV, **options)
         return [o.token_ids for o in llm.generate(prompts, GREEDY)], llm
 
     graphs, llm = run()
     layers = [m for m in llm.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
     assert layers and {m.backend for m in layers} == {"triton"}
     assert llm.target.static.replays > 0
-    assert run(static_step="off")[0] == graphs
+    assert run(static_step="eager")[0] == graphs
     assert run(speculative="ngram", num_speculative_tokens=3)[0] == graphs
 
 

@@ -136,6 +136,8 @@ def test_prompt_chunks_take_the_dynamic_path(target):
     assert runner.static.bucket([1] * 17) is None  # more sequences than max_num_seqs: the dynamic path
     assert runner.static.bucket([1, 10]) is None  # more queries than max_speculative_tokens + 1
     assert runner.static.bucket([1, 9, 3]) == Bucket(4, 9)
+    with pytest.raises(ValueError, match="captured graph"):
+        runner.static.device_seconds(1, 1, 64)  # no graphs on a CPU
 
 
 def test_bad_static_step_options_are_refused(target):

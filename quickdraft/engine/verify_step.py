@@ -82,6 +82,9 @@ def _greedy_rows(seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> torch
 
 def _greedy_on_device(items: list[tuple[Sequence, torch.Tensor, Proposal]]) -> list[tuple[Sequence, torch.Tensor]]:
     choices = torch.cat([rows for _, rows, _ in items]).argmax(dim=-1)
+    if not any(proposal.tokens for _, _, proposal in items):  # a decode step: each choice is the next token
+        decided = torch.stack([torch.zeros_like(choices), choices, torch.ones_like(choices)], dim=1)
+        return [(seq, row) for (seq, _, _), row in zip(items, decided)]
     spans, start = [], 0
     for _, rows, _ in items:
         spans.append((start, len(rows)))

@@ -18,7 +18,7 @@ import torch
 
 from quickdraft.errors import InvalidParameterError
 from quickdraft.loading.tensor_file import drop_pages
-from quickdraft.models import native
+from quickdraft.models import native, triton_ops
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
 SCALE_GROUP = native.KV_SCALE_GROUP
@@ -113,6 +113,10 @@ class KVPool:
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores new keys and values ``[T, kv_heads, head_dim]`` (the activations' dtype) at ``slot_mapping``."""
         if not self.quantized:
+            keys, values = self.k[layer], self.v[layer]
+            if triton_ops.runs_kv_write(k, keys) and triton_ops.runs_kv_write(v, values):
+                triton_ops.kv_write(k, v, slot_mapping, keys, values)  # one kernel on a GPU, not two
+                return
             self.k[layer].index_copy_(0, slot_mapping, k)
             self.v[layer].index_copy_(0, slot_mapping, v)
             return

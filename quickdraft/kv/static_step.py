@@ -13,6 +13,7 @@ sequences and padding rows write their keys to a scratch block no sequence owns,
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -213,6 +214,27 @@ class StaticStep:
             out.copy_(self._forward(bucket, inputs, logit_columns))
         inputs.device.copy_(saved)
         return graph, out
+
+    def device_seconds(self, seqs: int, queries: int, logit_columns: int, repeats: int = 50) -> float:
+        """Seconds the GPU takes to run the captured graph of the bucket holding ``seqs`` x ``queries`` (replayed back
+        to back, so the host's launches hide behind the device's work): a step's device time without the host's.
+        The replays write keys to the scratch block only."""
+        bucket = self.bucket([queries] * seqs)
+        if not self.graphs or bucket is None:
+            raise ValueError("device_seconds times a captured graph: graphs=True and a bucket that holds the step")
+        inputs = self._inputs_of(bucket)
+        graph, _ = self._graph(bucket, inputs, logit_columns)
+        saved = inputs.device.clone()
+        inputs.views(inputs.device)["slots"].fill_(self.scratch_slot)
+        graph.replay()
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            graph.replay()
+        torch.cuda.synchronize(self.device)
+        seconds = (time.perf_counter() - start) / repeats
+        inputs.device.copy_(saved)
+        return seconds
 
     def warm_up(self, logit_columns: int) -> None:
         """Capture every bucket now (at load), so that no request waits for a capture."""

@@ -13,7 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from quickdraft.config import ModelConfig
-from quickdraft.models import native
+from quickdraft.models import native, triton_ops
 from quickdraft.models.fused import FusedExperts
 
 
@@ -48,6 +48,8 @@ class MLP(nn.Module):
             gate_up = self.gate_up_proj(x)
             if native.runs_gated(gate_up):  # the kernel the fused layer and qd_moe apply
                 return self.down_proj(native.gated(gate_up, self.act, self.limit or 0.0, self.alpha or 0.0))
+            if triton_ops.runs_gated(gate_up, self.act):  # one kernel on a GPU
+                return self.down_proj(triton_ops.gated(gate_up, self.act))
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

@@ -16,7 +16,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from quickdraft.config import ModelConfig, RopeScaling
-from quickdraft.models import native
+from quickdraft.models import native, triton_ops
 from quickdraft.models.feed_forward import MLP, SparseMoE
 from quickdraft.models.fused import FusedLayer, FusedStack, SingleTokens
 from quickdraft.models.rope import rope_tables
@@ -44,6 +44,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if native.runs_rms_norm(x, self.weight):  # one call instead of ~8 small torch ops
             return native.rms_norm(x, self.weight, self.eps)
+        if triton_ops.runs_rms_norm(x, self.weight):  # one kernel on a GPU
+            return triton_ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
@@ -108,6 +110,9 @@ class RotaryEmbedding(nn.Module):
         if native.runs_rope(x):
             cos, sin = self.tables()
             return native.rope_(x, positions, cos, sin)
+        if triton_ops.runs_rope(x):
+            cos, sin = self.tables()
+            return triton_ops.rope_(x, positions, cos, sin)
         cos, sin = self.rows(positions)
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -228,6 +233,25 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_pending(self, x: torch.Tensor, pending: torch.Tensor | None, rope: RotaryEmbedding, attn: Attention
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` of ``x + pending`` with its residual adds left to the norm after each (one kernel for the
+        two on a GPU): returns ``(x, pending)`` whose sum is the layer's output."""
+        x, h = add_norm(x, pending, self.input_layernorm)
+        out = self.self_attn(h, rope, attn)
+        if self.sandwich:
+            x, h = add_norm(x, self.post_attention_layernorm(out), self.pre_feedforward_layernorm)
+            return x, self.post_feedforward_layernorm(self.mlp(h))
+        x, h = add_norm(x, out, self.post_attention_layernorm)
+        return x, self.mlp(h)
+
+
+def add_norm(x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, norm(s))`` for ``s = x + pending`` (``x`` where nothing is pending), the add and the norm in one kernel."""
+    if pending is None:
+        return x, norm(x)
+    return triton_ops.add_rms_norm(x, pending, norm.weight, norm.eps)
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -260,7 +284,13 @@ class Transformer(nn.Module):
         stack = self.fused_stack(num_layers) if singles is not None else None
         if stack is not None and stack.runs(x, singles):
             return self.model.norm(stack(x, singles))
-        for layer in list(self.model.layers)[:num_layers]:  # slicing a ModuleList builds a new one
+        layers = list(self.model.layers)[:num_layers]  # (slicing a ModuleList builds a new one)
+        if triton_ops.runs_rms_norm(x, self.model.norm.weight):  # a GPU: each residual add joins the norm after it
+            pending = None
+            for layer in layers:
+                x, pending = layer.forward_pending(x, pending, self.rope_of(layer), attn)
+            return add_norm(x, pending, self.model.norm)[1]
+        for layer in layers:
             x = layer(x, self.rope_of(layer), attn)
         return self.model.norm(x)
 

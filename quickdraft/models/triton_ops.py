@@ -1,0 +1,182 @@
+"""A decoder layer's small operations on a GPU, one Triton kernel each: RMSNorm (alone, or with the residual add
+before it), the rotation of q and k, the gated activation, the new keys' and values' write to the cache.
+
+A decode step of a model at batch 1 on a GPU is bound by how many kernels it runs as much as by the bytes it reads:
+a kernel inside a CUDA graph costs a few microseconds however little it does. In torch, a bfloat16 RMSNorm is
+about five kernels (widen x, widen the weight, the norm, the product, the rounding back), the rotation of q and k
+about ten, SiLU-times-up three, the cache write two. One kernel each takes a Qwen2 layer from about thirty kernels
+to about ten.
+
+Each computes in float32 and rounds once to the input's dtype, as the CPU's C kernels do (``native.py``). They run
+on CUDA tensors, and on CPU tensors under Triton's interpreter where a test asks (``KERNEL_ON_CPU``), which is how
+CI checks them against torch's operations without a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from quickdraft.models.triton_linear import triton_available
+
+triton = tl = None  # optional (pip install triton): imported by _kernels, on first use
+
+# Run the kernels on CPU tensors too, under Triton's interpreter (tests set it; see kv/paged_attention.py).
+KERNEL_ON_CPU = False
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the gated activations a kernel applies (gpt-oss's clamped one: torch)
+
+
+def _runs(x: torch.Tensor) -> bool:
+    """A float tensor where the kernels run (the device checked first: the CPU asks on every layer)."""
+    interpreted = KERNEL_ON_CPU and x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return ((x.is_cuda or interpreted) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and triton_available())
+
+
+def _block(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def runs_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _runs(x) and weight.device == x.device and x.numel() > 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, in float32, rounded once to x's dtype."""
+    x = x.contiguous()
+    d = x.shape[-1]
+    y = torch.empty_like(x)
+    _kernels()[0][(x.numel() // d,)](x, weight, y, d, eps, BLOCK=_block(d))
+    return y
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, rms_norm(s))`` for ``s = x + residual`` (rounded to x's dtype, as torch's add rounds it): a layer's
+    residual add and the norm after it in one kernel."""
+    x, residual = x.contiguous(), residual.contiguous()
+    d = x.shape[-1]
+    total, y = torch.empty_like(x), torch.empty_like(x)
+    _kernels()[3][(x.numel() // d,)](x, residual, weight, total, y, d, eps, BLOCK=_block(d))
+    return total, y
+
+
+def runs_kv_write(k: torch.Tensor, cache: torch.Tensor) -> bool:
+    """k: ``[T, kv_heads, D]`` with each row's heads contiguous, the cache ``[slots, kv_heads, D]`` of its dtype."""
+    return (_runs(k) and k.dtype == cache.dtype and k.dim() == 3 and k.shape[0] > 0 and k.stride(2) == 1
+            and k.stride(1) == k.shape[2] and cache.is_contiguous() and cache.shape[1:] == k.shape[1:])
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
+             ) -> None:
+    """``cache_k[slots] = k`` and ``cache_v[slots] = v`` in one kernel (``runs_kv_write`` holds for both)."""
+    width = k.shape[1] * k.shape[2]
+    _kernels()[4][(k.shape[0],)](k, v, slots, cache_k, cache_v, k.stride(0), v.stride(0), width,
+                                 BLOCK=_block(width))
+
+
+def runs_rope(x: torch.Tensor) -> bool:
+    """x: ``[T, heads, D]`` with contiguous heads (a view of a fused q/k/v output is fine)."""
+    return (_runs(x) and x.dim() == 3 and x.shape[0] > 0 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and x.shape[2] % 2 == 0)
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x [T, heads, D]`` in place; ``cos``/``sin``: float32 ``[max_pos, D / 2]``,
+    ``positions``: int64 ``[T]`` (on x's device: nothing is read back, so a CUDA graph can hold it)."""
+    t, heads, d = x.shape
+    _kernels()[1][(t,)](x, positions, cos, sin, x.stride(0), heads, d // 2, BLOCK_H=_block(heads),
+                        BLOCK_D=_block(d // 2))
+    return x
+
+
+def runs_gated(gate_up: torch.Tensor, act: str) -> bool:
+    return _runs(gate_up) and act in ACTIVATIONS and gate_up.shape[-1] % 2 == 0 and gate_up.numel() > 0
+
+
+def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(gate) * up`` of ``gate_up [..., 2N] = [gate | up]``, in float32 and rounded once; ``act``: ``silu`` or
+    ``gelu_tanh`` (torch's ``gelu(approximate="tanh")``)."""
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // (2 * n)
+    y = gate_up.new_empty(*gate_up.shape[:-1], n)
+    block = min(1024, _block(n))
+    _kernels()[2][(rows, -(-n // block))](gate_up, y, n, ACT=ACTIVATIONS[act], BLOCK=block)
+    return y
+
+
+@functools.cache
+def _kernels():
+    """Triton imported and the kernels defined on first use (see kv/paged_attention.py's ``_kernel``)."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < D
+        x = tl.load(x_ptr + row * D + cols, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        tl.store(y_ptr + row * D + cols, (x * inv * w).to(y_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, H, HALF, BLOCK_H: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        inside = (heads < H) & (cols < HALF)
+        position = tl.load(pos_ptr + t)
+        cos = tl.load(cos_ptr + position * HALF + cols, mask=cols < HALF, other=0.0)
+        sin = tl.load(sin_ptr + position * HALF + cols, mask=cols < HALF, other=0.0)
+        first = x_ptr + t * stride_t + heads * (2 * HALF) + cols
+        x1 = tl.load(first, mask=inside, other=0.0).to(tl.float32)
+        x2 = tl.load(first + HALF, mask=inside, other=0.0).to(tl.float32)
+        tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=inside)
+        tl.store(first + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def gated_kernel(x_ptr, y_ptr, N, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < N
+        gate = tl.load(x_ptr + row * 2 * N + cols, mask=inside, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * N + N + cols, mask=inside, other=0.0).to(tl.float32)
+        if ACT == 0:  # silu: gate * sigmoid(gate)
+            a = gate
+        else:  # gelu with tanh's approximation, 0.5 gate (1 + tanh(z)) = gate * sigmoid(2z)
+            a = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
+        e = tl.exp(-tl.abs(a))  # sigmoid without overflow: exp of a value <= 0 only
+        act = gate * tl.where(a >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+        tl.store(y_ptr + row * N + cols, (act * up).to(y_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < D
+        x = tl.load(x_ptr + row * D + cols, mask=inside, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * D + cols, mask=inside, other=0.0).to(tl.float32)
+        total = (x + r).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * D + cols, total, mask=inside)
+        t = total.to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(t * t, axis=0) / D + eps)
+        tl.store(y_ptr + row * D + cols, (t * inv * w).to(y_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def kv_write_kernel(k_ptr, v_ptr, slot_ptr, ck_ptr, cv_ptr, stride_k, stride_v, W, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + t)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < W
+        tl.store(ck_ptr + slot * W + cols, tl.load(k_ptr + t * stride_k + cols, mask=inside), mask=inside)
+        tl.store(cv_ptr + slot * W + cols, tl.load(v_ptr + t * stride_v + cols, mask=inside), mask=inside)
+
+    return rms_norm_kernel, rope_kernel, gated_kernel, add_rms_norm_kernel, kv_write_kernel

@@ -1,0 +1,141 @@
+"""The GPU's one-kernel RMSNorm (alone and after the residual add), q/k rotation, gated activation and cache write
+(models/triton_ops.py), on the CPU under Triton's interpreter (on a GPU where there is one): each must give torch's
+operations' values in float32 and bfloat16, at sizes that are not powers of two, on views of a fused projection's
+output; and a model whose small operations all run on them must give the tokens of the same model on torch's
+operations."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.models import native, triton_ops
+from quickdraft.models.rope import rope_tables
+
+try:
+    from test_speculative import TINY_KV, tiny_prompts
+except ImportError:  # tests/ imported as a package
+    from tests.test_speculative import TINY_KV, tiny_prompts
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+# bfloat16: both round a float32 result once; they may differ by one unit in the last place (2^-8 relative)
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
+
+
+@pytest.fixture(autouse=True)
+def interpreted(monkeypatch):
+    monkeypatch.setattr(triton_ops, "KERNEL_ON_CPU", True)
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 576), (5, 64), (3, 100)])
+def test_rms_norm_equals_torch(rows, dim, dtype):
+    x, w = randn(rows, dim, dtype=dtype), randn(dim, dtype=dtype, seed=1)
+    assert triton_ops.runs_rms_norm(x, w)
+    want = F.rms_norm(x.float(), (dim,), w.float(), 1e-6).to(dtype)
+    got = triton_ops.rms_norm(x, w, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_rounds_the_sum_as_torchs_add(dtype):
+    x, r, w = randn(3, 100, dtype=dtype), randn(3, 100, dtype=dtype, seed=1), randn(100, dtype=dtype, seed=2)
+    total, normed = triton_ops.add_rms_norm(x, r, w, 1e-5)
+    if dtype == torch.float32 or DEVICE == "cuda":
+        assert torch.equal(total, x + r)
+    else:  # Triton's interpreter rounds float32 to bfloat16 toward zero; a GPU to nearest, as torch does
+        torch.testing.assert_close(total, x + r, **TOLERANCE[dtype])
+    torch.testing.assert_close(normed, F.rms_norm((x + r).float(), (100,), w.float(), 1e-5).to(dtype),
+                               **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_write_stores_the_rows_of_a_fused_output_at_their_slots(dtype):
+    tokens, kv_heads, dim = 4, 3, 32
+    qkv = randn(tokens, 5 * kv_heads * dim, dtype=dtype)  # q of 3 kv_heads' width, then k, then v
+    k = qkv[:, 3 * kv_heads * dim:4 * kv_heads * dim].reshape(tokens, kv_heads, dim)
+    v = qkv[:, 4 * kv_heads * dim:].reshape(tokens, kv_heads, dim)
+    cache_k, cache_v = (torch.zeros(20, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(2))
+    slots = torch.tensor([7, 0, 19, 8], device=DEVICE)
+    assert triton_ops.runs_kv_write(k, cache_k) and triton_ops.runs_kv_write(v, cache_v)
+    triton_ops.kv_write(k, v, slots, cache_k, cache_v)
+    assert torch.equal(cache_k[slots], k) and torch.equal(cache_v[slots], v)
+    untouched = [i for i in range(20) if i not in slots.tolist()]
+    assert not cache_k[untouched].any() and not cache_v[untouched].any()
+    assert not triton_ops.runs_kv_write(k, cache_k.to(torch.int8))  # an int8 cache quantizes on its own path
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 32), (3, 1, 48)])
+def test_rope_rotates_q_and_k_in_place_inside_a_fused_output(heads, kv_heads, dim, dtype):
+    """x is the q/k part of a q/k/v projection's output (rows longer than the heads rotated); v stays as it was."""
+    tokens = 5
+    qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    before = qkv.clone()
+    qk = qkv[:, :(heads + kv_heads) * dim].reshape(tokens, heads + kv_heads, dim)
+    positions = torch.tensor([0, 7, 3, 200, 31], device=DEVICE)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(dim, 10000.0, None, 256))
+    assert triton_ops.runs_rope(qk)
+    x1, x2 = before[:, :(heads + kv_heads) * dim].reshape(tokens, heads + kv_heads, dim).float().chunk(2, dim=-1)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(dtype)
+    assert triton_ops.rope_(qk, positions, cos, sin) is qk
+    torch.testing.assert_close(qk, want, **TOLERANCE[dtype])
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], before[:, (heads + kv_heads) * dim:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows,width", [(1, 1536), (4, 100), (2, 3000)])
+def test_gated_equals_torch(rows, width, act, dtype):
+    gate_up = randn(rows, 2 * width, dtype=dtype) * 3  # reach where silu and gelu bend
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = ((F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up).to(dtype)
+    assert triton_ops.runs_gated(gate_up, act)
+    torch.testing.assert_close(triton_ops.gated(gate_up, act), want, **TOLERANCE[dtype])
+
+
+def test_what_the_kernels_do_not_take():
+    x = torch.randn(2, 8, device=DEVICE)
+    assert not triton_ops.runs_gated(x, "clamped_swiglu")  # gpt-oss's activation stays torch's
+    assert not triton_ops.runs_rope(torch.randn(2, 3, 8, device=DEVICE)[:, :, :4])  # heads not contiguous
+    assert not triton_ops.runs_rms_norm(x.to(torch.int8), torch.ones(8, device=DEVICE))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every model runs these kernels (tests/test_cuda.py)")
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_model_on_the_kernels_gives_torchs_tokens(tiny_dir, arch, monkeypatch):
+    """The CPU's own C kernels turned off, a model runs its norms, residual adds, rotations, activations and cache
+    writes on these kernels (as on a GPU) or on torch's operations: the same greedy tokens, float32."""
+    model = str(tiny_dir(arch=arch, vocab_size=64))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = tiny_prompts(64, 3)
+    for name in ("runs_rms_norm", "runs_rope", "runs_gated"):
+        monkeypatch.setattr(native, name, lambda *args: False)
+    calls = []
+    names = ("rms_norm", "add_rms_norm", "rope_", "gated", "kv_write")
+    for name in names:
+        real = getattr(triton_ops, name)
+        monkeypatch.setattr(triton_ops, name, lambda *args, real=real, name=name: calls.append(name) or real(*args))
+
+    def run() -> list[list[int]]:
+        llm = LLM(model, dtype="float32", kv_cache_memory=TINY_KV)
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+    on_kernels = run()
+    assert set(calls) == set(names)
+    monkeypatch.setattr(triton_ops, "KERNEL_ON_CPU", False)
+    calls.clear()
+    assert run() == on_kernels and not calls
