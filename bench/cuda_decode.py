@@ -17,7 +17,7 @@ Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tok
 - with ``--quantized int8,int4`` (on ``--quantized-shapes``, default the 7B): the same model with weight-only int8 /
   int4 (group 32) linears on Triton's kernel (``models/triton_linear.py``), batch 1 and the largest batch, against
   the limit of the bytes they read;
-- with ``--profile``: where the host's time goes in a batch-1 answer (cProfile, a text file per shape).
+- with ``--profile``: where the host's time goes at the smallest and largest batch (cProfile, a file per shape).
 Random weights say nothing about acceptance; they time the mechanics. ``--device cpu`` runs a small shape as a smoke
 test of this script where there is no GPU. Prints a table per section and writes bench/results/<name>.json.
 """
@@ -153,20 +153,22 @@ def verify_cost(llm: LLM, vocab: int, repeats: int = 30) -> dict:
     return out
 
 
-def profile_host(llm: LLM, vocab: int, args, name: str) -> None:
-    """Where a batch-1 decode's host time goes: cProfile's 30 costliest functions (by their own time) over a
-    ``--tokens`` answer, written beside the JSON as ``<name>_profile_<shape>.txt``."""
+def profile_host(llm: LLM, vocab: int, args, name: str, batches: list[int]) -> None:
+    """Where a decode's host time goes at the smallest and largest batch: cProfile's 30 costliest functions (by their
+    own time) over ``--tokens`` answers, written beside the JSON as ``<name>_profile_<shape>.txt``."""
     import cProfile
     import io
     import pstats
 
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    llm.generate(prompts_for(vocab, 1), params)
-    profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    for batch in sorted({batches[0], batches[-1]}):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        llm.generate(prompts_for(vocab, batch), params)
+        profiler.disable()
+        text.write(f"batch {batch}\n")
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
     path = Path(__file__).resolve().parent / "results" / f"{Path(args.name).name}_profile_{name}.txt"
     path.write_text(text.getvalue())
     print(f"{name}: host profile in {path}")
@@ -227,7 +229,7 @@ def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict],
             print(table([row], list(row)))
             record()
         if mode == modes[0] and args.profile:
-            profile_host(llm, vocab, args, name)
+            profile_host(llm, vocab, args, name, batches)
         if mode == modes[0]:
             cost = verify_cost(llm, vocab)
             plain_tok_s, plain_ids = time_generate(llm, prompts_for(vocab, 1, repeat=True), args.tokens, device)
