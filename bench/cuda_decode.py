@@ -17,7 +17,8 @@ Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tok
 - with ``--quantized int8,int4`` (on ``--quantized-shapes``, default the 7B): the same model with weight-only int8 /
   int4 (group 32) linears on Triton's kernel (``models/triton_linear.py``), batch 1 and the largest batch, against
   the limit of the bytes they read;
-- with ``--profile``: where the host's time goes at the smallest and largest batch (cProfile, a file per shape).
+- with ``--profile``: where the host's time goes at the smallest and largest batch, and under n-gram drafting
+  (cProfile, a file each).
 Random weights say nothing about acceptance; they time the mechanics. ``--device cpu`` runs a small shape as a smoke
 test of this script where there is no GPU. Prints a table per section and writes bench/results/<name>.json.
 """
@@ -153,7 +154,7 @@ def verify_cost(llm: LLM, vocab: int, repeats: int = 30) -> dict:
     return out
 
 
-def profile_host(llm: LLM, vocab: int, args, name: str, batches: list[int]) -> None:
+def profile_host(llm: LLM, vocab: int, args, name: str, batches: list[int], repeat: bool = False) -> None:
     """Where a decode's host time goes at the smallest and largest batch: cProfile's 30 costliest functions (by their
     own time) over ``--tokens`` answers, written beside the JSON as ``<name>_profile_<shape>.txt``."""
     import cProfile
@@ -165,7 +166,7 @@ def profile_host(llm: LLM, vocab: int, args, name: str, batches: list[int]) -> N
     for batch in sorted({batches[0], batches[-1]}):
         profiler = cProfile.Profile()
         profiler.enable()
-        llm.generate(prompts_for(vocab, batch), params)
+        llm.generate(prompts_for(vocab, batch, repeat), params)
         profiler.disable()
         text.write(f"batch {batch}\n")
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
@@ -238,6 +239,8 @@ def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict],
             gc.collect()
             ngram = LLM(str(directory), static_step=mode, speculative="ngram", **common)
             tok_s, ids = time_generate(ngram, prompts_for(vocab, 1, repeat=True), args.tokens, device)
+            if args.profile:
+                profile_host(ngram, vocab, args, f"{name}_ngram", [1], repeat=True)
             stats = ngram.spec_stats
             rows.append(dict(shape=name, engine=f"quickdraft {mode} n-gram", batch=1, kind="repeating prompt",
                              tok_s=tok_s, plain_tok_s=plain_tok_s, speedup=tok_s / plain_tok_s,

@@ -215,6 +215,7 @@ class StaticStep:
         inputs.device.copy_(saved)
         return graph, out
 
+    @torch.inference_mode()  # the buffers are inference tensors
     def device_seconds(self, seqs: int, queries: int, logit_columns: int, repeats: int = 50) -> float:
         """Seconds the GPU takes to run the captured graph of the bucket holding ``seqs`` x ``queries`` (replayed back
         to back, so the host's launches hide behind the device's work): a step's device time without the host's.
