@@ -117,9 +117,21 @@ def test_greedy_speculation_equals_plain(target, draft, plain_greedy, kind, k):
 
 
 def test_a_graphs_device_time_is_timed_on_the_scratch_block(plain, plain_greedy):
-    static = plain.target.static
-    assert 0 < static.device_seconds(1, 1, plain.target.logit_columns) < 0.1
-    assert 0 < static.device_seconds(4, 3, plain.target.logit_columns) < 0.1
+    """Timing a bucket's graph between a live sequence's steps leaves every block but the scratch one as it was."""
+    runner, static = plain.target, plain.target.static
+    kv = SequenceKV()
+    runner.forward([ForwardItem(kv, tiny_prompts(64, 1)[0], 1)])
+    runner.forward([ForwardItem(kv, [3], 1)])
+    before = {name: plane.clone() for name, plane in runner.pool.planes.items()}
+    assert 0 < static.device_seconds(1, 1, runner.logit_columns) < 0.1
+    assert 0 < static.device_seconds(4, 3, runner.logit_columns) < 0.1
+    scratch = slice(static.scratch_slot, static.scratch_slot + runner.block_size)
+    with torch.inference_mode():  # (the pool may hold inference tensors)
+        for name, plane in runner.pool.planes.items():
+            after = plane.clone()
+            after[:, scratch], before[name][:, scratch] = 0, 0
+            assert torch.equal(after, before[name]), name
+    runner.free(kv)
     assert [o.token_ids for o in plain.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
 
 

@@ -12,12 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.models import native, triton_ops
+from quickdraft.models import native, transformer, triton_ops
 from quickdraft.models.rope import rope_tables
 
 try:
+    from test_families import family_dir, prompt as family_prompt  # noqa: F401 (a fixture)
+    from test_moe import moe_dir  # noqa: F401 (a fixture)
+    from test_parity import our_logits
     from test_speculative import TINY_KV, tiny_prompts
 except ImportError:  # tests/ imported as a package
+    from tests.test_families import family_dir, prompt as family_prompt  # noqa: F401
+    from tests.test_moe import moe_dir  # noqa: F401
+    from tests.test_parity import our_logits
     from tests.test_speculative import TINY_KV, tiny_prompts
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -68,9 +74,10 @@ def test_kv_write_stores_the_rows_of_a_fused_output_at_their_slots(dtype):
     k = qkv[:, 3 * kv_heads * dim:4 * kv_heads * dim].reshape(tokens, kv_heads, dim)
     v = qkv[:, 4 * kv_heads * dim:].reshape(tokens, kv_heads, dim)
     cache_k, cache_v = (torch.zeros(20, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(2))
-    slots = torch.tensor([7, 0, 19, 8], device=DEVICE)
+    slots = torch.tensor([7, 0, 19, 8], device=DEVICE, dtype=torch.int32)  # int32 slots widen in the kernel
     assert triton_ops.runs_kv_write(k, cache_k) and triton_ops.runs_kv_write(v, cache_v)
     triton_ops.kv_write(k, v, slots, cache_k, cache_v)
+    slots = slots.long()
     assert torch.equal(cache_k[slots], k) and torch.equal(cache_v[slots], v)
     untouched = [i for i in range(20) if i not in slots.tolist()]
     assert not cache_k[untouched].any() and not cache_v[untouched].any()
@@ -112,18 +119,35 @@ def test_what_the_kernels_do_not_take():
     assert not triton_ops.runs_gated(x, "clamped_swiglu")  # gpt-oss's activation stays torch's
     assert not triton_ops.runs_rope(torch.randn(2, 3, 8, device=DEVICE)[:, :, :4])  # heads not contiguous
     assert not triton_ops.runs_rms_norm(x.to(torch.int8), torch.ones(8, device=DEVICE))
+    assert not triton_ops.runs_rms_norm(x, torch.ones(16, device=DEVICE)[::2])  # a weight the kernel cannot index
+    assert not triton_ops.runs_rms_norm(x, torch.ones(4, device=DEVICE))
+
+
+def cpu_kernels_off(monkeypatch) -> None:
+    """The CPU's own C kernels and fused C layers off: a model runs its layers module by module, as on a GPU."""
+    for name in ("runs_rms_norm", "runs_rope", "runs_gated"):
+        monkeypatch.setattr(native, name, lambda *args: False)
+    monkeypatch.setattr(transformer.DecoderLayer, "fused", lambda self, rope: None)
+
+
+def perturb_norms(model: torch.nn.Module) -> None:
+    """Norm weights away from 1, as trained ones are (a norm swapped for another must change the tokens)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every model runs these kernels (tests/test_cuda.py)")
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_a_model_on_the_kernels_gives_torchs_tokens(tiny_dir, arch, monkeypatch):
-    """The CPU's own C kernels turned off, a model runs its norms, residual adds, rotations, activations and cache
-    writes on these kernels (as on a GPU) or on torch's operations: the same greedy tokens, float32."""
+    """A model runs its norms, residual adds, rotations, activations and cache writes on these kernels (as on a GPU)
+    or on torch's operations, prompt and decode steps alike: the same greedy tokens, float32."""
     model = str(tiny_dir(arch=arch, vocab_size=64))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = tiny_prompts(64, 3)
-    for name in ("runs_rms_norm", "runs_rope", "runs_gated"):
-        monkeypatch.setattr(native, name, lambda *args: False)
+    cpu_kernels_off(monkeypatch)
     calls = []
     names = ("rms_norm", "add_rms_norm", "rope_", "gated", "kv_write")
     for name in names:
@@ -132,10 +156,32 @@ def test_a_model_on_the_kernels_gives_torchs_tokens(tiny_dir, arch, monkeypatch)
 
     def run() -> list[list[int]]:
         llm = LLM(model, dtype="float32", kv_cache_memory=TINY_KV)
+        perturb_norms(llm.model)
         return [o.token_ids for o in llm.generate(prompts, params)]
 
     on_kernels = run()
     assert set(calls) == set(names)
+    assert calls.count("rope_") >= 2 * 12  # 2 layers, q and k in one call, every forward: decode steps too
     monkeypatch.setattr(triton_ops, "KERNEL_ON_CPU", False)
     calls.clear()
     assert run() == on_kernels and not calls
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every model runs these kernels (tests/test_cuda.py)")
+@pytest.mark.parametrize("kind,name", [("dense", n) for n in ("qwen3", "gemma3", "mistral")] +
+                         [("moe", n) for n in ("qwen3_moe", "mixtral", "olmoe")])
+def test_every_layer_kind_on_the_kernels_gives_torchs_logits(family_dir, moe_dir, kind, name, monkeypatch):
+    """Per-head q/k norms (Qwen3), sandwich norms, GeGLU and an embedding multiplier (Gemma 3), a window (Mistral),
+    mixtures with a dense layer among them, whole q/k norms and clamps (OLMoE): a prompt's logits on the kernels are
+    torch's (float32, within 1e-5)."""
+    path, _ = (family_dir if kind == "dense" else moe_dir)(name)
+    cpu_kernels_off(monkeypatch)
+    pending = []
+    real = transformer.DecoderLayer.forward_pending
+    monkeypatch.setattr(transformer.DecoderLayer, "forward_pending", lambda self, *a: pending.append(1) or real(self, *a))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=TINY_KV)
+    ids = family_prompt(40)
+    on_kernels = our_logits(llm, ids)
+    assert pending
+    monkeypatch.setattr(triton_ops, "KERNEL_ON_CPU", False)
+    assert (on_kernels - our_logits(llm, ids)).abs().max().item() < 1e-5

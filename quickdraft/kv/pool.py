@@ -117,8 +117,8 @@ class KVPool:
             if triton_ops.runs_kv_write(k, keys) and triton_ops.runs_kv_write(v, values):
                 triton_ops.kv_write(k, v, slot_mapping, keys, values)  # one kernel on a GPU, not two
                 return
-            self.k[layer].index_copy_(0, slot_mapping, k)
-            self.v[layer].index_copy_(0, slot_mapping, v)
+            keys.index_copy_(0, slot_mapping, k)
+            values.index_copy_(0, slot_mapping, v)
             return
         for x, values, scales in ((k, self.k[layer], self.k_scale[layer]), (v, self.v[layer], self.v_scale[layer])):
             if native.runs_kv_store(x, values):

@@ -250,6 +250,9 @@ def add_norm(x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm) -> tu
     """``(s, norm(s))`` for ``s = x + pending`` (``x`` where nothing is pending), the add and the norm in one kernel."""
     if pending is None:
         return x, norm(x)
+    if not triton_ops.runs_rms_norm(x, norm.weight):
+        x = x + pending
+        return x, norm(x)
     return triton_ops.add_rms_norm(x, pending, norm.weight, norm.eps)
 
 

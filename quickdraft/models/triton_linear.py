@@ -28,7 +28,9 @@ triton = tl = None  # optional (pip install triton): imported by _kernel, on fir
 KERNEL_ON_CPU = False
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Triton is installed (asked once: the GPU's layers ask on every call)."""
     return importlib.util.find_spec("triton") is not None
 
 

@@ -40,7 +40,8 @@ def _block(n: int) -> int:
 
 
 def runs_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return _runs(x) and weight.device == x.device and x.numel() > 0
+    return (_runs(x) and weight.device == x.device and weight.is_contiguous() and weight.numel() == x.shape[-1]
+            and x.numel() > 0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -132,7 +133,7 @@ def _kernels():
         heads = tl.arange(0, BLOCK_H)[:, None]
         cols = tl.arange(0, BLOCK_D)[None, :]
         inside = (heads < H) & (cols < HALF)
-        position = tl.load(pos_ptr + t)
+        position = tl.load(pos_ptr + t).to(tl.int64)
         cos = tl.load(cos_ptr + position * HALF + cols, mask=cols < HALF, other=0.0)
         sin = tl.load(sin_ptr + position * HALF + cols, mask=cols < HALF, other=0.0)
         first = x_ptr + t * stride_t + heads * (2 * HALF) + cols
@@ -173,7 +174,7 @@ def _kernels():
     @triton.jit
     def kv_write_kernel(k_ptr, v_ptr, slot_ptr, ck_ptr, cv_ptr, stride_k, stride_v, W, BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_ptr + t)
+        slot = tl.load(slot_ptr + t).to(tl.int64)  # int32 slots too: slot * W must not wrap
         cols = tl.arange(0, BLOCK)
         inside = cols < W
         tl.store(ck_ptr + slot * W + cols, tl.load(k_ptr + t * stride_k + cols, mask=inside), mask=inside)
