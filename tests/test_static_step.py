@@ -64,7 +64,7 @@ MIXED = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
 @pytest.mark.parametrize("drafter", [None, "ngram", "draft"])
 def test_the_gpu_step_on_the_cpu_gives_the_cpu_steps_tokens(target, drafter, monkeypatch):
     """A GPU's whole step on the CPU: the static forward, then every decision made where the logits are (greedy
-    choices in one batched comparison, penalties and bias as torch ops, seeded sampling from uniforms drawn ahead).
+    choices from one argmax, penalties and bias as torch ops, seeded sampling from uniforms drawn ahead).
     One batch mixes raw greedy, transformed greedy and seeded sampling; it must give the CPU step's tokens."""
     options = {} if drafter is None else {"num_speculative_tokens": 3} | (
         {"draft": target} if drafter == "draft" else {"speculative": drafter})

@@ -14,7 +14,7 @@ from scipy import stats
 
 from quickdraft.sampling import LogitsProcessor, SamplingParams, make_generator
 from quickdraft.sampling.sampler import draw
-from quickdraft.speculative.verify import (draw_uniforms, verify_greedy, verify_greedy_batch, verify_sampled,
+from quickdraft.speculative.verify import (draw_uniforms, verify_greedy, verify_sampled,
                                            verify_sampled_batch, verify_with_uniforms)
 
 V = 6
@@ -291,29 +291,6 @@ def test_verify_greedy():
     assert verify_greedy(torch.tensor([1, 2]), torch.tensor([1])) == (1, 2)
     with pytest.raises(ValueError):
         verify_greedy([1, 2], [1, 2])
-
-
-def test_verify_greedy_batch_equals_one_at_a_time():
-    """The batched device form: sequences with different draft counts (none, one, several) in one comparison."""
-    g = torch.Generator().manual_seed(3)
-    for _ in range(200):
-        counts = torch.randint(0, 5, (int(torch.randint(1, 6, (), generator=g)),), generator=g).tolist()
-        rows = [torch.randint(0, 4, (k + 1,), generator=g) for k in counts]
-        # drafts equal to the choices up to a random point, so every acceptance count occurs
-        drafts = []
-        for r, k in zip(rows, counts):
-            d = r[:k].clone()
-            cut = int(torch.randint(0, k + 1, (), generator=g))
-            d[cut:] = torch.randint(0, 4, (k - cut,), generator=g)
-            drafts.append(d.tolist())
-        spans, start = [], 0
-        for r in rows:
-            spans.append((start, len(r)))
-            start += len(r)
-        accepted, token = verify_greedy_batch(torch.cat(rows), spans, drafts)
-        assert list(zip(accepted.tolist(), token.tolist())) == [verify_greedy(r, d) for r, d in zip(rows, drafts)]
-    with pytest.raises(ValueError):
-        verify_greedy_batch(torch.tensor([1, 2]), [(0, 2)], [[1, 2]])
 
 
 def test_verification_from_uniforms_is_the_generators():

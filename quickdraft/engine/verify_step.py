@@ -3,10 +3,11 @@
 On the CPU a greedy sequence is decided on the host as its rows are read (quickdraft's argmax kernel reads a
 150k-wide row faster than torch's). Everywhere else, and for every sampled sequence, the decision is made where the
 logits are, with nothing read back until the end of the step: greedy choices come from one argmax over the rows of
-every greedy sequence and one batched comparison with their drafts; a sampled sequence's transforms, acceptance test
-and residual draw run as torch ops on uniforms its generator drew on the host beforehand (in the order plain
-verification consumes them, so a seeded request gives the same tokens on any device). The decisions of the whole
-step come to the host in one copy.
+every greedy sequence; a sampled sequence's transforms, acceptance test and residual draw run as torch ops on
+uniforms its generator drew on the host beforehand (in the order plain verification consumes them, so a seeded
+request gives the same tokens on any device). The choices and the sampled decisions of the whole step come to the
+host in one copy; there a greedy sequence's choices are compared with its drafts (a few ints: on the device that
+comparison was a dozen small kernels a step).
 """
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ import torch
 from quickdraft.engine.sequence import Sequence
 from quickdraft.sampling.sampler import NOT_A_DISTRIBUTION, greedy, to_device
 from quickdraft.speculative.drafters import Proposal
-from quickdraft.speculative.verify import (draw_uniforms, verify_greedy, verify_greedy_batch,
-                                           verify_with_uniforms)
+from quickdraft.speculative.verify import draw_uniforms, verify_greedy, verify_with_uniforms
 
 # Runs one sequence's part of the step, ending that sequence alone if it raises (LLMEngine._isolated).
 Isolated = Callable[..., Any]
@@ -46,8 +46,6 @@ def decide(picked: list[tuple[Sequence, torch.Tensor, Proposal]], isolated: Isol
             choice_rows = isolated(seq, _greedy_rows, seq, rows, proposal)
             if choice_rows is not None:
                 greedy_rows.append((seq, choice_rows, proposal))
-    if greedy_rows:
-        on_device += _greedy_on_device(greedy_rows)
     if sampled:
         # every sampled sequence's uniforms, drawn from its own generator, reach the device in one copy
         counts = [len(proposal.tokens) + 1 for _, _, proposal in sampled]
@@ -58,9 +56,18 @@ def decide(picked: list[tuple[Sequence, torch.Tensor, Proposal]], isolated: Isol
             result = isolated(seq, _sampled, seq, rows, proposal, u)
             if result is not None:
                 on_device.append((seq, result))
-    if on_device:
-        values = torch.stack([t for _, t in on_device]).tolist()  # the one copy back
-        for (seq, _), (accepted, token, valid) in zip(on_device, values):
+    if greedy_rows or on_device:
+        # the one copy back: every greedy row's choice (compared with its drafts on the host, a few ints each), then
+        # every sampled sequence's three values
+        parts = [torch.cat([rows for _, rows, _ in greedy_rows]).argmax(dim=-1)] if greedy_rows else []
+        parts += [torch.stack([t for _, t in on_device]).reshape(-1)] if on_device else []
+        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        start = 0
+        for seq, rows, proposal in greedy_rows:
+            decided[id(seq)] = verify_greedy(values[start:start + len(rows)], proposal.tokens)
+            start += len(rows)
+        for (seq, _), at in zip(on_device, range(start, len(values), 3)):
+            accepted, token, valid = values[at:at + 3]
             if valid:
                 decided[id(seq)] = (accepted, token)
             else:
@@ -74,24 +81,10 @@ def _greedy_on_host(seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> tu
 
 
 def _greedy_rows(seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> torch.Tensor:
-    """The rows a greedy sequence's choices are the argmax of (checked here: the batched comparison serves the whole
-    step, and one sequence's bad shape must end that sequence alone)."""
+    """The rows a greedy sequence's choices are the argmax of (checked here: one argmax serves the whole step, and one
+    sequence's bad shape must end that sequence alone)."""
     _check_rows(rows, proposal.tokens)
     return rows if seq.processor.greedy_on_raw_logits else seq.processor.process(rows, proposal.tokens)
-
-
-def _greedy_on_device(items: list[tuple[Sequence, torch.Tensor, Proposal]]) -> list[tuple[Sequence, torch.Tensor]]:
-    choices = torch.cat([rows for _, rows, _ in items]).argmax(dim=-1)
-    if not any(proposal.tokens for _, _, proposal in items):  # a decode step: each choice is the next token
-        decided = torch.stack([torch.zeros_like(choices), choices, torch.ones_like(choices)], dim=1)
-        return [(seq, row) for (seq, _, _), row in zip(items, decided)]
-    spans, start = [], 0
-    for _, rows, _ in items:
-        spans.append((start, len(rows)))
-        start += len(rows)
-    accepted, token = verify_greedy_batch(choices, spans, [proposal.tokens for _, _, proposal in items])
-    decided = torch.stack([accepted, token, torch.ones_like(token)], dim=1)
-    return [(seq, row) for (seq, _, _), row in zip(items, decided)]
 
 
 def _sampled(seq: Sequence, rows: torch.Tensor, proposal: Proposal, uniforms: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quickdraft.sampling.sampler import NOT_A_DISTRIBUTION, draw, to_device
+from quickdraft.sampling.sampler import NOT_A_DISTRIBUTION, draw
 
 
 def _as_list(x: Sequence[int] | Tensor) -> list[int]:
@@ -38,28 +38,6 @@ def verify_greedy(target_argmax: Sequence[int] | Tensor, drafts: Sequence[int] |
     while n < len(d) and d[n] == t[n]:
         n += 1
     return n, t[n]
-
-
-def verify_greedy_batch(choices: Tensor, spans: Sequence[tuple[int, int]], drafts: Sequence[Sequence[int]]
-                        ) -> tuple[Tensor, Tensor]:
-    """:func:`verify_greedy` for a batch, on the choices' device, with nothing read back to the host.
-
-    choices: [R] the target's choice per logits row of the whole step; spans: (start, rows) of each sequence's rows
-    in it; drafts: each sequence's drafted ids (rows - 1 of them). Returns (num_accepted [B], next_token [B]).
-    The gather index and the padded drafts go to the device in one copy.
-    """
-    if len(spans) != len(drafts) or any(rows != len(d) + 1 for (_, rows), d in zip(spans, drafts)):
-        raise ValueError("each sequence needs len(drafts) + 1 choice rows")
-    width = max(len(d) for d in drafts) + 1 if drafts else 1
-    packed = torch.full((2, len(spans), width), -1, dtype=torch.long)
-    for b, ((start, rows), d) in enumerate(zip(spans, drafts)):
-        packed[0, b] = torch.arange(start, start + width).clamp(max=start + rows - 1)
-        packed[1, b, :len(d)] = torch.tensor([int(t) for t in d], dtype=torch.long)
-    index, padded = to_device(packed, choices.device).unbind(0)
-    picked = choices[index]  # [B, width]: row b's choices, its last one repeated past its rows
-    # a padding draft (-1) never equals a choice, so acceptance stops at each sequence's own k
-    num_accepted = (picked[:, :-1] == padded[:, :-1]).long().cumprod(dim=-1).sum(dim=-1)
-    return num_accepted, picked.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
 
 
 def draw_uniforms(generator: torch.Generator | None, batch: int, k: int) -> Tensor:
