@@ -104,7 +104,10 @@ class SpeculationController:
         seeded = [self.seeded_cost is not None and s.params.seed is not None for s in seqs]
         forecast = forecast or [None] * len(seqs)
         acceptance = [s.spec.acceptance if f is None else f for s, f in zip(seqs, forecast)]
-        own = [self._best_alone(a, self.seeded_cost if fixed else self.cost) for a, fixed in zip(acceptance, seeded)]
+        passes = {id(c): [c.target(1 + k) for k in range(self.max_k + 1)] for c in (self.cost, self.seeded_cost) if c}
+        own = [self._best_alone(a, self.seeded_cost if fixed else self.cost,
+                                passes[id(self.seeded_cost if fixed else self.cost)])
+               for a, fixed in zip(acceptance, seeded)]
         held = set()  # sequences kept from drafting by their catch-up: no probing either
         if catch_up is not None and remaining is not None and not self.draft_is_free:
             for i, s in enumerate(seqs):
@@ -171,11 +174,15 @@ class SpeculationController:
         spec = (plain + self.cost.target(batch + k) - step + k * self.cost.draft(1)) / expected_tokens(acceptance, k)
         return remaining * (plain - spec) > self.catch_up_margin * self._catch_up_cost(self.cost, catch_up)
 
-    def _best_alone(self, acceptance: float, cost: CostModel) -> int:
-        """The k this sequence would use on its own (batch of one)."""
+    def _best_alone(self, acceptance: float, cost: CostModel, passes: list[float] | None = None) -> int:
+        """The k this sequence would use on its own (batch of one); ``passes[k]``: cost.target(1 + k) (``choose``
+        prices them once per step for all of its sequences)."""
+        passes = passes or [cost.target(1 + k) for k in range(self.max_k + 1)]
+
         def rate(k: int) -> float:
-            steps = sum(1.0 - self._drafted_ahead(cost, acceptance, k, s) for s in range(k))
-            seconds = cost.target(1 + k) + (0.0 if self.draft_is_free else steps * cost.draft(1))
+            seconds = passes[k]
+            if not self.draft_is_free:
+                seconds += cost.draft(1) * sum(1.0 - self._drafted_ahead(cost, acceptance, k, s) for s in range(k))
             return expected_tokens(acceptance, k) / seconds if seconds > 0 else 0.0
 
         best, best_rate = 1, rate(1)
