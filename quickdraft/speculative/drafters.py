@@ -11,11 +11,11 @@ import contextlib
 import hashlib
 import struct
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-import numpy as np
 import torch
 
 from quickdraft.kv import ForwardItem, ModelRunner, OutOfBlocks, SequenceKV
@@ -155,6 +155,59 @@ class Drafter:
         return None
 
 
+class NgramIndex:
+    """Where each n-gram of a growing token list last occurred: the index that followed it, per n-gram size.
+
+    Each token is taken in once, as the list grows, so a lookup costs the same at any context length, where a scan of
+    the whole context every step grows with it (a sequence's step, every step). The lookup is the scan's: the latest
+    earlier occurrence of the list's last n tokens, largest n first. A list changed other than by growing is read
+    again from its start; a stale entry could only make a worse draft, never a wrong token (drafts are verified).
+    It holds a few hundred bytes a token, beside the tens of kilobytes a token of even a small model's KV cache."""
+
+    def __init__(self, min_ngram: int, max_ngram: int) -> None:
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.follow: list[dict[int, int]] = [{} for _ in range(max_ngram + 1)]  # [n]: key of n tokens -> index after
+        self.tokens: list[int] | None = None
+        self.seen, self.last = 0, -1
+
+    @staticmethod
+    def _key(tokens: list[int], end: int, n: int) -> int:
+        """The n tokens before ``end`` as one int (exact: 32 bits each, ids are below 2^32)."""
+        key = 0
+        for t in tokens[end - n:end]:
+            key = (key << 32) | t
+        return key
+
+    def update(self, tokens: list[int]) -> None:
+        if tokens is not self.tokens or len(tokens) < self.seen or (self.seen and tokens[self.seen - 1] != self.last):
+            self.follow = [{} for _ in range(self.max_ngram + 1)]
+            self.tokens, self.seen = tokens, 0
+        for i in range(max(self.seen, 1), len(tokens)):  # i follows the n-grams that end at i - 1
+            key = 0
+            for n in range(1, min(self.max_ngram, i) + 1):
+                key |= tokens[i - n] << (32 * (n - 1))
+                if n >= self.min_ngram:
+                    self.follow[n][key] = i
+        self.seen, self.last = len(tokens), tokens[-1] if tokens else -1
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """What followed the latest earlier occurrence of ``tokens``' last n tokens (up to k of them)."""
+        self.update(tokens)
+        if k <= 0:
+            return []
+        end = len(tokens)
+        key = 0
+        found = None
+        for n in range(1, min(self.max_ngram, end - 1) + 1):  # smallest n first: each key extends the last
+            key |= tokens[end - n] << (32 * (n - 1))
+            if n >= self.min_ngram:
+                follow = self.follow[n].get(key)
+                if follow is None:
+                    break  # no longer n-gram can occur where this one did not
+                found = follow
+        return [] if found is None else tokens[found:found + k]
+
+
 class NgramDrafter(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the last n tokens and propose what followed."""
 
@@ -164,22 +217,21 @@ class NgramDrafter(Drafter):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
-        if k <= 0:
-            return []
-        arr = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.max_ngram, len(arr) - 1), self.min_ngram - 1, -1):
-            pattern = arr[-n:]
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-            starts = np.flatnonzero((windows == pattern).all(axis=1))
-            if len(starts):
-                follow = starts[-1] + n
-                return arr[follow:follow + k].tolist()
-        return []
+        self._indexes: dict[int, NgramIndex] = {}  # id(sequence) -> its index, dropped by release()
 
     def propose(self, seqs: Sequence[DraftableSequence], ks: Sequence[int]) -> list[Proposal]:
-        return [Proposal(self.lookup(s.token_ids, k)) for s, k in zip(seqs, ks)]
+        return [Proposal(self._index(s).lookup(s.token_ids, k)) for s, k in zip(seqs, ks)]
+
+    def _index(self, seq: DraftableSequence) -> NgramIndex:
+        index = self._indexes.get(id(seq))
+        if index is None:
+            index = self._indexes[id(seq)] = NgramIndex(self.min_ngram, self.max_ngram)
+            with contextlib.suppress(TypeError):  # gone with its sequence, if release() never comes
+                weakref.finalize(seq, self._indexes.pop, id(seq), None)
+        return index
+
+    def release(self, seq: DraftableSequence) -> None:
+        self._indexes.pop(id(seq), None)
 
 
 class ModelDrafter(Drafter):
