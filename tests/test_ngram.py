@@ -1,6 +1,7 @@
 """N-gram (prompt lookup) drafting's index (speculative/drafters.py): as a sequence grows, its lookup must give what
 a scan of the whole context gives (the latest earlier occurrence of the last n tokens, largest n first), whatever the
-n-gram sizes; a list replaced or cut is read again; a sequence's index goes with release() or with the sequence."""
+n-gram sizes; a list replaced or cut is read again; a sequence's index goes with release() or with the sequence.
+And a cap of no drafts decodes plainly."""
 from __future__ import annotations
 
 import gc
@@ -8,7 +9,13 @@ import random
 
 import pytest
 
+from quickdraft import LLM, SamplingParams
 from quickdraft.speculative.drafters import NgramDrafter, NgramIndex
+
+try:
+    from test_speculative import TINY_KV, tiny_prompts
+except ImportError:  # tests/ imported as a package
+    from tests.test_speculative import TINY_KV, tiny_prompts
 
 
 def scan(tokens: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
@@ -65,3 +72,14 @@ def test_a_sequences_index_goes_with_release_or_with_the_sequence():
     del b
     gc.collect()
     assert not drafter._indexes
+
+
+def test_speculation_capped_at_no_drafts_decodes_plainly(tiny_dir):
+    """``max_speculative_tokens=0`` with k chosen per step: no drafts (and no probes), the plain tokens."""
+    model = str(tiny_dir(arch="qwen2", vocab_size=64))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = tiny_prompts(64, 2)
+    plain = [o.token_ids for o in LLM(model, dtype="float32", kv_cache_memory=TINY_KV).generate(prompts, params)]
+    capped = LLM(model, dtype="float32", kv_cache_memory=TINY_KV, speculative="ngram", max_speculative_tokens=0)
+    assert [o.token_ids for o in capped.generate(prompts, params)] == plain
+    assert capped.spec_stats.draft_tokens == 0

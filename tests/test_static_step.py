@@ -65,16 +65,18 @@ MIXED = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
 def test_the_gpu_step_on_the_cpu_gives_the_cpu_steps_tokens(target, drafter, monkeypatch):
     """A GPU's whole step on the CPU: the static forward, then every decision made where the logits are (greedy
     choices from one argmax, penalties and bias as torch ops, seeded sampling from uniforms drawn ahead).
-    One batch mixes raw greedy, transformed greedy and seeded sampling; it must give the CPU step's tokens."""
+    One batch mixes raw greedy, transformed greedy and seeded sampling; it must give the CPU step's tokens, and
+    (k fixed) accept the same drafts."""
     options = {} if drafter is None else {"num_speculative_tokens": 3} | (
         {"draft": target} if drafter == "draft" else {"speculative": drafter})
     prompts = tiny_prompts(64, len(MIXED))
 
-    def run(**step) -> list[list[int]]:
+    def run(**step) -> tuple[list[list[int]], tuple[int, int, int]]:
         llm = LLM(target, dtype="float32", kv_cache_memory=TINY_KV, **options, **step)
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, MIXED)]
-        assert drafter is None or llm.spec_stats.accepted_tokens > 0
-        return out
+        stats = llm.spec_stats
+        assert drafter is None or stats.accepted_tokens > 0
+        return out, (stats.rounds, stats.draft_tokens, stats.accepted_tokens)
 
     cpu = run()
     monkeypatch.setattr(verify_step, "CPU_GREEDY_ON_HOST", False)

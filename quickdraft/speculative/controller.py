@@ -129,7 +129,8 @@ class SpeculationController:
                 s.spec.rounds_off += 1
                 cost = self.seeded_cost if seeded[i] else self.cost
                 lag = catch_up[i] if catch_up is not None else 0
-                if s.spec.rounds_off >= self.probe_every and self._probe_pays(cost, lag, s.spec.rounds_off):
+                if (self.max_k >= 1 and s.spec.rounds_off >= self.probe_every
+                        and self._probe_pays(cost, lag, s.spec.rounds_off)):
                     s.spec.rounds_off = 0
                     best_ks[i] = 1
             else:
@@ -177,6 +178,8 @@ class SpeculationController:
     def _best_alone(self, acceptance: float, cost: CostModel, passes: list[float] | None = None) -> int:
         """The k this sequence would use on its own (batch of one); ``passes[k]``: cost.target(1 + k) (``choose``
         prices them once per step for all of its sequences)."""
+        if self.max_k < 1:  # drafting capped at nothing
+            return 0
         passes = passes or [cost.target(1 + k) for k in range(self.max_k + 1)]
 
         def rate(k: int) -> float:

@@ -160,8 +160,10 @@ class NgramIndex:
 
     Each token is taken in once, as the list grows, so a lookup costs the same at any context length, where a scan of
     the whole context every step grows with it (a sequence's step, every step). The lookup is the scan's: the latest
-    earlier occurrence of the list's last n tokens, largest n first. A list changed other than by growing is read
-    again from its start; a stale entry could only make a worse draft, never a wrong token (drafts are verified).
+    earlier occurrence of the list's last n tokens, largest n first. A list replaced or cut is read again from its
+    start; a token changed in place is not noticed (a sequence's tokens only grow), and a stale entry could only make
+    a worse draft, never a wrong token (drafts are verified). Token ids are ints in [0, 2^32): a key packs n of them
+    into one int, 32 bits each.
     It holds a few hundred bytes a token, beside the tens of kilobytes a token of even a small model's KV cache."""
 
     def __init__(self, min_ngram: int, max_ngram: int) -> None:
@@ -169,14 +171,6 @@ class NgramIndex:
         self.follow: list[dict[int, int]] = [{} for _ in range(max_ngram + 1)]  # [n]: key of n tokens -> index after
         self.tokens: list[int] | None = None
         self.seen, self.last = 0, -1
-
-    @staticmethod
-    def _key(tokens: list[int], end: int, n: int) -> int:
-        """The n tokens before ``end`` as one int (exact: 32 bits each, ids are below 2^32)."""
-        key = 0
-        for t in tokens[end - n:end]:
-            key = (key << 32) | t
-        return key
 
     def update(self, tokens: list[int]) -> None:
         if tokens is not self.tokens or len(tokens) < self.seen or (self.seen and tokens[self.seen - 1] != self.last):
