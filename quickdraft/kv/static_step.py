@@ -13,7 +13,9 @@ sequences and padding rows write their keys to a scratch block no sequence owns,
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -194,26 +196,34 @@ class StaticStep:
         """Warm the bucket up on a side stream (kernel compiles, cuBLAS workspaces), then capture it. The forwards
         of warm-up and capture write the packed inputs' slots; the packed inputs of the current step are restored
         after, so capturing inside a step changes nothing."""
-        saved = inputs.device.clone()
-        views = inputs.views(inputs.device)
-        views["slots"].fill_(self.scratch_slot)  # warm-up and capture write only the scratch block
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            warm = self._forward(bucket, inputs, logit_columns)
-            width = warm.shape[1]  # the head's rows: a draft's may be cut to fewer than its vocabulary
-            if self._logits is None or self._logits.shape[0] < bucket.rows or self._logits.shape[1] != width:
-                largest = Bucket(self.seq_sizes[-1], self.query_sizes[-1]).rows
-                self._logits = torch.empty(max(largest, bucket.rows), width, device=self.device)
-            out = self._logits[:bucket.rows]
-            out.copy_(warm)
-            out.copy_(self._forward(bucket, inputs, logit_columns))
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            out.copy_(self._forward(bucket, inputs, logit_columns))
-        inputs.device.copy_(saved)
+        with self._on_scratch(inputs):  # warm-up and capture write only the scratch block
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                warm = self._forward(bucket, inputs, logit_columns)
+                width = warm.shape[1]  # the head's rows: a draft's may be cut to fewer than its vocabulary
+                if self._logits is None or self._logits.shape[0] < bucket.rows or self._logits.shape[1] != width:
+                    largest = Bucket(self.seq_sizes[-1], self.query_sizes[-1]).rows
+                    self._logits = torch.empty(max(largest, bucket.rows), width, device=self.device)
+                out = self._logits[:bucket.rows]
+                out.copy_(warm)
+                out.copy_(self._forward(bucket, inputs, logit_columns))
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                out.copy_(self._forward(bucket, inputs, logit_columns))
         return graph, out
+
+    @contextlib.contextmanager
+    def _on_scratch(self, inputs: _Inputs) -> Iterator[None]:
+        """Inside, the bucket's packed inputs send every key to the scratch block; after, they are the current step's
+        again (a capture or a timing inside a step changes nothing)."""
+        saved = inputs.device.clone()
+        inputs.views(inputs.device)["slots"].fill_(self.scratch_slot)
+        try:
+            yield
+        finally:
+            inputs.device.copy_(saved)
 
     @torch.inference_mode()  # the buffers are inference tensors
     def device_seconds(self, seqs: int, queries: int, logit_columns: int, repeats: int = 50) -> float:
@@ -225,17 +235,14 @@ class StaticStep:
             raise ValueError("device_seconds times a captured graph: graphs=True and a bucket that holds the step")
         inputs = self._inputs_of(bucket)
         graph, _ = self._graph(bucket, inputs, logit_columns)
-        saved = inputs.device.clone()
-        inputs.views(inputs.device)["slots"].fill_(self.scratch_slot)
-        graph.replay()
-        torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        for _ in range(repeats):
+        with self._on_scratch(inputs):
             graph.replay()
-        torch.cuda.synchronize(self.device)
-        seconds = (time.perf_counter() - start) / repeats
-        inputs.device.copy_(saved)
-        return seconds
+            torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                graph.replay()
+            torch.cuda.synchronize(self.device)
+            return (time.perf_counter() - start) / repeats
 
     def warm_up(self, logit_columns: int) -> None:
         """Capture every bucket now (at load), so that no request waits for a capture."""

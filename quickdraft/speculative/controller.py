@@ -104,10 +104,9 @@ class SpeculationController:
         seeded = [self.seeded_cost is not None and s.params.seed is not None for s in seqs]
         forecast = forecast or [None] * len(seqs)
         acceptance = [s.spec.acceptance if f is None else f for s, f in zip(seqs, forecast)]
-        passes = {id(c): [c.target(1 + k) for k in range(self.max_k + 1)] for c in (self.cost, self.seeded_cost) if c}
-        own = [self._best_alone(a, self.seeded_cost if fixed else self.cost,
-                                passes[id(self.seeded_cost if fixed else self.cost)])
-               for a, fixed in zip(acceptance, seeded)]
+        costs = [self.seeded_cost if fixed else self.cost for fixed in seeded]
+        passes = {id(c): [c.target(1 + k) for k in range(self.max_k + 1)] for c in costs}  # priced once a step
+        own = [self._best_alone(a, c, passes[id(c)]) for a, c in zip(acceptance, costs)]
         held = set()  # sequences kept from drafting by their catch-up: no probing either
         if catch_up is not None and remaining is not None and not self.draft_is_free:
             for i, s in enumerate(seqs):
@@ -127,10 +126,9 @@ class SpeculationController:
         for i, s in enumerate(seqs):
             if own[i] == 0 and i not in held and forecast[i] is None:
                 s.spec.rounds_off += 1
-                cost = self.seeded_cost if seeded[i] else self.cost
                 lag = catch_up[i] if catch_up is not None else 0
                 if (self.max_k >= 1 and s.spec.rounds_off >= self.probe_every
-                        and self._probe_pays(cost, lag, s.spec.rounds_off)):
+                        and self._probe_pays(costs[i], lag, s.spec.rounds_off)):
                     s.spec.rounds_off = 0
                     best_ks[i] = 1
             else:
