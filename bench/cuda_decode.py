@@ -2,8 +2,8 @@
 bandwidth limit measured in the same run, on random-weight models of real shapes that this script builds itself.
 
 Usage: python bench/cuda_decode.py [--shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b] [--batches 1,8,32]
-         [--tokens 128] [--no-hf] [--device cuda|cpu] [--name cuda_decode] [--quantized int8,int4]
-         [--quantized-shapes qwen2.5-7b] [--profile]
+         [--tokens 128] [--no-hf] [--hf-batches 1] [--device cuda|cpu] [--name cuda_decode] [--quantized int8,int4]
+         [--quantized-shapes qwen2.5-7b] [--profile] [--kernels]
 Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tokenizer of the shape's vocabulary):
 - the read bandwidth (a device-to-device copy of 1 GiB, bytes read + written per second) and the batch-1 limit it
   gives: bandwidth / bytes of weights a decode step reads;
@@ -17,8 +17,11 @@ Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tok
 - with ``--quantized int8,int4`` (on ``--quantized-shapes``, default the 7B): the same model with weight-only int8 /
   int4 (group 32) linears on Triton's kernel (``models/triton_linear.py``), batch 1 and the largest batch, against
   the limit of the bytes they read;
+- the same graphs with launch-ahead off (``engine/launch_ahead.py``): each step's tokens read before the next step
+  is launched, as before launch-ahead;
 - with ``--profile``: where the host's time goes at the smallest and largest batch, and under n-gram drafting
-  (cProfile, a file each).
+  (cProfile, a file each);
+- with ``--kernels``: the kernels of a batch-1 decode step and the device time of each (torch.profiler).
 Random weights say nothing about acceptance; they time the mechanics. ``--device cpu`` runs a small shape as a smoke
 test of this script where there is no GPU. Prints a table per section and writes bench/results/<name>.json.
 """
@@ -154,6 +157,42 @@ def verify_cost(llm: LLM, vocab: int, repeats: int = 30) -> dict:
     return out
 
 
+def kernel_profile(llm: LLM, name: str, args, steps: int = 20) -> dict:
+    """Which kernels a batch-1 decode step runs and for how long each (torch.profiler's device times): the static
+    step's forward run eagerly on its own buffers (the graph's kernels, without the graph), ``steps`` times after a
+    prompt. Written as ``<name>_kernels_<shape>.txt``; returns the kernels and their time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = llm.loaded.engine.target
+    kv = SequenceKV()
+    runner.forward([ForwardItem(kv, prompts_for(SHAPES[name]["vocab_size"], 1)[0], 1)])
+    graphs, runner.static.graphs = runner.static.graphs, False
+    try:
+        runner.forward([ForwardItem(kv, [1], 1)])  # warm: the eager forward's first call
+        on_gpu = runner.device.type == "cuda"  # the CPU (a smoke test): its operators' own times
+        with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                runner.forward([ForwardItem(kv, [1], 1)])
+    finally:
+        runner.static.graphs = graphs
+        runner.free(kv)
+    kernels = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0)) if on_gpu \
+            else event.self_cpu_time_total
+        if device_us > 0:
+            kernels.append(dict(kernel=event.key[:90], per_step=event.count / steps, us_per_step=device_us / steps))
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    total = sum(k["us_per_step"] for k in kernels)
+    text = table(kernels[:25], ["kernel", "per_step", "us_per_step"])
+    summary = (f"{name}: {sum(k['per_step'] for k in kernels):.0f} kernels a batch-1 decode step, {total:.0f} us of "
+               f"device time in kernels (the graph's step adds the gaps between them)")
+    path = Path(__file__).resolve().parent / "results" / f"{Path(args.name).name}_kernels_{name}.txt"
+    path.write_text(summary + "\n" + text + "\n")
+    print(summary + "\n" + text)
+    return dict(kernels_per_step=sum(k["per_step"] for k in kernels), kernel_us_per_step=total, top=kernels[:8])
+
+
 def profile_host(llm: LLM, vocab: int, args, name: str, batches: list[int], repeat: bool = False) -> None:
     """Where a decode's host time goes at the smallest and largest batch: cProfile's 30 costliest functions (by their
     own time) over ``--tokens`` answers, written beside the JSON as ``<name>_profile_<shape>.txt``."""
@@ -206,7 +245,7 @@ def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict],
     print(f"{name}: built in {time.perf_counter() - t0:.0f} s")
     hf = {}
     if args.hf:
-        for batch in batches:
+        for batch in [int(b) for b in args.hf_batches.split(",")] if args.hf_batches else batches:
             hf[batch] = time_hf(hf_model, prompts_for(vocab, batch), args.tokens, device)
     del hf_model
     gc.collect()
@@ -216,7 +255,8 @@ def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict],
     modes = ["graphs", "off"] if device == "cuda" else ["eager", "off"]
     for mode in modes:
         t0 = time.perf_counter()
-        llm = LLM(str(directory), static_step=mode, **common)
+        # launch-ahead is on by itself where graphs run; the CPU's smoke test asks for it on the eager step
+        llm = LLM(str(directory), static_step=mode, launch_ahead="on" if mode == "eager" else "auto", **common)
         load_s = time.perf_counter() - t0
         step_bytes = step_weight_bytes(llm.model)
         limit = bandwidth / step_bytes
@@ -229,8 +269,21 @@ def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict],
             rows.append(row)
             print(table([row], list(row)))
             record()
+        if mode == modes[0] and llm.loaded.engine.ahead.enabled:  # the same graphs, each step read before the next
+            llm.loaded.engine.ahead.enabled = False
+            for batch in batches:
+                tok_s, _ = time_generate(llm, prompts_for(vocab, batch), args.tokens, device)
+                rows.append(dict(shape=name, engine=f"quickdraft {mode}, no launch-ahead", batch=batch, tok_s=tok_s,
+                                 limit_tok_s=limit if batch == 1 else None, of_limit=tok_s / limit if batch == 1 else None))
+                print(table([rows[-1]], list(rows[-1])))
+            llm.loaded.engine.ahead.enabled = True
+            record()
         if mode == modes[0] and args.profile:
             profile_host(llm, vocab, args, name, batches)
+        if mode == modes[0] and args.kernels and llm.loaded.engine.target.static is not None:
+            rows.append(dict(shape=name, engine=f"quickdraft {mode}", batch=1, kind="kernels",
+                             **kernel_profile(llm, name, args)))
+            record()
         if mode == modes[0]:
             cost = verify_cost(llm, vocab)
             plain_tok_s, plain_ids = time_generate(llm, prompts_for(vocab, 1, repeat=True), args.tokens, device)
@@ -263,11 +316,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF transformers' baseline")
+    ap.add_argument("--hf-batches", default=None, help="the batches HF transformers runs at (default: --batches)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script where there is no GPU")
     ap.add_argument("--name", default="cuda_decode")
     ap.add_argument("--quantized", default="", help="weight-only formats to time too, e.g. int8,int4")
     ap.add_argument("--quantized-shapes", default="qwen2.5-7b", help="the shapes --quantized runs on")
     ap.add_argument("--profile", action="store_true", help="cProfile a batch-1 answer per shape (host time)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="torch.profiler's kernels of a batch-1 decode step per shape (device time)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: this benchmark times quickdraft's CUDA path (--device cpu: a smoke test)")

@@ -85,6 +85,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-step", default="auto", choices=["auto", "graphs", "eager", "off"],
                    help="how decode steps and verify passes run (default auto: CUDA graphs on a GPU, captured at load; "
                         "eager: the same static step without graphs; off: the dynamic path)")
+    p.add_argument("--launch-ahead", default="auto", choices=["auto", "on", "off"],
+                   help="queue the next decode step before reading this one's tokens (default auto: where CUDA graphs "
+                        "run; on: also with --static-step eager)")
 
 
 def _int_or(word: str, means: object) -> Callable[[str], int | object]:
@@ -107,7 +110,7 @@ def llm_options(args: argparse.Namespace, **extra) -> dict:
                 max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads,
                 kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, max_memory=args.max_memory,
                 suffix_scope=args.suffix_scope, suffix_cache_tokens=args.suffix_cache_tokens,
-                static_step=args.static_step, **extra)
+                static_step=args.static_step, launch_ahead=args.launch_ahead, **extra)
 
 
 def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):

@@ -55,7 +55,10 @@ class LLM:
         no effect with n-gram lookup or without speculation.
         ``static_step``: how decode steps and verify passes run: ``'auto'`` (CUDA graphs on a GPU, the dynamic path
         elsewhere), ``'graphs'``, ``'eager'`` (the graph-ready step without graphs: static buffers and the paged
-        attention of ``kv/paged_attention.py``, on any device) or ``'off'``."""
+        attention of ``kv/paged_attention.py``, on any device) or ``'off'``.
+        ``launch_ahead``: ``'auto'`` (where CUDA graphs run), ``'on'`` (with a static step) or ``'off'``: a plain
+        decode step is queued before the previous one's tokens are read, so the host's work between steps overlaps
+        the device's (``engine/launch_ahead.py``); the tokens do not change."""
         try:
             opts = EngineOptions(**options)
         except TypeError as exc:

@@ -341,3 +341,48 @@ def test_a_draft_steps_tokens_come_back_in_one_copy():
             torch.cuda.set_sync_debug_mode("default")
     assert sum("synchroniz" in str(w.message) for w in caught) == 1
     assert tokens == draft_tokens(logits.cpu(), uniforms)[0]
+
+
+LAUNCH_AHEAD_PARAMS = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+                       SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+                       SamplingParams(max_tokens=30, temperature=0.8, top_k=20, min_p=0.05, seed=5, ignore_eos=True),
+                       SamplingParams(max_tokens=19, temperature=1.1, top_p=0.8, seed=6, ignore_eos=True),
+                       SamplingParams(max_tokens=30, temperature=0.0, n=2, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_launch_ahead_gives_the_same_tokens(target, dtype):
+    """Replayed graphs launch each decode step before the previous one's tokens are read (on by default): greedy and
+    seeded sampling, sequences ending at different steps, give the tokens of the same graphs without it."""
+    prompts = tiny_prompts(64, len(LAUNCH_AHEAD_PARAMS))
+    runs = {}
+    for ahead in ("auto", "off"):
+        llm = LLM(target, dtype=dtype, device="cuda", kv_cache_memory=TINY_KV, launch_ahead=ahead)
+        runs[ahead] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, LAUNCH_AHEAD_PARAMS)]
+        assert (llm.loaded.engine.ahead.launches > 0) == (ahead == "auto")
+    assert runs["auto"] == runs["off"]
+
+
+def test_a_step_is_read_while_the_next_runs(plain, plain_greedy, monkeypatch):
+    """The point of launching ahead: each step's tokens reach the host while the device still runs the next step.
+    The next forward is held back on the device (a sleep kernel queued before it); every commit of a step whose
+    successor was launched must find the device still busy, and the tokens must not change."""
+    engine = plain.loaded.engine
+    runner = engine.target
+    forward, commit = runner.forward, engine._commit
+    busy: list[bool] = []
+
+    def slow_forward(items, device_tokens=None, wait=True):
+        if device_tokens is not None:
+            torch.cuda._sleep(20_000_000)  # about 10 ms of the device's time before the launched step
+        return forward(items, device_tokens, wait)
+
+    def watching_commit(seq, rows, proposal, accepted, token, cached_ahead=0):
+        if cached_ahead:
+            busy.append(not torch.cuda.current_stream().query())
+        return commit(seq, rows, proposal, accepted, token, cached_ahead)
+
+    monkeypatch.setattr(runner, "forward", slow_forward)
+    monkeypatch.setattr(engine, "_commit", watching_commit)
+    assert [o.token_ids for o in plain.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
+    assert len(busy) > 30 and all(busy)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from quickdraft.engine.engine import EngineConfig, LLMEngine
+from quickdraft.engine.launch_ahead import LAUNCH_AHEAD_MODES
 from quickdraft.engine.memory import KVNeed, MemoryPlan, fmt_bytes, parse_size, plan_memory, return_freed_heap
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.threads import check_threads
@@ -69,6 +70,7 @@ class EngineOptions:
     run_ahead: bool = False
     threads: int | str = "auto"
     static_step: str = "auto"
+    launch_ahead: str = "auto"
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
@@ -79,6 +81,9 @@ class EngineOptions:
             parse_size(self.max_memory, "max_memory")
         check_kv_cache_dtype(self.kv_cache_dtype)
         self.runner_options()  # a bad static_step fails before anything is loaded
+        if self.launch_ahead not in LAUNCH_AHEAD_MODES:
+            raise InvalidParameterError(f"launch_ahead must be one of {', '.join(LAUNCH_AHEAD_MODES)}, "
+                                        f"got {self.launch_ahead!r}")
         if self.draft is not None and self.speculative not in (None, "suffix"):
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both "
                                         "(speculative='suffix' may take a draft model beside it)")
@@ -279,7 +284,7 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
         max_model_len=max_model_len,
         scheduler=o.scheduler_config(),
         num_speculative_tokens=o.num_speculative_tokens if drafter is not None else 0,
-        max_speculative_tokens=o.max_speculative_tokens, threads=o.threads)
+        max_speculative_tokens=o.max_speculative_tokens, threads=o.threads, launch_ahead=o.launch_ahead)
     engine = LLMEngine(target, tokenizer, config, drafter)
     return_freed_heap()
     # the loading thread's OpenMP workers go: another thread (a server's) may run the engine

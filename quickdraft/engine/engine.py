@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quickdraft.engine.launch_ahead import LaunchAhead
 from quickdraft.engine.outputs import SpecMetrics, StreamChunk
 from quickdraft.engine.scheduler import Scheduler, SchedulerConfig
 from quickdraft.engine.sequence import CarriedState, Sequence, SpeculationState
@@ -46,6 +47,7 @@ class EngineConfig:
     num_speculative_tokens: int | str = "auto"  # fixed k, or "auto" for the adaptive controller
     max_speculative_tokens: int = 8
     threads: int | str = "auto"  # CPU threads per step, "auto": the cores other processes leave free (ThreadBudget)
+    launch_ahead: str = "auto"  # queue the next decode step before reading this one's tokens (see launch_ahead.py)
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -73,6 +75,7 @@ class LLMEngine:
                                                     drafter.step_bytes() if drafter is not None else 0,
                                                     experts=expert_read(target.model)))
         self.planner = DraftPlanner(drafter, self.controller, self.cost, self.vocab_size) if drafter else None
+        self.ahead = LaunchAhead(self, config.launch_ahead)
         self.stats = SpecMetrics()
         # the drafter's acceptance over recent rounds of every sequence: an unseeded request starts from it, so a
         # drafter that rarely hits (self-speculation on an untrained model) is not paid a prompt catch-up per request
@@ -200,11 +203,16 @@ class LLMEngine:
     def step(self) -> list[StreamChunk]:
         cancelled = self._apply_cancels() if self._cancelled else []
         self.threads.apply()
+        landed = self.ahead.advance()  # the decode step launched ahead by the last call, if any
+        if landed is not None:
+            return cancelled + landed
         constrained = any(s.processor.grammar is not None for seqs in self._groups.values() for s in seqs)
         room = (self.controller.max_k if self.drafter is not None else 0) + (FORCED_ROOM if constrained else 0)
         scheduled = self.scheduler.schedule(draft_room=room)
         if not scheduled:
             return cancelled
+        if not constrained and self.ahead.starts(scheduled):
+            return cancelled + self.ahead.start([seq for seq, _ in scheduled])
         sampling = [s for s, chunk in scheduled if s.kv["target"].num_cached + chunk == s.num_tokens]
         # the plan is for the decode batch: a prompt chunk makes this step's target pass dearer whatever is
         # drafted, and counting it would make drafting look cheap (and start draft catch-ups at high load)
@@ -232,14 +240,19 @@ class LLMEngine:
         for (seq, _), rows in zip(scheduled, logits):
             if id(seq) in decided:
                 self._isolated(seq, self._commit, seq, rows, drafts[id(seq)], *decided[id(seq)])
-        for seq, _ in scheduled:
+        return cancelled + self._deliver([seq for seq, _ in scheduled])
+
+    def _deliver(self, seqs: list[Sequence]) -> list[StreamChunk]:
+        """After a step's commits: publish full blocks, start forked samples, and take each sequence's stream chunk,
+        letting go of the finished ones."""
+        for seq in seqs:
             kv = seq.kv["target"]
             if not seq.finished or seq.finish_reason != "error":
                 self.target.publish(kv, seq.token_ids)
             if seq.request_id in self._forks and kv.num_cached >= len(seq.prompt_ids) - 1:
                 self._fork_samples(seq)
-        chunks = cancelled
-        for seq, _ in scheduled:
+        chunks = []
+        for seq in seqs:
             chunk = self._isolated(seq, seq.take_chunk)
             if seq.finished:
                 self.scheduler.remove(seq)
@@ -291,8 +304,10 @@ class LLMEngine:
         if depth is not None:
             self.cost.record_run_ahead(depth)
 
-    def _commit(self, seq: Sequence, rows: torch.Tensor, proposal: Proposal, accepted: int, next_token: int) -> None:
-        """Append what verification decided (``decide``): the first ``accepted`` drafts and ``next_token``."""
+    def _commit(self, seq: Sequence, rows: torch.Tensor | None, proposal: Proposal, accepted: int, next_token: int,
+                cached_ahead: int = 0) -> None:
+        """Append what verification decided (``decide``): the first ``accepted`` drafts and ``next_token``.
+        ``cached_ahead``: 1 where a launched-ahead forward already holds the key of ``next_token`` (LaunchAhead)."""
         drafted = proposal.tokens
         new_tokens = drafted[:accepted] + [next_token]
         logprobs = None
@@ -312,7 +327,7 @@ class LLMEngine:
         self.stats.add(round_stats)
         seq.spec.record(num_drafted, min(accepted, num_drafted))
         self.pooled.record(num_drafted, min(accepted, num_drafted), decay=0.99)
-        self.target.truncate(seq.kv["target"], seq.num_tokens - 1)
+        self.target.truncate(seq.kv["target"], seq.num_tokens - 1 + cached_ahead)
         if self.drafter is not None:
             self.drafter.rewind(seq)
 

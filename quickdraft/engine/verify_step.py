@@ -31,21 +31,25 @@ CPU_GREEDY_ON_HOST = True
 def decide(picked: list[tuple[Sequence, torch.Tensor, Proposal]], isolated: Isolated) -> dict[int, tuple[int, int]]:
     """(accepted drafts, next token) per ``id(seq)`` for each (sequence, its logits rows, its proposal); a sequence
     whose part fails is ended by ``isolated`` and has no entry."""
-    decided: dict[int, tuple[int, int]] = {}
-    on_device: list[tuple[Sequence, torch.Tensor]] = []  # [3] (accepted, next token, valid) each, not yet read
-    greedy_rows: list[tuple[Sequence, torch.Tensor, Proposal]] = []
+    return launch(picked, isolated, CPU_GREEDY_ON_HOST).read(isolated)
+
+
+def launch(picked: list[tuple[Sequence, torch.Tensor, Proposal]], isolated: Isolated, host_greedy: bool) -> Decisions:
+    """Queue the step's decisions where the logits are and return them unread (``Decisions.read``). ``host_greedy``:
+    a greedy sequence whose rows are on the CPU is decided on the host at once."""
+    decisions = Decisions()
     sampled: list[tuple[Sequence, torch.Tensor, Proposal]] = []
     for seq, rows, proposal in picked:
         if not seq.params.greedy:
             sampled.append((seq, rows, proposal))
-        elif rows.device.type == "cpu" and CPU_GREEDY_ON_HOST:
+        elif rows.device.type == "cpu" and host_greedy:
             result = isolated(seq, _greedy_on_host, seq, rows, proposal)
             if result is not None:
-                decided[id(seq)] = result
+                decisions.decided[id(seq)] = result
         else:
             choice_rows = isolated(seq, _greedy_rows, seq, rows, proposal)
             if choice_rows is not None:
-                greedy_rows.append((seq, choice_rows, proposal))
+                decisions.greedy.append((seq, choice_rows, proposal))
     if sampled:
         # every sampled sequence's uniforms, drawn from its own generator, reach the device in one copy
         counts = [len(proposal.tokens) + 1 for _, _, proposal in sampled]
@@ -55,24 +59,70 @@ def decide(picked: list[tuple[Sequence, torch.Tensor, Proposal]], isolated: Isol
         for (seq, rows, proposal), u in zip(sampled, uniforms):
             result = isolated(seq, _sampled, seq, rows, proposal, u)
             if result is not None:
-                on_device.append((seq, result))
-    if greedy_rows or on_device:
-        # the one copy back: every greedy row's choice (compared with its drafts on the host, a few ints each), then
-        # every sampled sequence's three values
-        parts = [torch.cat([rows for _, rows, _ in greedy_rows]).argmax(dim=-1)] if greedy_rows else []
-        parts += [torch.stack([t for _, t in on_device]).reshape(-1)] if on_device else []
-        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+                decisions.sampled.append((seq, result))
+    decisions.gather()
+    return decisions
+
+
+class Decisions:
+    """A step's decisions queued on the device: every greedy row's choice (one argmax), then every sampled sequence's
+    (accepted, token, valid), in one tensor that comes to the host in one copy."""
+
+    def __init__(self) -> None:
+        self.decided: dict[int, tuple[int, int]] = {}  # made on the host already
+        self.greedy: list[tuple[Sequence, torch.Tensor, Proposal]] = []  # (sequence, rows to argmax, proposal)
+        self.sampled: list[tuple[Sequence, torch.Tensor]] = []  # (sequence, [3] on the device)
+        self.values: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def gather(self) -> None:
+        parts = [torch.cat([rows for _, rows, _ in self.greedy]).argmax(dim=-1)] if self.greedy else []
+        parts += [torch.stack([t for _, t in self.sampled]).reshape(-1)] if self.sampled else []
+        self.values = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def next_tokens(self) -> tuple[list[Sequence], torch.Tensor | None]:
+        """The sequences decided on the device and, where none had drafts, the token each emits next, still on the
+        device (what a launch-ahead step feeds the next forward; greedy sequences first, then sampled ones)."""
+        seqs = [seq for seq, _, _ in self.greedy] + [seq for seq, _ in self.sampled]
+        if self.values is None:
+            return seqs, None
+        greedy_rows = sum(len(rows) for _, rows, _ in self.greedy)
+        if greedy_rows != len(self.greedy):
+            raise ValueError("next_tokens needs a step without drafts: one row per greedy sequence")
+        return seqs, torch.cat([self.values[:greedy_rows], self.values[greedy_rows + 1::3]])
+
+    def start_copy(self) -> None:
+        """Start the copy to the host now (into pinned memory, without waiting): work queued after this call does
+        not delay ``read``."""
+        if self.values is None or self.values.device.type != "cuda":
+            return
+        self._host = torch.empty(self.values.shape, dtype=self.values.dtype, pin_memory=True)
+        self._host.copy_(self.values, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def read(self, isolated: Isolated) -> dict[int, tuple[int, int]]:
+        """(accepted drafts, next token) per ``id(seq)``, as ``decide`` returns them."""
+        decided = dict(self.decided)
+        if self.values is None:
+            return decided
+        if self._copied is not None:
+            self._copied.synchronize()
+            values = self._host.tolist()
+        else:
+            values = self.values.tolist()
         start = 0
-        for seq, rows, proposal in greedy_rows:
+        for seq, rows, proposal in self.greedy:  # a few ints each: compared with the drafts on the host
             decided[id(seq)] = verify_greedy(values[start:start + len(rows)], proposal.tokens)
             start += len(rows)
-        for (seq, _), at in zip(on_device, range(start, len(values), 3)):
+        for (seq, _), at in zip(self.sampled, range(start, len(values), 3)):
             accepted, token, valid = values[at:at + 3]
             if valid:
                 decided[id(seq)] = (accepted, token)
             else:
                 isolated(seq, _fail_with, ValueError(NOT_A_DISTRIBUTION))
-    return decided
+        return decided
 
 
 def _greedy_on_host(seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> tuple[int, int]:

@@ -142,16 +142,26 @@ class ModelRunner:
         return kv.fork(length, self.allocator, self.block_size)
 
     @torch.inference_mode()
-    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
-        """Append each item's tokens to its cache and return its last ``num_logits`` rows of float32 logits."""
+    def forward(self, items: list[ForwardItem], device_tokens: torch.Tensor | None = None,
+                wait: bool = True) -> list[torch.Tensor]:
+        """Append each item's tokens to its cache and return its last ``num_logits`` rows of float32 logits.
+
+        ``device_tokens`` (a decode step on the static step, one token per item, on the device): the ids to run,
+        in place of the items' own. ``wait=False`` returns once the work is queued (``last_forward_s`` is then the
+        host's time alone): the caller reads the results when it needs them."""
         t0 = time.perf_counter()
+        if device_tokens is not None and not (self.launches_ahead(len(items))
+                                              and all(len(it.tokens) == 1 == it.num_logits for it in items)):
+            raise ValueError("device_tokens need the static step, one token with logits per item, and a bucket of "
+                             "that many sequences")
         for item in items:  # every block first: running out must leave no cache half-advanced
             end = item.kv.num_cached + len(item.tokens)
             item.kv.make_writable(item.kv.num_cached, end, self.allocator, self.pool)
             item.kv.reserve(end, self.allocator, self.block_size)
         long = [len(it.tokens) >= self.long_tokens for it in items] if self.long_model is not None else []
         if self._fits_static(items):
-            out = self.static.run([it.kv for it in items], [it.tokens for it in items], self.logit_columns)
+            out = self.static.run([it.kv for it in items], [it.tokens for it in items], self.logit_columns,
+                                  device_tokens)
             for it in items:
                 it.kv.num_cached += len(it.tokens)
         elif not any(long):
@@ -163,10 +173,15 @@ class ModelRunner:
                 if picked:
                     for i, rows in zip(picked, self._forward([items[i] for i in picked], model)):
                         out[i] = rows
-        if self.device.type == "cuda":  # launches return before the GPU is done: time the work, not the launches
+        if wait and self.device.type == "cuda":  # launches return before the GPU is done: time the work, not them
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - t0
         return out
+
+    def launches_ahead(self, num_seqs: int) -> bool:
+        """Whether a decode step of ``num_seqs`` sequences can take its token ids from the device (``forward``'s
+        ``device_tokens``): the static step has a bucket for it."""
+        return self.static is not None and self.static.bucket([1] * num_seqs) is not None
 
     def _fits_static(self, items: list[ForwardItem]) -> bool:
         """A decode or verify forward (every token wants logits) that a static bucket holds."""

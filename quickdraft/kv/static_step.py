@@ -53,6 +53,18 @@ class _Inputs:
         self.host = torch.zeros(total, dtype=torch.long, pin_memory=device.type == "cuda")
         self.device = torch.zeros(total, dtype=torch.long, device=device)
         self.width = width
+        # the last copy from ``host``, until which ``host`` may not be rewritten (a launch-ahead step packs the next
+        # step's inputs while the device has not reached this one's copy yet)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def upload(self) -> None:
+        self.device.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def wait_for_upload(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
 
     def views(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
         out, start = {}, 0
@@ -126,15 +138,24 @@ class StaticStep:
         queries = next((q for q in self.query_sizes if q >= max(lengths)), None)
         return None if seqs is None or queries is None else Bucket(seqs, queries)
 
-    def run(self, kvs: list[SequenceKV], tokens: list[list[int]], logit_columns: int) -> list[torch.Tensor]:
+    def run(self, kvs: list[SequenceKV], tokens: list[list[int]], logit_columns: int,
+            device_tokens: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Each sequence's float32 logits rows, one per new token, of the forward that appends ``tokens[b]`` to
-        ``kvs[b]``'s cache (its blocks already reserved); the caller advances ``num_cached``."""
+        ``kvs[b]``'s cache (its blocks already reserved); the caller advances ``num_cached``. ``device_tokens``
+        (one token per sequence, on the device) replace the ids of ``tokens``: a launch-ahead step's ids are the
+        previous step's choices, not yet read back."""
         bucket = self.bucket([len(t) for t in tokens])
         if bucket is None:
             raise ValueError(f"no static bucket holds {len(tokens)} sequences of up to {max(map(len, tokens))} tokens")
+        if device_tokens is not None and (bucket.queries != 1 or device_tokens.shape != (len(tokens),)):
+            raise ValueError(f"device_tokens must hold one token per sequence, got {tuple(device_tokens.shape)} for "
+                             f"{len(tokens)} sequences of up to {bucket.queries} tokens")
         inputs = self._inputs_of(bucket)
+        inputs.wait_for_upload()
         self._pack(inputs, bucket, kvs, tokens)
-        inputs.device.copy_(inputs.host, non_blocking=True)
+        inputs.upload()
+        if device_tokens is not None:
+            inputs.views(inputs.device)["tokens"][:len(tokens)].copy_(device_tokens)
         if self.graphs:
             graph, out = self._graph(bucket, inputs, logit_columns)
             graph.replay()
