@@ -3,11 +3,12 @@ bandwidth limit measured in the same run, on random-weight models of real shapes
 
 Usage: python bench/cuda_decode.py [--shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b] [--batches 1,8,32]
          [--tokens 128] [--no-hf] [--hf-batches 1] [--device cuda|cpu] [--name cuda_decode] [--quantized int8,int4]
-         [--quantized-shapes qwen2.5-7b] [--profile] [--kernels]
+         [--quantized-shapes qwen2.5-7b] [--profile] [--kernels] [--graphs-only]
 Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tokenizer of the shape's vocabulary):
 - the read bandwidth (a device-to-device copy of 1 GiB, bytes read + written per second) and the batch-1 limit it
   gives: bandwidth / bytes of weights a decode step reads;
-- tokens/s of a 32-token prompt and ``--tokens`` greedy tokens (prefill included) at each batch: quickdraft with
+- tokens/s of a 32-token prompt and ``--tokens`` greedy tokens (prefill included; the time to the first token
+  beside it) at each batch: quickdraft with
   ``static_step="graphs"`` (replayed CUDA graphs), quickdraft ``static_step="off"`` (the dynamic path) at batch 1,
   and HF transformers ``generate`` (eager, its default cache);
 - the cost of a verify pass of 5 tokens against a one-token decode step (batch 1, median of 30 forwards each), and
@@ -121,6 +122,16 @@ def time_generate(llm: LLM, prompts: list[list[int]], tokens: int, device: str) 
     sync(device)
     seconds = time.perf_counter() - t0
     return sum(len(o.token_ids) for o in outs) / seconds, [o.token_ids for o in outs]
+
+
+def time_first_token(llm: LLM, prompts: list[list[int]], device: str) -> float:
+    """Milliseconds to the first token of ``prompts`` (their prefill and one step), the prefix cache emptied."""
+    llm.reset_prefix_cache()
+    sync(device)
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    sync(device)
+    return 1000 * (time.perf_counter() - t0)
 
 
 def time_hf(model, prompts: list[list[int]], tokens: int, device: str) -> float:
@@ -253,6 +264,7 @@ def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict],
     common = dict(device=device, dtype="bfloat16", max_model_len=MAX_LEN, max_num_seqs=max(batches),
                   max_speculative_tokens=4, kv_cache_memory="4GiB" if device == "cuda" else "256MiB")
     modes = ["graphs", "off"] if device == "cuda" else ["eager", "off"]
+    modes = modes[:1] if args.graphs_only else modes
     for mode in modes:
         t0 = time.perf_counter()
         # launch-ahead is on by itself where graphs run; the CPU's smoke test asks for it on the eager step
@@ -262,7 +274,8 @@ def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict],
         limit = bandwidth / step_bytes
         for batch in batches if mode == modes[0] else batches[:1]:
             tok_s, _ = time_generate(llm, prompts_for(vocab, batch), args.tokens, device)
-            row = dict(shape=name, engine=f"quickdraft {mode}", batch=batch, tok_s=tok_s, load_s=load_s,
+            row = dict(shape=name, engine=f"quickdraft {mode}", batch=batch, tok_s=tok_s,
+                       first_token_ms=time_first_token(llm, prompts_for(vocab, batch), device), load_s=load_s,
                        step_gb=step_bytes / 1e9, limit_tok_s=limit if batch == 1 else None,
                        of_limit=tok_s / limit if batch == 1 else None, hf_tok_s=hf.get(batch),
                        vs_hf=tok_s / hf[batch] if batch in hf else None)
@@ -284,7 +297,9 @@ def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict],
             rows.append(dict(shape=name, engine=f"quickdraft {mode}", batch=1, kind="kernels",
                              **kernel_profile(llm, name, args)))
             record()
-        if mode == modes[0]:
+        if mode == modes[0] and args.graphs_only:
+            del llm
+        elif mode == modes[0]:
             cost = verify_cost(llm, vocab)
             plain_tok_s, plain_ids = time_generate(llm, prompts_for(vocab, 1, repeat=True), args.tokens, device)
             rows.append(dict(shape=name, engine=f"quickdraft {mode}", batch=1, kind="verify cost", **cost))
@@ -322,6 +337,9 @@ def main() -> None:
     ap.add_argument("--quantized", default="", help="weight-only formats to time too, e.g. int8,int4")
     ap.add_argument("--quantized-shapes", default="qwen2.5-7b", help="the shapes --quantized runs on")
     ap.add_argument("--profile", action="store_true", help="cProfile a batch-1 answer per shape (host time)")
+    ap.add_argument("--graphs-only", action="store_true",
+                    help="only the graphs' tokens/s (launch-ahead on and off) and --kernels: no dynamic path, verify "
+                         "cost or n-gram (a short run)")
     ap.add_argument("--kernels", action="store_true",
                     help="torch.profiler's kernels of a batch-1 decode step per shape (device time)")
     args = ap.parse_args()
@@ -350,7 +368,7 @@ def main() -> None:
             path = record()
     speed = [r for r in rows if "kind" not in r]
     print(f"\n{card}, {args.tokens} greedy tokens after a {PROMPT_TOKENS}-token prompt, bfloat16\n" + table(
-        speed, ["shape", "engine", "batch", "tok_s", "limit_tok_s", "of_limit", "hf_tok_s", "vs_hf", "error"]))
+        speed, ["shape", "engine", "batch", "tok_s", "first_token_ms", "limit_tok_s", "of_limit", "hf_tok_s", "vs_hf", "error"]))
     print("\n" + table([r for r in rows if "kind" in r], ["shape", "engine", "kind", "step_1_ms", "step_5_ms",
                                                           "verify5_over_step", "graph_1_ms", "graph_5_ms", "tok_s",
                                                           "speedup", "tok_per_pass", "same"]))

@@ -25,12 +25,15 @@ def interpreter(monkeypatch):
 
 
 def make_case(dtype: torch.dtype, heads: int, kv_heads: int, dim: int, contexts: list[int], query_lens: list[int],
-              queries: int, seed: int = 0):
-    """A pool holding random keys/values for each sequence's context, in shuffled blocks, and the step's tensors."""
+              queries: int, seed: int = 0, unwritten: float = 0.0):
+    """A pool holding random keys/values for each sequence's context, in shuffled blocks, and the step's tensors;
+    every slot no sequence wrote holds ``unwritten``."""
     g = torch.Generator().manual_seed(seed)
     width = max(-(-c // BLOCK) for c in contexts) + 1
     num_blocks = len(contexts) * width + 1
     pool = KVPool(1, kv_heads, dim, num_blocks, BLOCK, dtype, DEVICE)
+    for plane in pool.planes.values():
+        plane.fill_(unwritten)
     order = torch.randperm(num_blocks - 1, generator=g).tolist()
     tables = torch.full((len(contexts), width), num_blocks - 1, dtype=torch.int32)
     keys, values = [], []
@@ -80,6 +83,9 @@ CASES = {  # name: (heads, kv_heads, dim, contexts, query_lens, queries, window)
     "window": (4, 2, 32, [70, 100, 12], [1, 3, 2], 3, 24),
     "odd-head": (2, 1, 96, [20, 35], [1, 2], 2, 0),
     "many-groups": (16, 2, 32, [50, 3], [3, 3], 3, 0),  # 8 heads x 3 queries: two tiles of 16 rows
+    # 128-wide heads: the kernel reads 32 keys (two blocks) a trip; several trips, a last one past the used blocks
+    "long": (8, 2, 128, [150, 33, 16], [1, 2, 1], 2, 0),
+    "long-window": (4, 1, 128, [200, 45], [3, 1], 3, 40),
 }
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.int8: 2e-5}
 
@@ -102,6 +108,18 @@ def test_equals_float64_reference(case, dtype, impl):
     tolerance = TOLERANCE[dtype]
     assert torch.isfinite(out).all()
     assert (out.double().cpu() - want).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("case", ["decode", "long", "long-window"])
+def test_what_no_sequence_wrote_never_enters(case):
+    """Slots past a sequence's keys in its last block, and blocks past its table's used ones in the kernel's last tile,
+    hold NaN here: they are never read into the result."""
+    heads, kv_heads, dim, contexts, query_lens, queries, window = CASES[case]
+    pool, q, tables, ctx, qlens, keys, values = make_case(torch.float32, heads, kv_heads, dim, contexts, query_lens,
+                                                          queries, unwritten=float("nan"))
+    out = paged_attention(q, pool.layer(0), tables, ctx, qlens, queries, BLOCK, dim ** -0.5, window)
+    want = reference(q, keys, values, contexts, query_lens, queries, dim ** -0.5, window)
+    assert (out.double().cpu() - want).abs().max().item() < 2e-5
 
 
 def test_kernel_and_torch_agree_in_float32():

@@ -147,3 +147,32 @@ def test_bad_static_step_options_are_refused(target):
         LLM(target, static_step="fast")
     with pytest.raises(InvalidParameterError, match="static_step='graphs' needs device='cuda'"):
         LLM(target, static_step="graphs")
+
+
+def test_prompt_chunks_on_the_static_step(target, tiny_plain_greedy):
+    """Where prompt chunks run on the static step's forward (a GPU's default, ``chunks_on_static``): a batch of
+    prompts, each chunk's last rows of logits (none, one, several) equal the dynamic path's, and whole generations
+    (prompts cut into chunks by a small token budget, then decoding and n-gram verify passes) give its tokens."""
+    logits = {}
+    for on_static in (False, True):
+        llm = LLM(target, dtype="float32", kv_cache_memory=TINY_KV, static_step="eager")
+        runner = llm.loaded.engine.target
+        runner.chunks_on_static = on_static
+        kvs = [SequenceKV() for _ in range(3)]
+        prompts = tiny_prompts(64, 3, length=30)
+        before = runner.static.forwards
+        first = runner.forward([ForwardItem(kvs[0], prompts[0][:17], 0), ForwardItem(kvs[1], prompts[1], 1),
+                                ForwardItem(kvs[2], prompts[2][:20], 3)])
+        second = runner.forward([ForwardItem(kvs[0], prompts[0][17:], 2), ForwardItem(kvs[2], prompts[2][20:], 1)])
+        assert [len(r) for r in first + second] == [0, 1, 3, 2, 1]
+        assert runner.static.forwards == before  # chunks are not the step's decode/verify forwards
+        assert runner.static.chunk_forwards == (2 if on_static else 0)
+        logits[on_static] = torch.cat(first + second)
+    assert (logits[True] - logits[False]).abs().max().item() < 1e-4
+    for options in ({}, {"speculative": "ngram", "num_speculative_tokens": 3}):
+        llm = LLM(target, dtype="float32", kv_cache_memory=TINY_KV, static_step="eager",
+                  max_num_batched_tokens=32, **options)
+        runner = llm.loaded.engine.target
+        runner.chunks_on_static = True
+        assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == tiny_plain_greedy
+        assert runner.static.chunk_forwards >= 3  # 144 prompt tokens, 32 a step

@@ -35,6 +35,10 @@ from quickdraft.models.triton_linear import triton_available
 triton = tl = None  # optional (pip install triton): imported by _kernel, on first use
 
 BLOCK_M = 16  # query rows per program: tl.dot's smallest tile
+# Keys a program reads per trip through its loop, as values of a key tile (64 keys of a 64-wide head, 32 of a
+# 128-wide one): each trip waits for its block numbers, then its keys, so a decode step's short loop over 16-key
+# blocks was bound by those waits (about 14 us a layer on an H100 at 128-wide heads), not by the bytes.
+TILE_VALUES = 4096
 # Run the kernel on CPU tensors too, in Triton's interpreter (tests set it; Triton must have been first imported
 # with TRITON_INTERPRET=1, since Triton reads it once: torch imports Triton itself when it is installed).
 KERNEL_ON_CPU = False
@@ -119,12 +123,14 @@ def _triton_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Te
     quantized = cache.k_scale is not None
     scales = (cache.k_scale, cache.v_scale) if quantized else (cache.k, cache.v)  # unread placeholders
     grid = (batch, kv_heads, -(-queries * group // BLOCK_M))
+    block_d = max(16, 1 << (dim - 1).bit_length())
     _kernel()[grid](
         q, cache.k, cache.v, scales[0], scales[1], out, block_tables, context_lens, query_lens,
         q.stride(0), q.stride(1), cache.k.stride(0), cache.k.stride(1), scales[0].stride(0), scales[0].stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), scale,
-        QUERIES=queries, GROUP=group, HEAD_DIM=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()),
-        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, WINDOW=window, INT8=quantized, SCALE_GROUP=KV_SCALE_GROUP)
+        QUERIES=queries, GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        TILE=max(block_size, TILE_VALUES // block_d), BLOCK_M=BLOCK_M, WINDOW=window, INT8=quantized,
+        SCALE_GROUP=KV_SCALE_GROUP)
     return out
 
 
@@ -141,8 +147,8 @@ def _kernel():
                                stride_qt, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_ot, stride_oh,
                                stride_table, scale,
                                QUERIES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                               WINDOW: tl.constexpr, INT8: tl.constexpr, SCALE_GROUP: tl.constexpr):
+                               BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                               BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, INT8: tl.constexpr, SCALE_GROUP: tl.constexpr):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -164,23 +170,29 @@ def _kernel():
         first = 0
         if WINDOW > 0:
             first = tl.maximum(tl.min(tl.where(row_ok, last, 1 << 30), 0) - WINDOW + 1, 0)
-        offs = tl.arange(0, BLOCK_SIZE)
+        offs = tl.arange(0, TILE)  # a tile of TILE // BLOCK_SIZE blocks a step: fewer trips through the loop
         block = first // BLOCK_SIZE
+        blocks = tl.cdiv(end, BLOCK_SIZE)
         # a while loop: Triton's interpreter cannot take a loaded bound in range(); compiled, both are a loop
-        while block < tl.cdiv(end, BLOCK_SIZE):
-            physical = tl.load(tables_ptr + seq * stride_table + block).to(tl.int64)
-            slot = physical * BLOCK_SIZE + offs
+        while block < blocks:
+            key = block * BLOCK_SIZE + offs
+            # a tile's last blocks may lie past the table's used ones, and a block's last slots past its keys: what
+            # they hold (anything, NaN too) is never loaded, since a zero weight times NaN would still be NaN
+            held = key < end
+            physical = tl.load(tables_ptr + seq * stride_table + block + offs // BLOCK_SIZE, mask=held,
+                               other=0).to(tl.int64)
+            slot = physical * BLOCK_SIZE + offs % BLOCK_SIZE
             kv_offsets = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-            k = tl.load(k_ptr + kv_offsets, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_ptr + kv_offsets, mask=d_ok[None, :], other=0.0)
+            kv_ok = held[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + kv_offsets, mask=kv_ok, other=0.0)
+            v = tl.load(v_ptr + kv_offsets, mask=kv_ok, other=0.0)
             if INT8:
                 scale_offsets = slot[:, None] * stride_ss + kv_head * stride_sh + d[None, :] // SCALE_GROUP
-                k = k.to(tl.float32) * tl.load(ks_ptr + scale_offsets, mask=d_ok[None, :], other=0.0)
-                v = v.to(tl.float32) * tl.load(vs_ptr + scale_offsets, mask=d_ok[None, :], other=0.0)
+                k = k.to(tl.float32) * tl.load(ks_ptr + scale_offsets, mask=kv_ok, other=0.0)
+                v = v.to(tl.float32) * tl.load(vs_ptr + scale_offsets, mask=kv_ok, other=0.0)
             k = k.to(tl.float32)
             v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            key = block * BLOCK_SIZE + offs
             seen = key[None, :] <= last[:, None]
             if WINDOW > 0:
                 seen = seen & (key[None, :] > last[:, None] - WINDOW)
@@ -191,7 +203,7 @@ def _kernel():
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m_i = m_new
-            block += 1
+            block += TILE // BLOCK_SIZE
         o = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

@@ -13,6 +13,7 @@ from quickdraft.kv.static_step import StaticStep
 from quickdraft.models import Transformer
 
 STATIC_STEPS = ("graphs", "eager", "off")
+MAX_STATIC_CHUNK = 512  # the longest prompt chunk the static step's forward takes (see _chunks_on_static)
 
 
 @dataclass
@@ -64,6 +65,10 @@ class ModelRunner:
                                  graphs=static_step == "graphs") if scratch else None
         self.bytes_per_block = per_block
         self.last_forward_s = 0.0
+        # On a GPU, prompt chunks run on the static step's kernels too (eagerly): the dynamic path's attention
+        # builds its batch on the host with reads back from the device, tens of milliseconds a forward there. On
+        # the CPU the dynamic path has quickdraft's fused C layers and stays (tests turn this on to check it).
+        self.chunks_on_static = self.device.type == "cuda"
 
     @property
     def kv_bytes_used(self) -> int:
@@ -164,6 +169,8 @@ class ModelRunner:
                                   device_tokens)
             for it in items:
                 it.kv.num_cached += len(it.tokens)
+        elif not any(long) and (groups := self._static_groups(items)) is not None:
+            out = self._run_static_groups(items, *groups)
         elif not any(long):
             out = self._forward(items, self.model)
         else:
@@ -182,6 +189,36 @@ class ModelRunner:
         """Whether a decode step of ``num_seqs`` sequences can take its token ids from the device (``forward``'s
         ``device_tokens``): the static step has a bucket for it."""
         return self.static is not None and self.static.bucket([1] * num_seqs) is not None
+
+    def _static_groups(self, items: list[ForwardItem]) -> tuple[list[int], list[int]] | None:
+        """Where prompt chunks run on the static step (``chunks_on_static``, on by default on a GPU): the items of a
+        step's decode and verify bucket, and the prompt chunks its forward takes eagerly beside them (up to
+        ``MAX_STATIC_CHUNK`` tokens each, padded to the longest, rounded up to a power of two, with at most as many
+        padding rows as real ones); None where the dynamic path takes the forward."""
+        if self.static is None or not self.chunks_on_static:
+            return None
+        steps = [i for i, it in enumerate(items) if it.num_logits == len(it.tokens) <= self.static.query_sizes[-1]]
+        chunks = [i for i, it in enumerate(items) if i not in set(steps)]
+        if not chunks or steps and self.static.bucket([len(items[i].tokens) for i in steps]) is None:
+            return None
+        lengths = [len(items[i].tokens) for i in chunks]
+        padded = len(chunks) * (1 << (max(lengths) - 1).bit_length())
+        return (steps, chunks) if max(lengths) <= MAX_STATIC_CHUNK and padded <= 2 * sum(lengths) else None
+
+    def _run_static_groups(self, items: list[ForwardItem], steps: list[int], chunks: list[int]) -> list[torch.Tensor]:
+        """A step's decode and verify items in their bucket, its prompt chunks in a second (eager) forward."""
+        out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
+        if steps:
+            rows = self.static.run([items[i].kv for i in steps], [items[i].tokens for i in steps], self.logit_columns)
+            for i, r in zip(steps, rows):
+                out[i] = r
+        rows = self.static.run_chunks([items[i].kv for i in chunks], [items[i].tokens for i in chunks],
+                                      [items[i].num_logits for i in chunks], self.logit_columns)
+        for i, r in zip(chunks, rows):
+            out[i] = r
+        for it in items:
+            it.kv.num_cached += len(it.tokens)
+        return out
 
     def _fits_static(self, items: list[ForwardItem]) -> bool:
         """A decode or verify forward (every token wants logits) that a static bucket holds."""

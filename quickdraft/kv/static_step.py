@@ -24,6 +24,7 @@ from quickdraft.kv.blocks import SequenceKV
 from quickdraft.kv.paged_attention import paged_attention
 from quickdraft.kv.pool import KVPool
 from quickdraft.models import Transformer
+from quickdraft.sampling.sampler import to_device
 
 
 def buckets_up_to(limit: int) -> list[int]:
@@ -113,6 +114,7 @@ class StaticStep:
         self._graph_pool = torch.cuda.graph_pool_handle() if graphs else None
         self._logits: torch.Tensor | None = None  # every bucket's output: a view of one buffer of the largest
         self.forwards = self.replays = 0  # forwards run here, and of those served by a captured graph
+        self.chunk_forwards = 0  # forwards of prompt chunks (run_chunks)
 
     @property
     def end(self) -> int:
@@ -196,11 +198,35 @@ class StaticStep:
         host["context_lens"].copy_(torch.tensor(context))
         host["query_lens"].copy_(torch.tensor(lengths))
 
-    def _forward(self, bucket: Bucket, inputs: _Inputs, logit_columns: int) -> torch.Tensor:
+    def run_chunks(self, kvs: list[SequenceKV], tokens: list[list[int]], num_logits: list[int],
+                   logit_columns: int) -> list[torch.Tensor]:
+        """Prompt chunks (any lengths, each wanting its last ``num_logits[b]`` rows of logits, maybe none) through
+        the step's forward, run eagerly: the paged kernel attends each chunk's rows causally as it does a verify
+        pass's. The bucket is (sequences, the longest chunk rounded up to a power of two); the caller advances
+        ``num_cached``."""
+        longest = max(map(len, tokens))
+        bucket = Bucket(len(tokens), 1 << (longest - 1).bit_length())
+        inputs = self._inputs_of(bucket)
+        inputs.wait_for_upload()
+        self._pack(inputs, bucket, kvs, tokens)
+        inputs.upload()
+        rows = [b * bucket.queries + i for b, (chunk, n) in enumerate(zip(tokens, num_logits))
+                for i in range(len(chunk) - n, len(chunk))]
+        logits = self._forward(bucket, inputs, logit_columns, to_device(torch.tensor(rows), self.device))
+        self.chunk_forwards += 1
+        out, start = [], 0
+        for n in num_logits:
+            out.append(logits[start:start + n])
+            start += n
+        return out
+
+    def _forward(self, bucket: Bucket, inputs: _Inputs, logit_columns: int, rows: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """The forward over the bucket's packed inputs: float32 logits of every row, or of ``rows`` only."""
         views = inputs.views(inputs.device)
         attn = StaticAttention(self.pool, views, bucket.queries, self.end)
         hidden = self.model(views["tokens"], attn, num_layers=self.num_layers)
-        logits = self.model.logits(hidden)
+        logits = self.model.logits(hidden if rows is None else hidden[rows])
         if logit_columns < logits.shape[1]:
             logits[:, logit_columns:] = float("-inf")
         return logits
