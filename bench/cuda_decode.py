@@ -114,7 +114,9 @@ def prompts_for(vocab: int, batch: int, repeat: bool = False) -> list[list[int]]
 
 def time_generate(llm: LLM, prompts: list[list[int]], tokens: int, device: str) -> tuple[float, list[list[int]]]:
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    # warm-up at this batch: its first prompt chunks and steps pay one-time costs (kernel compiles, cuBLAS's first
+    # calls of new shapes) that would otherwise land on whichever timed row runs that batch first
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     llm.reset_prefix_cache()
     sync(device)
     t0 = time.perf_counter()

@@ -122,13 +122,15 @@ def _triton_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Te
     out = torch.empty_like(q)
     quantized = cache.k_scale is not None
     scales = (cache.k_scale, cache.v_scale) if quantized else (cache.k, cache.v)  # unread placeholders
+    # the rows per sequence are an argument, not a constant: prompt chunks of every length (static_step.run_chunks)
+    # share the kernel compiled for decode and verify steps (Triton specializes an int only on 1 and multiples of 16)
     grid = (batch, kv_heads, -(-queries * group // BLOCK_M))
     block_d = max(16, 1 << (dim - 1).bit_length())
     _kernel()[grid](
         q, cache.k, cache.v, scales[0], scales[1], out, block_tables, context_lens, query_lens,
         q.stride(0), q.stride(1), cache.k.stride(0), cache.k.stride(1), scales[0].stride(0), scales[0].stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0), scale,
-        QUERIES=queries, GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        out.stride(0), out.stride(1), block_tables.stride(0), scale, queries,
+        GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         TILE=max(block_size, TILE_VALUES // block_d), BLOCK_M=BLOCK_M, WINDOW=window, INT8=quantized,
         SCALE_GROUP=KV_SCALE_GROUP)
     return out
@@ -145,14 +147,14 @@ def _kernel():
     @triton.jit
     def paged_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tables_ptr, ctx_ptr, qlen_ptr,
                                stride_qt, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_ot, stride_oh,
-                               stride_table, scale,
-                               QUERIES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               stride_table, scale, queries,
+                               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                                BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, INT8: tl.constexpr, SCALE_GROUP: tl.constexpr):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = m < QUERIES * GROUP
+        row_ok = m < queries * GROUP
         query = m // GROUP
         head = kv_head * GROUP + m % GROUP
         ctx = tl.load(ctx_ptr + seq).to(tl.int32)
@@ -160,7 +162,7 @@ def _kernel():
         last = ctx - qlen + tl.minimum(query, qlen - 1)  # the last key each row sees
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
-        token = (seq * QUERIES + query).to(tl.int64)
+        token = (seq * queries + query).to(tl.int64)
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a block where a row sees nothing gives p = 0, not NaN
