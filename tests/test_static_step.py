@@ -176,3 +176,12 @@ def test_prompt_chunks_on_the_static_step(target, tiny_plain_greedy):
         runner.chunks_on_static = True
         assert [o.token_ids for o in llm.generate(tiny_prompts(64, 6), GREEDY)] == tiny_plain_greedy
         assert runner.static.chunk_forwards >= 3  # 144 prompt tokens, 32 a step
+
+
+def test_chunk_buckets(target):
+    """Prompt chunks pad to a sequence bucket x the longest chunk rounded up to a power of two, and go to the dynamic
+    path where a chunk is over 512 tokens or padding would be most of the rows."""
+    static = LLM(target, dtype="float32", kv_cache_memory=TINY_KV, static_step="eager").loaded.engine.target.static
+    assert static.chunk_bucket([24]) == Bucket(1, 32) and static.chunk_bucket([17, 30, 20]) == Bucket(4, 32)
+    assert static.chunk_bucket([512]) == Bucket(1, 512) and static.chunk_bucket([513]) is None
+    assert static.chunk_bucket([256, 1, 1, 1]) is None and static.chunk_bucket([]) is None

@@ -8,12 +8,12 @@ import torch
 
 from quickdraft.kv.attention import AttentionBatch
 from quickdraft.kv.blocks import BlockAllocator, SequenceKV
+from quickdraft.kv.paged_attention import kernel_possible
 from quickdraft.kv.pool import KVPool
 from quickdraft.kv.static_step import StaticStep
 from quickdraft.models import Transformer
 
 STATIC_STEPS = ("graphs", "eager", "off")
-MAX_STATIC_CHUNK = 512  # the longest prompt chunk the static step's forward takes (see _chunks_on_static)
 
 
 @dataclass
@@ -66,9 +66,11 @@ class ModelRunner:
         self.bytes_per_block = per_block
         self.last_forward_s = 0.0
         # On a GPU, prompt chunks run on the static step's kernels too (eagerly): the dynamic path's attention
-        # builds its batch on the host with reads back from the device, tens of milliseconds a forward there. On
-        # the CPU the dynamic path has quickdraft's fused C layers and stays (tests turn this on to check it).
-        self.chunks_on_static = self.device.type == "cuda"
+        # builds its batch on the host with reads back from the device, tens of milliseconds a forward there. Not
+        # where the step's attention would be torch's (no Triton, or gpt-oss's sinks): that one reads every block
+        # of every table. On the CPU the dynamic path has quickdraft's fused C layers and stays (tests turn this on).
+        self.chunks_on_static = (self.device.type == "cuda" and kernel_possible(block_size)
+                                 and not cfg.attention_sinks)
 
     @property
     def kv_bytes_used(self) -> int:
@@ -192,18 +194,16 @@ class ModelRunner:
 
     def _static_groups(self, items: list[ForwardItem]) -> tuple[list[int], list[int]] | None:
         """Where prompt chunks run on the static step (``chunks_on_static``, on by default on a GPU): the items of a
-        step's decode and verify bucket, and the prompt chunks its forward takes eagerly beside them (up to
-        ``MAX_STATIC_CHUNK`` tokens each, padded to the longest, rounded up to a power of two, with at most as many
-        padding rows as real ones); None where the dynamic path takes the forward."""
+        step's decode and verify bucket, and the prompt chunks its forward takes eagerly beside them (in a bucket of
+        ``StaticStep.chunk_bucket``); None where the dynamic path takes the forward."""
         if self.static is None or not self.chunks_on_static:
             return None
         steps = [i for i, it in enumerate(items) if it.num_logits == len(it.tokens) <= self.static.query_sizes[-1]]
-        chunks = [i for i, it in enumerate(items) if i not in set(steps)]
+        in_steps = set(steps)
+        chunks = [i for i in range(len(items)) if i not in in_steps]
         if not chunks or steps and self.static.bucket([len(items[i].tokens) for i in steps]) is None:
             return None
-        lengths = [len(items[i].tokens) for i in chunks]
-        padded = len(chunks) * (1 << (max(lengths) - 1).bit_length())
-        return (steps, chunks) if max(lengths) <= MAX_STATIC_CHUNK and padded <= 2 * sum(lengths) else None
+        return (steps, chunks) if self.static.chunk_bucket([len(items[i].tokens) for i in chunks]) else None
 
     def _run_static_groups(self, items: list[ForwardItem], steps: list[int], chunks: list[int]) -> list[torch.Tensor]:
         """A step's decode and verify items in their bucket, its prompt chunks in a second (eager) forward."""

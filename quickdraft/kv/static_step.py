@@ -27,6 +27,9 @@ from quickdraft.models import Transformer
 from quickdraft.sampling.sampler import to_device
 
 
+MAX_CHUNK = 512  # the longest prompt chunk run_chunks takes (the scheduler's default token budget)
+
+
 def buckets_up_to(limit: int) -> list[int]:
     """1, 2, 4, ... and ``limit`` itself: the sizes a bucket axis takes."""
     sizes = [1 << i for i in range(max(1, limit).bit_length()) if 1 << i < limit]
@@ -198,14 +201,25 @@ class StaticStep:
         host["context_lens"].copy_(torch.tensor(context))
         host["query_lens"].copy_(torch.tensor(lengths))
 
+    def chunk_bucket(self, lengths: list[int]) -> Bucket | None:
+        """The bucket ``run_chunks`` pads prompt chunks of ``lengths`` tokens to: a sequence bucket and the longest
+        chunk rounded up to a power of two (so a few shapes serve every batch); None where a chunk is longer than
+        ``MAX_CHUNK`` or padding would be more than half the rows."""
+        seqs = next((s for s in self.seq_sizes if s >= len(lengths)), None)
+        if not lengths or seqs is None or not 0 < max(lengths) <= MAX_CHUNK or min(lengths) < 1:
+            return None
+        bucket = Bucket(seqs, 1 << (max(lengths) - 1).bit_length())
+        return bucket if bucket.rows <= 2 * sum(lengths) else None
+
     def run_chunks(self, kvs: list[SequenceKV], tokens: list[list[int]], num_logits: list[int],
                    logit_columns: int) -> list[torch.Tensor]:
         """Prompt chunks (any lengths, each wanting its last ``num_logits[b]`` rows of logits, maybe none) through
         the step's forward, run eagerly: the paged kernel attends each chunk's rows causally as it does a verify
-        pass's. The bucket is (sequences, the longest chunk rounded up to a power of two); the caller advances
-        ``num_cached``."""
-        longest = max(map(len, tokens))
-        bucket = Bucket(len(tokens), 1 << (longest - 1).bit_length())
+        pass's (``chunk_bucket``); the caller advances ``num_cached``."""
+        bucket = self.chunk_bucket([len(t) for t in tokens])
+        if bucket is None:
+            raise ValueError(f"no chunk bucket holds {len(tokens)} prompt chunks of up to {max(map(len, tokens))} "
+                             f"tokens")
         inputs = self._inputs_of(bucket)
         inputs.wait_for_upload()
         self._pack(inputs, bucket, kvs, tokens)
