@@ -138,3 +138,21 @@ def test_kernel_needs_a_tile_sized_block(monkeypatch):
     if DEVICE == "cpu":
         monkeypatch.setattr(paged, "KERNEL_ON_CPU", False)
         assert not kernel_runs(q, pool.layer(0), BLOCK)  # the CPU's static step takes torch's attention
+
+
+@pytest.mark.parametrize("window", [0, 21, 37])  # the rows' first keys lie in two blocks
+def test_a_row_gets_the_same_bits_in_a_verify_pass_as_alone(window):
+    """Greedy speculation's exactness on the GPU: a query's result may not depend on the other rows of its pass. Each
+    row of a 3-query verify pass equals, bit for bit, the same query decoded alone at its position (keys are read in
+    tiles at fixed positions, whatever the window's first key of the pass is)."""
+    heads, kv_heads, dim, ctx = 4, 1, 128, 150
+    pool, q, tables, _, _, *_ = make_case(torch.float32, heads, kv_heads, dim, [ctx], [3], 3, seed=5)
+    cache = pool.layer(0)
+    args = dict(cache=cache, block_tables=tables, block_size=BLOCK, scale=dim ** -0.5, window=window)
+    together = paged_attention(q, queries=3, context_lens=torch.tensor([ctx], dtype=torch.int32, device=DEVICE),
+                               query_lens=torch.tensor([3], dtype=torch.int32, device=DEVICE), **args)
+    for i in range(3):
+        alone = paged_attention(q[i:i + 1], queries=1,
+                                context_lens=torch.tensor([ctx - 2 + i], dtype=torch.int32, device=DEVICE),
+                                query_lens=torch.tensor([1], dtype=torch.int32, device=DEVICE), **args)
+        assert torch.equal(alone, together[i:i + 1]), (window, i)

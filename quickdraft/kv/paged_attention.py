@@ -173,7 +173,9 @@ def _kernel():
         if WINDOW > 0:
             first = tl.maximum(tl.min(tl.where(row_ok, last, 1 << 30), 0) - WINDOW + 1, 0)
         offs = tl.arange(0, TILE)  # a tile of TILE // BLOCK_SIZE blocks a step: fewer trips through the loop
-        block = first // BLOCK_SIZE
+        # tiles at fixed positions (multiples of TILE): a row's sums then group its keys the same way in a decode step
+        # and in a verify pass, whose window starts at an earlier key (greedy speculation's exactness)
+        block = first // TILE * (TILE // BLOCK_SIZE)
         blocks = tl.cdiv(end, BLOCK_SIZE)
         # a while loop: Triton's interpreter cannot take a loaded bound in range(); compiled, both are a loop
         while block < blocks:
