@@ -150,3 +150,12 @@ def test_bad_modes_are_refused(target):
         LLM(target, dtype="float32", kv_cache_memory=TINY_KV, launch_ahead="always")
     with pytest.raises(InvalidParameterError, match="needs the target's static step"):
         LLM(target, dtype="float32", kv_cache_memory=TINY_KV, static_step="off", launch_ahead="on")
+
+
+def test_a_request_waiting_for_a_slot_does_not_stop_it(target):
+    """With every running slot taken (max_num_seqs=2, three prompts), the third waits and launch-ahead goes on; the
+    tokens are the usual step's."""
+    prompts = tiny_prompts(64, 3)
+    on, off = make(target, "on", max_num_seqs=2), make(target, "off", max_num_seqs=2)
+    assert tokens_of(on, prompts, GREEDY) == tokens_of(off, prompts, GREEDY)
+    assert on.loaded.engine.ahead.launches >= 70  # about 39 steps of the first two, then 39 of the third

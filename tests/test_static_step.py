@@ -165,10 +165,14 @@ def test_prompt_chunks_on_the_static_step(target, tiny_plain_greedy):
                                 ForwardItem(kvs[2], prompts[2][:20], 3)])
         second = runner.forward([ForwardItem(kvs[0], prompts[0][17:], 2), ForwardItem(kvs[2], prompts[2][20:], 1)])
         assert [len(r) for r in first + second] == [0, 1, 3, 2, 1]
+        kv = SequenceKV()  # a prompt longer than a step's budget: its first pieces want no logits at all
+        assert [len(r) for r in runner.forward([ForwardItem(kv, prompts[0] * 3, 0)])] == [0]
         assert runner.static.forwards == before  # chunks are not the step's decode/verify forwards
-        assert runner.static.chunk_forwards == (2 if on_static else 0)
+        assert runner.static.chunk_forwards == (3 if on_static else 0)
+        logits[on_static, "after"] = runner.forward([ForwardItem(kv, [7], 1)])[0]
         logits[on_static] = torch.cat(first + second)
     assert (logits[True] - logits[False]).abs().max().item() < 1e-4
+    assert (logits[True, "after"] - logits[False, "after"]).abs().max().item() < 1e-4
     for options in ({}, {"speculative": "ngram", "num_speculative_tokens": 3}):
         llm = LLM(target, dtype="float32", kv_cache_memory=TINY_KV, static_step="eager",
                   max_num_batched_tokens=32, **options)

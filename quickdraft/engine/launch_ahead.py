@@ -8,8 +8,8 @@ scheduler. The tokens are the same as without it: step t+1 is the step the host 
 
 A sequence that step t ends (a stop token or string, a cancel, an abort) had step t+1 computed for nothing. That step
 wrote the key of the sequence's last committed token, one position past what the engine otherwise keeps, so the
-cache is never wrong; the blocks go back as usual. Whenever anything else must happen first (a waiting prompt, a
-sequence that needs drafts, a grammar, logprobs or its last token, or KV blocks running short) the step in flight
+cache is never wrong; the blocks go back as usual. Whenever anything else must happen first (a waiting prompt the
+scheduler could start now, a sequence that needs drafts, a grammar, logprobs or its last token, or KV blocks running short) the step in flight
 lands: it is read and committed without launching another, and the engine's usual step runs next.
 """
 from __future__ import annotations
@@ -95,11 +95,18 @@ class LaunchAhead:
         """Every sequence may have its next step queued before its current token is read, the static step has the
         bucket, and the free KV blocks hold ``positions`` more positions of each (the forwards not yet queued)."""
         engine, target = self.engine, self.engine.target
-        if not (self.enabled and seqs and engine.drafter is None and not engine.scheduler.waiting
+        if not (self.enabled and seqs and engine.drafter is None and not self._admits_waiting()
                 and target.launches_ahead(len(seqs)) and all(self._takes(seq) for seq in seqs)):
             return False
         need = sum(target.blocks_for(seq.kv["target"], seq.kv["target"].num_cached + positions) for seq in seqs)
         return need <= target.allocator.num_free
+
+    def _admits_waiting(self) -> bool:
+        """A request waits and the scheduler could take it now (a free running slot): the step in flight lands so the
+        next one schedules it. While every slot is taken a waiting request cannot start anyway, and launching ahead
+        goes on."""
+        scheduler = self.engine.scheduler
+        return bool(scheduler.waiting) and len(scheduler.running) < scheduler.config.max_num_seqs
 
     def _takes(self, seq: Sequence) -> bool:
         """Its token is decided on the device from the raw step alone, and it has room for one more after it."""

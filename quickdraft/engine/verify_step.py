@@ -40,6 +40,8 @@ def launch(picked: list[tuple[Sequence, torch.Tensor, Proposal]], isolated: Isol
     decisions = Decisions()
     sampled: list[tuple[Sequence, torch.Tensor, Proposal]] = []
     for seq, rows, proposal in picked:
+        if seq.finished:  # ended earlier in this step (a sibling sample's failure): nothing more to decide
+            continue
         if not seq.params.greedy:
             sampled.append((seq, rows, proposal))
         elif rows.device.type == "cpu" and host_greedy:
@@ -100,7 +102,7 @@ class Decisions:
         self._host = torch.empty(self.values.shape, dtype=self.values.dtype, pin_memory=True)
         self._host.copy_(self.values, non_blocking=True)
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.values.device))  # the copy's stream, on its device
 
     def read(self, isolated: Isolated) -> dict[int, tuple[int, int]]:
         """(accepted drafts, next token) per ``id(seq)``, as ``decide`` returns them."""

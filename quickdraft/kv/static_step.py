@@ -63,8 +63,8 @@ class _Inputs:
 
     def upload(self) -> None:
         self.device.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        if self.copied is not None:  # on the stream of the copy: the device's, which need not be the current one
+            self.copied.record(torch.cuda.current_stream(self.device.device))
 
     def wait_for_upload(self) -> None:
         if self.copied is not None:
@@ -226,7 +226,8 @@ class StaticStep:
         inputs.upload()
         rows = [b * bucket.queries + i for b, (chunk, n) in enumerate(zip(tokens, num_logits))
                 for i in range(len(chunk) - n, len(chunk))]
-        logits = self._forward(bucket, inputs, logit_columns, to_device(torch.tensor(rows), self.device))
+        logits = self._forward(bucket, inputs, logit_columns, to_device(torch.tensor(rows, dtype=torch.long),
+                                                                        self.device))
         self.chunk_forwards += 1
         out, start = [], 0
         for n in num_logits:
@@ -240,6 +241,8 @@ class StaticStep:
         views = inputs.views(inputs.device)
         attn = StaticAttention(self.pool, views, bucket.queries, self.end)
         hidden = self.model(views["tokens"], attn, num_layers=self.num_layers)
+        if rows is not None and not len(rows):  # prompt pieces before a prompt's last: no row wants logits
+            return hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
         logits = self.model.logits(hidden if rows is None else hidden[rows])
         if logit_columns < logits.shape[1]:
             logits[:, logit_columns:] = float("-inf")
