@@ -86,21 +86,26 @@ CASES = {  # name: (heads, kv_heads, dim, contexts, query_lens, queries, window)
     # 128-wide heads: the kernel reads 32 keys (two blocks) a trip; several trips, a last one past the used blocks
     "long": (8, 2, 128, [150, 33, 16], [1, 2, 1], 2, 0),
     "long-window": (4, 1, 128, [200, 45], [3, 1], 3, 40),
+    # longer than DECODE_SPLITS tiles: each split program reads several tiles, a window's first in any of them
+    "very-long": (4, 2, 128, [600, 300], [2, 1], 2, 0),
+    "very-long-window": (4, 1, 128, [700, 500], [3, 2], 3, 300),
 }
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.int8: 2e-5}
 
 
-@pytest.mark.parametrize("impl", ["kernel", "torch"])
+@pytest.mark.parametrize("impl", ["kernel", "kernel-split", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["f32", "bf16", "int8"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_equals_float64_reference(case, dtype, impl):
+    """``kernel-split``: the decode steps' kernel, each row's key tiles spread over DECODE_SPLITS programs and merged."""
     heads, kv_heads, dim, contexts, query_lens, queries, window = CASES[case]
     pool, q, tables, ctx, qlens, keys, values = make_case(dtype, heads, kv_heads, dim, contexts, query_lens, queries)
     scale = dim ** -0.5
     cache = pool.layer(0)
-    if impl == "kernel":
+    if impl.startswith("kernel"):
         assert kernel_runs(q, cache, BLOCK)
-        out = paged_attention(q, cache, tables, ctx, qlens, queries, BLOCK, scale, window)
+        splits = paged.DECODE_SPLITS if impl == "kernel-split" else 1
+        out = paged_attention(q, cache, tables, ctx, qlens, queries, BLOCK, scale, window, splits=splits)
     else:
         out = paged_attention_torch(q, cache, tables, ctx, qlens, queries, BLOCK, scale, window)
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -110,14 +115,15 @@ def test_equals_float64_reference(case, dtype, impl):
     assert (out.double().cpu() - want).abs().max().item() < tolerance
 
 
-@pytest.mark.parametrize("case", ["decode", "long", "long-window"])
-def test_what_no_sequence_wrote_never_enters(case):
+@pytest.mark.parametrize("splits", [1, 8])
+@pytest.mark.parametrize("case", ["decode", "long", "long-window", "padding"])
+def test_what_no_sequence_wrote_never_enters(case, splits):
     """Slots past a sequence's keys in its last block, and blocks past its table's used ones in the kernel's last tile,
     hold NaN here: they are never read into the result."""
     heads, kv_heads, dim, contexts, query_lens, queries, window = CASES[case]
     pool, q, tables, ctx, qlens, keys, values = make_case(torch.float32, heads, kv_heads, dim, contexts, query_lens,
                                                           queries, unwritten=float("nan"))
-    out = paged_attention(q, pool.layer(0), tables, ctx, qlens, queries, BLOCK, dim ** -0.5, window)
+    out = paged_attention(q, pool.layer(0), tables, ctx, qlens, queries, BLOCK, dim ** -0.5, window, splits=splits)
     want = reference(q, keys, values, contexts, query_lens, queries, dim ** -0.5, window)
     assert (out.double().cpu() - want).abs().max().item() < 2e-5
 
@@ -140,15 +146,16 @@ def test_kernel_needs_a_tile_sized_block(monkeypatch):
         assert not kernel_runs(q, pool.layer(0), BLOCK)  # the CPU's static step takes torch's attention
 
 
+@pytest.mark.parametrize("splits", [1, 8])
 @pytest.mark.parametrize("window", [0, 21, 37])  # the rows' first keys lie in two blocks
-def test_a_row_gets_the_same_bits_in_a_verify_pass_as_alone(window):
+def test_a_row_gets_the_same_bits_in_a_verify_pass_as_alone(window, splits):
     """Greedy speculation's exactness on the GPU: a query's result may not depend on the other rows of its pass. Each
     row of a 3-query verify pass equals, bit for bit, the same query decoded alone at its position (keys are read in
-    tiles at fixed positions, whatever the window's first key of the pass is)."""
+    tiles at fixed positions, whatever the window's first key of the pass is, and split the same way)."""
     heads, kv_heads, dim, ctx = 4, 1, 128, 150
     pool, q, tables, _, _, *_ = make_case(torch.float32, heads, kv_heads, dim, [ctx], [3], 3, seed=5)
     cache = pool.layer(0)
-    args = dict(cache=cache, block_tables=tables, block_size=BLOCK, scale=dim ** -0.5, window=window)
+    args = dict(cache=cache, block_tables=tables, block_size=BLOCK, scale=dim ** -0.5, window=window, splits=splits)
     together = paged_attention(q, queries=3, context_lens=torch.tensor([ctx], dtype=torch.int32, device=DEVICE),
                                query_lens=torch.tensor([3], dtype=torch.int32, device=DEVICE), **args)
     for i in range(3):
@@ -156,3 +163,9 @@ def test_a_row_gets_the_same_bits_in_a_verify_pass_as_alone(window):
                                 context_lens=torch.tensor([ctx - 2 + i], dtype=torch.int32, device=DEVICE),
                                 query_lens=torch.tensor([1], dtype=torch.int32, device=DEVICE), **args)
         assert torch.equal(alone, together[i:i + 1]), (window, i)
+
+
+def test_splits_must_be_a_power_of_two():
+    pool, q, tables, ctx, qlens, *_ = make_case(torch.float32, 2, 1, 32, [4], [1], 1)
+    with pytest.raises(ValueError, match="splits must be a power of two, got 3"):
+        paged_attention(q, pool.layer(0), tables, ctx, qlens, 1, BLOCK, 0.2, splits=3)

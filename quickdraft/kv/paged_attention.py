@@ -4,7 +4,9 @@ pass) attend to its context, read in place through its block table.
 This is the attention of the graph-ready step (``static_step.py``). Its shapes depend only on the step's bucket
 (sequences x queries per sequence) and the block table's width, and it reads nothing back to the host, so a CUDA
 graph can capture it. The same math has two implementations:
-- ``triton``: one program per (sequence, key/value head, 16 query rows). The query heads that share a key/value head
+- ``triton``: one program per (sequence, key/value head, 16 query rows), or ``splits`` of them in a decode step or
+  verify pass, each reading every ``splits``-th tile of keys, merged by a second kernel (flash-decoding: a
+  layer's few rows would otherwise keep two or three programs busy). The query heads that share a key/value head
   (GQA) and all k+1 queries of a verify pass read each key block once, straight from the pool, in its format
   (float, or int8 with a scale per ``SCALE_GROUP`` values), and compute in float32: a decode step's attention is
   bound by the bytes it reads, not by its arithmetic (and the interpreter's bfloat16 ``tl.dot`` is wrong). It runs
@@ -39,6 +41,9 @@ BLOCK_M = 16  # query rows per program: tl.dot's smallest tile
 # 128-wide one): each trip waits for its block numbers, then its keys, so a decode step's short loop over 16-key
 # blocks was bound by those waits (about 14 us a layer on an H100 at 128-wide heads), not by the bytes.
 TILE_VALUES = 4096
+# Programs per group of rows in a decode step or verify pass (flash-decoding): a 1.5B model's decode has two key/value
+# heads, so without splitting two programs read a layer's whole context one after the other.
+DECODE_SPLITS = 8
 # Run the kernel on CPU tensors too, in Triton's interpreter (tests set it; Triton must have been first imported
 # with TRITON_INTERPRET=1, since Triton reads it once: torch imports Triton itself when it is installed).
 KERNEL_ON_CPU = False
@@ -69,13 +74,19 @@ def query_last_keys(context_lens: torch.Tensor, query_lens: torch.Tensor, querie
 
 def paged_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int = 0,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, splits: int = 1) -> torch.Tensor:
     """q ``[B * queries, H, D]`` (rows of a sequence consecutive); block_tables ``[B, width]``; context_lens,
     query_lens ``[B]``. Returns ``[B * queries, H, D]`` in q's dtype. ``window`` 0: every earlier key. ``sinks``
     [H] (gpt-oss's attention sinks) take the torch path: a mixture of experts, the one family with them, runs
-    its static step eagerly."""
+    its static step eagerly. ``splits`` (a power of two, the kernel only): programs per group of rows, each reading
+    every ``splits``-th tile of keys, merged after (flash-decoding): a decode step's few rows then keep more of the
+    GPU busy. A row's result depends on ``splits``, so every forward that must give a row's bits alike (decode steps
+    and verify passes) passes the same value (``DECODE_SPLITS``)."""
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
     if sinks is None and kernel_runs(q, cache, block_size):
-        return _triton_attention(q, cache, block_tables, context_lens, query_lens, queries, block_size, scale, window)
+        return _triton_attention(q, cache, block_tables, context_lens, query_lens, queries, block_size, scale, window,
+                                 splits)
     return paged_attention_torch(q, cache, block_tables, context_lens, query_lens, queries, block_size, scale, window,
                                  sinks)
 
@@ -113,8 +124,8 @@ def paged_attention_torch(q: torch.Tensor, cache: CacheLayer, block_tables: torc
 
 
 def _triton_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                      query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int
-                      ) -> torch.Tensor:
+                      query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int,
+                      splits: int) -> torch.Tensor:
     tokens, heads, dim = q.shape
     kv_heads = cache.k.shape[1]
     group = heads // kv_heads
@@ -122,17 +133,24 @@ def _triton_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Te
     out = torch.empty_like(q)
     quantized = cache.k_scale is not None
     scales = (cache.k_scale, cache.v_scale) if quantized else (cache.k, cache.v)  # unread placeholders
+    block_d = max(16, 1 << (dim - 1).bit_length())
+    # each split's share of every row (running max and sum, weighted values), merged by the combine kernel
+    parts = (torch.empty(tokens, heads, splits, block_d, dtype=torch.float32, device=q.device),
+             torch.empty(tokens, heads, splits, 2, dtype=torch.float32, device=q.device)) if splits > 1 else (out, out)
     # the rows per sequence are an argument, not a constant: prompt chunks of every length (static_step.run_chunks)
     # share the kernel compiled for decode and verify steps (Triton specializes an int only on 1 and multiples of 16)
-    grid = (batch, kv_heads, -(-queries * group // BLOCK_M))
-    block_d = max(16, 1 << (dim - 1).bit_length())
-    _kernel()[grid](
+    grid = (batch, kv_heads, -(-queries * group // BLOCK_M) * splits)
+    attend = _kernel()
+    attend[grid](
         q, cache.k, cache.v, scales[0], scales[1], out, block_tables, context_lens, query_lens,
         q.stride(0), q.stride(1), cache.k.stride(0), cache.k.stride(1), scales[0].stride(0), scales[0].stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0), scale, queries,
+        out.stride(0), out.stride(1), block_tables.stride(0), scale, queries, parts[0], parts[1], heads,
         GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         TILE=max(block_size, TILE_VALUES // block_d), BLOCK_M=BLOCK_M, WINDOW=window, INT8=quantized,
-        SCALE_GROUP=KV_SCALE_GROUP)
+        SCALE_GROUP=KV_SCALE_GROUP, SPLITS=splits)
+    if splits > 1:
+        _combine_kernel()[(tokens, heads)](parts[0], parts[1], out, out.stride(0), out.stride(1), heads, HEAD_DIM=dim,
+                                 BLOCK_D=block_d, SPLITS=splits)
     return out
 
 
@@ -147,13 +165,15 @@ def _kernel():
     @triton.jit
     def paged_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tables_ptr, ctx_ptr, qlen_ptr,
                                stride_qt, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_ot, stride_oh,
-                               stride_table, scale, queries,
+                               stride_table, scale, queries, part_acc_ptr, part_ml_ptr, HEADS,
                                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                               BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, INT8: tl.constexpr, SCALE_GROUP: tl.constexpr):
+                               BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, INT8: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                               SPLITS: tl.constexpr):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
-        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        split = tl.program_id(2) % SPLITS
+        m = tl.program_id(2) // SPLITS * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = m < queries * GROUP
         query = m // GROUP
         head = kv_head * GROUP + m % GROUP
@@ -174,8 +194,11 @@ def _kernel():
             first = tl.maximum(tl.min(tl.where(row_ok, last, 1 << 30), 0) - WINDOW + 1, 0)
         offs = tl.arange(0, TILE)  # a tile of TILE // BLOCK_SIZE blocks a step: fewer trips through the loop
         # tiles at fixed positions (multiples of TILE): a row's sums then group its keys the same way in a decode step
-        # and in a verify pass, whose window starts at an earlier key (greedy speculation's exactness)
-        block = first // TILE * (TILE // BLOCK_SIZE)
+        # and in a verify pass, whose window starts at an earlier key (greedy speculation's exactness). With SPLITS
+        # programs per rows, this one takes every SPLITS-th tile, from the first whose number is ``split`` mod SPLITS
+        tile = first // TILE
+        tile += (split - tile % SPLITS + SPLITS) % SPLITS
+        block = tile * (TILE // BLOCK_SIZE)
         blocks = tl.cdiv(end, BLOCK_SIZE)
         # a while loop: Triton's interpreter cannot take a loaded bound in range(); compiled, both are a loop
         while block < blocks:
@@ -207,9 +230,40 @@ def _kernel():
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m_i = m_new
-            block += TILE // BLOCK_SIZE
-        o = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            block += SPLITS * (TILE // BLOCK_SIZE)
+        if SPLITS == 1:
+            o = acc / tl.maximum(l_i, 1e-30)[:, None]
+            tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        else:  # this split's share of each row: its running max, sum and weighted values, merged by combine_kernel
+            at = (token * HEADS + head) * SPLITS + split
+            tl.store(part_ml_ptr + at * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
 
     return paged_attention_kernel
+
+
+@functools.cache
+def _combine_kernel():
+    """The kernel that merges a split decode's shares of each row (defined on first use, as ``_kernel``)."""
+    _kernel()  # Triton imported, ``tl`` among the globals
+
+    @triton.jit
+    def combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, HEADS, HEAD_DIM: tl.constexpr,
+                       BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+        # one (token, head): its splits merged by their maxima, in one fixed order (log-sum-exp). A split that saw
+        # none of the row's keys holds (-1e30, 0, 0) and adds exact zeros; a row that saw no key at all gives zeros
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        at = (token * HEADS + head) * SPLITS + tl.arange(0, SPLITS)
+        d = tl.arange(0, BLOCK_D)
+        m = tl.load(part_ml_ptr + at * 2)
+        weight = tl.exp(m - tl.max(m, 0))
+        total = tl.sum(weight * tl.load(part_ml_ptr + at * 2 + 1), 0)
+        acc = tl.sum(weight[:, None] * tl.load(part_acc_ptr + at[:, None] * BLOCK_D + d[None, :]), 0)
+        o = acc / tl.maximum(total, 1e-30)
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty),
+                 mask=d < HEAD_DIM)
+
+    return combine_kernel

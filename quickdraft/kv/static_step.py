@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.kv.blocks import SequenceKV
-from quickdraft.kv.paged_attention import paged_attention
+from quickdraft.kv.paged_attention import DECODE_SPLITS, paged_attention
 from quickdraft.kv.pool import KVPool
 from quickdraft.models import Transformer
 from quickdraft.sampling.sampler import to_device
@@ -83,8 +83,8 @@ class StaticAttention:
     """What the model sees of a static step (the model's ``Attention`` protocol): the new keys go to their slots,
     each sequence's queries attend through its block table."""
 
-    def __init__(self, pool: KVPool, inputs: dict[str, torch.Tensor], queries: int, end: int) -> None:
-        self.pool, self.queries, self.end = pool, queries, end
+    def __init__(self, pool: KVPool, inputs: dict[str, torch.Tensor], queries: int, end: int, splits: int) -> None:
+        self.pool, self.queries, self.end, self.splits = pool, queries, end, splits
         self.positions = inputs["positions"][:]  # a new view per forward: RoPE caches its rows by tensor identity
         self.slots, self.tables = inputs["slots"], inputs["tables"]
         self.context_lens, self.query_lens = inputs["context_lens"], inputs["query_lens"]
@@ -94,7 +94,7 @@ class StaticAttention:
         self.pool.write(layer, self.slots, k, v)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return paged_attention(q, self.pool.layer(layer), self.tables, self.context_lens, self.query_lens,
-                               self.queries, self.pool.block_size, scale, window or 0, sinks)
+                               self.queries, self.pool.block_size, scale, window or 0, sinks, self.splits)
 
     def single_tokens(self, layer: int) -> None:
         return None  # the CPU's fused C layers are not part of this path
@@ -237,9 +237,11 @@ class StaticStep:
 
     def _forward(self, bucket: Bucket, inputs: _Inputs, logit_columns: int, rows: torch.Tensor | None = None
                  ) -> torch.Tensor:
-        """The forward over the bucket's packed inputs: float32 logits of every row, or of ``rows`` only."""
+        """The forward over the bucket's packed inputs: float32 logits of every row (a decode step or verify pass,
+        whose attention splits each row's keys over ``DECODE_SPLITS`` programs), or of ``rows`` only (prompt chunks:
+        many rows, one program each)."""
         views = inputs.views(inputs.device)
-        attn = StaticAttention(self.pool, views, bucket.queries, self.end)
+        attn = StaticAttention(self.pool, views, bucket.queries, self.end, DECODE_SPLITS if rows is None else 1)
         hidden = self.model(views["tokens"], attn, num_layers=self.num_layers)
         if rows is not None and not len(rows):  # prompt pieces before a prompt's last: no row wants logits
             return hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
