@@ -2,8 +2,8 @@
 # Every GPU check of the CUDA path in one run, sized for a lent H100/H200 (under 10 minutes): the CUDA tests (graph
 # replay against eager at every bucket, speculation against plain, the paged attention kernel against float64,
 # launch-ahead against the step without it), then bench/cuda_decode.py on the three real shapes (launch-ahead on and
-# off, HF transformers at batch 1, the kernels of a batch-1 step, and the 7B with int4 weights on Triton's kernel:
-# int8 was timed on an H200 already, `--quantized int4,int8` times both). Results go to $OUT (the device tool's folder) or
+# off, HF transformers at batch 1, the kernels of a batch-1 step; int8 and int4 weights were timed on the 7B in
+# earlier runs, `--quantized int4,int8` times them again). Results go to $OUT (the device tool's folder) or
 # bench/results/gpu_check. Missing packages travel as wheels in .whl/ (the GPU image lacks gguf:
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0`); .whl/ is ignored by git,
 # so the device tool must carry it (carry=[".whl"]), and the run needs a timeout of about 590 s.
@@ -24,8 +24,11 @@ timeout 200 python3 -m pytest -q -rs tests/test_cuda.py tests/test_paged_attenti
     tests/test_triton_linear.py tests/test_triton_ops.py \
     2>&1 | tee "$OUT/tests.txt"
 echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
-timeout 370 python3 bench/cuda_decode.py ${1:+--shapes "$1"} --hf-batches 1 --quantized int4 --profile --kernels \
+timeout 370 python3 bench/cuda_decode.py ${1:+--shapes "$1"} --hf-batches 1 --profile --kernels \
     --name gpu_check_decode 2>&1 | tee "$OUT/bench.txt"
-cp bench/results/gpu_check_decode.json bench/results/gpu_check_decode_profile_*.txt \
-    bench/results/gpu_check_decode_kernels_*.txt "$OUT/" 2>/dev/null
+cp bench/results/gpu_check_decode.json "$OUT/" 2>/dev/null
+# the device tool brings back at most eight files: the profiles and kernel tables travel as one
+for f in bench/results/gpu_check_decode_profile_*.txt bench/results/gpu_check_decode_kernels_*.txt; do
+    [ -f "$f" ] && { echo "=== $f"; cat "$f"; }
+done > "$OUT/details.txt"
 echo "total: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
