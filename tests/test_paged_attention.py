@@ -86,7 +86,7 @@ CASES = {  # name: (heads, kv_heads, dim, contexts, query_lens, queries, window)
     # 128-wide heads: the kernel reads 32 keys (two blocks) a trip; several trips, a last one past the used blocks
     "long": (8, 2, 128, [150, 33, 16], [1, 2, 1], 2, 0),
     "long-window": (4, 1, 128, [200, 45], [3, 1], 3, 40),
-    # longer than DECODE_SPLITS tiles: each split program reads several tiles, a window's first in any of them
+    # longer than KEY_SPLITS tiles: each split program reads several tiles, a window's first in any of them
     "very-long": (4, 2, 128, [600, 300], [2, 1], 2, 0),
     "very-long-window": (4, 1, 128, [700, 500], [3, 2], 3, 300),
 }
@@ -97,14 +97,14 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.int8: 2e-5}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["f32", "bf16", "int8"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_equals_float64_reference(case, dtype, impl):
-    """``kernel-split``: the decode steps' kernel, each row's key tiles spread over DECODE_SPLITS programs and merged."""
+    """``kernel-split``: the decode steps' kernel, each row's key tiles spread over KEY_SPLITS programs and merged."""
     heads, kv_heads, dim, contexts, query_lens, queries, window = CASES[case]
     pool, q, tables, ctx, qlens, keys, values = make_case(dtype, heads, kv_heads, dim, contexts, query_lens, queries)
     scale = dim ** -0.5
     cache = pool.layer(0)
     if impl.startswith("kernel"):
         assert kernel_runs(q, cache, BLOCK)
-        splits = paged.DECODE_SPLITS if impl == "kernel-split" else 1
+        splits = paged.KEY_SPLITS if impl == "kernel-split" else 1
         out = paged_attention(q, cache, tables, ctx, qlens, queries, BLOCK, scale, window, splits=splits)
     else:
         out = paged_attention_torch(q, cache, tables, ctx, qlens, queries, BLOCK, scale, window)
@@ -147,12 +147,13 @@ def test_kernel_needs_a_tile_sized_block(monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [1, 8])
-@pytest.mark.parametrize("window", [0, 21, 37])  # the rows' first keys lie in two blocks
-def test_a_row_gets_the_same_bits_in_a_verify_pass_as_alone(window, splits):
+@pytest.mark.parametrize("window,ctx", [(0, 150), (21, 150), (37, 150), (0, 600), (301, 700)])
+def test_a_row_gets_the_same_bits_in_a_verify_pass_as_alone(window, ctx, splits):
     """Greedy speculation's exactness on the GPU: a query's result may not depend on the other rows of its pass. Each
     row of a 3-query verify pass equals, bit for bit, the same query decoded alone at its position (keys are read in
-    tiles at fixed positions, whatever the window's first key of the pass is, and split the same way)."""
-    heads, kv_heads, dim, ctx = 4, 1, 128, 150
+    tiles at fixed positions, whatever the window's first key of the pass is, and split the same way). The windows
+    put the rows' first keys in two blocks; 600-700 keys give each split several tiles."""
+    heads, kv_heads, dim = 4, 1, 128
     pool, q, tables, _, _, *_ = make_case(torch.float32, heads, kv_heads, dim, [ctx], [3], 3, seed=5)
     cache = pool.layer(0)
     args = dict(cache=cache, block_tables=tables, block_size=BLOCK, scale=dim ** -0.5, window=window, splits=splits)

@@ -4,9 +4,9 @@ pass) attend to its context, read in place through its block table.
 This is the attention of the graph-ready step (``static_step.py``). Its shapes depend only on the step's bucket
 (sequences x queries per sequence) and the block table's width, and it reads nothing back to the host, so a CUDA
 graph can capture it. The same math has two implementations:
-- ``triton``: one program per (sequence, key/value head, 16 query rows), or ``splits`` of them in a decode step or
-  verify pass, each reading every ``splits``-th tile of keys, merged by a second kernel (flash-decoding: a
-  layer's few rows would otherwise keep two or three programs busy). The query heads that share a key/value head
+- ``triton``: ``splits`` programs per (sequence, key/value head, 16 query rows), each reading every ``splits``-th
+  tile of keys, merged by a second kernel (flash-decoding: a decode step's few rows would otherwise keep two or
+  three programs busy). The query heads that share a key/value head
   (GQA) and all k+1 queries of a verify pass read each key block once, straight from the pool, in its format
   (float, or int8 with a scale per ``SCALE_GROUP`` values), and compute in float32: a decode step's attention is
   bound by the bytes it reads, not by its arithmetic (and the interpreter's bfloat16 ``tl.dot`` is wrong). It runs
@@ -41,9 +41,10 @@ BLOCK_M = 16  # query rows per program: tl.dot's smallest tile
 # 128-wide one): each trip waits for its block numbers, then its keys, so a decode step's short loop over 16-key
 # blocks was bound by those waits (about 14 us a layer on an H100 at 128-wide heads), not by the bytes.
 TILE_VALUES = 4096
-# Programs per group of rows in a decode step or verify pass (flash-decoding): a 1.5B model's decode has two key/value
-# heads, so without splitting two programs read a layer's whole context one after the other.
-DECODE_SPLITS = 8
+# Programs per group of rows of the static step (flash-decoding): a 1.5B model's decode has two key/value heads, so
+# without splitting two programs read a layer's whole context one after the other. Every forward that must give a
+# row the same bits (decode steps, verify passes, prompt chunks with drafts beside them) uses this one value.
+KEY_SPLITS = 8
 # Run the kernel on CPU tensors too, in Triton's interpreter (tests set it; Triton must have been first imported
 # with TRITON_INTERPRET=1, since Triton reads it once: torch imports Triton itself when it is installed).
 KERNEL_ON_CPU = False
@@ -80,8 +81,8 @@ def paged_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tens
     [H] (gpt-oss's attention sinks) take the torch path: a mixture of experts, the one family with them, runs
     its static step eagerly. ``splits`` (a power of two, the kernel only): programs per group of rows, each reading
     every ``splits``-th tile of keys, merged after (flash-decoding): a decode step's few rows then keep more of the
-    GPU busy. A row's result depends on ``splits``, so every forward that must give a row's bits alike (decode steps
-    and verify passes) passes the same value (``DECODE_SPLITS``)."""
+    GPU busy. A row's result depends on ``splits``, so every forward that must give a row's bits alike (the static
+    step's decode steps, verify passes and prompt chunks) passes the same value (``KEY_SPLITS``)."""
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two, got {splits}")
     if sinks is None and kernel_runs(q, cache, block_size):

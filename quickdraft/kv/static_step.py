@@ -21,13 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.kv.blocks import SequenceKV
-from quickdraft.kv.paged_attention import DECODE_SPLITS, paged_attention
+from quickdraft.kv.paged_attention import KEY_SPLITS, paged_attention
 from quickdraft.kv.pool import KVPool
 from quickdraft.models import Transformer
 from quickdraft.sampling.sampler import to_device
 
 
 MAX_CHUNK = 512  # the longest prompt chunk run_chunks takes (the scheduler's default token budget)
+MAX_CHUNK_ROWS = 1024  # the most rows, padding included, of a run_chunks forward (a default budget's, padded)
 
 
 def buckets_up_to(limit: int) -> list[int]:
@@ -204,12 +205,13 @@ class StaticStep:
     def chunk_bucket(self, lengths: list[int]) -> Bucket | None:
         """The bucket ``run_chunks`` pads prompt chunks of ``lengths`` tokens to: a sequence bucket and the longest
         chunk rounded up to a power of two (so a few shapes serve every batch); None where a chunk is longer than
-        ``MAX_CHUNK`` or padding would be more than half the rows."""
+        ``MAX_CHUNK``, padding would be more than half the rows, or the rows are more than ``MAX_CHUNK_ROWS`` (the
+        attention's split buffers grow with them)."""
         seqs = next((s for s in self.seq_sizes if s >= len(lengths)), None)
         if not lengths or seqs is None or not 0 < max(lengths) <= MAX_CHUNK or min(lengths) < 1:
             return None
         bucket = Bucket(seqs, 1 << (max(lengths) - 1).bit_length())
-        return bucket if bucket.rows <= 2 * sum(lengths) else None
+        return bucket if bucket.rows <= min(2 * sum(lengths), MAX_CHUNK_ROWS) else None
 
     def run_chunks(self, kvs: list[SequenceKV], tokens: list[list[int]], num_logits: list[int],
                    logit_columns: int) -> list[torch.Tensor]:
@@ -237,11 +239,11 @@ class StaticStep:
 
     def _forward(self, bucket: Bucket, inputs: _Inputs, logit_columns: int, rows: torch.Tensor | None = None
                  ) -> torch.Tensor:
-        """The forward over the bucket's packed inputs: float32 logits of every row (a decode step or verify pass,
-        whose attention splits each row's keys over ``DECODE_SPLITS`` programs), or of ``rows`` only (prompt chunks:
-        many rows, one program each)."""
+        """The forward over the bucket's packed inputs: float32 logits of every row, or of ``rows`` only. Every row's
+        attention splits its keys the same way (``KEY_SPLITS``), prompt chunks' too: a draft verified beside the
+        last prompt chunk must get the bits it gets as a decode step."""
         views = inputs.views(inputs.device)
-        attn = StaticAttention(self.pool, views, bucket.queries, self.end, DECODE_SPLITS if rows is None else 1)
+        attn = StaticAttention(self.pool, views, bucket.queries, self.end, KEY_SPLITS)
         hidden = self.model(views["tokens"], attn, num_layers=self.num_layers)
         if rows is not None and not len(rows):  # prompt pieces before a prompt's last: no row wants logits
             return hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
