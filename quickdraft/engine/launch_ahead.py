@@ -50,6 +50,8 @@ class LaunchAhead:
 
     def starts(self, scheduled: list[tuple[Sequence, int]]) -> bool:
         """Whether this step (scheduled by the engine, nothing in flight) runs launching ahead."""
+        if not self.enabled:  # the CPU's step (auto) asks nothing more
+            return False
         seqs = [seq for seq, _ in scheduled]
         return (all(chunk == 1 and seq.kv["target"].num_cached + 1 == seq.num_tokens for seq, chunk in scheduled)
                 and self._may_launch(seqs, positions=2))
