@@ -1,5 +1,5 @@
 """The CUDA path (``device="cuda"``: float weights; decode and verify forwards replay CUDA graphs captured at load, with
-the Triton paged attention kernel; prompts run eagerly with torch's SDPA), where a GPU is present (skipped elsewhere,
+the Triton paged attention kernel; prompt chunks run the same kernels eagerly), where a GPU is present (skipped elsewhere,
 e.g. on CI): graph replay gives the eager static step's logits bit for bit at every bucket, greedy speculation gives
 plain greedy's tokens, batching changes no sequence's tokens, a seeded request repeats, and a float32 model gives the
 CPU's tokens. Real weights: $QUICKDRAFT_TEST_GGUF or the packaged SmolLM2. bench/gpu_check.sh runs this file."""

@@ -1,8 +1,9 @@
 """The graph-ready step: a decode or verify forward over static buffers, replayed as a CUDA graph on a GPU.
 
 A forward fits a bucket when every sequence brings 1..Q new tokens that all need logits: decode steps (one token)
-and verify passes (the pending token and k drafts). A prompt chunk takes the dynamic path (``AttentionBatch``). The
-bucket is (B sequences, Q queries each), the smallest that holds the batch. Its inputs (token ids, positions, cache
+and verify passes (the pending token and k drafts). The bucket is (B sequences, Q queries each), the smallest that
+holds the batch. Prompt chunks take the dynamic path (``AttentionBatch``), or on a GPU the same forward run eagerly
+in a bucket of their own (``run_chunks``). Its inputs (token ids, positions, cache
 slots, block tables, context and query lengths) are packed on the host into one int64 tensor and reach the device in
 one copy. The forward reads them from static buffers, attends with ``paged_attention`` (which reads the block tables
 on the device), and writes float32 logits into a static output: nothing in it reads back to the host.
