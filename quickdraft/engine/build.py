@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from quickdraft.engine.engine import EngineConfig, LLMEngine
-from quickdraft.engine.launch_ahead import LAUNCH_AHEAD_MODES
+from quickdraft.engine.launch_ahead import check_launch_ahead
 from quickdraft.engine.memory import KVNeed, MemoryPlan, fmt_bytes, parse_size, plan_memory, return_freed_heap
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.threads import check_threads
@@ -81,9 +81,7 @@ class EngineOptions:
             parse_size(self.max_memory, "max_memory")
         check_kv_cache_dtype(self.kv_cache_dtype)
         self.runner_options()  # a bad static_step fails before anything is loaded
-        if self.launch_ahead not in LAUNCH_AHEAD_MODES:
-            raise InvalidParameterError(f"launch_ahead must be one of {', '.join(LAUNCH_AHEAD_MODES)}, "
-                                        f"got {self.launch_ahead!r}")
+        check_launch_ahead(self.launch_ahead)  # before anything is loaded
         if self.draft is not None and self.speculative not in (None, "suffix"):
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both "
                                         "(speculative='suffix' may take a draft model beside it)")

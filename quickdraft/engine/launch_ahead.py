@@ -31,12 +31,16 @@ if TYPE_CHECKING:
 LAUNCH_AHEAD_MODES = ("auto", "on", "off")
 
 
+def check_launch_ahead(mode: str) -> None:
+    if mode not in LAUNCH_AHEAD_MODES:
+        raise InvalidParameterError(f"launch_ahead must be one of {', '.join(LAUNCH_AHEAD_MODES)}, got {mode!r}")
+
+
 class LaunchAhead:
     """The engine's launch-ahead state: the forward in flight (its sequences and their logits rows, unread)."""
 
     def __init__(self, engine: LLMEngine, mode: str) -> None:
-        if mode not in LAUNCH_AHEAD_MODES:
-            raise InvalidParameterError(f"launch_ahead must be one of {', '.join(LAUNCH_AHEAD_MODES)}, got {mode!r}")
+        check_launch_ahead(mode)
         static = engine.target.static
         if mode == "on" and static is None:
             raise InvalidParameterError("launch_ahead='on' needs the target's static step (static_step='graphs' or "

@@ -157,10 +157,7 @@ class StaticStep:
         if device_tokens is not None and (bucket.queries != 1 or device_tokens.shape != (len(tokens),)):
             raise ValueError(f"device_tokens must hold one token per sequence, got {tuple(device_tokens.shape)} for "
                              f"{len(tokens)} sequences of up to {bucket.queries} tokens")
-        inputs = self._inputs_of(bucket)
-        inputs.wait_for_upload()
-        self._pack(inputs, bucket, kvs, tokens)
-        inputs.upload()
+        inputs = self._load(bucket, kvs, tokens)
         if device_tokens is not None:
             inputs.views(inputs.device)["tokens"][:len(tokens)].copy_(device_tokens)
         if self.graphs:
@@ -178,6 +175,15 @@ class StaticStep:
         if bucket not in self._inputs:
             self._inputs[bucket] = _Inputs(bucket, self.width, self.device)
         return self._inputs[bucket]
+
+    def _load(self, bucket: Bucket, kvs: list[SequenceKV], tokens: list[list[int]]) -> _Inputs:
+        """The bucket's inputs packed for this forward and on their way to the device (the host tensor rewritten
+        only once its previous copy is done)."""
+        inputs = self._inputs_of(bucket)
+        inputs.wait_for_upload()
+        self._pack(inputs, bucket, kvs, tokens)
+        inputs.upload()
+        return inputs
 
     def _pack(self, inputs: _Inputs, bucket: Bucket, kvs: list[SequenceKV], tokens: list[list[int]]) -> None:
         """Fill the host tensor: each sequence's rows, padding elsewhere (token 0 at a scratch slot; an empty
@@ -223,10 +229,7 @@ class StaticStep:
         if bucket is None:
             raise ValueError(f"no chunk bucket holds {len(tokens)} prompt chunks of up to {max(map(len, tokens))} "
                              f"tokens")
-        inputs = self._inputs_of(bucket)
-        inputs.wait_for_upload()
-        self._pack(inputs, bucket, kvs, tokens)
-        inputs.upload()
+        inputs = self._load(bucket, kvs, tokens)
         rows = [b * bucket.queries + i for b, (chunk, n) in enumerate(zip(tokens, num_logits))
                 for i in range(len(chunk) - n, len(chunk))]
         logits = self._forward(bucket, inputs, logit_columns, to_device(torch.tensor(rows, dtype=torch.long),
