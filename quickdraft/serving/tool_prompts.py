@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from quickdraft.serving.tools import CLOSE, MAX_CALLS, OPEN, ToolSpec, loads_object, must_be
+from quickdraft.tokenizer.chat import takes_object_arguments
 
 
 def _client_calls(i: int, calls: Any) -> list[tuple[str | None, str, Any, str]]:
@@ -46,8 +47,11 @@ def prepare_messages(messages: list[dict], spec: ToolSpec | None,
     t = template or ""  # what it renders itself: the tool list, assistant tool_calls, "tool" messages
     own_tools, own_calls, own_results = bool(re.search(r"\btools\b", t)), "tool_calls" in t, bool(re.search(
         r"""["']tool["']""", t))
-    # arguments as a dict (transformers' convention: Qwen's template does ``arguments | tojson``), not JSON text
-    mapping = "arguments" not in t or bool(re.search(r"arguments\s*(\|\s*tojson|is\s+(mapping|string))", t))
+    # arguments as a dict (transformers' convention: Qwen's template does ``arguments | tojson``, Qwen3-Coder's
+    # ``arguments | items``), not JSON text
+    mapping = "arguments" not in t or bool(re.search(
+        r"arguments\s*(\|\s*(tojson|items|dictsort)|\.items\(\)|is\s+(mapping|string))", t)) or (
+        bool(t) and takes_object_arguments(t))
     out: list[dict] = []
     names: dict[str, str] = {}  # call id -> function name, for the results that follow
     merge = False  # the last message is a result made user text: the next result joins it (turns may alternate)

@@ -14,7 +14,8 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
-from jinja2.ext import loopcontrols
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Used when a model ships no template of its own.
@@ -60,9 +61,21 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}``, which templates trained with assistant masks put around an
+    assistant's text (transformers' AssistantTracker): rendering it is rendering its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 @lru_cache(maxsize=32)
 def compile_template(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -103,7 +116,35 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-PROBE_CALL = "quickdraft_probe_call"  # the function the null-content probe calls
+PROBE_CALL = "quickdraft_probe_call"  # the function the probes' call calls
+PROBE_ARGUMENT = "quickdraft_probe_argument"  # the one argument of the arguments probe's call
+_PROBE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RecursionError, jinja2.TemplateError)
+
+
+def _render_probe_call(template: str, arguments: Any, content: str | None = "") -> str | None:
+    """The template's rendering of an assistant turn calling PROBE_CALL between two user turns (as history, where
+    calls are sent: some templates read a last turn differently); None where it fails."""
+    call = {"id": "call_0", "type": "function", "function": {"name": PROBE_CALL, "arguments": arguments}}
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": content, "tool_calls": [call]},
+             {"role": "user", "content": "y"}]
+    try:
+        return compile_template(template).render(messages=turns, add_generation_prompt=False, tools=None,
+                                                 documents=None)
+    except _PROBE_ERRORS:
+        return None
+
+
+@lru_cache(maxsize=32)
+def takes_object_arguments(template: str) -> bool:
+    """Whether ``template`` wants a call's arguments as an object, not OpenAI's JSON text: given the text it fails,
+    or shows the argument's name only inside an escaped string, where given the object it shows the name (as
+    llama.cpp probes a template's wants). Templates that iterate ``arguments.items()`` are such (GLM, MiniMax)."""
+    as_text = _render_probe_call(template, json.dumps({PROBE_ARGUMENT: 1}))
+    as_object = _render_probe_call(template, {PROBE_ARGUMENT: 1})
+
+    def shows_name(rendered: str | None) -> bool:
+        return rendered is not None and rendered.replace(f'\\"{PROBE_ARGUMENT}\\"', "").count(PROBE_ARGUMENT) > 0
+    return shows_name(as_object) and not shows_name(as_text)
 
 
 @lru_cache(maxsize=32)
@@ -112,16 +153,9 @@ def takes_null_content(template: str, object_arguments: bool) -> bool:
     clients send, and what llama.cpp passes to a template that takes it): DeepSeek-R1's renders the calls only then.
     A template that fails on null, prints "None", or drops the call under null does not; it gets "" instead.
     ``object_arguments``: the calls' arguments are objects (else JSON text), as the template will get them."""
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": PROBE_CALL, "arguments": {} if object_arguments else "{}"}}
-    compiled = compile_template(template)
-
-    def render(content: str | None) -> str:
-        turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": content, "tool_calls": [call]}]
-        return compiled.render(messages=turns, add_generation_prompt=False, tools=None, documents=None)
-    try:
-        with_null, with_empty = render(None), render("")
-    except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RecursionError, jinja2.TemplateError):
+    arguments = {} if object_arguments else "{}"
+    with_null, with_empty = _render_probe_call(template, arguments, None), _render_probe_call(template, arguments)
+    if with_null is None or with_empty is None:
         return False
     return (with_null.count("None") <= with_empty.count("None")
             and with_null.count(PROBE_CALL) >= max(1, with_empty.count(PROBE_CALL)))
