@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from quickdraft.serving.reasoning import reasoning_format, reasoning_style
-from quickdraft.serving.tool_prompts import prepare_messages
+from quickdraft.serving.tool_prompts import prepare_messages, short_call_id
 from quickdraft.serving.tools import parse_tool_calls, parse_tools, tool_call_style
 from quickdraft.tokenizer.chat import ChatTemplateError, render_chat_template
 
@@ -90,23 +90,35 @@ def test_every_released_template_renders_as_transformers_does(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_an_openai_clients_call_history_renders_wherever_transformers_renders_it(name):
-    """OpenAI clients send a call's arguments as JSON text; a template that iterates them (Qwen3-Coder, GLM,
-    MiniMax) needs an object. What the server passes renders wherever transformers renders one of the two forms."""
+    """OpenAI clients send a call's arguments as JSON text, where a template that iterates them (Qwen3-Coder, GLM,
+    MiniMax) needs an object; and ids like this server's, where Mistral's templates take 9 letters and digits only.
+    What the server passes renders wherever transformers renders the call in one of these forms, and the same text
+    where transformers is given what the server gives the template."""
     source = template(name)
     history = [USER, CALL, {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
     messages, tools = prepare_messages(copy.deepcopy(history), parse_tools([WEATHER], "auto"), source)
     forms = []
-    for arguments in ({"city": "Paris"}, '{"city": "Paris"}'):
-        call = {**CALL["tool_calls"][0], "function": {"name": "get_weather", "arguments": arguments}}
+    for call_id in ("call_1", short_call_id("call_1")):
+        for arguments in ({"city": "Paris"}, '{"city": "Paris"}'):
+            call = {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+            try:
+                forms.append(transformers_render(source, [USER, {**CALL, "content": "", "tool_calls": [call]},
+                                                          {**history[2], "tool_call_id": call_id}], tools))
+            except Exception:
+                pass
+    if not forms:
+        pytest.skip(f"{name}: transformers renders this call in none of the forms")
+    got = render_chat_template(source, copy.deepcopy(messages), special_tokens=SPECIAL, tools=tools)
+    assert "get_weather" in got and "Paris" in got
+    # a calling message's null content reaches the template as null, or as "" where it cannot take null (it fails,
+    # or prints "None"): render_chat_template's own fit
+    expected = []
+    for fitted in (messages, [{**m, "content": m["content"] or ""} for m in messages]):
         try:
-            forms.append(transformers_render(source, [USER, {**CALL, "content": "", "tool_calls": [call]},
-                                                      history[2]], tools))
+            expected.append(transformers_render(source, fitted, tools))
         except Exception:
             pass
-    if not forms:
-        pytest.skip(f"{name}: transformers renders this call in neither form")
-    got = render_chat_template(source, messages, special_tokens=SPECIAL, tools=tools)
-    assert "get_weather" in got and "Paris" in got
+    assert got in expected
 
 
 def output_of(source: str, turn: dict) -> tuple[str, str]:
@@ -146,6 +158,10 @@ FORMS = {
     "microsoft-Phi-3.5-mini-instruct": (None, "generic"),
     "HuggingFaceTB-SmolLM3-3B": ("think", "generic"),
     "ibm-granite-granite-4.0": (None, "qwen"),
+    "mistralai-Mistral-Nemo-Instruct-2407": (None, "mistral"),  # [TOOL_CALLS][{...}]
+    "Mistral-Small-3.2-24B-Instruct-2506": (None, "mistral"),  # [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}
+    "unsloth-mistral-Devstral-Small-2507": (None, "mistral"),  # [TOOL_CALLS]NAME[ARGS]{...}
+    "mistralai-Ministral-3-14B-Reasoning-2512": (None, "mistral"),
 }
 WITH_THINKING = {"openai-gpt-oss-120b", "Qwen-Qwen3-0.6B"}  # templates that render a last turn's thinking
 

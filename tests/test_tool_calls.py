@@ -313,6 +313,7 @@ def test_styles():
     assert tool_call_style(None) == tool_call_style(GEMMA_TEMPLATE) == "generic"
     assert tool_call_style("{{ '<|python_tag|>' }}") == "llama3"
     assert tool_call_style('{{ "parameters" }} {% if role == "ipython" %}') == "llama3"
+    assert tool_call_style("{{- '[TOOL_CALLS]' }}") == "mistral"
 
 
 # ---- parsing -------------------------------------------------------------------------------------------------------
@@ -358,6 +359,20 @@ AUTO_CASES = [
     ("generic", "```\nprint(1)\n```", "```\nprint(1)\n```", []),
     ("generic", "{not json", "{not json", []),
     ("generic", "", "", []),
+    # Mistral: [TOOL_CALLS], then a JSON list (Nemo) or NAME[ARGS]{...} each (Small 3.2, Devstral, Ministral 3)
+    ("mistral", f"[TOOL_CALLS][{W}]", None, [PARIS]),
+    ("mistral", f'[TOOL_CALLS][{W}, {{"name": "get.time-2", "arguments": {{}}, "id": "a1b2c3d4e"}}]', None,
+     [PARIS, ("get.time-2", "{}")]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get.time-2[ARGS]{}', None,
+     [PARIS, ("get.time-2", "{}")]),
+    ("mistral", 'Sure.[TOOL_CALLS]get_weather[CALL_ID]l4ajOePN9[ARGS]{"city": "Paris"}', "Sure.", [PARIS]),
+    ("mistral", "[TOOL_CALLS]nope[ARGS]{}", "[TOOL_CALLS]nope[ARGS]{}", []),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]nope[ARGS]{}',
+     '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]nope[ARGS]{}', []),  # all valid, or none
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": ', '[TOOL_CALLS]get_weather[ARGS]{"city": ', []),
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS][1]", "[TOOL_CALLS]get_weather[ARGS][1]", []),
+    ("mistral", W, None, [PARIS]),  # no tag: read as the generic form
+    ("mistral", "[1, 2] is a list.", "[1, 2] is a list.", []),
 ]
 
 
@@ -392,8 +407,9 @@ def test_hostile_outputs_are_read_in_linear_time():
     names = spec()
     texts = ["<tool_call>" * 200_000, "<tool_call>{" * 100_000 + "</tool_call>" * 50_000, "[" * 1_000_000,
              "{" * 1_000_000, ";".join([W] * 20_000), "<|python_tag|>" + "1 " * 500_000, " " * 2_000_000,
-             "<tool_call>x</tool_call>" * 100_000, f"<tool_call>{W}</tool_call>" * 2_000]
-    for style in ("qwen", "llama3", "generic"):
+             "<tool_call>x</tool_call>" * 100_000, f"<tool_call>{W}</tool_call>" * 2_000,
+             "[TOOL_CALLS]" * 200_000, "[TOOL_CALLS]get_weather[ARGS]{}" * 50_000, "[TOOL_CALLS]" + "[" * 1_000_000]
+    for style in ("qwen", "llama3", "generic", "mistral"):
         for text in texts:
             started = time.perf_counter()
             content, calls = parse_tool_calls(text, names, style)
@@ -415,6 +431,7 @@ STREAM_CASES = [(style, text) for style, text, _, _ in AUTO_CASES] + [
     ("qwen", "Hello <tool"), ("qwen", "<tool_cal"), ("qwen", "   "), ("llama3", "  <|python_ta"),
     ("generic", "``"), ("generic", "```js"), ("generic", "```json\n  "), ("generic", "   {\"a\": 1} text"),
     ("generic", "Hi\n" + f"<tool_call>{W}</tool_call> bye"), ("llama3", f"\n\n{W}\n"),
+    ("mistral", "Hi [TOOL_CA"), ("mistral", f"Checking.\n[TOOL_CALLS][{W}]"),
 ]
 
 
@@ -433,11 +450,12 @@ def test_a_stream_sends_what_the_whole_text_parses_to(style, text):
 
 def test_streams_of_random_outputs_agree_with_the_whole_text():
     fragments = [" ", "\n", "Hi", "<tool_call>", "</tool_call>", W, T, "<|python_tag|>", "```", "```json\n", "{", "}",
-                 "[", "]", ";", "<tool", "_call>", "<|python", "`", '{"name": "nope", "arguments": {}}']
+                 "[", "]", ";", "<tool", "_call>", "<|python", "`", '{"name": "nope", "arguments": {}}',
+                 "[TOOL_CALLS]", "get_weather[ARGS]", '{"city": "Paris"}', "[TOOL_"]
     rng = random.Random(0)
     for _ in range(1500):
         text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 8)))
-        style, tools = rng.choice(["qwen", "llama3", "generic"]), rng.choice([spec(), spec("required"), None])
+        style, tools = rng.choice(["qwen", "llama3", "generic", "mistral"]), rng.choice([spec(), spec("required"), None])
         content, calls = parse_tool_calls(text, tools, style)
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 6))) if len(text) > 1 else []
         got = _run(ToolCallStream(tools, style), [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])

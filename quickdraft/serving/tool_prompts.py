@@ -2,12 +2,14 @@
 and the tools' results to the model's chat template, as the template can render them or else as text."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import string
 from typing import Any
 
 from quickdraft.serving.tools import CLOSE, MAX_CALLS, OPEN, ToolSpec, loads_object, must_be
-from quickdraft.tokenizer.chat import takes_object_arguments
+from quickdraft.tokenizer.chat import takes_object_arguments, wants_short_call_ids
 
 
 def _client_calls(i: int, calls: Any) -> list[tuple[str | None, str, Any, str]]:
@@ -26,6 +28,25 @@ def _client_calls(i: int, calls: Any) -> list[tuple[str | None, str, Any, str]]:
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         out.append((call.get("id") or None, fn["name"], arguments if parsed is None else parsed, text))
     return out
+
+
+def short_call_id(call_id: str) -> str:
+    """9 letters and digits standing for a call's id, the same for the call and its result, for the templates that
+    take no other (Mistral's); an id of that form already is kept."""
+    if re.fullmatch(r"[A-Za-z0-9]{9}", call_id):
+        return call_id
+    number = int.from_bytes(hashlib.sha256(call_id.encode(errors="replace")).digest()[:8], "big")
+    digits = string.ascii_letters + string.digits
+    return "".join(digits[number // len(digits) ** k % len(digits)] for k in range(9))
+
+
+def _with_short_ids(message: dict) -> dict:
+    """A message whose call ids (its calls', or the one its result answers) are ``short_call_id``'s."""
+    if isinstance(message.get("tool_calls"), list):
+        message = {**message, "tool_calls": [{**c, "id": short_call_id(c["id"])} for c in message["tool_calls"]]}
+    if isinstance(message.get("tool_call_id"), str):
+        message = {**message, "tool_call_id": short_call_id(message["tool_call_id"])}
+    return message
 
 
 def _instructions(spec: ToolSpec) -> str:
@@ -80,6 +101,8 @@ def prepare_messages(messages: list[dict], spec: ToolSpec | None,
         merge = message.get("role") == "tool" and not own_results
         out.append(m)
     out = [{"role": m["role"], "content": "\n\n".join(m["parts"])} if "parts" in m else m for m in out]
+    if t and (own_calls or own_results) and wants_short_call_ids(t):
+        out = [_with_short_ids(m) for m in out]
     active = spec is not None and spec.choice != "none"
     if active and not own_tools:
         note = _instructions(spec)

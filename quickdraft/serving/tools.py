@@ -18,6 +18,10 @@ MAX_PARAMETERS_DEPTH = 56  # structured outputs allow 64 levels; the "required" 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 CHOICE_FORMS = '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
 OPEN, CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
+MISTRAL_TAG, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+# a Mistral call after [TOOL_CALLS] in the newer format (Mistral Small 3.2, Devstral, Ministral 3): NAME[ARGS]{...},
+# a [CALL_ID]... between them in some
+_MISTRAL_HEAD = re.compile(r"\s*([A-Za-z0-9_.-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]{0,64})?" + re.escape(MISTRAL_ARGS))
 HEAD_LIMIT = 64  # a stream decides from this many leading characters whether its whole text may be a call
 _DECODER = json.JSONDecoder(parse_constant=int)  # int() refuses NaN and Infinity, which JSON has not
 _BETWEEN = re.compile(r"[\s;]*")  # what may separate the JSON values of one output (one class: no backtracking)
@@ -135,9 +139,12 @@ def parse_tools(tools: Any, tool_choice: Any) -> ToolSpec | None:
 
 
 def tool_call_style(template: str | None) -> str:
-    """How the model writes calls, read off its template: "qwen" (<tool_call>), "llama3" (JSON) or "generic"."""
+    """How the model writes calls, read off its template: "qwen" (<tool_call>), "llama3" (JSON), "mistral"
+    ([TOOL_CALLS]) or "generic"."""
     if template and OPEN in template:
         return "qwen"
+    if template and MISTRAL_TAG in template:
+        return "mistral"
     if template and (PYTHON_TAG in template or ('"parameters"' in template and "ipython" in template)):
         return "llama3"
     return "generic"
@@ -207,6 +214,23 @@ def _whole_calls(text: str, names: set[str], fenced: bool) -> list[ToolCall]:
     return [c for c in calls if c] if calls and all(calls) else []
 
 
+def _mistral_calls(text: str, names: set[str]) -> list[ToolCall]:
+    """What follows Mistral's [TOOL_CALLS]: a JSON list of calls (Mistral Nemo's format), or NAME[ARGS]{...} with
+    [TOOL_CALLS] before each further call (the newer one). All valid, or none: the text stays content."""
+    if text.lstrip().startswith("["):
+        return _whole_calls(text, names, fenced=False)
+    calls = []
+    for part in text.split(MISTRAL_TAG, MAX_CALLS)[:MAX_CALLS]:
+        head = _MISTRAL_HEAD.match(part)
+        values = _json_values(part[head.end():].strip()) if head else None
+        arguments = values[0] if values and len(values) == 1 else None
+        call = _call({"name": head.group(1), "arguments": arguments}, names) if head else None
+        if call is None:
+            return []
+        calls.append(call)
+    return calls
+
+
 def _block_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
     """<tool_call> blocks (the last may lack its </tool_call>): the text outside the valid ones, and their calls."""
     start = text.find(OPEN)
@@ -240,6 +264,11 @@ def parse_tool_calls(text: str, spec: ToolSpec | None, style: str) -> tuple[str 
             calls = _whole_calls(text[tag + len(PYTHON_TAG):], names, fenced=False)
             if calls and text[:tag].strip():
                 return text[:tag], calls
+    elif style == "mistral" and text.find(MISTRAL_TAG) >= 0:  # content before the tag, the calls after it
+        tag = text.find(MISTRAL_TAG)
+        calls = _mistral_calls(text[tag + len(MISTRAL_TAG):], names)
+        if calls:
+            return (text[:tag] if text[:tag].strip() else None), calls
     else:
         content, calls = _block_calls(text, names)
         if calls:
@@ -255,7 +284,8 @@ class ToolCallStream:
     def __init__(self, spec: ToolSpec | None, style: str) -> None:
         self.spec, self.style = spec, style
         self.calls: list[ToolCall] = []
-        self._tag, self._chunks = (PYTHON_TAG if style == "llama3" else OPEN), []  # the tag of a call, the output
+        self._tag = {"llama3": PYTHON_TAG, "mistral": MISTRAL_TAG}.get(style, OPEN)  # the tag a call starts with
+        self._chunks: list[str] = []  # the output
         # undecided: the output from its first non-blank (to HEAD_LIMIT); streaming: the text not sent yet, the sent
         self._head, self._tail, self._sent = "", "", 0
         self._id, self._announced, self._done = "call_" + secrets.token_hex(12), False, False  # a demanded call's

@@ -121,17 +121,41 @@ PROBE_ARGUMENT = "quickdraft_probe_argument"  # the one argument of the argument
 _PROBE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RecursionError, jinja2.TemplateError)
 
 
-def _render_probe_call(template: str, arguments: Any, content: str | None = "") -> str | None:
-    """The template's rendering of an assistant turn calling PROBE_CALL between two user turns (as history, where
-    calls are sent: some templates read a last turn differently); None where it fails."""
-    call = {"id": "call_0", "type": "function", "function": {"name": PROBE_CALL, "arguments": arguments}}
-    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": content, "tool_calls": [call]},
-             {"role": "user", "content": "y"}]
+PROBE_ID = "probecall"  # 9 letters: an id every template takes (Mistral's want 9 letters and digits)
+OPENAI_CALL_ID = "call_" + "0" * 24  # the form of the ids this server gives calls
+
+
+def _probe_turns(shape: int, arguments: Any, content: str | None, call_id: str) -> list[dict[str, Any]]:
+    """A conversation with an assistant turn calling PROBE_CALL, as history (some templates read a last turn
+    differently): followed by its result, or by a user turn, or (shape 2) last."""
+    call = {"id": call_id, "type": "function", "function": {"name": PROBE_CALL, "arguments": arguments}}
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": content, "tool_calls": [call]}]
+    follow = ({"role": "tool", "tool_call_id": call_id, "content": "z"}, {"role": "user", "content": "y"}, None)
+    return turns + [follow[shape]] if follow[shape] else turns
+
+
+@lru_cache(maxsize=32)
+def _probe_shape(template: str) -> int | None:
+    """The first of ``_probe_turns``' shapes the template renders (None: none)."""
+    for shape in range(3):
+        for arguments in ({}, "{}"):
+            if _render(template, _probe_turns(shape, arguments, "", PROBE_ID)) is not None:
+                return shape
+    return None
+
+
+def _render(template: str, turns: list[dict[str, Any]]) -> str | None:
     try:
         return compile_template(template).render(messages=turns, add_generation_prompt=False, tools=None,
-                                                 documents=None)
+                                                 documents=None, bos_token="<s>", eos_token="</s>")
     except _PROBE_ERRORS:
         return None
+
+
+def _render_probe_call(template: str, arguments: Any, content: str | None = "", call_id: str = PROBE_ID) -> str | None:
+    """The template's rendering of a conversation calling PROBE_CALL (``_probe_turns``); None where it fails."""
+    shape = _probe_shape(template)
+    return None if shape is None else _render(template, _probe_turns(shape, arguments, content, call_id))
 
 
 @lru_cache(maxsize=32)
@@ -145,6 +169,16 @@ def takes_object_arguments(template: str) -> bool:
     def shows_name(rendered: str | None) -> bool:
         return rendered is not None and rendered.replace(f'\\"{PROBE_ARGUMENT}\\"', "").count(PROBE_ARGUMENT) > 0
     return shows_name(as_object) and not shows_name(as_text)
+
+
+@lru_cache(maxsize=32)
+def wants_short_call_ids(template: str) -> bool:
+    """Whether ``template`` refuses call ids of OpenAI's form where it takes 9 letters and digits (Mistral's raise
+    "Tool call IDs should be alphanumeric strings with length 9")."""
+    for arguments in ({}, "{}"):
+        if _render_probe_call(template, arguments) is not None:
+            return _render_probe_call(template, arguments, call_id=OPENAI_CALL_ID) is None
+    return False
 
 
 @lru_cache(maxsize=32)
