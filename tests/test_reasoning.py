@@ -316,3 +316,23 @@ def test_template_variables_reach_the_template(tmp_path):
         with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set 'messages'"):
             client.chat.completions.create(**ask, reasoning_effort="high",
                                            extra_body={"chat_template_kwargs": {"messages": []}})
+
+
+def test_stop_strings_end_what_a_message_says_never_its_markup(harmony_server):
+    """A harmony output's headers and markers ("analysis", "final", "<|message|>") are markup: a stop string that
+    names them does not end the output; one that a message says ends it there, as in any output."""
+    client = harmony_server.client()
+    r = client.chat.completions.create(model="oss", messages=ASK, stop=["final", "analysis", "<|", "assistant"],
+                                       **forced(ANSWERED))
+    assert (r.choices[0].message.content, r.choices[0].message.model_extra["reasoning_content"]) == (ANSWER, THOUGHT)
+    cut = ANSWER.index("in Paris")  # said by the answer, not the thinking
+    r = client.chat.completions.create(model="oss", messages=ASK, stop=["final", "in Paris"], **forced(ANSWERED))
+    assert r.choices[0].finish_reason == "stop"
+    assert (r.choices[0].message.content, r.choices[0].message.model_extra["reasoning_content"]) == \
+        (ANSWER[:cut], THOUGHT)
+    chunks = list(client.chat.completions.create(model="oss", messages=ASK, stop=["final", "in Paris"], stream=True,
+                                                 **forced(ANSWERED)))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ANSWER[:cut]
+    r = client.chat.completions.create(model="oss", messages=ASK, stop=["weather"], **forced(ANSWERED))
+    assert r.choices[0].message.model_extra["reasoning_content"] == THOUGHT[:THOUGHT.index("weather")].rstrip()
+    assert not r.choices[0].message.content

@@ -39,6 +39,7 @@ INVALID = [
     ("ignore_eos", 1), ("ignore_eos", "yes"), ("ignore_eos", None),
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True),
     ("include_stop_str_in_output", 0), ("skip_special_tokens", "true"),
+    ("stop_strings_after_token", -1), ("stop_strings_after_token", 1.5), ("stop_strings_after_token", "7"),
     ("priority", 1.5), ("priority", True), ("priority", None),
     ("deadline_s", 0), ("deadline_s", -1.0), ("deadline_s", NAN), ("deadline_s", INF), ("deadline_s", True),
     ("deadline_s", "5"),
@@ -74,6 +75,7 @@ VALID = [
     ("stop", "x" * 1024), ("stop_token_ids", list(range(1024))), ("logit_bias", {i: 1.0 for i in range(1024)}),
     ("logprobs", 0), ("logprobs", 20), ("priority", -3), ("deadline_s", 0.001), ("deadline_s", 30),
     ("ignore_eos", True), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+    ("stop_strings_after_token", 0), ("stop_strings_after_token", None),
 ]
 
 

@@ -90,6 +90,8 @@ class Sequence:
         self.detokenizer = StreamingDetokenizer(self.tokenizer, skip_special_tokens=self.params.skip_special_tokens)
         self._stop_strings = self.params.stop or []
         self._holdback = max((len(s) - 1 for s in self._stop_strings), default=0)
+        # where stop strings are looked for: [start, end) spans of text, the last open (end None) while it grows
+        self._stop_spans: list[list[int | None]] = [] if self.params.stop_strings_after_token is not None else [[0, None]]
 
     def draft_room(self) -> int:
         """The most tokens a round may draft for this sequence: what fits its context and max_tokens, within its
@@ -152,8 +154,11 @@ class Sequence:
                 self.finish("stop")
                 self._text_ends.append(len(self.text))
                 return
+            before = len(self.text)
             self.text += self.detokenizer.add(token)
             self._text_ends.append(len(self.text))
+            if self._stop_strings and params.stop_strings_after_token is not None:
+                self._mark_stop_span(token, before)
             if self._stop_strings and self._check_stop_strings():
                 return
             if self.processor.grammar_finished:  # only the end of the sequence could follow: end it now
@@ -163,9 +168,20 @@ class Sequence:
                 self.finish("length")
                 return
 
+    def _mark_stop_span(self, token: int, before: int) -> None:
+        """Open a span where stop strings count after ``stop_strings_after_token``; a special token (whose text
+        began at ``before``) closes it."""
+        if token == self.params.stop_strings_after_token:
+            self._stop_spans.append([len(self.text), None])
+        elif token in self.tokenizer.special_token_ids and self._stop_spans and self._stop_spans[-1][1] is None:
+            self._stop_spans[-1][1] = before
+
     def _check_stop_strings(self) -> bool:
         window_start = max(0, self._emitted_chars - self._holdback - 8)
-        hits = [(self.text.find(s, window_start), s) for s in self._stop_strings]
+        while self._stop_spans and self._stop_spans[0][1] is not None and self._stop_spans[0][1] <= window_start:
+            self._stop_spans.pop(0)  # spans end before the window: searched already
+        hits = [(self.text.find(s, max(start, window_start), len(self.text) if end is None else end), s)
+                for start, end in self._stop_spans for s in self._stop_strings]
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if not hits:
             return False

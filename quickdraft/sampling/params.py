@@ -86,6 +86,9 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # stop strings are looked for only in the text after this token, up to the next special token: the bodies of
+    # harmony's messages (after <|message|>), never its markup (the server sets it for gpt-oss). None: everywhere
+    stop_strings_after_token: int | None = None
     priority: int = 0
     deadline_s: float | None = None
     # per request: False decodes it without drafts; {"max_draft_tokens": n} caps each round's draft (0..32); True
@@ -156,6 +159,11 @@ class SamplingParams:
         self.ignore_eos = _as_bool("ignore_eos", self.ignore_eos)
         self.include_stop_str_in_output = _as_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.stop_strings_after_token is not None:
+            after = _as_int("stop_strings_after_token", self.stop_strings_after_token, "a token id or None")
+            if after < 0:
+                raise _fail("stop_strings_after_token", "a token id (>= 0) or None", self.stop_strings_after_token)
+            self.stop_strings_after_token = after
 
         if self.logprobs is not None:
             allowed = f"an int in [0, {MAX_LOGPROBS}] or None"

@@ -25,7 +25,7 @@ from quickdraft.serving.openai_format import (ERROR_RESPONSES, ChatReading, Choi
                                               TokenTexts, ToolParsing, chat_choice, chat_chunk_fields, chat_opening, completion_choice,
                                               error_response, response_head, usage)
 from quickdraft.serving.response_store import ResponseStore
-from quickdraft.serving.reasoning import markers_are_special, reasoning_format
+from quickdraft.serving.reasoning import MESSAGE, markers_are_special, reasoning_format
 from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError, in_call_order,
                                          _SamplingFields, response_format_constraint)
 from quickdraft.serving.sse import stream_response
@@ -155,6 +155,8 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest, top_logpro
     if reasoning is not None and body.skip_special_tokens is None and markers_are_special(
             reasoning.style, lambda text: tokenizer.token_to_id(text) in tokenizer.special_token_ids):
         params.skip_special_tokens = False  # (harmony's always are)
+        if reasoning.style == "harmony":  # a stop string ends what a message says, never matches its markup
+            params.stop_strings_after_token = tokenizer.token_to_id(MESSAGE)
     job = Job.new("chatcmpl", [(ids, None)], [params])
     await job.start(ctx.engine)
     return ChatRun(job, ChatReading(tools, reasoning))
