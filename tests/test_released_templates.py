@@ -121,10 +121,10 @@ def test_an_openai_clients_call_history_renders_wherever_transformers_renders_it
     assert got in expected
 
 
-def output_of(source: str, turn: dict) -> tuple[str, str]:
+def output_of(source: str, turn: dict, tool: dict = WEATHER) -> tuple[str, str]:
     """(the prompt, what the model writes after it) for a turn the template renders after USER: the rendered
     conversation with the turn, less the one that asks for it, less the turn's end."""
-    spec = parse_tools([WEATHER], "auto")
+    spec = parse_tools([tool], "auto")
     messages, tools = prepare_messages([copy.deepcopy(USER)], spec, source)
     prompt = render_chat_template(source, messages, True, special_tokens=SPECIAL, tools=tools)
     messages, tools = prepare_messages([copy.deepcopy(USER), copy.deepcopy(turn)], spec, source)
@@ -162,8 +162,11 @@ FORMS = {
     "Mistral-Small-3.2-24B-Instruct-2506": (None, "mistral"),  # [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}
     "unsloth-mistral-Devstral-Small-2507": (None, "mistral"),  # [TOOL_CALLS]NAME[ARGS]{...}
     "mistralai-Ministral-3-14B-Reasoning-2512": (None, "mistral"),
+    "Qwen3-Coder": (None, "qwen"),  # <tool_call><function=NAME><parameter=KEY>...
+    "Qwen3.5-4B": ("think", "qwen"),
+    "GLM-4.6": ("think", "qwen"),  # <tool_call>NAME<arg_key>KEY</arg_key><arg_value>...
 }
-WITH_THINKING = {"openai-gpt-oss-120b", "Qwen-Qwen3-0.6B"}  # templates that render a last turn's thinking
+WITH_THINKING = {"openai-gpt-oss-120b", "Qwen-Qwen3-0.6B", "Qwen3.5-4B", "GLM-4.6"}  # templates that render a last turn's thinking
 
 
 @pytest.mark.parametrize("name", sorted(FORMS))
@@ -204,3 +207,25 @@ def test_templates_that_open_the_thinking_leave_the_output_in_it(name):
     closed = render_chat_template(source, messages, True, special_tokens=SPECIAL, enable_thinking=False)
     if closed.rstrip().endswith("</think>"):
         assert read(source, closed, ANSWER) == (None, ANSWER, [])
+
+
+PLAN = {"type": "function", "function": {"name": "plan", "description": "Plan a trip", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "metric": {"type": "boolean"}, "hours": {"type": "array", "items": {
+                                         "type": "integer"}}, "note": {"type": "string"}},
+    "required": ["city"]}}}
+PLAN_ARGUMENTS = {"city": "São Paulo", "days": 3, "metric": True, "hours": [9, 18], "note": "42"}
+
+
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_typed_arguments_a_released_template_writes_read_back(name):
+    """Integers, booleans, lists and a string of digits, written as the template writes them (JSON, or tags whose
+    text is typed by the tool's schema), read back as the same arguments."""
+    source = template(name)
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_2", "type": "function", "function": {
+        "name": "plan", "arguments": json.dumps(PLAN_ARGUMENTS, ensure_ascii=False)}}]}
+    prompt, output = output_of(source, call, PLAN)
+    reading = reasoning_format(source, prompt[-64:])
+    text = output if reading is None else reading.split(output)[1]
+    _, calls = parse_tool_calls(text, parse_tools([PLAN], "auto"), tool_call_style(source))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("plan", PLAN_ARGUMENTS)], output

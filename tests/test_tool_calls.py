@@ -359,6 +359,20 @@ AUTO_CASES = [
     ("generic", "```\nprint(1)\n```", "```\nprint(1)\n```", []),
     ("generic", "{not json", "{not json", []),
     ("generic", "", "", []),
+    # tagged calls in <tool_call> blocks: Qwen3-Coder's and Qwen3.5's <function=...>, GLM's <arg_key>
+    ("qwen", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+     None, [PARIS]),
+    ("qwen", "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
+     "Checking.\n", [PARIS]),  # a missing </parameter>
+    ("qwen", "<tool_call>\n<function=get.time-2>\n</function>\n</tool_call>", None, [("get.time-2", "{}")]),
+    ("qwen", "<tool_call>\n<function=nope>\n</function>\n</tool_call>",
+     "<tool_call>\n<function=nope>\n</function>\n</tool_call>", []),
+    ("qwen", "<tool_call><function=get_weather>stray<parameter=city>Paris</parameter></function></tool_call>",
+     "<tool_call><function=get_weather>stray<parameter=city>Paris</parameter></function></tool_call>", []),
+    ("qwen", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>", None,
+     [PARIS]),
+    ("qwen", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</tool_call>",
+     "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</tool_call>", []),  # an unclosed value
     # Mistral: [TOOL_CALLS], then a JSON list (Nemo) or NAME[ARGS]{...} each (Small 3.2, Devstral, Ministral 3)
     ("mistral", f"[TOOL_CALLS][{W}]", None, [PARIS]),
     ("mistral", f'[TOOL_CALLS][{W}, {{"name": "get.time-2", "arguments": {{}}, "id": "a1b2c3d4e"}}]', None,
@@ -382,6 +396,26 @@ def test_auto_calls_are_read_in_each_style(style, text, content, calls):
     assert got_content == content
     assert [(c.name, c.arguments) for c in got] == calls
     assert all(CALL_ID.fullmatch(c.id) for c in got) and len({c.id for c in got}) == len(got)
+
+
+def test_tagged_values_are_typed_by_the_tools_schema():
+    """A tagged call's values are text: a string parameter keeps it as written, any other reads it as JSON (a
+    template prints booleans as Python's True/False); text that is no JSON stays a string."""
+    tool = _tool(name="plan", parameters={"type": "object", "properties": {
+        "days": {"type": "integer"}, "metric": {"type": "boolean"}, "hours": {"type": "array"},
+        "note": {"type": "string"}, "where": {"type": ["string", "null"]}, "free": {}}})
+    text = ("<tool_call>\n<function=plan>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in (
+        ("days", "3"), ("metric", "True"), ("hours", "[9, 18]"), ("note", "42"), ("where", "null"),
+        ("free", "not json"))) + "</function>\n</tool_call>")
+    _, (call,) = parse_tool_calls(text, spec(tools=[tool]), "qwen")
+    assert json.loads(call.arguments) == {"days": 3, "metric": True, "hours": [9, 18], "note": "42", "where": None,
+                                          "free": "not json"}
+    glm = "<tool_call>plan<arg_key>days</arg_key><arg_value>3</arg_value><arg_key>note</arg_key><arg_value>42" \
+          "</arg_value></tool_call>"
+    _, (call,) = parse_tool_calls(glm, spec(tools=[tool]), "qwen")
+    assert json.loads(call.arguments) == {"days": 3, "note": "42"}
+    nan = "<tool_call><function=plan><parameter=days>NaN</parameter></function></tool_call>"
+    assert json.loads(parse_tool_calls(nan, spec(tools=[tool]), "qwen")[1][0].arguments) == {"days": "NaN"}
 
 
 def test_named_and_required_outputs():
@@ -408,7 +442,11 @@ def test_hostile_outputs_are_read_in_linear_time():
     texts = ["<tool_call>" * 200_000, "<tool_call>{" * 100_000 + "</tool_call>" * 50_000, "[" * 1_000_000,
              "{" * 1_000_000, ";".join([W] * 20_000), "<|python_tag|>" + "1 " * 500_000, " " * 2_000_000,
              "<tool_call>x</tool_call>" * 100_000, f"<tool_call>{W}</tool_call>" * 2_000,
-             "[TOOL_CALLS]" * 200_000, "[TOOL_CALLS]get_weather[ARGS]{}" * 50_000, "[TOOL_CALLS]" + "[" * 1_000_000]
+             "[TOOL_CALLS]" * 200_000, "[TOOL_CALLS]get_weather[ARGS]{}" * 50_000, "[TOOL_CALLS]" + "[" * 1_000_000,
+             "<tool_call><function=get_weather>" + "<parameter=a>" * 200_000 + "</parameter>",
+             "<tool_call><function=get_weather>" + "<parameter=a>x</parameter>" * 100_000,
+             "<tool_call>get_weather" + "<arg_key>a</arg_key>" * 200_000,
+             "<tool_call>get_weather" + "<arg_key>a</arg_key><arg_value>1</arg_value>" * 100_000]
     for style in ("qwen", "llama3", "generic", "mistral"):
         for text in texts:
             started = time.perf_counter()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quickdraft.errors import InvalidParameterError, require_unicode
+from quickdraft.serving.tagged_calls import JSON, tagged_call
 
 MAX_TOOLS = 128
 MAX_CALLS = 128  # calls read from one output; past them the text stays content
@@ -23,7 +24,7 @@ MISTRAL_TAG, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 # a [CALL_ID]... between them in some
 _MISTRAL_HEAD = re.compile(r"\s*([A-Za-z0-9_.-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]{0,64})?" + re.escape(MISTRAL_ARGS))
 HEAD_LIMIT = 64  # a stream decides from this many leading characters whether its whole text may be a call
-_DECODER = json.JSONDecoder(parse_constant=int)  # int() refuses NaN and Infinity, which JSON has not
+_DECODER = JSON
 _BETWEEN = re.compile(r"[\s;]*")  # what may separate the JSON values of one output (one class: no backtracking)
 
 
@@ -181,7 +182,7 @@ def _compact(arguments: dict) -> str:
     return json.dumps(arguments, ensure_ascii=False, separators=(",", ":")).encode(errors="replace").decode()
 
 
-def _call(value: Any, names: set[str]) -> ToolCall | None:
+def _call(value: Any, names: dict[str, Any]) -> ToolCall | None:
     """A call from a decoded {"name", "arguments"|"parameters"} naming a listed tool, with an object of arguments."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in names:
         return None
@@ -204,7 +205,7 @@ def _json_values(text: str) -> list[Any] | None:
     return values if 0 < len(values) <= MAX_CALLS else None
 
 
-def _whole_calls(text: str, names: set[str], fenced: bool) -> list[ToolCall]:
+def _whole_calls(text: str, names: dict[str, Any], fenced: bool) -> list[ToolCall]:
     """The calls when the whole text (inside a ```json fence if `fenced`) is JSON calls and nothing else."""
     text = text.strip()
     nl = text.find("\n")
@@ -214,7 +215,7 @@ def _whole_calls(text: str, names: set[str], fenced: bool) -> list[ToolCall]:
     return [c for c in calls if c] if calls and all(calls) else []
 
 
-def _mistral_calls(text: str, names: set[str]) -> list[ToolCall]:
+def _mistral_calls(text: str, names: dict[str, Any]) -> list[ToolCall]:
     """What follows Mistral's [TOOL_CALLS]: a JSON list of calls (Mistral Nemo's format), or NAME[ARGS]{...} with
     [TOOL_CALLS] before each further call (the newer one). All valid, or none: the text stays content."""
     if text.lstrip().startswith("["):
@@ -231,8 +232,9 @@ def _mistral_calls(text: str, names: set[str]) -> list[ToolCall]:
     return calls
 
 
-def _block_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """<tool_call> blocks (the last may lack its </tool_call>): the text outside the valid ones, and their calls."""
+def _block_calls(text: str, names: dict[str, Any]) -> tuple[str | None, list[ToolCall]]:
+    """<tool_call> blocks (the last may lack its </tool_call>), each a JSON call or a tagged one (``tagged_calls``,
+    typed by ``names``' schemas): the text outside the valid ones, and their calls."""
     start = text.find(OPEN)
     pieces, calls = [text[:start] if start >= 0 else text], []
     while start >= 0 and len(calls) < MAX_CALLS:  # every search goes forward from the last: linear
@@ -241,6 +243,8 @@ def _block_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
         end, stop = (end, end + len(CLOSE)) if end >= 0 else (len(text), len(text))
         values = _json_values(text[body:end].strip())
         call = _call(values[0], names) if values and len(values) == 1 else None
+        tagged = tagged_call(text[body:end], names) if call is None else None
+        call = ToolCall(tagged[0], _compact(tagged[1])) if tagged else call
         (calls if call else pieces).append(call or text[start:stop])  # an invalid block stays text
         start = text.find(OPEN, stop)
         pieces.append(text[stop:start if start >= 0 else len(text)])
@@ -252,7 +256,7 @@ def parse_tool_calls(text: str, spec: ToolSpec | None, style: str) -> tuple[str 
     """(content left over, None if blank; calls) of a whole output. Never raises: what is not a call is content."""
     if spec is None or spec.choice == "none":
         return text, []
-    names = {t["function"]["name"] for t in spec.tools}
+    names = {t["function"]["name"]: t["function"].get("parameters") for t in spec.tools}  # and their schemas
     if spec.forced:  # the whole text is the call's arguments, as generated (as a stream sends them)
         calls = [ToolCall(spec.choice, text)] if text else []
     elif spec.choice == "required":
