@@ -102,7 +102,7 @@ def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
 
 def make_tiny_checkpoint(directory: Path, arch: str = "llama", tie: bool = False, vocab_size: int = 64,
                          hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
-                         tokenizer_from: Path | None = None) -> Path:
+                         tokenizer_from: Path | None = None, max_positions: int = 512) -> Path:
     """Save a random HF checkpoint (GQA; Qwen2 has q/k/v bias) plus a tokenizer."""
     import transformers
 
@@ -114,7 +114,7 @@ def make_tiny_checkpoint(directory: Path, arch: str = "llama", tie: bool = False
     }[arch]
     cfg = cfg_cls(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=10000.0,
-                  tie_word_embeddings=tie, max_position_embeddings=512, eos_token_id=0, bos_token_id=None)
+                  tie_word_embeddings=tie, max_position_embeddings=max_positions, eos_token_id=0, bos_token_id=None)
     model = cls(cfg).eval()
     with torch.no_grad():  # larger logits than the default init, so distributions are far from uniform
         model.lm_head.weight.mul_(8.0) if not tie else model.model.embed_tokens.weight.mul_(8.0)

@@ -109,27 +109,30 @@ def test_a_hostile_output_reads_whole_and_streamed_alike():
     assert form.split(text) == split_streamed(form, text, list(range(7, len(text), 7))) == ("a" * 30_001, "")
 
 
-def write_tokenizer(directory: Path, template: str) -> Path:
-    """A real byte-level BPE tokenizer with harmony's special tokens, and the chat template."""
+def write_tokenizer(directory: Path, template: str, corpus: tuple[str, ...] = ()) -> Path:
+    """A real byte-level BPE tokenizer with harmony's special tokens, and the chat template; trained on the test's
+    sentences and ``corpus`` (a template's own text, so that its prompts take few tokens)."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
     directory.mkdir(parents=True, exist_ok=True)
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=HARMONY_SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=1500 if corpus else 400, special_tokens=HARMONY_SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator([THOUGHT, ANSWER, "analysis final commentary assistant user functions"] * 10, trainer)
+    backend.train_from_iterator([THOUGHT, ANSWER, "analysis final commentary assistant user functions", *corpus] * 10,
+                                trainer)
     backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|return|>", "bos_token": None,
                                                                  "chat_template": template}))
     return directory
 
 
-def make_model(directory: Path, template: str) -> Path:
-    tokenizer = write_tokenizer(directory / "tokenizer", template)
+def make_model(directory: Path, template: str, corpus: tuple[str, ...] = (), max_positions: int = 512) -> Path:
+    tokenizer = write_tokenizer(directory / "tokenizer", template, corpus)
     vocab = Tokenizer.from_hf_dir(tokenizer).vocab_size
-    return make_tiny_checkpoint(directory / "model", vocab_size=vocab, tokenizer_from=tokenizer)
+    return make_tiny_checkpoint(directory / "model", vocab_size=vocab, tokenizer_from=tokenizer,
+                                max_positions=max_positions)
 
 
 def test_harmony_turns_end_on_return_and_call_not_on_end(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 from quickdraft.serving.reasoning import reasoning_format, reasoning_style
 from quickdraft.serving.tool_prompts import prepare_messages, short_call_id
 from quickdraft.serving.tools import parse_tool_calls, parse_tools, tool_call_style
+from quickdraft.tokenizer import Tokenizer
 from quickdraft.tokenizer.chat import ChatTemplateError, render_chat_template
 
 _spec = importlib.util.spec_from_file_location(
@@ -229,3 +230,36 @@ def test_typed_arguments_a_released_template_writes_read_back(name):
     text = output if reading is None else reading.split(output)[1]
     _, calls = parse_tool_calls(text, parse_tools([PLAN], "auto"), tool_call_style(source))
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("plan", PLAN_ARGUMENTS)], output
+
+
+def test_the_released_gpt_oss_template_through_the_server(tmp_path):
+    """gpt-oss's own template behind the real server and client: a tool call read from the harmony it is made to
+    write, then the call and its result sent back as OpenAI history (rendered by the template, arguments as an
+    object) and the answer read apart from its thinking; ``reasoning_effort`` reaches the template's system text."""
+    from test_reasoning import ANSWERED, ASK, CALLED, THOUGHT as SAID, ANSWER as ANSWERED_TEXT, forced, make_model
+    from test_server import serve
+
+    source = template("openai-gpt-oss-120b")
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [CALL["tool_calls"][0]]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    corpus = tuple(render_chat_template(source, copy.deepcopy(m), special_tokens=SPECIAL, tools=[WEATHER])
+                   for m in (ASK, history))
+    with serve(make_model(tmp_path, source, corpus, max_positions=2048), "oss") as server:
+        client = server.client()
+        called = client.chat.completions.create(model="oss", messages=ASK, tools=[WEATHER], **forced(CALLED))
+        (call,) = called.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+        assert called.choices[0].message.model_extra["reasoning_content"] == SAID
+        sent_back = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+        answered = client.chat.completions.create(model="oss", messages=sent_back, tools=[WEATHER],
+                                                  reasoning_effort="high", **forced(ANSWERED))
+        message = answered.choices[0].message
+        assert (message.content, message.model_extra["reasoning_content"]) == (ANSWERED_TEXT, SAID)
+    tokenizer = Tokenizer.from_hf_dir(tmp_path / "tokenizer")
+    messages, tools = prepare_messages(sent_back, parse_tools([WEATHER], "auto"), source)
+    prompts = {effort: tokenizer.encode(render_chat_template(source, copy.deepcopy(messages), special_tokens=SPECIAL,
+                                                              tools=tools, reasoning_effort=effort)) for effort in
+               ("high", "medium")}
+    assert "Reasoning: high" in tokenizer.decode(prompts["high"])
+    assert answered.usage.prompt_tokens == len(prompts["high"]) != len(prompts["medium"])
