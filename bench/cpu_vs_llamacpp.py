@@ -61,10 +61,13 @@ def quickdraft_runner(target: str, draft: str, weights: str, mode: str, tokens: 
     llm.generate([llm.chat_prompt([{"role": "user", "content": WARM_UP}])], SamplingParams(max_tokens=16, temperature=0.0))
     config, nbytes = f"{llm.weights}/{mode}", weight_bytes_per_token(llm.model)
 
-    def run(cat: str, ids: list[int]) -> dict:
+    plain = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, speculative=False)
+
+    def run(cat: str, ids: list[int], speculative: bool = True) -> dict:
+        """One prompt; ``speculative=False`` decodes it without drafts on the same LLM (an A/B in one process)."""
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        out = llm.generate([ids], params)[0]
+        out = llm.generate([ids], params if speculative else plain)[0]
         sec = time.perf_counter() - t0
         spec = out.metrics.spec
         return {"engine": "quickdraft", "config": config, "category": cat, "tok_s": len(out.token_ids) / sec,

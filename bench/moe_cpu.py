@@ -22,6 +22,8 @@ HumanEval prompts (prefill included):
   of its tokens' experts);
 - quickdraft with n-gram speculation (k adaptive) against plain: never below 0.95x (random weights rarely repeat, so
   the controller should draft little).
+Both engines stay loaded and each prompt is run by the three configurations back to back, their order turning with
+every prompt, so that this shared host's drift (its read bandwidth moves by 2x within minutes) falls on all alike.
 Prints tables and writes bench/results/<name>.json.
 """
 from __future__ import annotations
@@ -211,35 +213,43 @@ def main() -> None:
     texts = [("humaneval", t) for t in humaneval_prompts(args.prompts)]
     prompts = prompt_ids(str(path), texts)
     bandwidth = memory_bandwidth_gbs() * 1e9
+    # both engines loaded at once (one mapped file, shared pages), each prompt run by the three configurations back
+    # to back in an order that turns with every prompt: a drift of this shared host falls on all of them alike
+    ours = quickdraft_runner(str(path), "", "auto", "ngram", args.tokens)
+    theirs = llamacpp_runner(str(path), "plain", args.tokens, args.threads)
+    configs = {("quickdraft", "plain"): lambda cat, ids: ours(cat, ids, speculative=False),
+               ("llama.cpp", "plain"): theirs, ("quickdraft", "ngram"): ours}
+    results: dict[tuple[str, str], list[dict]] = {config: [] for config in configs}
+    for p, (cat, ids) in enumerate(prompts):
+        order = list(configs)[p % 3:] + list(configs)[:p % 3]
+        for config in order:
+            results[config].append(configs[config](cat, ids))
+        print(f"prompt {p + 1}/{len(prompts)}: " + ", ".join(
+            f"{' '.join(c)} {results[c][-1]['decode_tok_s']:.2f}" for c in configs), flush=True)
     rows = []
-    for engine, mode in (("quickdraft", "plain"), ("llama.cpp", "plain"), ("quickdraft", "ngram")):
-        if engine == "quickdraft":
-            run = quickdraft_runner(str(path), "", "auto", mode, args.tokens)
-        else:
-            run = llamacpp_runner(str(path), mode, args.tokens, args.threads)
-        results = [run(cat, ids) for cat, ids in prompts]
-        tok_s = statistics.mean(r["tok_s"] for r in results)
-        nbytes = results[0]["weight_bytes"]
+    for (engine, mode), runs in results.items():
+        tok_s, nbytes = statistics.mean(r["tok_s"] for r in runs), runs[0]["weight_bytes"]
         rows.append(dict(engine=engine, mode=mode, tok_s=tok_s,
-                         decode_tok_s=statistics.mean(r["decode_tok_s"] for r in results), step_gb=nbytes / 1e9,
+                         decode_tok_s=statistics.mean(r["decode_tok_s"] for r in runs), step_gb=nbytes / 1e9,
                          limit_tok_s=bandwidth / nbytes, of_limit=tok_s * nbytes / bandwidth,
-                         tokens_per_pass=statistics.mean(r.get("tokens_per_pass") or 1.0 for r in results)))
-        print(table(rows[-1:], list(rows[-1])), flush=True)
-        del run
-        gc.collect()
+                         tokens_per_pass=statistics.mean(r.get("tokens_per_pass") or 1.0 for r in runs)))
+    same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(results[("quickdraft", "plain")],
+                                                                results[("quickdraft", "ngram")]))
+    del ours, theirs, configs
+    gc.collect()
     plain = {r["engine"]: r["tok_s"] for r in rows if r["mode"] == "plain"}
     decode = {r["engine"]: r["decode_tok_s"] for r in rows if r["mode"] == "plain"}
     ngram = next(r["tok_s"] for r in rows if r["mode"] == "ngram")
     llm = LLM(str(path), kv_cache_memory="64MiB")
-    ours, planned = step_weight_bytes(llm.model), planned_step_bytes(path)
+    step_bytes, planned = step_weight_bytes(llm.model), planned_step_bytes(path)
     del llm
     gc.collect()
     cost = verify_cost(path)
     summary = dict(layers=args.layers, file_gb=size / 1e9, bandwidth_gb_s=bandwidth / 1e9,
                    quickdraft_over_llamacpp=plain["quickdraft"] / plain["llama.cpp"],
                    decode_quickdraft_over_llamacpp=decode["quickdraft"] / decode["llama.cpp"],
-                   ngram_over_plain=ngram / plain["quickdraft"], step_bytes_quickdraft=ours,
-                   step_bytes_file=planned, bytes_ratio=ours / planned, **cost)
+                   ngram_over_plain=ngram / plain["quickdraft"], ngram_outputs_equal_plain=f"{same}/{len(prompts)}",
+                   step_bytes_quickdraft=step_bytes, step_bytes_file=planned, bytes_ratio=step_bytes / planned, **cost)
     shape = "gpt-oss-20b's layer shape, MXFP4 experts" if args.family == "gpt-oss" else \
         "Qwen3-30B-A3B layer shape, Q4_K_M"
     print(f"\n{shape}, {args.layers} layers, {args.tokens} greedy tokens x {args.prompts} HumanEval prompts\n"
