@@ -167,7 +167,8 @@ FORMS = {
     "Qwen3.5-4B": ("think", "qwen"),
     "GLM-4.6": ("think", "qwen"),  # <tool_call>NAME<arg_key>KEY</arg_key><arg_value>...
 }
-WITH_THINKING = {"openai-gpt-oss-120b", "Qwen-Qwen3-0.6B", "Qwen3.5-4B", "GLM-4.6"}  # templates that render a last turn's thinking
+# the templates that render a last turn's thinking
+WITH_THINKING = {"openai-gpt-oss-120b", "Qwen-Qwen3-0.6B", "Qwen3.5-4B", "GLM-4.6"}
 
 
 @pytest.mark.parametrize("name", sorted(FORMS))

@@ -493,7 +493,8 @@ def test_streams_of_random_outputs_agree_with_the_whole_text():
     rng = random.Random(0)
     for _ in range(1500):
         text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 8)))
-        style, tools = rng.choice(["qwen", "llama3", "generic", "mistral"]), rng.choice([spec(), spec("required"), None])
+        style = rng.choice(["qwen", "llama3", "generic", "mistral"])
+        tools = rng.choice([spec(), spec("required"), None])
         content, calls = parse_tool_calls(text, tools, style)
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 6))) if len(text) > 1 else []
         got = _run(ToolCallStream(tools, style), [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])

@@ -91,7 +91,8 @@ class Sequence:
         self._stop_strings = self.params.stop or []
         self._holdback = max((len(s) - 1 for s in self._stop_strings), default=0)
         # where stop strings are looked for: [start, end) spans of text, the last open (end None) while it grows
-        self._stop_spans: list[list[int | None]] = [] if self.params.stop_strings_after_token is not None else [[0, None]]
+        everywhere = self.params.stop_strings_after_token is None
+        self._stop_spans: list[list[int | None]] = [[0, None]] if everywhere else []
 
     def draft_room(self) -> int:
         """The most tokens a round may draft for this sequence: what fits its context and max_tokens, within its
