@@ -25,8 +25,9 @@ def test_the_cache_stores_int8_with_a_scale_per_32_values(int8_llm, smollm2):
     pool = int8_llm.target.pool
     assert pool.k.dtype == torch.int8 and pool.k_scale.dtype == torch.float32
     assert pool.k_scale.shape[-1] == pool.k.shape[-1] // 32
-    exact = LLM(str(smollm2), weights="int4", kv_cache_memory=KV)
-    assert int8_llm.target.bytes_per_block / exact.target.bytes_per_block == pytest.approx((1 + 4 / 32) / 2)
+    exact = LLM(str(smollm2), weights="int4", kv_cache_memory=KV)  # bfloat16, or float32 on a CPU without bf16
+    ratio = (1 + 4 / 32) / exact.target.pool.k.element_size()
+    assert int8_llm.target.bytes_per_block / exact.target.bytes_per_block == pytest.approx(ratio)
 
 
 @pytest.mark.parametrize("speculative", ["ngram", "self"])
@@ -72,7 +73,7 @@ def test_cache_formats_a_model_cannot_use_are_refused_before_loading(tiny_dir, s
     with pytest.raises(InvalidParameterError, match="head_dim divisible by 32; this model's is 16"):
         LLM(tiny, dtype="float32", kv_cache_memory="16MiB", kv_cache_dtype="int8")
     with pytest.raises(InvalidParameterError, match="kv_cache_dtype='float32' needs a model computing in float32"):
-        LLM(str(smollm2), weights="int4", kv_cache_dtype="float32")
+        LLM(str(smollm2), weights="int4", dtype="bfloat16", kv_cache_dtype="float32")
     with pytest.raises(InvalidParameterError, match="kv_cache_dtype must be one of auto, bfloat16, float32, int8"):
         LLM(str(smollm2), kv_cache_dtype="fp8")
 
