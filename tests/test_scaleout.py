@@ -63,7 +63,7 @@ class Fleet:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "quickdraft.cli", "serve", "smollm2-135m", "--replicas", "2",
              "--num-cpus-per-replica", "1", "--port", str(self.port), "--max-model-len", "2048",
-             "--kv-cache-memory", "64MiB", "--served-model-name", "smol"],
+             "--kv-cache-memory", "128MiB", "--served-model-name", "smol"],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
 
     def health(self) -> dict:
