@@ -70,7 +70,8 @@ def quickdraft_runner(target: str, draft: str, weights: str, mode: str, tokens: 
         out = llm.generate([ids], params if speculative else plain)[0]
         sec = time.perf_counter() - t0
         spec = out.metrics.spec
-        return {"engine": "quickdraft", "config": config, "category": cat, "tok_s": len(out.token_ids) / sec,
+        label = config if speculative else f"{llm.weights}/plain"
+        return {"engine": "quickdraft", "config": label, "category": cat, "tok_s": len(out.token_ids) / sec,
                 "decode_tok_s": out.metrics.tokens_per_s,
                 "token_ids": out.token_ids, "weight_bytes": nbytes,
                 "acceptance": spec.acceptance_rate if spec.draft_tokens else None,

@@ -339,3 +339,47 @@ def test_stop_strings_end_what_a_message_says_never_its_markup(harmony_server):
     r = client.chat.completions.create(model="oss", messages=ASK, stop=["weather"], **forced(ANSWERED))
     assert r.choices[0].message.model_extra["reasoning_content"] == THOUGHT[:THOUGHT.index("weather")].rstrip()
     assert not r.choices[0].message.content
+
+
+def harmony_sequence(tmp_path: Path, stop: list[str]):
+    """A sequence reading harmony (special tokens kept, stop strings only in what messages say), on the real BPE
+    tokenizer with harmony's special tokens."""
+    import torch
+
+    from quickdraft import SamplingParams
+    from quickdraft.engine.sequence import Sequence
+    from quickdraft.sampling import LogitsProcessor
+
+    tok = Tokenizer.from_hf_dir(write_tokenizer(tmp_path / "h", HARMONY_TEMPLATE))
+    params = SamplingParams(max_tokens=500, stop=stop, skip_special_tokens=False,
+                            stop_strings_after_token=tok.token_to_id("<|message|>"))
+    seq = Sequence(request_id="r", index=0, prompt=None, prompt_ids=[1], params=params, tokenizer=tok,
+                   processor=LogitsProcessor(params, [1], tok.vocab_size), generator=torch.Generator(),
+                   max_model_len=1024)
+    return tok, seq
+
+
+def write(seq, tok, text: str) -> None:
+    for token in tok.encode(text, add_special_tokens=False):
+        if not seq.finished:
+            seq.append([token], [False])
+
+
+@pytest.mark.parametrize("output, stop, text", [
+    ("It is sunny in Paris. More.", "in Paris", "It is sunny "),  # no markup at all (a grammar's JSON, say)
+    ("<|channel|>final<|message|>Hello<|message|> world<|end|>", "<|", None),  # a second <|message|>: still markup
+    ("<|channel|>final<|message|>Hello<|message|> world", "o w", None),  # no match across markup
+    ("<|channel|>final<|message|>Hello<|message|> world STOP", " STOP", "<|channel|>final<|message|>Hello"
+                                                                         "<|message|> world"),
+])
+def test_stop_strings_of_a_harmony_sequence(tmp_path, output, stop, text):
+    tok, seq = harmony_sequence(tmp_path, [stop])
+    write(seq, tok, output)
+    assert (seq.finished, seq.text) == (True, text) if text is not None else not seq.finished
+
+
+def test_a_resumed_harmony_sequence_finds_stop_strings_in_the_message_it_was_cut_in(tmp_path):
+    tok, seq = harmony_sequence(tmp_path, [" STOP"])
+    seq.resume(tok.encode("<|channel|>final<|message|>Hello", add_special_tokens=False))
+    write(seq, tok, " world STOP more")
+    assert seq.finished and seq.text == "<|channel|>final<|message|>Hello world"

@@ -386,6 +386,9 @@ AUTO_CASES = [
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": ', '[TOOL_CALLS]get_weather[ARGS]{"city": ', []),
     ("mistral", "[TOOL_CALLS]get_weather[ARGS][1]", "[TOOL_CALLS]get_weather[ARGS][1]", []),
     ("mistral", W, None, [PARIS]),  # no tag: read as the generic form
+    ("mistral", f"Hi <tool_call>{W}</tool_call>", f"Hi <tool_call>{W}</tool_call>", []),  # not Mistral's form
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": 1e400}', '[TOOL_CALLS]get_weather[ARGS]{"city": 1e400}',
+     []),  # past float's range: JSON cannot write it back
     ("mistral", "[1, 2] is a list.", "[1, 2] is a list.", []),
 ]
 
@@ -396,6 +399,17 @@ def test_auto_calls_are_read_in_each_style(style, text, content, calls):
     assert got_content == content
     assert [(c.name, c.arguments) for c in got] == calls
     assert all(CALL_ID.fullmatch(c.id) for c in got) and len({c.id for c in got}) == len(got)
+
+
+def test_calls_past_the_limit_or_too_deep_to_write_stay_content():
+    many = '[TOOL_CALLS]get_weather[ARGS]{"city": "x"}' * 129
+    assert parse_tool_calls(many, spec(), "mistral") == (many, [])
+    for depth in range(960, 1010, 3):  # decoded, but nested past what json.dumps writes back
+        for style, text in (("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city":' + "[" * depth + "]" * depth + "}"),
+                            ("qwen", '<tool_call>{"name": "get_weather", "arguments": {"city": ' + "[" * depth
+                             + "]" * depth + "}}</tool_call>")):
+            content, calls = parse_tool_calls(text, spec(), style)
+            assert all(arguments_valid(c) for c in calls) and (calls or content == text)
 
 
 def test_tagged_values_are_typed_by_the_tools_schema():
@@ -416,6 +430,13 @@ def test_tagged_values_are_typed_by_the_tools_schema():
     assert json.loads(call.arguments) == {"days": 3, "note": "42"}
     nan = "<tool_call><function=plan><parameter=days>NaN</parameter></function></tool_call>"
     assert json.loads(parse_tool_calls(nan, spec(tools=[tool]), "qwen")[1][0].arguments) == {"days": "NaN"}
+    strings = _tool(name="pick", parameters={"type": "object", "properties": {
+        "e": {"enum": ["1", "2"]}, "a": {"anyOf": [{"type": "string"}, {"const": "x"}]}, "n": {"enum": [1, "2"]},
+        "odd": {"type": [{}, "string"]}}})  # a type list with a non-name in it: its names count
+    text = "<tool_call><function=pick><parameter=e>1</parameter><parameter=a>2</parameter><parameter=n>1" \
+           "</parameter><parameter=odd>3</parameter></function></tool_call>"
+    _, (call,) = parse_tool_calls(text, spec(tools=[strings]), "qwen")
+    assert json.loads(call.arguments) == {"e": "1", "a": "2", "n": 1, "odd": "3"}
 
 
 def test_named_and_required_outputs():
@@ -491,7 +512,7 @@ def test_streams_of_random_outputs_agree_with_the_whole_text():
                  "[", "]", ";", "<tool", "_call>", "<|python", "`", '{"name": "nope", "arguments": {}}',
                  "[TOOL_CALLS]", "get_weather[ARGS]", '{"city": "Paris"}', "[TOOL_"]
     rng = random.Random(0)
-    for _ in range(1500):
+    for _ in range(4000):
         text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 8)))
         style = rng.choice(["qwen", "llama3", "generic", "mistral"])
         tools = rng.choice([spec(), spec("required"), None])

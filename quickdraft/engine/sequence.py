@@ -90,9 +90,10 @@ class Sequence:
         self.detokenizer = StreamingDetokenizer(self.tokenizer, skip_special_tokens=self.params.skip_special_tokens)
         self._stop_strings = self.params.stop or []
         self._holdback = max((len(s) - 1 for s in self._stop_strings), default=0)
-        # where stop strings are looked for: [start, end) spans of text, the last open (end None) while it grows
-        everywhere = self.params.stop_strings_after_token is None
-        self._stop_spans: list[list[int | None]] = [[0, None]] if everywhere else []
+        # where stop strings are looked for: [start, end) spans of text, the last open (end None) while it grows; with
+        # stop_strings_after_token the first ends at the first special token (an output with none, as a grammar's
+        # JSON, is searched whole)
+        self._stop_spans: list[list[int | None]] = [[0, None]]
 
     def draft_room(self) -> int:
         """The most tokens a round may draft for this sequence: what fits its context and max_tokens, within its
@@ -116,8 +117,11 @@ class Sequence:
         if self.params.logprobs is not None:
             self.logprobs.extend({} for _ in output_ids)  # placeholders; only the new tokens are returned
         for token in output_ids:
+            before = len(self.text)
             self.text += self.detokenizer.add(token)
             self._text_ends.append(len(self.text))
+            if self._stop_strings and self.params.stop_strings_after_token is not None:
+                self._mark_stop_span(token, before)
         chars = len(self.text) if delivered_chars is None else max(0, min(delivered_chars, len(self.text)))
         self._base_tokens = self._emitted_tokens = self._spanned = len(output_ids)
         self._base_chars = self._emitted_chars = chars
@@ -170,12 +174,13 @@ class Sequence:
                 return
 
     def _mark_stop_span(self, token: int, before: int) -> None:
-        """Open a span where stop strings count after ``stop_strings_after_token``; a special token (whose text
-        began at ``before``) closes it."""
+        """A special token (whose text began at ``before``) closes the open span where stop strings count;
+        ``stop_strings_after_token`` opens the next."""
+        if token == self.params.stop_strings_after_token or token in self.tokenizer.special_token_ids:
+            if self._stop_spans and self._stop_spans[-1][1] is None:
+                self._stop_spans[-1][1] = before
         if token == self.params.stop_strings_after_token:
             self._stop_spans.append([len(self.text), None])
-        elif token in self.tokenizer.special_token_ids and self._stop_spans and self._stop_spans[-1][1] is None:
-            self._stop_spans[-1][1] = before
 
     def _check_stop_strings(self) -> bool:
         window_start = max(0, self._emitted_chars - self._holdback - 8)

@@ -35,15 +35,34 @@ def tagged_call(body: str, schemas: dict[str, Any]) -> tuple[str, dict[str, Any]
     return name, {key: typed(value, properties.get(key)) for key, value in pairs}
 
 
+def _kinds(schema: Any) -> set[str]:
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return {k for k in kind if isinstance(k, str)} if isinstance(kind, list) else {kind} if isinstance(kind, str) \
+        else set()
+
+
+def _string_only(schema: Any) -> bool:
+    """Whether every value ``schema`` allows is a string: its type, or an enum/const of strings, or alternatives
+    (anyOf/oneOf) that all are (``parse_tools`` bounds the schema's depth)."""
+    if not isinstance(schema, dict):
+        return False
+    if _kinds(schema):
+        return _kinds(schema) == {"string"}
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema \
+        else None
+    if values:
+        return all(isinstance(v, str) for v in values)
+    options = schema.get("anyOf", schema.get("oneOf"))
+    return isinstance(options, list) and bool(options) and all(_string_only(o) for o in options)
+
+
 def typed(value: str, schema: Any) -> Any:
     """A parameter's text as the value its schema says: a string as written, else JSON; text that is no JSON stays a
     string."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    kinds = set(kind) if isinstance(kind, list) else {kind}
-    if kinds == {"string"}:
+    if _string_only(schema):
         return value
     text = value.strip()
-    if "boolean" in kinds and text in ("True", "False"):
+    if "boolean" in _kinds(schema) and text in ("True", "False"):
         return text == "True"
     try:
         return JSON.decode(text)

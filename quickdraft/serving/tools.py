@@ -177,9 +177,14 @@ def arguments_valid(call: "ToolCall") -> bool:
     return loads_object(call.arguments) is not None
 
 
-def _compact(arguments: dict) -> str:
-    """The arguments text OpenAI sends: compact JSON, a lone surrogate (from a "\\ud800" escape) made "?"."""
-    return json.dumps(arguments, ensure_ascii=False, separators=(",", ":")).encode(errors="replace").decode()
+def _compact(arguments: dict) -> str | None:
+    """The arguments text OpenAI sends: compact JSON, a lone surrogate (from a "\\ud800" escape) made "?"; None for
+    what JSON cannot write (a number past float's range, read as infinity; nesting past what the encoder takes)."""
+    try:
+        text = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (ValueError, RecursionError):
+        return None
+    return text.encode(errors="replace").decode()
 
 
 def _call(value: Any, names: dict[str, Any]) -> ToolCall | None:
@@ -188,7 +193,8 @@ def _call(value: Any, names: dict[str, Any]) -> ToolCall | None:
         return None
     arguments = value.get("arguments", value.get("parameters"))
     arguments = loads_object(arguments) if isinstance(arguments, str) else arguments
-    return ToolCall(value["name"], _compact(arguments)) if isinstance(arguments, dict) else None
+    text = _compact(arguments) if isinstance(arguments, dict) else None
+    return ToolCall(value["name"], text) if text is not None else None
 
 
 def _json_values(text: str) -> list[Any] | None:
@@ -220,8 +226,10 @@ def _mistral_calls(text: str, names: dict[str, Any]) -> list[ToolCall]:
     [TOOL_CALLS] before each further call (the newer one). All valid, or none: the text stays content."""
     if text.lstrip().startswith("["):
         return _whole_calls(text, names, fenced=False)
-    calls = []
-    for part in text.split(MISTRAL_TAG, MAX_CALLS)[:MAX_CALLS]:
+    parts, calls = text.split(MISTRAL_TAG, MAX_CALLS), []
+    if len(parts) > MAX_CALLS:  # more calls than are read: the text stays content
+        return []
+    for part in parts:
         head = _MISTRAL_HEAD.match(part)
         values = _json_values(part[head.end():].strip()) if head else None
         arguments = values[0] if values and len(values) == 1 else None
@@ -244,7 +252,8 @@ def _block_calls(text: str, names: dict[str, Any]) -> tuple[str | None, list[Too
         values = _json_values(text[body:end].strip())
         call = _call(values[0], names) if values and len(values) == 1 else None
         tagged = tagged_call(text[body:end], names) if call is None else None
-        call = ToolCall(tagged[0], _compact(tagged[1])) if tagged else call
+        arguments = _compact(tagged[1]) if tagged else None
+        call = ToolCall(tagged[0], arguments) if arguments is not None else call
         (calls if call else pieces).append(call or text[start:stop])  # an invalid block stays text
         start = text.find(OPEN, stop)
         pieces.append(text[stop:start if start >= 0 else len(text)])
@@ -268,10 +277,11 @@ def parse_tool_calls(text: str, spec: ToolSpec | None, style: str) -> tuple[str 
             calls = _whole_calls(text[tag + len(PYTHON_TAG):], names, fenced=False)
             if calls and text[:tag].strip():
                 return text[:tag], calls
-    elif style == "mistral" and text.find(MISTRAL_TAG) >= 0:  # content before the tag, the calls after it
+    elif style == "mistral":  # content before the tag, the calls after it; without it, the generic fallback
         tag = text.find(MISTRAL_TAG)
-        calls = _mistral_calls(text[tag + len(MISTRAL_TAG):], names)
-        if calls:
+        calls = _mistral_calls(text[tag + len(MISTRAL_TAG):], names) if tag >= 0 else \
+            _whole_calls(text, names, fenced=True)
+        if calls and tag >= 0:
             return (text[:tag] if text[:tag].strip() else None), calls
     else:
         content, calls = _block_calls(text, names)
