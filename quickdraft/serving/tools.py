@@ -252,8 +252,7 @@ def _block_calls(text: str, names: dict[str, Any]) -> tuple[str | None, list[Too
         values = _json_values(text[body:end].strip())
         call = _call(values[0], names) if values and len(values) == 1 else None
         tagged = tagged_call(text[body:end], names) if call is None else None
-        arguments = _compact(tagged[1]) if tagged else None
-        call = ToolCall(tagged[0], arguments) if arguments is not None else call
+        call = _call({"name": tagged[0], "arguments": tagged[1]}, names) if tagged else call
         (calls if call else pieces).append(call or text[start:stop])  # an invalid block stays text
         start = text.find(OPEN, stop)
         pieces.append(text[stop:start if start >= 0 else len(text)])
