@@ -5,6 +5,7 @@ result must not depend on the rows beside it; a GGUF's Q4 blocks, mapped exactly
 dequantization. tests/test_cuda.py runs it on a GPU inside whole models."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -66,12 +67,36 @@ def test_int4_kernel_equals_the_weights(rows, out_features, in_features, group):
     torch.testing.assert_close(ref(x), reference(x, layer, rounded=False), **FLOAT32)
 
 
-def test_a_rows_result_does_not_depend_on_its_batch():
-    g = torch.Generator().manual_seed(0)
-    layer = Int4Linear.from_float(randn(96, 128, generator=g), kernel="triton")
-    x = randn(40, 128, generator=g)
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_result_does_not_depend_on_its_batch(bits):
+    g = torch.Generator().manual_seed(bits)
+    # 1,120 input columns: three chunks of K, the last one partly outside
+    weight = randn(64, 1120, generator=g)
+    layer = (Int4Linear.from_float(weight, kernel="triton") if bits == 4 else
+             Int8Linear.from_float(weight, kernel="triton"))
+    x = randn(18, 1120, generator=g)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(18)])
     assert torch.equal(layer(x[:5]), alone[:5]) and torch.equal(layer(x[:17])[:5], alone[:5])
+    assert torch.equal(layer(x), alone)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_k_split_over_programs_gives_the_same_bits_as_one_program(bits, rows):
+    """A decode step's few output tiles sum K's chunks in programs of their own, a prompt chunk's in one program:
+    the same sums in the same order, so a row gets the same bits either way (and so whatever its batch)."""
+    g = torch.Generator().manual_seed(rows + bits)
+    in_features = 3 * triton_linear.CHUNK_K + 96
+    weight, x = randn(72, in_features, generator=g), randn(rows, in_features, generator=g)
+    if bits == 4:
+        layer = Int4Linear.from_float(weight, group_size=32, kernel="triton")
+        run = functools.partial(triton_linear.int4_matmul, x, layer.qweight, layer.scales_and_zeros, 32)
+    else:
+        layer = Int8Linear.from_float(weight, kernel="triton")
+        run = functools.partial(triton_linear.int8_matmul, x, layer.qweight, layer.scales)
+    apart, together = run(split=True), run(split=False)
+    assert torch.equal(apart, together)
+    torch.testing.assert_close(apart, reference(x, layer), **TOLERANCE)
 
 
 def test_bias_and_zero_rows():

@@ -1,9 +1,10 @@
-"""Weight-only int8 and int4 matmuls on a GPU: one Triton kernel that reads the quantized weights in place.
+"""Weight-only int8 and int4 matmuls on a GPU: a Triton kernel that reads the quantized weights in place.
 
 A decode step at batch 1 reads every weight once, so its time is the weights' bytes over the memory bandwidth: int8
 halves a bfloat16 model's bytes, int4 (with a bfloat16 scale and zero per 32 weights) takes a little over a quarter.
 That only pays if nothing reads or writes a float copy of the weight, which the ``reference`` backend does (it
-dequantizes the whole weight every call). This kernel widens a tile of weights in registers and multiplies it there.
+dequantizes the whole weight every call). This kernel widens a tile of weights in registers and multiplies it there;
+an int4 tile's bytes and its groups' scales are each read once.
 
 The layouts are the ``reference`` backend's (``quant.py``): int8 ``qweight [N, K]`` with a bfloat16 scale per row;
 int4 nibbles ``qweight [N, K // 2]`` (even column in the low nibble) with ``scales_and_zeros [K // G, N, 2]``
@@ -22,7 +23,8 @@ import os
 
 import torch
 
-triton = tl = None  # optional (pip install triton): imported by _kernel, on first use
+triton = tl = None  # optional (pip install triton): imported by _kernels, on first use
+_int4_tile = _dot = None  # the kernels' helpers (_kernels)
 
 # Run the kernel on CPU tensors too, under Triton's interpreter (tests set it; see kv/paged_attention.py).
 KERNEL_ON_CPU = False
@@ -43,74 +45,147 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cpu" and KERNEL_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# One tile for every row count (16 rows: tl.dot's smallest; a decode step's weight rows spread over many programs):
-# a row's products and sums then run through the same instructions in the same order whatever its batch, which
-# greedy speculation's equality with plain decoding relies on. Prompt chunks pay for it in re-read weight tiles.
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 64
+# One tile for every row count (16 rows: tl.dot's smallest): a row's products and sums then run through the same
+# instructions in the same order whatever its batch, which greedy speculation's equality with plain decoding relies
+# on. Prompt chunks pay for it in re-read weight tiles.
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
+# K is summed in chunks of CHUNK_K columns, each chunk's sum from zero, the chunks' sums then added in order. Where
+# the output's tiles are few (a decode step of a 7B: 56-72 tiles for three of its four projections, each looping
+# over all of K, so its loads wait on one another), every chunk runs in a program of its own and a second kernel adds
+# the sums; elsewhere each program adds them as it goes. Both give the same bits, so the choice may follow the shape.
+CHUNK_TILES = 4
+CHUNK_K = CHUNK_TILES * BLOCK_K
+SPLIT_BELOW = 1024  # split K over programs while the output has fewer tiles than this (a few per multiprocessor)
 
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ (qweight * scales[:, None]).T`` as float32 ``[M, N]``."""
-    return _matmul(x, qweight, scales, bits=8, group=1)
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, split: bool | None = None
+                ) -> torch.Tensor:
+    """``x [M, K] @ (qweight * scales[:, None]).T`` as float32 ``[M, N]``; ``split`` forces K's chunks into programs
+    of their own (True) or not (False) where None lets the shape choose: the result is the same either way."""
+    return _matmul(x, qweight, scales, bits=8, group=1, split=split)
 
 
-def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
+def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
+                split: bool | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T`` with ``W[n, k] = (q - 8) * s + z`` from nibbles ``qweight [N, K // 2]`` and
-    ``scales_and_zeros [K // group, N, 2]``; float32 ``[M, N]``."""
-    return _matmul(x, qweight, scales_and_zeros, bits=4, group=group)
+    ``scales_and_zeros [K // group, N, 2]``; float32 ``[M, N]``. ``split`` as in ``int8_matmul``."""
+    if BLOCK_K % group:
+        raise ValueError(f"the triton int4 kernel takes groups dividing {BLOCK_K} columns, got {group}")
+    return _matmul(x, qweight, scales_and_zeros, bits=4, group=group, split=split)
 
 
-def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int,
+            split: bool | None) -> torch.Tensor:
     x = x.contiguous()
     rows, k = x.shape
     n = qweight.shape[0]
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
-    grid = (-(-n // BLOCK_N), -(-rows // BLOCK_M))
-    _kernel()[grid](x, qweight, scales.contiguous(), out, rows, n, k, x.stride(0), out.stride(0),
-                    BITS=bits, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                    DOT_BF16=x.is_cuda)
+    tiles, chunks = (-(-n // BLOCK_N), -(-rows // BLOCK_M)), -(-k // CHUNK_K)
+    if split is None:
+        split = chunks > 1 and tiles[0] * tiles[1] < SPLIT_BELOW
+    # the chunks' sums [chunks, M, N] where they run apart (a decode step's: a few KiB to a MiB)
+    sums = torch.empty(chunks, rows, n, dtype=torch.float32, device=x.device) if split else out
+    scales = scales.contiguous()
+    matmul, add_chunks = _kernels()
+    matmul[tiles + ((chunks,) if split else (1,))](
+        x, qweight, scales, sums, rows, n, k, x.stride(0), 1 if split else chunks,
+        BITS=bits, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, CHUNK_TILES=CHUNK_TILES,
+        SCALE_ROWS=not split, DOT_BF16=x.is_cuda)
+    if split:
+        block = 1024
+        add_chunks[(-(-rows * n // block),)](sums, scales, out, rows * n, n, chunks, BITS=bits, BLOCK=block)
     return out
 
 
 @functools.cache
-def _kernel():
-    """Triton imported and the kernel defined on first use (see kv/paged_attention.py's ``_kernel``)."""
-    global triton, tl
+def _kernels():
+    """Triton imported and the kernels defined on first use (see kv/paged_attention.py's ``_kernel``); the helpers
+    a kernel calls are module globals, where Triton's interpreter looks for them."""
+    global triton, tl, _int4_tile, _dot
     import triton
     import triton.language as tl
 
     @triton.jit
-    def weight_only_matmul(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+    def weight_only_matmul(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, chunks_per_program,
                            BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr):
+                           BLOCK_K: tl.constexpr, CHUNK_TILES: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                           DOT_BF16: tl.constexpr):
+        """Rows ``rm`` by columns ``rn`` of the output, summed over ``chunks_per_program`` chunks of K from the
+        program's third index on: the whole of K into ``out [M, N]`` (``SCALE_ROWS``), or one chunk's sum into its
+        slice of ``out [chunks, M, N]``."""
         # int64 offsets: a weight of more than 2^31 values (a 256k vocabulary's head) must not wrap
         rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k0 = 0
-        while k0 < K:  # (a while loop: the interpreter cannot take range() over a runtime bound)
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                        other=0.0)
-            inside = (rk[:, None] < K) & (rn[None, :] < N)  # the weight tile [BLOCK_K, BLOCK_N], transposed
-            if BITS == 8:
-                w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=inside, other=0).to(tl.float32)
-            else:
-                packed = tl.load(w_ptr + rn[None, :] * (K // 2) + rk[:, None] // 2, mask=inside, other=0)
-                q = (packed.to(tl.int32) >> ((rk[:, None] % 2) * 4)) & 0xF
-                at = ((rk[:, None] // GROUP) * N + rn[None, :]) * 2
-                scale = tl.load(s_ptr + at, mask=inside, other=0.0).to(tl.float32)
-                zero = tl.load(s_ptr + at + 1, mask=inside, other=0.0).to(tl.float32)
-                w = (q.to(tl.float32) - 8.0) * scale + zero
-            if DOT_BF16:
-                acc += tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16))
-            else:
-                acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
-            k0 += BLOCK_K
-        if BITS == 8:
-            acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        chunk = tl.program_id(2) * chunks_per_program
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        done = 0
+        while done < chunks_per_program:  # (a while loop: the interpreter cannot take range() over a runtime bound)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for tile in tl.static_range(CHUNK_TILES):
+                k0 = (chunk + done) * CHUNK_TILES * BLOCK_K + tile * BLOCK_K
+                if BITS == 8:
+                    rk = k0 + tl.arange(0, BLOCK_K)
+                    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                                mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+                    w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=(rk[:, None] < K) & (rn[None, :] < N),
+                                other=0)  # the tile [BLOCK_K, BLOCK_N], transposed
+                    acc = _dot(x, w.to(tl.float32), acc, DOT_BF16)
+                else:
+                    acc = _int4_tile(x_ptr, w_ptr, s_ptr, acc, rm, rn, k0, M, N, K, stride_xm, GROUP, BLOCK_N,
+                                     BLOCK_K, DOT_BF16)
+            total += acc
+            done += 1
+        if BITS == 8 and SCALE_ROWS:
+            total = total * tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        at = out_ptr + tl.program_id(2).to(tl.int64) * M * N  # this chunk's slice (the first, and only, where not split)
+        tl.store(at + rm[:, None] * N + rn[None, :], total, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
-    return weight_only_matmul
+    @triton.jit
+    def _int4_tile(x_ptr, w_ptr, s_ptr, acc, rm, rn, k0, M, N, K, stride_xm, GROUP: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr):
+        """``acc`` plus the tile of K from ``k0``: each byte of the weight is read once, its low nibbles (even
+        columns) and high ones (odd) widened apart and met with x's even and odd columns; the tile's groups' scales
+        and zeros are read once each, as a [groups, 1, BLOCK_N] block."""
+        g = tl.arange(0, BLOCK_K // GROUP)[:, None, None]
+        pair = g * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :, None]  # the byte's place in the tile
+        inside = (k0 + 2 * pair < K) & (rn[None, None, :] < N)
+        packed = tl.load(w_ptr + rn[None, None, :] * (K // 2) + k0 // 2 + pair, mask=inside, other=0).to(tl.int32)
+        at = ((k0 // GROUP + g) * N + rn[None, None, :]) * 2
+        group_inside = (k0 + g * GROUP < K) & (rn[None, None, :] < N)
+        scale = tl.load(s_ptr + at, mask=group_inside, other=0.0).to(tl.float32)
+        zero = tl.load(s_ptr + at + 1, mask=group_inside, other=0.0).to(tl.float32)
+        low = tl.reshape(((packed & 0xF).to(tl.float32) - 8.0) * scale + zero, (BLOCK_K // 2, BLOCK_N))
+        high = tl.reshape(((packed >> 4).to(tl.float32) - 8.0) * scale + zero, (BLOCK_K // 2, BLOCK_N))
+        even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        row_inside = rm[:, None] < M
+        x_even = tl.load(x_ptr + rm[:, None] * stride_xm + even[None, :], mask=row_inside & (even[None, :] < K),
+                         other=0.0)
+        x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + even[None, :] + 1,
+                        mask=row_inside & (even[None, :] + 1 < K), other=0.0)
+        acc = _dot(x_even, low, acc, DOT_BF16)
+        return _dot(x_odd, high, acc, DOT_BF16)
+
+    @triton.jit
+    def _dot(x, w, acc, DOT_BF16: tl.constexpr):
+        if DOT_BF16:  # tensor cores: bfloat16 products, float32 sums
+            return tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16), acc)
+        return tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")  # what the interpreter gets right
+
+    @triton.jit
+    def add_chunks(sums_ptr, s_ptr, out_ptr, size, N, chunks, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        """``out = sum over chunks of sums[chunk]``, from zero and in order, as ``weight_only_matmul`` adds them in
+        one program; int8's row scales after."""
+        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = at < size
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        chunk = 0
+        while chunk < chunks:
+            total += tl.load(sums_ptr + chunk * size + at, mask=inside, other=0.0)
+            chunk += 1
+        if BITS == 8:
+            total = total * tl.load(s_ptr + at % N, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + at, total, mask=inside)
+
+    return weight_only_matmul, add_chunks
