@@ -56,8 +56,11 @@ demo: venv $(INSTALL_$(MODEL))
 	$(BIN)/quickdraft models
 	$(BIN)/quickdraft generate $(MODEL) "$(PROMPT)" $(CHAT) --max-tokens 64
 
+# Two pytest workers, a test file each at a time (its fixtures built once): much of the suite waits on one core
+# (servers, subprocesses, Python), so two keep a 2-core machine busy. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: dev models models-qwen-draft models-gemma templates
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
 
 bench: dev models models-qwen
 	$(PIP) install -q $(CONSTRAINTS) -e '.[bench]'
