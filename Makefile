@@ -57,10 +57,16 @@ demo: venv $(INSTALL_$(MODEL))
 	$(BIN)/quickdraft generate $(MODEL) "$(PROMPT)" $(CHAT) --max-tokens 64
 
 # Two pytest workers, a test file each at a time (its fixtures built once): much of the suite waits on one core
-# (servers, subprocesses, Python), so two keep a 2-core machine busy. TEST_WORKERS=0 runs it in one process.
+# (servers, subprocesses, Python), so two keep a 2-core machine busy. The tests marked `alone` (the thread budget,
+# which follows the load of other processes) run after them. TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 test: dev models models-qwen-draft models-gemma templates
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
+ifeq ($(TEST_WORKERS),0)
+	$(BIN)/python -m pytest -q tests
+else
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone" tests
+	$(BIN)/python -m pytest -q -m alone tests
+endif
 
 bench: dev models models-qwen
 	$(PIP) install -q $(CONSTRAINTS) -e '.[bench]'

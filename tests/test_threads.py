@@ -14,6 +14,9 @@ from quickdraft import LLM, SamplingParams
 from quickdraft.engine.threads import ThreadBudget
 from quickdraft.errors import InvalidParameterError
 
+# The budget reads the load of the whole machine: another test process beside these would be a busy core.
+pytestmark = pytest.mark.alone
+
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea.\n" * 12]
 
 
