@@ -6,7 +6,7 @@ Each call is timed inside a CUDA graph of ``--calls`` calls replayed back to bac
 them), so launch gaps count as they do there. Bandwidth is the bytes the call reads (its weights, scales and
 activations) over its time, against a device-to-device copy measured in the same run; "per token" sums a layer's
 four projections times the layers, the linear part of a batch-1 decode step. int4 runs twice: K split over programs
-where the shape asks (the default) and in one program per output tile, which is what the kernel did before the split.
+where the shape asks (the default) and in one program per output tile, K not split (what splitting gains).
 
 Usage: python bench/gpu_linear.py [--shapes qwen2.5-1.5b,qwen2.5-7b] [--rows 1,5,32] [--calls 50]
        [--device cuda|cpu] [--name gpu_linear]
