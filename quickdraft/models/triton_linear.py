@@ -53,6 +53,8 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
 # the output's tiles are few (a decode step of a 7B: 56-72 tiles for three of its four projections, each looping
 # over all of K, so its loads wait on one another), every chunk runs in a program of its own and a second kernel adds
 # the sums; elsewhere each program adds them as it goes. Both give the same bits, so the choice may follow the shape.
+# More than one tl.dot a chunk: Triton folds ``total + dot(a, b, 0)`` into ``dot(a, b, total)``, which would sum a
+# one-dot chunk into ``total`` inside the dot in one program, and apart from it in the split.
 CHUNK_TILES = 4
 CHUNK_K = CHUNK_TILES * BLOCK_K
 SPLIT_BELOW = 1024  # split K over programs while the output has fewer tiles than this (a few per multiprocessor)
@@ -180,9 +182,11 @@ def _kernels():
         at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = at < size
         total = tl.zeros((BLOCK,), dtype=tl.float32)
+        sums = sums_ptr + at  # stepped a chunk at a time: chunks * size may pass 2^31 where a caller forces the split
         chunk = 0
         while chunk < chunks:
-            total += tl.load(sums_ptr + chunk * size + at, mask=inside, other=0.0)
+            total += tl.load(sums, mask=inside, other=0.0)
+            sums += size
             chunk += 1
         if BITS == 8:
             total = total * tl.load(s_ptr + at % N, mask=inside, other=0.0).to(tl.float32)
