@@ -94,7 +94,7 @@ def bench_projection(name: str, out_f: int, in_f: int, rows: list[int], calls: i
             seconds = time_call(lambda: fn(x), calls, device)
             read = weight_bytes + x.numel() * 2
             out.append(dict(projection=name, out=out_f, inp=in_f, rows=m, format=fmt, us=seconds * 1e6,
-                            gb_s=read / seconds / 1e9, of_bandwidth=read / seconds / bandwidth))
+                            read_gb=read / 1e9, gb_s=read / seconds / 1e9, of_bandwidth=read / seconds / bandwidth))
     return out
 
 
@@ -106,7 +106,7 @@ def per_token(rows: list[dict], shape_name: str, layers: int) -> list[dict]:
             chosen = [r for r in rows if r["rows"] == m and r["format"] == fmt]
             us = sum(r["us"] for r in chosen) * layers
             summary.append(dict(shape=shape_name, rows=m, format=fmt, layers_ms=us / 1000,
-                                bytes_gb=sum(r["gb_s"] * r["us"] / 1e6 for r in chosen) * layers))
+                                bytes_gb=sum(r["read_gb"] for r in chosen) * layers))
     return summary
 
 
