@@ -59,6 +59,7 @@ def test_runs_on_the_gpu(plain, plain_greedy):
 def test_graphs_are_captured_at_load_and_replayed(plain):
     static = plain.target.static
     assert static.graphs and static.captured == len(static.seq_sizes) * len(static.query_sizes)
+    assert static.captured_chunks == 10  # one sequence's prompt chunk buckets: 1, 2, 4, ... 512 rows
     before = static.replays
     plain.generate(tiny_prompts(64, 3), GREEDY)
     assert static.replays >= before + GREEDY.max_tokens - 1  # every decode step after the prompt
@@ -86,6 +87,32 @@ def test_graph_replay_equals_eager_at_every_bucket(tiny_dir, dtype, kv_dtype):
                     runner.free(kv)
             assert torch.equal(out["graphs"], out["eager"]), (seqs, queries)
     assert llms["graphs"].target.static.replays == 30 and llms["eager"].target.static.forwards == 30
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_chunk_graphs_equal_eager_chunks(tiny_dir, dtype):
+    """Prompt chunks replay their bucket's graph (one sequence's captured at load, several sequences' on first use):
+    the logits of each chunk's last rows (none, one, several) and the decode step after them, whose keys the chunks
+    wrote, are the eager chunks' bit for bit."""
+    model = str(tiny_dir(arch="qwen2", vocab_size=64, layers=4, hidden=128))
+    llms = {mode: LLM(model, dtype=dtype, device="cuda", kv_cache_memory=TINY_KV, static_step=mode)
+            for mode in ("graphs", "eager")}
+    prompts = tiny_prompts(64, 3, length=100)
+    steps = [[(prompts[0][:5], 1)], [(prompts[0][:37], 0)], [(prompts[0][:100], 3)],
+             [(prompts[0][:17], 1), (prompts[1][:30], 2), (prompts[2][:20], 0)]]
+    for chunks in steps:
+        out = {}
+        for mode, llm in llms.items():
+            runner = llm.target
+            kvs = [SequenceKV() for _ in chunks]
+            rows = runner.forward([ForwardItem(kv, p, n) for kv, (p, n) in zip(kvs, chunks)])
+            rows += runner.forward([ForwardItem(kv, [7], 1) for kv in kvs])
+            out[mode] = torch.cat(rows)
+            for kv in kvs:
+                runner.free(kv)
+        assert torch.equal(out["graphs"], out["eager"]), [len(p) for p, _ in chunks]
+    static = llms["graphs"].target.static
+    assert static.chunk_forwards == len(steps) and static.captured_chunks == 11  # the 3-sequence bucket added
 
 
 @pytest.mark.parametrize("options", [{}, {"speculative": "ngram", "num_speculative_tokens": 3},

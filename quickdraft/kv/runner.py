@@ -65,8 +65,8 @@ class ModelRunner:
                                  graphs=static_step == "graphs") if scratch else None
         self.bytes_per_block = per_block
         self.last_forward_s = 0.0
-        # On a GPU, prompt chunks run on the static step's kernels too (eagerly): the dynamic path's attention
-        # builds its batch on the host with reads back from the device, tens of milliseconds a forward there. Not
+        # On a GPU, prompt chunks run on the static step's kernels too (graphs of their own): the dynamic path's
+        # attention builds its batch on the host with reads back from the device, tens of milliseconds a forward. Not
         # where the step's attention would be torch's (no Triton, or gpt-oss's sinks): that one reads every block
         # of every table. On the CPU the dynamic path has quickdraft's fused C layers and stays (tests turn this on).
         self.chunks_on_static = (self.device.type == "cuda" and kernel_possible(block_size)
@@ -194,7 +194,7 @@ class ModelRunner:
 
     def _static_groups(self, items: list[ForwardItem]) -> tuple[list[int], list[int]] | None:
         """Where prompt chunks run on the static step (``chunks_on_static``, on by default on a GPU): the items of a
-        step's decode and verify bucket, and the prompt chunks its forward takes eagerly beside them (in a bucket of
+        step's decode and verify bucket, and the prompt chunks its second forward takes beside them (in a bucket of
         ``StaticStep.chunk_bucket``); None where the dynamic path takes the forward."""
         if self.static is None or not self.chunks_on_static:
             return None
@@ -229,7 +229,7 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Capture the static step's graphs now (at load), where it replays them."""
         if self.static is not None:
-            self.static.warm_up(self.logit_columns)
+            self.static.warm_up(self.logit_columns, chunks=self.chunks_on_static)
 
     @torch.inference_mode()
     def embed(self, token_lists: list[list[int]], pooling: str = "last", chunk: int = 512) -> torch.Tensor:

@@ -2,14 +2,16 @@
 
 A forward fits a bucket when every sequence brings 1..Q new tokens that all need logits: decode steps (one token)
 and verify passes (the pending token and k drafts). The bucket is (B sequences, Q queries each), the smallest that
-holds the batch. Prompt chunks take the dynamic path (``AttentionBatch``), or on a GPU the same forward run eagerly
-in a bucket of their own (``run_chunks``). Its inputs (token ids, positions, cache
+holds the batch. Prompt chunks take the dynamic path (``AttentionBatch``), or on a GPU the same forward in a bucket
+of their own (``run_chunks``), whose graph stops at the hidden states: the few rows that want logits are picked
+after it. Its inputs (token ids, positions, cache
 slots, block tables, context and query lengths) are packed on the host into one int64 tensor and reach the device in
 one copy. The forward reads them from static buffers, attends with ``paged_attention`` (which reads the block tables
 on the device), and writes float32 logits into a static output: nothing in it reads back to the host.
 
-On CUDA each bucket's forward is captured once as a CUDA graph and replayed (``graphs=True``); anywhere, the same
-function can run eagerly on the same buffers, which is how CI checks everything but the capture on a CPU. Padding
+On CUDA each bucket's forward is captured once as a CUDA graph and replayed (``graphs=True``; a prompt chunk's
+bucket on first use, unless ``warm_up`` captured it): run eagerly, a forward launches each of its few hundred
+kernels from Python, and a short prompt's first token waits on the host, not on the GPU. Anywhere, the same function can run eagerly on the same buffers, which is how CI checks everything but the capture on a CPU. Padding
 sequences and padding rows write their keys to a scratch block no sequence owns, and their logits are never read.
 """
 from __future__ import annotations
@@ -115,11 +117,14 @@ class StaticStep:
         self.scratch_slot = scratch_block * pool.block_size
         self.seq_sizes, self.query_sizes = buckets_up_to(max_seqs), buckets_up_to(max_queries)
         self._inputs: dict[Bucket, _Inputs] = {}
-        self._graphs: dict[tuple[Bucket, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, logit columns): a decode/verify bucket's graph; (bucket, None): a prompt chunk bucket's
+        self._graphs: dict[tuple[Bucket, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if graphs else None
-        self._logits: torch.Tensor | None = None  # every bucket's output: a view of one buffer of the largest
-        self.forwards = self.replays = 0  # forwards run here, and of those served by a captured graph
-        self.chunk_forwards = 0  # forwards of prompt chunks (run_chunks)
+        # every graph's output is a view of one buffer of its kind (logits, or a chunk's hidden states), grown to the
+        # largest bucket of that kind
+        self._outputs: dict[str, torch.Tensor] = {}
+        self.forwards = self.replays = 0  # decode and verify forwards run here, and of those served by a graph
+        self.chunk_forwards = 0  # forwards of prompt chunks (run_chunks), replayed or eager
 
     @property
     def end(self) -> int:
@@ -134,8 +139,13 @@ class StaticStep:
 
     @property
     def captured(self) -> int:
-        """How many buckets have a captured graph."""
-        return len(self._graphs)
+        """How many decode and verify buckets have a captured graph."""
+        return sum(columns is not None for _, columns in self._graphs)
+
+    @property
+    def captured_chunks(self) -> int:
+        """How many prompt chunk buckets have a captured graph."""
+        return len(self._graphs) - self.captured
 
     def bucket(self, lengths: list[int]) -> Bucket | None:
         """The bucket for sequences bringing ``lengths`` new tokens each (all with logits), or None."""
@@ -223,8 +233,9 @@ class StaticStep:
     def run_chunks(self, kvs: list[SequenceKV], tokens: list[list[int]], num_logits: list[int],
                    logit_columns: int) -> list[torch.Tensor]:
         """Prompt chunks (any lengths, each wanting its last ``num_logits[b]`` rows of logits, maybe none) through
-        the step's forward, run eagerly: the paged kernel attends each chunk's rows causally as it does a verify
-        pass's (``chunk_bucket``); the caller advances ``num_cached``."""
+        the step's forward (its graph, or run eagerly): the paged kernel attends each chunk's rows causally as it
+        does a verify pass's (``chunk_bucket``). The rows that want logits go through the head after the forward;
+        the caller advances ``num_cached``."""
         bucket = self.chunk_bucket([len(t) for t in tokens])
         if bucket is None:
             raise ValueError(f"no chunk bucket holds {len(tokens)} prompt chunks of up to {max(map(len, tokens))} "
@@ -232,38 +243,48 @@ class StaticStep:
         inputs = self._load(bucket, kvs, tokens)
         rows = [b * bucket.queries + i for b, (chunk, n) in enumerate(zip(tokens, num_logits))
                 for i in range(len(chunk) - n, len(chunk))]
-        logits = self._forward(bucket, inputs, logit_columns, to_device(torch.tensor(rows, dtype=torch.long),
-                                                                        self.device))
+        if self.graphs:
+            graph, hidden = self._graph(bucket, inputs, None)
+            graph.replay()
+        else:
+            hidden = self._forward(bucket, inputs, None)
         self.chunk_forwards += 1
+        if not rows:  # prompt pieces before a prompt's last: no row wants logits
+            logits = hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
+        else:  # (indexing copies the rows out of the graph's output before its next replay)
+            logits = self._head(hidden[to_device(torch.tensor(rows, dtype=torch.long), self.device)], logit_columns)
         out, start = [], 0
         for n in num_logits:
             out.append(logits[start:start + n])
             start += n
         return out
 
-    def _forward(self, bucket: Bucket, inputs: _Inputs, logit_columns: int, rows: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-        """The forward over the bucket's packed inputs: float32 logits of every row, or of ``rows`` only. Every row's
-        attention splits its keys the same way (``KEY_SPLITS``), prompt chunks' too: a draft verified beside the
-        last prompt chunk must get the bits it gets as a decode step."""
+    def _forward(self, bucket: Bucket, inputs: _Inputs, logit_columns: int | None) -> torch.Tensor:
+        """The forward over the bucket's packed inputs: float32 logits of every row, or (``logit_columns`` None, a
+        prompt chunk's) the hidden states of every row. Every row's attention splits its keys the same way
+        (``KEY_SPLITS``), prompt chunks' too: a draft verified beside the last prompt chunk must get the bits it gets
+        as a decode step."""
         views = inputs.views(inputs.device)
         attn = StaticAttention(self.pool, views, bucket.queries, self.end, KEY_SPLITS)
         hidden = self.model(views["tokens"], attn, num_layers=self.num_layers)
-        if rows is not None and not len(rows):  # prompt pieces before a prompt's last: no row wants logits
-            return hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
-        logits = self.model.logits(hidden if rows is None else hidden[rows])
+        return hidden if logit_columns is None else self._head(hidden, logit_columns)
+
+    def _head(self, hidden: torch.Tensor, logit_columns: int) -> torch.Tensor:
+        """Float32 logits of ``hidden``'s rows, the columns from ``logit_columns`` on masked out."""
+        logits = self.model.logits(hidden)
         if logit_columns < logits.shape[1]:
             logits[:, logit_columns:] = float("-inf")
         return logits
 
-    def _graph(self, bucket: Bucket, inputs: _Inputs, logit_columns: int
+    def _graph(self, bucket: Bucket, inputs: _Inputs, logit_columns: int | None
                ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The bucket's graph and its output (``_forward``'s), captured on first use."""
         key = (bucket, logit_columns)
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket, inputs, logit_columns)
         return self._graphs[key]
 
-    def _capture(self, bucket: Bucket, inputs: _Inputs, logit_columns: int
+    def _capture(self, bucket: Bucket, inputs: _Inputs, logit_columns: int | None
                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm the bucket up on a side stream (kernel compiles, cuBLAS workspaces), then capture it. The forwards
         of warm-up and capture write the packed inputs' slots; the packed inputs of the current step are restored
@@ -273,11 +294,7 @@ class StaticStep:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 warm = self._forward(bucket, inputs, logit_columns)
-                width = warm.shape[1]  # the head's rows: a draft's may be cut to fewer than its vocabulary
-                if self._logits is None or self._logits.shape[0] < bucket.rows or self._logits.shape[1] != width:
-                    largest = Bucket(self.seq_sizes[-1], self.query_sizes[-1]).rows
-                    self._logits = torch.empty(max(largest, bucket.rows), width, device=self.device)
-                out = self._logits[:bucket.rows]
+                out = self._output(logit_columns is None, bucket.rows, warm)
                 out.copy_(warm)
                 out.copy_(self._forward(bucket, inputs, logit_columns))
             torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -285,6 +302,17 @@ class StaticStep:
             with torch.cuda.graph(graph, pool=self._graph_pool):
                 out.copy_(self._forward(bucket, inputs, logit_columns))
         return graph, out
+
+    def _output(self, chunk: bool, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """``rows`` rows of the buffer all graphs of the kind write (a prompt chunk's hidden states, or logits), made
+        for the largest bucket of the kind on first use, and again where a row is wider (a draft's head may be cut
+        to fewer rows than its vocabulary) or there are more rows."""
+        kind = "hidden" if chunk else "logits"
+        buffer = self._outputs.get(kind)
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1:] != like.shape[1:] or buffer.dtype != like.dtype:
+            largest = MAX_CHUNK_ROWS if chunk else Bucket(self.seq_sizes[-1], self.query_sizes[-1]).rows
+            buffer = self._outputs[kind] = like.new_empty(max(largest, rows), *like.shape[1:])
+        return buffer[:rows]
 
     @contextlib.contextmanager
     def _on_scratch(self, inputs: _Inputs) -> Iterator[None]:
@@ -316,11 +344,16 @@ class StaticStep:
             torch.cuda.synchronize(self.device)
             return (time.perf_counter() - start) / repeats
 
-    def warm_up(self, logit_columns: int) -> None:
-        """Capture every bucket now (at load), so that no request waits for a capture."""
+    def warm_up(self, logit_columns: int, chunks: bool = False) -> None:
+        """Capture every decode and verify bucket now (at load), so that no request waits for a capture; with
+        ``chunks``, the prompt chunk buckets of one sequence too (those of several are captured on first use)."""
         if not self.graphs:
             return
-        for seqs in reversed(self.seq_sizes):  # the largest first: smaller graphs reuse its memory pool
+        # the largest first: smaller graphs reuse its memory pool
+        chunk_buckets = [Bucket(1, 1 << i) for i in reversed(range(MAX_CHUNK.bit_length()))] if chunks else []
+        for bucket in chunk_buckets:
+            self._graph(bucket, self._inputs_of(bucket), None)
+        for seqs in reversed(self.seq_sizes):
             for queries in reversed(self.query_sizes):
                 bucket = Bucket(seqs, queries)
                 self._graph(bucket, self._inputs_of(bucket), logit_columns)
