@@ -251,6 +251,7 @@ def test_weight_only_int8_and_int4_run_on_tritons_kernel(target, weights):
     graphs, llm = run()
     layers = [m for m in llm.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
     assert layers and {m.backend for m in layers} == {"triton"}
+    assert all(layer.self_attn.qkv_proj is not None for layer in llm.model.model.layers)  # q/k/v as one call
     assert llm.target.static.replays > 0
     assert run(static_step="eager")[0] == graphs
     assert run(speculative="ngram", num_speculative_tokens=3)[0] == graphs

@@ -99,6 +99,81 @@ def test_k_split_over_programs_gives_the_same_bits_as_one_program(bits, rows):
     torch.testing.assert_close(apart, reference(x, layer), **TOLERANCE)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 17, 70])
+@pytest.mark.parametrize("out_features,in_features", [(40, 96), (72, 3 * triton_linear.CHUNK_K + 96)])
+def test_bfloat16_weights_run_the_same_tiles(rows, out_features, in_features):
+    """``float_matmul``: a bfloat16 weight as stored, against float64; split and not, the same bits; a row's bits do
+    not depend on the rows beside it."""
+    g = torch.Generator().manual_seed(rows + in_features)
+    weight = randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    x = randn(rows, in_features, generator=g)
+    apart, together = (triton_linear.float_matmul(x, weight, split=split) for split in (True, False))
+    assert torch.equal(apart, together)
+    rounded = x.to(torch.bfloat16) if DEVICE == "cuda" else x
+    torch.testing.assert_close(apart, (rounded.double() @ weight.double().T).float(), **TOLERANCE)
+    alone = torch.cat([triton_linear.float_matmul(x[i:i + 1], weight) for i in range(rows)])
+    assert torch.equal(triton_linear.float_matmul(x, weight), alone)
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("split", [True, False])
+def test_the_bias_and_the_rounding_happen_in_the_kernel(bits, split):
+    """A layer's bias is added to the float32 sums and the result rounded once to the output's dtype, in the kernel
+    (split or not): the bits of the float32 result plus the bias, rounded."""
+    g = torch.Generator().manual_seed(bits)
+    in_features = 2 * triton_linear.CHUNK_K + 64
+    weight, bias = randn(40, in_features, generator=g), randn(40, generator=g).to(torch.bfloat16)
+    x = randn(3, in_features, generator=g)
+    if bits == 16:
+        run = functools.partial(triton_linear.float_matmul, x, weight.to(torch.bfloat16))
+    elif bits == 8:
+        layer = Int8Linear.from_float(weight, kernel="triton")
+        run = functools.partial(triton_linear.int8_matmul, x, layer.qweight, layer.scales)
+    else:
+        layer = Int4Linear.from_float(weight, group_size=32, kernel="triton")
+        run = functools.partial(triton_linear.int4_matmul, x, layer.qweight, layer.scales_and_zeros, 32)
+    plain = run(split=split)
+    assert torch.equal(run(bias=bias, split=split), plain + bias.float())
+    rounded, exact = run(bias=bias, out_dtype=torch.bfloat16, split=split), plain + bias.float()
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, to_bfloat16_as_triton(exact))
+
+
+def to_bfloat16_as_triton(x: torch.Tensor) -> torch.Tensor:
+    """float32 to bfloat16 as the kernel rounds: to nearest even on a GPU, toward zero in Triton's interpreter."""
+    if DEVICE == "cuda":
+        return x.to(torch.bfloat16)
+    return (x.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)  # the low 16 bits dropped: exact
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_q_k_v_stacked_into_one_call(bits):
+    """Layers of one format on the kernel (q, k and v with their biases) become one layer whose output is theirs side
+    by side, bit for bit; layers of other formats or group sizes are left apart."""
+    from quickdraft.loading.quant_groups import stacked
+
+    g = torch.Generator().manual_seed(bits)
+    make = (functools.partial(Int4Linear.from_float, group_size=32, kernel="triton") if bits == 4 else
+            functools.partial(Int8Linear.from_float, kernel="triton"))
+    layers = [make(randn(n, 128, generator=g), randn(n, generator=g).to(torch.bfloat16)) for n in (64, 16, 16)]
+    x = randn(3, 128, generator=g).to(torch.bfloat16)
+    one = stacked(layers)
+    assert type(one) is type(layers[0]) and one.backend == "triton" and one.out_features == 96
+    assert torch.equal(one(x), torch.cat([layer(x) for layer in layers], dim=-1))
+    other = (Int8Linear.from_float(randn(16, 128, generator=g), kernel="triton") if bits == 4 else
+             Int4Linear.from_float(randn(16, 128, generator=g), kernel="triton"))
+    assert stacked(layers[:2] + [other]) is None
+    if bits == 4:
+        assert stacked(layers[:2] + [Int4Linear.from_float(randn(16, 128, generator=g), group_size=64,
+                                                           kernel="triton")]) is None
+
+
+def test_float_matmul_refuses_other_weights():
+    x = torch.randn(2, 32)
+    for weight in (torch.randn(8, 32), torch.randn(32, 8).to(torch.bfloat16).T):
+        with pytest.raises(ValueError, match="contiguous bfloat16"):
+            triton_linear.float_matmul(x, weight)
+
+
 def test_bias_and_zero_rows():
     g = torch.Generator().manual_seed(1)
     weight, bias = randn(24, 64, generator=g), randn(24, generator=g)
@@ -132,3 +207,29 @@ def test_the_backend_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(triton_linear, "KERNEL_ON_CPU", False)
     with pytest.raises(ValueError, match="triton backend needs"):
         Int8Linear.from_float(torch.randn(8, 32), kernel="triton")
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_models_stacked_projections_give_its_tokens(tiny_dir, monkeypatch, weights):
+    """A whole model on the kernel (the CPU running it under the interpreter, as a GPU runs it): each decoder layer's
+    q/k/v and gate/up become one call each, and the greedy tokens are those of the layers left apart."""
+    from quickdraft import LLM, SamplingParams
+    from quickdraft.loading import quant_groups, quantize
+    from quickdraft.models import quant_backends
+
+    monkeypatch.setattr(quant_backends, "default_backend", lambda device: "triton")
+    model = str(tiny_dir(arch="qwen2", vocab_size=64, layers=2))  # q/k/v with biases
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 13, 2, 7], [3, 3, 8]]
+
+    def tokens() -> tuple[list[list[int]], LLM]:
+        llm = LLM(model, dtype="float32", weights=weights, kv_cache_memory="16MiB")
+        return [o.token_ids for o in llm.generate(prompts, params)], llm
+
+    stacked_tokens, llm = tokens()
+    attn, mlp = llm.model.model.layers[0].self_attn, llm.model.model.layers[0].mlp
+    assert attn.qkv_proj.backend == mlp.gate_up_proj.backend == "triton" and not mlp.activated
+    monkeypatch.setattr(quantize, "fuse_quant_linears", lambda model: 0)
+    apart_tokens, apart = tokens()
+    assert apart.model.model.layers[0].self_attn.qkv_proj is None
+    assert stacked_tokens == apart_tokens

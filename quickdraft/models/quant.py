@@ -63,8 +63,11 @@ class _QuantLinearBase(nn.Module):
             call = self._call = qmatmul.PartsCall([self.kernel_part()], self.in_features)
         return call(x2, torch.float32 if self.float_output else None)
 
+    def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return torch.float32 if self.float_output else x.dtype
+
     def _finish(self, y: torch.Tensor, x: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
-        dtype = torch.float32 if self.float_output else x.dtype
+        dtype = self._out_dtype(x)
         y = y.to(dtype)
         if self.bias is not None:
             y = y + self.bias.to(dtype)
@@ -160,8 +163,9 @@ class Int8Linear(_QuantLinearBase):
                     self._scales_f16 = self.scales.to(torch.float16)
                 scales = self._scales_f16
             y = torch.ops.aten._weight_int8pack_mm(aligned(x2.to(kd)), self.qweight, scales)
-        elif self.backend == "triton":
-            y = triton_linear.int8_matmul(x2, self.qweight, self.scales)
+        elif self.backend == "triton":  # the bias added and the output rounded in the kernel: no launches after
+            y = triton_linear.int8_matmul(x2, self.qweight, self.scales, self.bias, self._out_dtype(x))
+            return y.reshape(*lead, self.out_features)
         else:
             w = self.qweight.to(x2.dtype) * self.scales.to(x2.dtype)[:, None]
             y = F.linear(x2, w)
@@ -327,8 +331,10 @@ class Int4Linear(_QuantLinearBase):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(aligned(x2.to(kd)), self.packed, self.group_size, sz)
             if self.padded_out != self.out_features:
                 y = y[:, :self.out_features]
-        elif self.backend == "triton":
-            y = triton_linear.int4_matmul(x2, self.qweight, self.scales_and_zeros, self.group_size)
+        elif self.backend == "triton":  # (as Int8Linear's)
+            y = triton_linear.int4_matmul(x2, self.qweight, self.scales_and_zeros, self.group_size, self.bias,
+                                          self._out_dtype(x))
+            return y.reshape(*lead, self.out_features)
         else:
             n, k, g = self.out_features, self.in_features, self.group_size
             q = unpack_nibbles(self.qweight).to(x2.dtype).reshape(n, k // g, g)

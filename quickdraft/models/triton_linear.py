@@ -1,4 +1,5 @@
-"""Weight-only int8 and int4 matmuls on a GPU: a Triton kernel that reads the quantized weights in place.
+"""Weight-only int8 and int4 matmuls on a GPU: a Triton kernel that reads the quantized weights in place (and the
+same kernel on bfloat16 weights).
 
 A decode step at batch 1 reads every weight once, so its time is the weights' bytes over the memory bandwidth: int8
 halves a bfloat16 model's bytes, int4 (with a bfloat16 scale and zero per 32 weights) takes a little over a quarter.
@@ -14,6 +15,10 @@ bfloat16, ``w = (q - 8) * scale + zero``. A GGUF's Q4_0 / Q4_1 / Q4_K blocks map
 On a GPU the products run in bfloat16 with float32 sums (tensor cores); under Triton's interpreter (CPU tests, with
 ``TRITON_INTERPRET=1`` and ``KERNEL_ON_CPU``) they run in float32, whose ``tl.dot`` the interpreter gets right.
 Each output row is computed from its own input row only, so a row's result does not depend on the batch.
+
+Bfloat16 weights run through the same tiles (``float_matmul``): cuBLAS picks its kernel by the row count, so a row's
+bits under it may differ between a decode step and a verify pass, and at a decode step's single row it reads some
+mid-sized weights (a 1.5B's q/k/v and o) at well under the copy bandwidth.
 """
 from __future__ import annotations
 
@@ -60,44 +65,61 @@ CHUNK_K = CHUNK_TILES * BLOCK_K
 SPLIT_BELOW = 1024  # split K over programs while the output has fewer tiles than this (a few per multiprocessor)
 
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, split: bool | None = None
-                ) -> torch.Tensor:
-    """``x [M, K] @ (qweight * scales[:, None]).T`` as float32 ``[M, N]``; ``split`` forces K's chunks into programs
-    of their own (True) or not (False) where None lets the shape choose: the result is the same either way."""
-    return _matmul(x, qweight, scales, bits=8, group=1, split=split)
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.float32, split: bool | None = None) -> torch.Tensor:
+    """``x [M, K] @ (qweight * scales[:, None]).T + bias`` as ``[M, N]`` of ``out_dtype``, summed and biased in
+    float32 and rounded once; ``split`` forces K's chunks into programs of their own (True) or not (False) where None
+    lets the shape choose: the result is the same either way."""
+    return _matmul(x, qweight, scales, bias, out_dtype, bits=8, group=1, split=split)
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
-                split: bool | None = None) -> torch.Tensor:
-    """``x [M, K] @ W.T`` with ``W[n, k] = (q - 8) * s + z`` from nibbles ``qweight [N, K // 2]`` and
-    ``scales_and_zeros [K // group, N, 2]``; float32 ``[M, N]``. ``split`` as in ``int8_matmul``."""
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, split: bool | None = None
+                ) -> torch.Tensor:
+    """``x [M, K] @ W.T + bias`` with ``W[n, k] = (q - 8) * s + z`` from nibbles ``qweight [N, K // 2]`` and
+    ``scales_and_zeros [K // group, N, 2]``; the rest as in ``int8_matmul``."""
     if BLOCK_K % group:
         raise ValueError(f"the triton int4 kernel takes groups dividing {BLOCK_K} columns, got {group}")
-    return _matmul(x, qweight, scales_and_zeros, bits=4, group=group, split=split)
+    return _matmul(x, qweight, scales_and_zeros, bias, out_dtype, bits=4, group=group, split=split)
 
 
-def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int,
-            split: bool | None) -> torch.Tensor:
+def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32, split: bool | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight.T + bias`` for a bfloat16 ``weight [N, K]`` (on a GPU the products are bfloat16 either
+    way); the rest as in ``int8_matmul``."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(f"float_matmul takes a contiguous bfloat16 [N, K] weight, got {weight.dtype} "
+                         f"{tuple(weight.shape)} with strides {weight.stride()}")
+    return _matmul(x, weight, weight, bias, out_dtype, bits=16, group=1, split=split)  # (the weight stands in for
+    # scales, unread)
+
+
+def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+            out_dtype: torch.dtype, bits: int, group: int, split: bool | None) -> torch.Tensor:
     x = x.contiguous()
     rows, k = x.shape
     n = qweight.shape[0]
-    out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
+    out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
     if rows == 0:
         return out
+    if bias is not None and (bias.shape != (n,) or bias.device != x.device):
+        raise ValueError(f"bias must be [{n}] on {x.device}, got {tuple(bias.shape)} on {bias.device}")
     tiles, chunks = (-(-n // BLOCK_N), -(-rows // BLOCK_M)), -(-k // CHUNK_K)
     if split is None:
         split = chunks > 1 and tiles[0] * tiles[1] < SPLIT_BELOW
     # the chunks' sums [chunks, M, N] where they run apart (a decode step's: a few KiB to a MiB)
     sums = torch.empty(chunks, rows, n, dtype=torch.float32, device=x.device) if split else out
     scales = scales.contiguous()
+    bias_or_any = scales if bias is None else bias.contiguous()  # (unread without a bias)
     matmul, add_chunks = _kernels()
     matmul[tiles + ((chunks,) if split else (1,))](
-        x, qweight, scales, sums, rows, n, k, x.stride(0), 1 if split else chunks,
+        x, qweight, scales, bias_or_any, sums, rows, n, k, x.stride(0), 1 if split else chunks,
         BITS=bits, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, CHUNK_TILES=CHUNK_TILES,
-        SCALE_ROWS=not split, DOT_BF16=x.is_cuda)
+        FINAL=not split, HAS_BIAS=bias is not None, DOT_BF16=x.is_cuda)
     if split:
         block = 1024
-        add_chunks[(-(-rows * n // block),)](sums, scales, out, rows * n, n, chunks, BITS=bits, BLOCK=block)
+        add_chunks[(-(-rows * n // block),)](sums, scales, bias_or_any, out, rows * n, n, chunks, BITS=bits,
+                                             HAS_BIAS=bias is not None, BLOCK=block)
     return out
 
 
@@ -110,13 +132,13 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def weight_only_matmul(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, chunks_per_program,
+    def weight_only_matmul(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, chunks_per_program,
                            BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, CHUNK_TILES: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                           DOT_BF16: tl.constexpr):
+                           BLOCK_K: tl.constexpr, CHUNK_TILES: tl.constexpr, FINAL: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr):
         """Rows ``rm`` by columns ``rn`` of the output, summed over ``chunks_per_program`` chunks of K from the
-        program's third index on: the whole of K into ``out [M, N]`` (``SCALE_ROWS``), or one chunk's sum into its
-        slice of ``out [chunks, M, N]``."""
+        program's third index on: the whole of K into ``out [M, N]`` (``FINAL``: int8's row scales and the bias
+        applied, rounded to out's dtype), or one chunk's float32 sum into its slice of ``out [chunks, M, N]``."""
         # int64 offsets: a weight of more than 2^31 values (a 256k vocabulary's head) must not wrap
         rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -127,7 +149,7 @@ def _kernels():
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for tile in tl.static_range(CHUNK_TILES):
                 k0 = (chunk + done) * CHUNK_TILES * BLOCK_K + tile * BLOCK_K
-                if BITS == 8:
+                if BITS >= 8:  # int8, or bfloat16 (BITS 16): a tile of the weight as it is stored
                     rk = k0 + tl.arange(0, BLOCK_K)
                     x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                                 mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
@@ -139,10 +161,13 @@ def _kernels():
                                      BLOCK_K, DOT_BF16)
             total += acc
             done += 1
-        if BITS == 8 and SCALE_ROWS:
+        if FINAL and BITS == 8:
             total = total * tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if FINAL and HAS_BIAS:
+            total = total + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         at = out_ptr + tl.program_id(2).to(tl.int64) * M * N  # this chunk's slice (the first, and only, where not split)
-        tl.store(at + rm[:, None] * N + rn[None, :], total, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(at + rm[:, None] * N + rn[None, :], total.to(out_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
     def _int4_tile(x_ptr, w_ptr, s_ptr, acc, rm, rn, k0, M, N, K, stride_xm, GROUP: tl.constexpr,
@@ -176,9 +201,10 @@ def _kernels():
         return tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")  # what the interpreter gets right
 
     @triton.jit
-    def add_chunks(sums_ptr, s_ptr, out_ptr, size, N, chunks, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    def add_chunks(sums_ptr, s_ptr, b_ptr, out_ptr, size, N, chunks, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK: tl.constexpr):
         """``out = sum over chunks of sums[chunk]``, from zero and in order, as ``weight_only_matmul`` adds them in
-        one program; int8's row scales after."""
+        one program; int8's row scales and the bias after, then rounded to out's dtype."""
         at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = at < size
         total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -190,6 +216,8 @@ def _kernels():
             chunk += 1
         if BITS == 8:
             total = total * tl.load(s_ptr + at % N, mask=inside, other=0.0).to(tl.float32)
-        tl.store(out_ptr + at, total, mask=inside)
+        if HAS_BIAS:
+            total = total + tl.load(b_ptr + at % N, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=inside)
 
     return weight_only_matmul, add_chunks
