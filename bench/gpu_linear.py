@@ -1,14 +1,15 @@
 """The GPU's linear layers one at a time: what weight-only int8 and int4 (``models/triton_linear.py``) give against
-bfloat16 (cuBLAS) on each projection of the 1.5B and 7B shapes, at a decode step's rows (1), a verify pass's (5) and
-a batch's (32).
+bfloat16 on cuBLAS, and bfloat16 on the same Triton tiles, on each projection of the SmolLM2, 1.5B and 7B shapes, at a
+decode step's rows (1), a verify pass's (5) and a batch's (32).
 
 Each call is timed inside a CUDA graph of ``--calls`` calls replayed back to back (as a decode step's graph runs
 them), so launch gaps count as they do there. Bandwidth is the bytes the call reads (its weights, scales and
 activations) over its time, against a device-to-device copy measured in the same run; "per token" sums a layer's
 four projections times the layers, the linear part of a batch-1 decode step. int4 runs twice: K split over programs
-where the shape asks (the default) and in one program per output tile, K not split (what splitting gains).
+where the shape asks (the default) and in one program per output tile, K not split (what splitting gains). Every
+call writes bfloat16, as the model's layers do.
 
-Usage: python bench/gpu_linear.py [--shapes qwen2.5-1.5b,qwen2.5-7b] [--rows 1,5,32] [--calls 50]
+Usage: python bench/gpu_linear.py [--shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b] [--rows 1,5,32] [--calls 50]
        [--device cuda|cpu] [--name gpu_linear]
 ``--device cpu`` runs the kernels under Triton's interpreter on a small shape (``smoke``), to check the script.
 Prints a table and writes bench/results/<name>.json.
@@ -80,12 +81,15 @@ def bench_projection(name: str, out_f: int, in_f: int, rows: list[int], calls: i
     int8 = Int8Linear.from_float(weight, kernel="triton")
     int4 = Int4Linear.from_float(weight, group_size=32, kernel="triton")
     sz = int4.scales_and_zeros
+    bf16 = torch.bfloat16
     formats = {
         "bfloat16": (lambda x: F.linear(x, weight), weight.numel() * 2),
+        "bfloat16, triton": (lambda x: triton_linear.float_matmul(x, weight, out_dtype=bf16), weight.numel() * 2),
         "int8": (int8, int8.qweight.numel() + int8.scales.numel() * 2),
         "int4": (int4, int4.qweight.numel() + sz.numel() * 2),
-        "int4, one program a tile": (
-            lambda x: triton_linear.int4_matmul(x, int4.qweight, sz, 32, split=False), int4.qweight.numel() + sz.numel() * 2),
+        "int4, one program a tile": (lambda x: triton_linear.int4_matmul(x, int4.qweight, sz, 32, out_dtype=bf16,
+                                                                         split=False),
+                                     int4.qweight.numel() + sz.numel() * 2),
     }
     out = []
     for m in rows:
@@ -112,7 +116,7 @@ def per_token(rows: list[dict], shape_name: str, layers: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="qwen2.5-1.5b,qwen2.5-7b")
+    ap.add_argument("--shapes", default="smollm2-135m,qwen2.5-1.5b,qwen2.5-7b")
     ap.add_argument("--rows", default="1,5,32")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])

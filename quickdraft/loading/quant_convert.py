@@ -173,8 +173,10 @@ class Sources:
         return linear.weight.detach()[r0:r1].float()
 
     def int4(self, name: str, linear: nn.Linear, cfg: ModelConfig, group_size: int,
-             rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-        """(q, scale, zero, exact) of rows ``rows``: exact when taken from the GGUF's own int4 blocks."""
+             rows: tuple[int, int] | None = None, device: torch.device | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """(q, scale, zero, exact) of rows ``rows``: exact when taken from the GGUF's own int4 blocks, else
+        quantized on ``device`` (default: where the weight is)."""
         key = name + ".weight"
         r0, r1 = rows or (0, linear.out_features)
         if group_size == 32 and self.blocks is not None and self.block_types is not None and key in self.block_types:
@@ -187,7 +189,7 @@ class Sources:
 
                     mapped = tuple(unpermute_rows(t, heads)[r0:r1] for t in mapped)
                 return (*mapped, True)
-        return (*quantize_int4(self.float32(name, linear, cfg, (r0, r1)), group_size), False)
+        return (*quantize_int4(self.float32(name, linear, cfg, (r0, r1)).to(device), group_size), False)
 
     def kernel_rows(self, name: str, linear: nn.Linear, cfg: ModelConfig, kernel: str, rows: tuple[int, int]
                     ) -> torch.Tensor:
@@ -262,10 +264,12 @@ def _quantized(name: str, linear: nn.Linear, fmt: str, sources: Sources, cfg: Mo
         return BlockLinear(kweight, fmt, linear.in_features, bias), True
 
     def part(rows: tuple[int, int] | None, part_bias: torch.Tensor | None) -> tuple[nn.Module, bool]:
+        # quantized where the layer will run: a GPU rounds a large model's weights far faster than the host's cores
+        # (the same bits: elementwise IEEE arithmetic)
         if fmt == "int8":
-            q, s = quantize_int8(sources.float32(name, linear, cfg, rows))
+            q, s = quantize_int8(sources.float32(name, linear, cfg, rows).to(device))
             return Int8Linear(q.to(device), s.to(device), part_bias), False
-        q, s, z, exact = sources.int4(name, linear, cfg, group_size, rows)
+        q, s, z, exact = sources.int4(name, linear, cfg, group_size, rows, device)
         return Int4Linear(q.to(device), s.to(device), z.to(device), group_size, part_bias), exact
 
     kernel_rows = default_backend(device) == "qmatmul" and linear.in_features % 32 == 0 \
