@@ -104,6 +104,36 @@ def test_rope_rotates_q_and_k_in_place_inside_a_fused_output(heads, kv_heads, di
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 32), (3, 1, 48)])
+def test_rope_kv_write_gives_the_bits_of_rope_then_the_write(heads, kv_heads, dim, dtype):
+    """One kernel rotates q in place and writes k rotated, with v, at the slots: q and the cache as ``rope_`` then
+    ``kv_write`` leave them, bit for bit; k itself is left unrotated."""
+    tokens = 5
+    qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    positions = torch.tensor([0, 7, 3, 200, 31], device=DEVICE)
+    slots = torch.tensor([7, 0, 19, 8, 3], device=DEVICE, dtype=torch.int32)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(dim, 10000.0, None, 256))
+
+    def views(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qk = x[:, :(heads + kv_heads) * dim].reshape(tokens, heads + kv_heads, dim)
+        return qk[:, :heads], qk[:, heads:], x[:, (heads + kv_heads) * dim:].reshape(tokens, kv_heads, dim)
+
+    caches = {way: [torch.zeros(20, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(2)]
+              for way in ("fused", "apart")}
+    fused, apart = qkv.clone(), qkv.clone()
+    q, k, v = views(fused)
+    assert triton_ops.runs_rope_kv_write(q, k, v, caches["fused"][0])
+    triton_ops.rope_kv_write(q, k, v, positions, cos, sin, slots, *caches["fused"])
+    q2, k2, v2 = views(apart)
+    triton_ops.rope_(q2, positions, cos, sin)
+    triton_ops.rope_(k2, positions, cos, sin)
+    triton_ops.kv_write(k2, v2, slots, *caches["apart"])
+    assert torch.equal(q, q2) and torch.equal(k, views(qkv)[1])
+    assert all(torch.equal(a, b) for a, b in zip(caches["fused"], caches["apart"]))
+    assert not triton_ops.runs_rope_kv_write(q, k, v, caches["fused"][0].to(torch.int8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows,width", [(1, 1536), (4, 100), (2, 3000)])
 def test_gated_equals_torch(rows, width, act, dtype):
@@ -165,6 +195,34 @@ def test_a_model_on_the_kernels_gives_torchs_tokens(tiny_dir, arch, monkeypatch)
     monkeypatch.setattr(triton_ops, "KERNEL_ON_CPU", False)
     calls.clear()
     assert run() == on_kernels and not calls
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every model runs these kernels (tests/test_cuda.py)")
+def test_the_static_step_rotates_as_it_writes_the_keys(tiny_dir, monkeypatch):
+    """The GPU's static step with every kernel it runs there (Triton's interpreter here): the rotation of q and k
+    and the write of the keys are one kernel a layer, and the tokens (prompt chunks, decode steps, n-gram verify
+    passes) are those of the rotation and the write apart."""
+    from quickdraft.kv import paged_attention, pool
+
+    model = str(tiny_dir(arch="qwen2", vocab_size=64))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    cpu_kernels_off(monkeypatch)
+    monkeypatch.setattr(paged_attention, "KERNEL_ON_CPU", True)
+    calls, apart = [], []
+    real = pool.KVPool.write_rotated
+    monkeypatch.setattr(pool.KVPool, "write_rotated",
+                        lambda self, *args: not apart and real(self, *args) and not calls.append(1))
+
+    def run() -> list[list[int]]:
+        llm = LLM(model, dtype="float32", kv_cache_memory=TINY_KV, static_step="eager", speculative="ngram",
+                  num_speculative_tokens=3)
+        llm.target.chunks_on_static = True
+        return [o.token_ids for o in llm.generate(tiny_prompts(64, 2), params)]
+
+    fused = run()
+    assert len(calls) >= 2 * 4  # 2 layers, every forward
+    apart.append(True)
+    assert run() == fused
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every model runs these kernels (tests/test_cuda.py)")

@@ -17,6 +17,7 @@ from quickdraft.models.fused import SingleTokens
 
 if TYPE_CHECKING:  # for annotations only: blocks.py imports PREFILL_CELL from here
     from quickdraft.kv.pool import KVPool
+    from quickdraft.models.transformer import RotaryEmbedding
 
 
 # Attention is computed so that a token's result depends only on its position and the cached context,
@@ -168,10 +169,14 @@ class AttentionBatch:
                             self.pool.k.stride(0), self.pool.scale_layer_stride)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               window: int | None = None, sinks: torch.Tensor | None = None,
+               rotary: RotaryEmbedding | None = None) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]. ``scale``: of the dot products
         (default D ** -0.5); ``window``: a token at position p sees keys p - window < j <= p (default: all);
-        ``sinks`` [H]: each head's softmax also normalizes over exp(sink) (gpt-oss)."""
+        ``sinks`` [H]: each head's softmax also normalizes over exp(sink) (gpt-oss); ``rotary``: q and k are not
+        rotated yet (see the ``Attention`` protocol)."""
+        if rotary is not None:
+            q, k = rotary(q, self.positions), rotary(k, self.positions)
         self.pool.write(layer, self.slot_mapping, k, v)
         tokens, heads, dim = q.shape
         kv_heads = k.shape[1]

@@ -128,6 +128,15 @@ class KVPool:
                 values.index_copy_(0, slot_mapping, q)
                 scales.index_copy_(0, slot_mapping, s)
 
+    def write_rotated(self, layer: int, slot_mapping: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Rotate q in place and store k rotated, with v, at ``slot_mapping``, in one kernel where it runs (a float
+        cache on a GPU): True; else False, nothing done (the caller rotates, then ``write``s)."""
+        if self.quantized or not triton_ops.runs_rope_kv_write(q, k, v, self.k[layer]):
+            return False
+        triton_ops.rope_kv_write(q, k, v, positions, cos, sin, slot_mapping, self.k[layer], self.v[layer])
+        return True
+
     def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at ``slots`` (any shape S), as ``dtype``: ``[*S, kv_heads, head_dim]`` each."""
         k, v = self.k[layer][slots], self.v[layer][slots]

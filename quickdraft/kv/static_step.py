@@ -27,6 +27,7 @@ from quickdraft.kv.blocks import SequenceKV
 from quickdraft.kv.paged_attention import KEY_SPLITS, paged_attention
 from quickdraft.kv.pool import KVPool
 from quickdraft.models import Transformer
+from quickdraft.models.transformer import RotaryEmbedding
 from quickdraft.sampling.sampler import to_device
 
 
@@ -94,8 +95,13 @@ class StaticAttention:
         self.context_lens, self.query_lens = inputs["context_lens"], inputs["query_lens"]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        self.pool.write(layer, self.slots, k, v)
+               window: int | None = None, sinks: torch.Tensor | None = None,
+               rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+        if rotary is None or not self.pool.write_rotated(layer, self.slots, q, k, v, self.positions,
+                                                          *rotary.tables()):
+            if rotary is not None:
+                q, k = rotary(q, self.positions), rotary(k, self.positions)
+            self.pool.write(layer, self.slots, k, v)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return paged_attention(q, self.pool.layer(layer), self.tables, self.context_lens, self.query_lens,
                                self.queries, self.pool.block_size, scale, window or 0, sinks, self.splits)

@@ -27,9 +27,12 @@ class Attention(Protocol):
     end: int  # one past the largest position (known on the host: no device sync to size the RoPE tables)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               window: int | None = None, sinks: torch.Tensor | None = None,
+               rotary: RotaryEmbedding | None = None) -> torch.Tensor:
         """Write k, v to the cache; each query attends to its context (its last ``window`` keys where given);
-        ``sinks`` [H]: a logit per query head that each softmax also normalizes over (gpt-oss)."""
+        ``sinks`` [H]: a logit per query head that each softmax also normalizes over (gpt-oss). ``rotary``: q and k
+        are not rotated yet: rotate them (q in place allowed) at the attention's positions, where a GPU can in the
+        kernel that writes the keys (one launch a layer fewer)."""
 
     def single_tokens(self, layer: int) -> SingleTokens | None:
         """Where every new token attends alone on quickdraft's CPU kernel: what a fused layer needs; else None."""
@@ -152,10 +155,10 @@ class SelfAttention(nn.Module):
             qkv = self.qkv_proj(x)
             heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
             qk = qkv[:, :(heads + kv_heads) * dim].reshape(t, heads + kv_heads, dim)
-            if self.q_norm is None and self.clip is None and not native.runs_rope(qk):  # torch's rotation (off CPU): q and k in one call
-                qk = rope(qk, attn.positions)
+            if self.q_norm is None and self.clip is None and not native.runs_rope(qk):  # off CPU: rotated by attend
                 v = qkv[:, (heads + kv_heads) * dim:].reshape(t, kv_heads, dim)
-                out = attn.attend(self.layer, qk[:, :heads], qk[:, heads:], v, self.scale, self.window, self.sinks)
+                out = attn.attend(self.layer, qk[:, :heads], qk[:, heads:], v, self.scale, self.window, self.sinks,
+                                  rotary=rope)
                 return self.o_proj(out.reshape(t, -1))
             q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         else:

@@ -1,5 +1,6 @@
 """A decoder layer's small operations on a GPU, one Triton kernel each: RMSNorm (alone, or with the residual add
-before it), the rotation of q and k, the gated activation, the new keys' and values' write to the cache.
+before it), the rotation of q and k, the gated activation, the new keys' and values' write to the cache (alone, or
+with the rotation: ``rope_kv_write``).
 
 A decode step of a model at batch 1 on a GPU is bound by how many kernels it runs as much as by the bytes it reads:
 a kernel inside a CUDA graph costs a few microseconds however little it does. In torch, a bfloat16 RMSNorm is
@@ -93,6 +94,24 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     return x
 
 
+def runs_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> bool:
+    """q ``[T, heads, D]``, k and v ``[T, kv_heads, D]`` with contiguous heads (views of a fused projection's
+    output), a float cache ``[slots, kv_heads, D]`` of their dtype."""
+    return (runs_rope(q) and runs_rope(k) and runs_kv_write(k, cache) and runs_kv_write(v, cache)
+            and q.shape[0] == k.shape[0] == v.shape[0] and q.shape[2] == k.shape[2] and q.dtype == k.dtype)
+
+
+def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, slots: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+    """``rope_`` of q (in place) and of k, written with v to the cache at ``slots`` (k itself is left as it was), in
+    one kernel: the bits of ``rope_`` then ``kv_write`` (``runs_rope_kv_write`` holds)."""
+    t, heads, d = q.shape
+    kv_heads = k.shape[1]
+    _rope_kv_write_kernel()[(t,)](q, k, v, positions, cos, sin, slots, cache_k, cache_v, q.stride(0), k.stride(0),
+                                  v.stride(0), heads, kv_heads, d // 2, BLOCK_QH=_block(heads),
+                                  BLOCK_KH=_block(kv_heads), BLOCK_D=_block(d // 2), BLOCK_W=_block(kv_heads * d))
+
+
 def runs_gated(gate_up: torch.Tensor, act: str) -> bool:
     return _runs(gate_up) and act in ACTIVATIONS and gate_up.shape[-1] % 2 == 0 and gate_up.numel() > 0
 
@@ -181,3 +200,41 @@ def _kernels():
         tl.store(cv_ptr + slot * W + cols, tl.load(v_ptr + t * stride_v + cols, mask=inside), mask=inside)
 
     return rms_norm_kernel, rope_kernel, gated_kernel, add_rms_norm_kernel, kv_write_kernel
+
+
+@functools.cache
+def _rope_kv_write_kernel():
+    """``rope_kv_write``'s kernel (defined on first use, as ``_kernels``'s)."""
+    _kernels()  # Triton imported, ``tl`` among the globals
+
+    @triton.jit
+    def rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, ck_ptr, cv_ptr, stride_q,
+                             stride_k, stride_v, QH, KH, HALF, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        position = tl.load(pos_ptr + t).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        cos = tl.load(cos_ptr + position * HALF + cols, mask=cols < HALF, other=0.0)
+        sin = tl.load(sin_ptr + position * HALF + cols, mask=cols < HALF, other=0.0)
+        q_heads = tl.arange(0, BLOCK_QH)[:, None]
+        inside = (q_heads < QH) & (cols < HALF)
+        first = q_ptr + t * stride_q + q_heads * (2 * HALF) + cols
+        x1 = tl.load(first, mask=inside, other=0.0).to(tl.float32)
+        x2 = tl.load(first + HALF, mask=inside, other=0.0).to(tl.float32)
+        tl.store(first, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=inside)
+        tl.store(first + HALF, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=inside)
+        slot = tl.load(slot_ptr + t).to(tl.int64)  # int32 slots too: slot * width must not wrap
+        k_heads = tl.arange(0, BLOCK_KH)[:, None]
+        inside = (k_heads < KH) & (cols < HALF)
+        first = k_ptr + t * stride_k + k_heads * (2 * HALF) + cols
+        x1 = tl.load(first, mask=inside, other=0.0).to(tl.float32)
+        x2 = tl.load(first + HALF, mask=inside, other=0.0).to(tl.float32)
+        to = ck_ptr + slot * (KH * 2 * HALF) + k_heads * (2 * HALF) + cols
+        tl.store(to, (x1 * cos - x2 * sin).to(ck_ptr.dtype.element_ty), mask=inside)
+        tl.store(to + HALF, (x2 * cos + x1 * sin).to(ck_ptr.dtype.element_ty), mask=inside)
+        width = tl.arange(0, BLOCK_W)
+        inside = width < KH * 2 * HALF
+        tl.store(cv_ptr + slot * (KH * 2 * HALF) + width, tl.load(v_ptr + t * stride_v + width, mask=inside),
+                 mask=inside)
+
+    return rope_kv_write_kernel
