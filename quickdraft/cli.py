@@ -88,6 +88,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch-ahead", default="auto", choices=["auto", "on", "off"],
                    help="queue the next decode step before reading this one's tokens (default auto: where CUDA graphs "
                         "run; on: also with --static-step eager)")
+    p.add_argument("--gpu-linears", default="cublas", choices=["cublas", "triton"],
+                   help="what a GPU's bfloat16 decoder-layer linears run on (default cublas; triton: quickdraft's "
+                        "Triton kernel, a row's result alike whatever the rows beside it)")
 
 
 def _int_or(word: str, means: object) -> Callable[[str], int | object]:
@@ -110,7 +113,7 @@ def llm_options(args: argparse.Namespace, **extra) -> dict:
                 max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads,
                 kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, max_memory=args.max_memory,
                 suffix_scope=args.suffix_scope, suffix_cache_tokens=args.suffix_cache_tokens,
-                static_step=args.static_step, launch_ahead=args.launch_ahead, **extra)
+                static_step=args.static_step, launch_ahead=args.launch_ahead, gpu_linears=args.gpu_linears, **extra)
 
 
 def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):

@@ -257,6 +257,26 @@ def test_weight_only_int8_and_int4_run_on_tritons_kernel(target, weights):
     assert run(speculative="ngram", num_speculative_tokens=3)[0] == graphs
 
 
+def test_bfloat16_linears_on_tritons_kernel(target, draft):
+    """``gpu_linears='triton'``: the decoder layers' bfloat16 linears run Triton's kernel, inside the graphs too; the
+    eager step gives the graphs' tokens, and greedy speculation (n-gram, a draft model) plain greedy's."""
+    from quickdraft.models.triton_linear import TritonLinear
+
+    prompts = tiny_prompts(64, 4)
+
+    def run(**options) -> tuple[list[list[int]], LLM]:
+        llm = LLM(target, dtype="bfloat16", device="cuda", kv_cache_memory=TINY_KV, gpu_linears="triton", **options)
+        return [o.token_ids for o in llm.generate(prompts, GREEDY)], llm
+
+    graphs, llm = run()
+    layer = llm.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, TritonLinear) and isinstance(layer.mlp.down_proj, TritonLinear)
+    assert llm.target.static.replays > 0
+    assert run(static_step="eager")[0] == graphs
+    assert run(speculative="ngram", num_speculative_tokens=3)[0] == graphs
+    assert run(draft=draft)[0] == graphs
+
+
 def test_float32_cuda_matches_cpu(target, plain_greedy):
     cpu = LLM(target, dtype="float32", device="cpu", kv_cache_memory=TINY_KV)
     assert [o.token_ids for o in cpu.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy

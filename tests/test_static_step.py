@@ -147,6 +147,10 @@ def test_bad_static_step_options_are_refused(target):
         LLM(target, static_step="fast")
     with pytest.raises(InvalidParameterError, match="static_step='graphs' needs device='cuda'"):
         LLM(target, static_step="graphs")
+    with pytest.raises(InvalidParameterError, match="gpu_linears must be one of cublas, triton, got 'fast'"):
+        LLM(target, gpu_linears="fast")
+    with pytest.raises(InvalidParameterError, match="gpu_linears='triton' needs device='cuda'"):
+        LLM(target, gpu_linears="triton")
 
 
 def test_prompt_chunks_on_the_static_step(target, tiny_plain_greedy):

@@ -21,6 +21,7 @@ from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import STATIC_STEPS, KVPool, ModelRunner, check_kv_cache_dtype, resolve_kv_cache_dtype
 from quickdraft.kv.paged_attention import kernel_possible
 from quickdraft.loading import Checkpoint, load_checkpoint
+from quickdraft.loading.pack_float import check_gpu_linears, triton_float_linears
 from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, default_lm_head, FLOAT_FORMATS, QUANT_FORMATS, load_model,
                                         resolve_draft_weights, resolve_weights, weights_summary)
 from quickdraft.loading.weight_cache import dtype_name
@@ -71,6 +72,7 @@ class EngineOptions:
     threads: int | str = "auto"
     static_step: str = "auto"
     launch_ahead: str = "auto"
+    gpu_linears: str = "cublas"
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
@@ -82,6 +84,7 @@ class EngineOptions:
         check_kv_cache_dtype(self.kv_cache_dtype)
         self.runner_options()  # a bad static_step fails before anything is loaded
         check_launch_ahead(self.launch_ahead)  # before anything is loaded
+        check_gpu_linears(self.gpu_linears, self.device)
         if self.draft is not None and self.speculative not in (None, "suffix"):
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both "
                                         "(speculative='suffix' may take a draft model beside it)")
@@ -248,7 +251,11 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
             raise InvalidParameterError(f"self_draft_layers must be in 1..{cfg.num_layers - 1}, got {self_layers}")
     max_model_len = min(o.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     plan = _memory_plan(o, checkpoint, fmt, draft_checkpoint, draft_weights, self_layers, max_model_len)
+    if o.gpu_linears == "triton" and weights != "bfloat16":
+        raise InvalidParameterError(f"gpu_linears='triton' runs bfloat16 weights, got weights={weights!r}")
     target_model = load_model(checkpoint, weights, o.device)
+    if o.gpu_linears == "triton":
+        triton_float_linears(target_model)
     target = ModelRunner("target", target_model, plan.kv_caps["target"], o.block_size,
                          kv_dtype=_kv_dtype(o, checkpoint), **o.runner_options(cfg))
     # one sequence of the full context (plus drafts) must fit in the pool, or it could never finish
@@ -348,6 +355,8 @@ def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dty
     draft_model = load_model(checkpoint, fmt, o.device, head_rows=head_rows,
                              **(DRAFT_INT4_OPTIONS if fmt == "int4" else {}))
     draft_model.limit_positions(positions)
+    if o.gpu_linears == "triton":  # a bfloat16 draft's too (a quantized one is on Triton's kernel already)
+        triton_float_linears(draft_model)
     long_model = load_model(checkpoint, dtype_name(dtype), o.device,
                             head_rows=head_rows) if keep_float else None
     if long_model is not None:

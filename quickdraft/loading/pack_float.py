@@ -9,9 +9,13 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from quickdraft.errors import InvalidParameterError
 from quickdraft.loading.quant_convert import layer_linears, quantizable_linears
+from quickdraft.models import triton_linear
 from quickdraft.models.packed import PackedLinear, RowTiledLinear, packing_supported
 from quickdraft.models.transformer import Transformer
+
+GPU_LINEARS = ("cublas", "triton")  # what a GPU's bfloat16 decoder-layer linears run on
 
 
 def pack_float_linears(model: Transformer, tensors: Mapping[str, torch.Tensor] | None = None) -> list[str]:
@@ -42,6 +46,31 @@ def pack_float_linears(model: Transformer, tensors: Mapping[str, torch.Tensor] |
             mlp.down_proj = PackedLinear.from_linear(mlp.down_proj)
     model.lm_head = PackedLinear.from_linear(model.lm_head)
     return names
+
+
+def check_gpu_linears(choice: str, device: str) -> None:
+    """``gpu_linears``: one of ``GPU_LINEARS``; ``'triton'`` needs a CUDA device with Triton."""
+    if choice not in GPU_LINEARS:
+        raise InvalidParameterError(f"gpu_linears must be one of {', '.join(GPU_LINEARS)}, got {choice!r}")
+    if choice == "triton" and not (str(device).startswith("cuda") and triton_linear.triton_available()):
+        raise InvalidParameterError(f"gpu_linears='triton' needs device='cuda' and Triton (pip install triton), got "
+                                    f"device={device!r}")
+
+
+def triton_float_linears(model: Transformer) -> int:
+    """Every decoder layer's bfloat16 linears (q/k/v, o, gate/up, down) on Triton's kernel (``TritonLinear``)
+    instead of cuBLAS, which reads some mid-sized weights at a decode step's one row well under the copy bandwidth;
+    the head stays on cuBLAS. Returns how many linears were wrapped."""
+    wrapped = 0
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for owner, name in [(attn, "qkv_proj"), (attn, "o_proj")] + [
+                (mlp, part) for _, mlp in layer.feed_forwards() for part in ("gate_up_proj", "down_proj")]:
+            linear = getattr(owner, name, None)
+            if type(linear) is nn.Linear and linear.weight.dtype == torch.bfloat16:
+                setattr(owner, name, triton_linear.TritonLinear(linear))
+                wrapped += 1
+    return wrapped
 
 
 def _concatenate(model: Transformer, tiled: bool) -> None:

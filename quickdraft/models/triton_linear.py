@@ -27,6 +27,7 @@ import importlib.util
 import os
 
 import torch
+from torch import nn
 
 triton = tl = None  # optional (pip install triton): imported by _kernels, on first use
 _int4_tile = _dot = None  # the kernels' helpers (_kernels)
@@ -92,6 +93,37 @@ def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                          f"{tuple(weight.shape)} with strides {weight.stride()}")
     return _matmul(x, weight, weight, bias, out_dtype, bits=16, group=1, split=split)  # (the weight stands in for
     # scales, unread)
+
+
+class TritonLinear(nn.Module):
+    """A bfloat16 linear layer on a GPU whose calls of up to ``MAX_ROWS`` rows (decode steps, verify passes, short
+    prompt chunks) run ``float_matmul``, and longer ones cuBLAS (whose GEMMs a long prompt's chunk wants: the kernel's
+    16-row tiles read the weight once per 16 rows). The weight and bias stay the wrapped linear's."""
+
+    MAX_ROWS = 64
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if linear.weight.dtype != torch.bfloat16 or not runs_on(linear.weight.device):
+            raise ValueError(f"TritonLinear takes a bfloat16 linear where Triton's kernel runs, got "
+                             f"{linear.weight.dtype} on {linear.weight.device}")
+        self.linear = linear
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] > self.MAX_ROWS:
+            return self.linear(x)
+        y = float_matmul(x2, self.linear.weight, self.linear.bias, out_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
