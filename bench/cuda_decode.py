@@ -2,8 +2,8 @@
 bandwidth limit measured in the same run, on random-weight models of real shapes that this script builds itself.
 
 Usage: python bench/cuda_decode.py [--shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b] [--batches 1,8,32]
-         [--tokens 128] [--no-hf] [--hf-batches 1] [--device cuda|cpu] [--name cuda_decode] [--quantized int8,int4]
-         [--quantized-shapes qwen2.5-7b] [--profile] [--kernels] [--graphs-only]
+         [--tokens 128] [--no-hf] [--hf-batches 1] [--device cuda|cpu] [--name cuda_decode] [--linears int8,int4,triton]
+         [--linears-shapes qwen2.5-7b] [--profile] [--kernels] [--graphs-only]
 Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tokenizer of the shape's vocabulary):
 - the read bandwidth (a device-to-device copy of 1 GiB, bytes read + written per second) and the batch-1 limit it
   gives: bandwidth / bytes of weights a decode step reads;
@@ -15,9 +15,10 @@ Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tok
   on a GPU the device's own time for each (its graph replayed back to back): the rest of a step is the host's;
 - n-gram speculation where the prompt repeats itself: tokens/s, tokens per target pass, and whether its tokens equal
   plain greedy's;
-- with ``--quantized int8,int4`` (on ``--quantized-shapes``, default the 7B): the same model with weight-only int8 /
-  int4 (group 32) linears on Triton's kernel (``models/triton_linear.py``), batch 1 and the largest batch, against
-  the limit of the bytes they read;
+- with ``--linears int8,int4,triton`` (on ``--linears-shapes``, default the 7B): the same model with weight-only
+  int8 / int4 (group 32) linears on Triton's kernel (``models/triton_linear.py``), or its bfloat16 linears on the
+  same kernel's tiles (``gpu_linears="triton"``), batch 1 and the largest batch, against the limit of the bytes they
+  read;
 - the same graphs with launch-ahead off (``engine/launch_ahead.py``): each step's tokens read before the next step
   is launched, as before launch-ahead;
 - with ``--profile``: where the host's time goes at the smallest and largest batch, and under n-gram drafting
@@ -227,13 +228,15 @@ def profile_host(llm: LLM, vocab: int, args, name: str, batches: list[int], repe
     print(f"{name}: host profile in {path}")
 
 
-def bench_quantized(directory: Path, name: str, args, bandwidth: float, common: dict, mode: str, rows: list[dict],
-                    record) -> None:
-    """The shape with weight-only int8 / int4 linears (quantized from its bfloat16 weights at load)."""
+def bench_linears(directory: Path, name: str, args, bandwidth: float, common: dict, mode: str, rows: list[dict],
+                  record) -> None:
+    """The shape with other linears: weight-only int8 / int4 (quantized from its bfloat16 weights at load), or its
+    bfloat16 weights on Triton's tiles (``triton``)."""
     vocab, batches = SHAPES[name]["vocab_size"], [int(b) for b in args.batches.split(",")]
-    for fmt in [f for f in args.quantized.split(",") if f]:
+    for fmt in [f for f in args.linears.split(",") if f]:
         t0 = time.perf_counter()
-        llm = LLM(str(directory), static_step=mode, weights=fmt, **common)
+        options = {"gpu_linears": "triton"} if fmt == "triton" else {"weights": fmt}
+        llm = LLM(str(directory), static_step=mode, **options, **common)
         load_s = time.perf_counter() - t0
         step_bytes = step_weight_bytes(llm.model)
         for batch in sorted({batches[0], batches[-1]}):
@@ -323,8 +326,8 @@ def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict],
             del llm
         gc.collect()
         torch.cuda.empty_cache() if device == "cuda" else None
-    if name in args.quantized_shapes.split(","):
-        bench_quantized(directory, name, args, bandwidth, common, modes[0], rows, record)
+    if name in args.linears_shapes.split(","):
+        bench_linears(directory, name, args, bandwidth, common, modes[0], rows, record)
 
 
 def main() -> None:
@@ -336,8 +339,9 @@ def main() -> None:
     ap.add_argument("--hf-batches", default=None, help="the batches HF transformers runs at (default: --batches)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script where there is no GPU")
     ap.add_argument("--name", default="cuda_decode")
-    ap.add_argument("--quantized", default="", help="weight-only formats to time too, e.g. int8,int4")
-    ap.add_argument("--quantized-shapes", default="qwen2.5-7b", help="the shapes --quantized runs on")
+    ap.add_argument("--linears", default="",
+                    help="other linears to time too: int8, int4 (weight-only), triton (bfloat16 on Triton's tiles)")
+    ap.add_argument("--linears-shapes", default="qwen2.5-7b", help="the shapes --linears runs on")
     ap.add_argument("--profile", action="store_true", help="cProfile a batch-1 answer per shape (host time)")
     ap.add_argument("--graphs-only", action="store_true",
                     help="only the graphs' tokens/s (launch-ahead on and off) and --kernels: no dynamic path, verify "
@@ -371,9 +375,10 @@ def main() -> None:
     speed = [r for r in rows if "kind" not in r]
     print(f"\n{card}, {args.tokens} greedy tokens after a {PROMPT_TOKENS}-token prompt, bfloat16\n" + table(
         speed, ["shape", "engine", "batch", "tok_s", "first_token_ms", "limit_tok_s", "of_limit", "hf_tok_s", "vs_hf", "error"]))
-    print("\n" + table([r for r in rows if "kind" in r], ["shape", "engine", "kind", "step_1_ms", "step_5_ms",
-                                                          "verify5_over_step", "graph_1_ms", "graph_5_ms", "tok_s",
-                                                          "speedup", "tok_per_pass", "same"]))
+    kinds = [r for r in rows if "kind" in r]  # (none with --graphs-only and no --kernels)
+    if kinds:
+        print("\n" + table(kinds, ["shape", "engine", "kind", "step_1_ms", "step_5_ms", "verify5_over_step",
+                                   "graph_1_ms", "graph_5_ms", "tok_s", "speedup", "tok_per_pass", "same"]))
     print(f"wrote {path}")
 
 

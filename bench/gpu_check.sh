@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check of the CUDA path in one run, sized for a lent H100/H200 (under 10 minutes): the CUDA tests (graph
-# replay against eager at every bucket, speculation against plain, the paged attention kernel against float64,
-# launch-ahead against the step without it), bench/gpu_linear.py (each projection of the 1.5B and 7B shapes in
-# bfloat16, int8 and int4), then bench/cuda_decode.py on the three real shapes (launch-ahead on and
-# off, HF transformers at batch 1, the kernels of a batch-1 step; int8 and int4 weights were timed on the 7B in
-# earlier runs, `--quantized int4,int8` times them again). Results go to $OUT (the device tool's folder) or
+# replay against eager at every bucket, prompt chunks' graphs too, speculation against plain, the paged attention
+# kernel against float64, launch-ahead against the step without it, the Triton linears' bits), bench/gpu_linear.py
+# (each projection of the three shapes in bfloat16 on cuBLAS and on Triton's tiles, int8 and int4), then
+# bench/cuda_decode.py on the three real shapes (launch-ahead on and off, HF transformers at batch 1, the kernels of a
+# batch-1 step; the 1.5B and 7B with bfloat16 linears on Triton's tiles and with int4 weights). Results go to $OUT (the device tool's folder) or
 # bench/results/gpu_check. Missing packages travel as wheels in .whl/ (the GPU image lacks gguf:
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0`); .whl/ is ignored by git,
 # so the device tool must carry it (carry=[".whl"]), and the run needs a timeout of about 590 s.
@@ -21,13 +21,14 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 start=$(date +%s)
-timeout 200 python3 -m pytest -q -rs tests/test_cuda.py tests/test_paged_attention.py tests/test_static_step.py \
+timeout 140 python3 -m pytest -q -rs tests/test_cuda.py tests/test_paged_attention.py tests/test_static_step.py \
     tests/test_triton_linear.py tests/test_triton_ops.py \
     2>&1 | tee "$OUT/tests.txt"
 echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
-timeout 60 python3 bench/gpu_linear.py --name gpu_check_linear 2>&1 | tee "$OUT/linear.txt"
+timeout 75 python3 bench/gpu_linear.py --name gpu_check_linear 2>&1 | tee "$OUT/linear.txt"
 cp bench/results/gpu_check_linear.json "$OUT/" 2>/dev/null
-timeout 320 python3 bench/cuda_decode.py ${1:+--shapes "$1"} --hf-batches 1 --profile --kernels \
+timeout 340 python3 bench/cuda_decode.py ${1:+--shapes "$1"} --hf-batches 1 --profile --kernels \
+    --linears triton,int4 --linears-shapes qwen2.5-1.5b,qwen2.5-7b \
     --name gpu_check_decode 2>&1 | tee "$OUT/bench.txt"
 cp bench/results/gpu_check_decode.json "$OUT/" 2>/dev/null
 # the device tool brings back at most eight files: the profiles and kernel tables travel as one

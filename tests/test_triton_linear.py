@@ -230,6 +230,7 @@ def test_the_backend_is_refused_where_it_cannot_run(monkeypatch):
         Int8Linear.from_float(torch.randn(8, 32), kernel="triton")
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every quantized model runs the kernel (tests/test_cuda.py)")
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_a_models_stacked_projections_give_its_tokens(tiny_dir, monkeypatch, weights):
     """A whole model on the kernel (the CPU running it under the interpreter, as a GPU runs it): each decoder layer's
