@@ -257,6 +257,17 @@ def test_weight_only_int8_and_int4_run_on_tritons_kernel(target, weights):
     assert run(speculative="ngram", num_speculative_tokens=3)[0] == graphs
 
 
+def test_quantizing_on_the_gpu_gives_the_cpus_bits():
+    """int8 and int4 weights are quantized on the device they run on at load: the bits of the CPU's quantizer."""
+    from quickdraft.models.quant_formats import quantize_int4, quantize_int8
+
+    w = torch.randn(256, 4096, generator=torch.Generator().manual_seed(0)) * 0.02
+    w[0, :64] = 0.0  # a constant group
+    for quantize in (quantize_int8, quantize_int4):
+        on_gpu, on_cpu = quantize(w.cuda()), quantize(w)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(on_gpu, on_cpu)), quantize.__name__
+
+
 def test_bfloat16_linears_on_tritons_kernel(target, draft):
     """``gpu_linears='triton'``: the decoder layers' bfloat16 linears run Triton's kernel, inside the graphs too; the
     eager step gives the graphs' tokens, and greedy speculation (n-gram, a draft model) plain greedy's."""

@@ -496,3 +496,31 @@ def test_a_new_layout_deletes_the_files_no_build_can_read(tmp_path, monkeypatch)
             "quickdraft_quant_cache_version": quant_cache.QUANT_CACHE_VERSION}
     assert quant_cache.drop_outdated(new, meta) == [old]
     assert not old.exists() and same.exists() and other_model.exists() and torch_kind.exists()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_off_the_qmatmul_kernel_a_big_matrix_is_quantized_in_blocks_of_rows(tiny_dir, monkeypatch, fmt):
+    """Layers off the qmatmul kernel (a GPU's) quantize a matrix of many rows a block of rows at a time (a 150k-row
+    head would otherwise pass through gigabytes of float32 temporaries): the same layer as quantized whole."""
+    from quickdraft.loading import quant_convert
+    from quickdraft.models import quant_backends
+
+    ckpt = load_checkpoint(tiny_dir(arch="qwen2", tie=False, vocab_size=96), dtype=torch.float32)
+    for module in (quant_convert, quant_backends):
+        monkeypatch.setattr(module, "default_backend", lambda device: "reference")
+
+    def layers() -> dict[str, torch.nn.Module]:
+        model = build_model(ckpt.config, ckpt.tensors)
+        return {name: layer for name, layer, _ in quant_convert.quantized_layers(
+            model, fmt, Sources(), torch.device("cpu"), lm_head=fmt)}
+
+    whole = layers()
+    monkeypatch.setattr(quant_convert, "DEVICE_ROWS_BYTES", 4 * 64 * 7)  # 7 rows of a 64-wide input a block
+    read, real = [], Sources.float32
+    monkeypatch.setattr(Sources, "float32", lambda self, name, linear, cfg, rows=None, device=None: read.append(
+        rows) or real(self, name, linear, cfg, rows, device))
+    blocks = layers()
+    assert (0, 7) in read and (7, 14) in read
+    assert blocks.keys() == whole.keys() and all(m.backend == "reference" for m in blocks.values())
+    for name, layer in whole.items():
+        assert all(torch.equal(a, b) for a, b in zip(layer.buffers(), blocks[name].buffers())), name

@@ -168,14 +168,14 @@ def test_q_k_v_stacked_into_one_call(bits):
 
 
 def test_a_bfloat16_layer_on_the_kernel():
-    """``TritonLinear`` (``gpu_linears='triton'``): up to 64 rows a call on the kernel, bias and rounding in it, a
-    row's bits whatever the rows beside it; longer calls on the wrapped linear (cuBLAS on a GPU)."""
+    """``TritonLinear`` (``gpu_linears='triton'``): up to ``max_rows`` rows a call on the kernel, bias and rounding
+    in it, a row's bits whatever the rows beside it; longer calls on the wrapped linear (cuBLAS on a GPU)."""
     g = torch.Generator().manual_seed(5)
     linear = torch.nn.Linear(96, 40, dtype=torch.bfloat16).to(DEVICE)
     with torch.no_grad():
         linear.weight.copy_(randn(40, 96, generator=g))
         linear.bias.copy_(randn(40, generator=g))
-    layer = triton_linear.TritonLinear(linear)
+    layer = triton_linear.TritonLinear(linear, max_rows=64)
     assert layer.weight is linear.weight and (layer.in_features, layer.out_features) == (96, 40)
     x = randn(70, 96, generator=g).to(torch.bfloat16)
     rows = layer(x[:64])
@@ -185,7 +185,7 @@ def test_a_bfloat16_layer_on_the_kernel():
     assert torch.equal(layer(x[None, :3]), rows[None, :3])  # leading dims kept
     assert torch.equal(layer(x), linear(x))  # 70 rows: the wrapped linear
     with pytest.raises(ValueError, match="bfloat16 linear"):
-        triton_linear.TritonLinear(torch.nn.Linear(8, 8))
+        triton_linear.TritonLinear(torch.nn.Linear(8, 8), max_rows=64)
 
 
 def test_float_matmul_refuses_other_weights():

@@ -133,6 +133,29 @@ def test_rope_kv_write_gives_the_bits_of_rope_then_the_write(heads, kv_heads, di
     assert not triton_ops.runs_rope_kv_write(q, k, v, caches["fused"][0].to(torch.int8))
 
 
+def test_rotate_pair_rotates_a_fused_outputs_q_and_k_in_one_call(monkeypatch):
+    """Where the attention rotates q and k itself off the static step's kernel (an int8 cache, the dynamic path):
+    views of one q/k/v output are rotated in one kernel, as the model did before it handed the rotation over; q and
+    k apart, in two; the same values either way."""
+    cpu_kernels_off(monkeypatch)
+    rope = transformer.RotaryEmbedding(32, 10000.0, 256, device=DEVICE)
+    positions = torch.tensor([0, 7, 3, 200, 31], device=DEVICE)
+    qkv = randn(5, 8 * 32, dtype=torch.float32)
+    calls, real = [], triton_ops.rope_
+    monkeypatch.setattr(triton_ops, "rope_", lambda *args: calls.append(args[0].shape) or real(*args))
+
+    def views(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qk = x[:, :6 * 32].reshape(5, 6, 32)
+        return qk[:, :4], qk[:, 4:]
+
+    q, k = rope.rotate_pair(*views(qkv.clone()), positions)
+    assert calls == [(5, 6, 32)]
+    q2, k2 = views(qkv.clone())
+    q2, k2 = rope.rotate_pair(q2.clone(), k2.clone(), positions)  # not adjacent: one call each
+    assert calls[1:] == [(5, 4, 32), (5, 2, 32)]
+    assert torch.equal(q, q2) and torch.equal(k, k2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows,width", [(1, 1536), (4, 100), (2, 3000)])

@@ -99,6 +99,11 @@ class EngineOptions:
             raise InvalidParameterError(
                 f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
 
+    @property
+    def largest_step_rows(self) -> int:
+        """Rows of the largest decode or verify forward (the static step's largest bucket)."""
+        return self.max_num_seqs * (self.max_speculative_tokens + 1)
+
     def suffix_options(self) -> tuple[str, int]:
         """(scope, cache tokens) of the suffix drafter, defaults filled in."""
         return (self.suffix_scope if self.suffix_scope is not None else "global",
@@ -127,7 +132,9 @@ class EngineOptions:
                 raise InvalidParameterError("static_step='graphs' cannot capture a mixture of experts (its routing is "
                                             "read on the host in every forward): use 'auto' or 'eager'")
             mode = "eager"
-        return {"static_step": mode, "max_seqs": self.max_num_seqs, "max_queries": self.max_speculative_tokens + 1}
+        # run-ahead drafts in a second thread on the same GPU: no graph may be captured while it runs
+        return {"static_step": mode, "max_seqs": self.max_num_seqs, "max_queries": self.max_speculative_tokens + 1,
+                "capture_chunks": not self.run_ahead}
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -255,7 +262,7 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
         raise InvalidParameterError(f"gpu_linears='triton' runs bfloat16 weights, got weights={weights!r}")
     target_model = load_model(checkpoint, weights, o.device)
     if o.gpu_linears == "triton":
-        triton_float_linears(target_model)
+        triton_float_linears(target_model, o.largest_step_rows)
     target = ModelRunner("target", target_model, plan.kv_caps["target"], o.block_size,
                          kv_dtype=_kv_dtype(o, checkpoint), **o.runner_options(cfg))
     # one sequence of the full context (plus drafts) must fit in the pool, or it could never finish
@@ -356,7 +363,7 @@ def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dty
                              **(DRAFT_INT4_OPTIONS if fmt == "int4" else {}))
     draft_model.limit_positions(positions)
     if o.gpu_linears == "triton":  # a bfloat16 draft's too (a quantized one is on Triton's kernel already)
-        triton_float_linears(draft_model)
+        triton_float_linears(draft_model, o.largest_step_rows)
     long_model = load_model(checkpoint, dtype_name(dtype), o.device,
                             head_rows=head_rows) if keep_float else None
     if long_model is not None:

@@ -176,7 +176,7 @@ class AttentionBatch:
         ``sinks`` [H]: each head's softmax also normalizes over exp(sink) (gpt-oss); ``rotary``: q and k are not
         rotated yet (see the ``Attention`` protocol)."""
         if rotary is not None:
-            q, k = rotary(q, self.positions), rotary(k, self.positions)
+            q, k = rotary.rotate_pair(q, k, self.positions)
         self.pool.write(layer, self.slot_mapping, k, v)
         tokens, heads, dim = q.shape
         kv_heads = k.shape[1]

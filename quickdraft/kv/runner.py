@@ -29,7 +29,7 @@ class ModelRunner:
     def __init__(self, name: str, model: Transformer, kv_cache_bytes: int, block_size: int = 16,
                  num_layers: int | None = None, long_model: Transformer | None = None,
                  long_tokens: int = 128, kv_dtype: torch.dtype | None = None, static_step: str = "off",
-                 max_seqs: int = 16, max_queries: int = 9) -> None:
+                 max_seqs: int = 16, max_queries: int = 9, capture_chunks: bool = True) -> None:
         """``num_layers`` < all runs only the first layers (self-speculation); the KV pool then holds only those.
         ``kv_dtype``: the cache's format (``kv/pool.py``), by default the model's own dtype.
 
@@ -42,7 +42,8 @@ class ModelRunner:
 
         ``static_step``: how decode and verify forwards of up to ``max_seqs`` sequences of up to ``max_queries``
         tokens run (``static_step.py``): ``graphs`` (replayed CUDA graphs), ``eager`` (the same static buffers, no
-        graph), or ``off`` (the dynamic path every forward takes otherwise)."""
+        graph), or ``off`` (the dynamic path every forward takes otherwise). ``capture_chunks``: whether a prompt
+        chunk bucket not captured at load is captured on first use (else run eagerly; see ``StaticStep``)."""
         self.name = name
         self.model = model
         self.long_model, self.long_tokens = long_model, long_tokens
@@ -62,7 +63,7 @@ class ModelRunner:
                            self.kv_dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.static = StaticStep(model, self.pool, num_blocks, max_seqs, max_queries, num_layers,
-                                 graphs=static_step == "graphs") if scratch else None
+                                 graphs=static_step == "graphs", capture_chunks=capture_chunks) if scratch else None
         self.bytes_per_block = per_block
         self.last_forward_s = 0.0
         # On a GPU, prompt chunks run on the static step's kernels too (graphs of their own): the dynamic path's

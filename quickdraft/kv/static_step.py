@@ -100,7 +100,7 @@ class StaticAttention:
         if rotary is None or not self.pool.write_rotated(layer, self.slots, q, k, v, self.positions,
                                                           *rotary.tables()):
             if rotary is not None:
-                q, k = rotary(q, self.positions), rotary(k, self.positions)
+                q, k = rotary.rotate_pair(q, k, self.positions)
             self.pool.write(layer, self.slots, k, v)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return paged_attention(q, self.pool.layer(layer), self.tables, self.context_lens, self.query_lens,
@@ -114,10 +114,14 @@ class StaticStep:
     """One model's decode and verify forwards in buckets of static shape (see the module docstring)."""
 
     def __init__(self, model: Transformer, pool: KVPool, scratch_block: int, max_seqs: int, max_queries: int,
-                 num_layers: int | None = None, graphs: bool = False) -> None:
+                 num_layers: int | None = None, graphs: bool = False, capture_chunks: bool = True) -> None:
+        """``capture_chunks``: capture a prompt chunk bucket's graph on its first use; False where another thread
+        may use the GPU meanwhile (run-ahead drafting), whose work a capture would break: the buckets ``warm_up`` did
+        not capture then run eagerly."""
         if graphs and pool.k.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; run the static step eagerly elsewhere")
         self.model, self.pool, self.num_layers, self.graphs = model, pool, num_layers, graphs
+        self.capture_chunks = capture_chunks
         self.device = pool.k.device
         self.block_size = pool.block_size
         self.scratch_slot = scratch_block * pool.block_size
@@ -249,7 +253,7 @@ class StaticStep:
         inputs = self._load(bucket, kvs, tokens)
         rows = [b * bucket.queries + i for b, (chunk, n) in enumerate(zip(tokens, num_logits))
                 for i in range(len(chunk) - n, len(chunk))]
-        if self.graphs:
+        if self.graphs and (self.capture_chunks or (bucket, None) in self._graphs):
             graph, hidden = self._graph(bucket, inputs, None)
             graph.replay()
         else:

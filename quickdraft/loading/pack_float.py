@@ -57,10 +57,10 @@ def check_gpu_linears(choice: str, device: str) -> None:
                                     f"device={device!r}")
 
 
-def triton_float_linears(model: Transformer) -> int:
-    """Every decoder layer's bfloat16 linears (q/k/v, o, gate/up, down) on Triton's kernel (``TritonLinear``)
-    instead of cuBLAS, which reads some mid-sized weights at a decode step's one row well under the copy bandwidth;
-    the head stays on cuBLAS. Returns how many linears were wrapped."""
+def triton_float_linears(model: Transformer, max_rows: int) -> int:
+    """Every decoder layer's bfloat16 linears (q/k/v, o, gate/up, down) on Triton's kernel (``TritonLinear``, for
+    calls of up to ``max_rows`` rows) instead of cuBLAS, which reads some mid-sized weights at a decode step's one
+    row well under the copy bandwidth; the head stays on cuBLAS. Returns how many linears were wrapped."""
     wrapped = 0
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -68,7 +68,7 @@ def triton_float_linears(model: Transformer) -> int:
                 (mlp, part) for _, mlp in layer.feed_forwards() for part in ("gate_up_proj", "down_proj")]:
             linear = getattr(owner, name, None)
             if type(linear) is nn.Linear and linear.weight.dtype == torch.bfloat16:
-                setattr(owner, name, triton_linear.TritonLinear(linear))
+                setattr(owner, name, triton_linear.TritonLinear(linear, max_rows))
                 wrapped += 1
     return wrapped
 

@@ -101,6 +101,7 @@ EMBED = "model.embed_tokens.weight"
 # float32 bytes converted at a time for big matrices (a vocabulary-wide head): a 151936 x 1536 head would otherwise
 # pass through several float32 copies of 0.9 GB each
 CHUNK_BYTES = 8 << 20
+DEVICE_ROWS_BYTES = 256 << 20  # float32 rows quantized at a time off the qmatmul kernel (a GPU's layers)
 
 
 @dataclass
@@ -151,10 +152,11 @@ class Sources:
             return data[rows.start * per_row:rows.stop * per_row], (rows.stop - rows.start, shape[1])
         return data.view(shape[0], per_row)[rows].reshape(-1), (len(rows), shape[1])
 
-    def float32(self, name: str, linear: nn.Linear, cfg: ModelConfig, rows: tuple[int, int] | None = None
-                ) -> torch.Tensor:
+    def float32(self, name: str, linear: nn.Linear, cfg: ModelConfig, rows: tuple[int, int] | None = None,
+                device: torch.device | None = None) -> torch.Tensor:
         """float32 weight of ``name`` in HF layout, rows ``rows`` (default: the module's, which an lm_head cut by
-        ``restrict_lm_head`` has fewer of than the file)."""
+        ``restrict_lm_head`` has fewer of than the file), on ``device`` (default: where it is stored; a stored
+        bfloat16 weight is moved before it is widened)."""
         key = name + ".weight"
         r0, r1 = rows or (0, linear.out_features)
         src = self._stored_key(name, cfg)
@@ -167,10 +169,10 @@ class Sources:
             w = dequantize(data, self.block_types[src], shape)
             w = unpermute_rows(w, heads)[r0:r1] if heads else w
             tied = src != key  # the head the model holds: the embedding rounded to its dtype
-            return w.to(self.float_dtype).float() if tied and self.float_dtype is not None else w
+            return (w.to(self.float_dtype).float() if tied and self.float_dtype is not None else w).to(device)
         if self.floats is not None and key in self.floats:
-            return self.floats[key][self._rows(name, r0, r1)].float()
-        return linear.weight.detach()[r0:r1].float()
+            return self.floats[key][self._rows(name, r0, r1)].to(device).float()
+        return linear.weight.detach()[r0:r1].to(device).float()
 
     def int4(self, name: str, linear: nn.Linear, cfg: ModelConfig, group_size: int,
              rows: tuple[int, int] | None = None, device: torch.device | None = None
@@ -189,7 +191,7 @@ class Sources:
 
                     mapped = tuple(unpermute_rows(t, heads)[r0:r1] for t in mapped)
                 return (*mapped, True)
-        return (*quantize_int4(self.float32(name, linear, cfg, (r0, r1)).to(device), group_size), False)
+        return (*quantize_int4(self.float32(name, linear, cfg, (r0, r1), device), group_size), False)
 
     def kernel_rows(self, name: str, linear: nn.Linear, cfg: ModelConfig, kernel: str, rows: tuple[int, int]
                     ) -> torch.Tensor:
@@ -263,18 +265,30 @@ def _quantized(name: str, linear: nn.Linear, fmt: str, sources: Sources, cfg: Mo
             kweight[r0:r0 + step] = sources.kernel_rows(name, linear, cfg, fmt, (r0, min(n, r0 + step)))
         return BlockLinear(kweight, fmt, linear.in_features, bias), True
 
-    def part(rows: tuple[int, int] | None, part_bias: torch.Tensor | None) -> tuple[nn.Module, bool]:
-        # quantized where the layer will run: a GPU rounds a large model's weights far faster than the host's cores
-        # (the same bits: elementwise IEEE arithmetic)
+    def values(rows: tuple[int, int] | None) -> tuple[tuple[torch.Tensor, ...], bool]:
+        """Rows ``rows`` quantized where the layer will run (a GPU rounds a large model's weights far faster than the
+        host's cores, with the same bits): (q, scale) or (q, scale, zero) on ``device``, and whether exact."""
         if fmt == "int8":
-            q, s = quantize_int8(sources.float32(name, linear, cfg, rows).to(device))
-            return Int8Linear(q.to(device), s.to(device), part_bias), False
-        q, s, z, exact = sources.int4(name, linear, cfg, group_size, rows, device)
-        return Int4Linear(q.to(device), s.to(device), z.to(device), group_size, part_bias), exact
+            return quantize_int8(sources.float32(name, linear, cfg, rows, device)), False
+        *tensors, exact = sources.int4(name, linear, cfg, group_size, rows, device)
+        return tuple(t.to(device) for t in tensors), exact
+
+    def part(rows: tuple[int, int] | None, part_bias: torch.Tensor | None) -> tuple[nn.Module, bool]:
+        tensors, exact = values(rows)
+        return (Int8Linear(*tensors, part_bias) if fmt == "int8" else Int4Linear(*tensors, group_size, part_bias)), exact
 
     kernel_rows = default_backend(device) == "qmatmul" and linear.in_features % 32 == 0 \
         and (fmt == "int8" or group_size == 32) and sources.reads_rows(name, cfg)
     rows = max(1, CHUNK_BYTES // (4 * linear.in_features))
+    step = max(1, DEVICE_ROWS_BYTES // (4 * linear.in_features))
+    if not kernel_rows and n > step and (sources.stored_type(name, cfg) is None or sources.reads_rows(name, cfg)):
+        # (a GPU's layers) a head of 150k rows in blocks: a whole float32 copy and the quantizer's temporaries
+        # would be gigabytes
+        blocks = [values((r0, min(n, r0 + step))) for r0 in range(0, n, step)]
+        tensors = tuple(torch.cat(parts) for parts in zip(*(b[0] for b in blocks)))
+        exact = all(b[1] for b in blocks)
+        del blocks
+        return (Int8Linear(*tensors, bias) if fmt == "int8" else Int4Linear(*tensors, group_size, bias)), exact
     if n <= rows or not kernel_rows:
         return part(None, bias)
     kweight = kscales = None

@@ -21,7 +21,9 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``scale / 2`` per element (no clipping)."""
     w = w.float()
     amax = w.abs().amax(dim=1)
-    scale = (amax / 127.0 * _BF16_ROUND_UP).clamp(min=1e-30).to(SCALE_DTYPE)
+    # (divided by a tensor: CUDA divides by a Python number as a product with its reciprocal, which may round
+    # otherwise than the CPU's division, and a GPU must give the bits the CPU gives)
+    scale = (amax / amax.new_tensor(127.0) * _BF16_ROUND_UP).clamp(min=1e-30).to(SCALE_DTYPE)
     q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
@@ -39,7 +41,7 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, 
                          f"got {group_size}")
     g = w.float().reshape(n, k // group_size, group_size)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scale = ((hi - lo) / 15.0 * _BF16_ROUND_UP).to(SCALE_DTYPE)
+    scale = ((hi - lo) / lo.new_tensor(15.0) * _BF16_ROUND_UP).to(SCALE_DTYPE)  # (a tensor: see quantize_int8)
     tiny = scale.float() <= 0  # constant group: any positive scale works, q becomes 8
     scale = torch.where(tiny, torch.ones_like(scale), scale)
     zero = (lo + 8.0 * scale.float()).to(SCALE_DTYPE)

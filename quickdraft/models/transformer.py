@@ -121,6 +121,18 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+    def rotate_pair(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated (each maybe in place); in one call where k's heads follow q's in one buffer, as the
+        views of a fused q/k/v output do (one kernel launch, not two)."""
+        t, heads, d = q.shape
+        if (k.shape[0] == t and k.shape[2] == d and q.stride() == k.stride() and q.stride(1) == d
+                and q.stride(2) == 1 and k.data_ptr() == q.data_ptr() + heads * d * q.element_size()):
+            qk = self(q.as_strided((t, heads + k.shape[1], d), q.stride()), positions)
+            return qk[:, :heads], qk[:, heads:]
+        return self(q, positions), self(k, positions)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()

@@ -96,18 +96,17 @@ def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 class TritonLinear(nn.Module):
-    """A bfloat16 linear layer on a GPU whose calls of up to ``MAX_ROWS`` rows (decode steps, verify passes, short
-    prompt chunks) run ``float_matmul``, and longer ones cuBLAS (whose GEMMs a long prompt's chunk wants: the kernel's
-    16-row tiles read the weight once per 16 rows). The weight and bias stay the wrapped linear's."""
+    """A bfloat16 linear layer on a GPU whose calls of up to ``max_rows`` rows run ``float_matmul``, and longer ones
+    cuBLAS (whose GEMMs a long prompt's chunk wants: the kernel's 16-row tiles read the weight once per 16 rows). The
+    engine passes its largest decode or verify forward, so that a row's bits are alike in all of them (greedy
+    speculation's equality with plain decoding). The weight and bias stay the wrapped linear's."""
 
-    MAX_ROWS = 64
-
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, max_rows: int) -> None:
         super().__init__()
         if linear.weight.dtype != torch.bfloat16 or not runs_on(linear.weight.device):
             raise ValueError(f"TritonLinear takes a bfloat16 linear where Triton's kernel runs, got "
                              f"{linear.weight.dtype} on {linear.weight.device}")
-        self.linear = linear
+        self.linear, self.max_rows = linear, max_rows
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     @property
@@ -120,7 +119,7 @@ class TritonLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] > self.MAX_ROWS:
+        if x2.shape[0] > self.max_rows:
             return self.linear(x)
         y = float_matmul(x2, self.linear.weight, self.linear.bias, out_dtype=x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -144,14 +143,16 @@ def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: 
     scales = scales.contiguous()
     bias_or_any = scales if bias is None else bias.contiguous()  # (unread without a bias)
     matmul, add_chunks = _kernels()
+    # enable_fp_fusion=False: every product and sum rounds on its own, as the docstrings say (int8's scale, then the
+    # bias; int4's (q - 8) * scale + zero) and as the interpreter does; a fused multiply-add rounds once
     matmul[tiles + ((chunks,) if split else (1,))](
         x, qweight, scales, bias_or_any, sums, rows, n, k, x.stride(0), 1 if split else chunks,
         BITS=bits, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, CHUNK_TILES=CHUNK_TILES,
-        FINAL=not split, HAS_BIAS=bias is not None, DOT_BF16=x.is_cuda)
+        FINAL=not split, HAS_BIAS=bias is not None, DOT_BF16=x.is_cuda, enable_fp_fusion=False)
     if split:
         block = 1024
         add_chunks[(-(-rows * n // block),)](sums, scales, bias_or_any, out, rows * n, n, chunks, BITS=bits,
-                                             HAS_BIAS=bias is not None, BLOCK=block)
+                                             HAS_BIAS=bias is not None, BLOCK=block, enable_fp_fusion=False)
     return out
 
 
@@ -209,7 +210,8 @@ def _kernels():
         and zeros are read once each, as a [groups, 1, BLOCK_N] block."""
         g = tl.arange(0, BLOCK_K // GROUP)[:, None, None]
         pair = g * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :, None]  # the byte's place in the tile
-        inside = (k0 + 2 * pair < K) & (rn[None, None, :] < N)
+        inside = (pair < (K - k0) // 2) & (rn[None, None, :] < N)  # (K even: the same bytes as k0 + 2 pair < K,
+        # a mask of unit stride, which compiles to vector loads)
         packed = tl.load(w_ptr + rn[None, None, :] * (K // 2) + k0 // 2 + pair, mask=inside, other=0).to(tl.int32)
         at = ((k0 // GROUP + g) * N + rn[None, None, :]) * 2
         group_inside = (k0 + g * GROUP < K) & (rn[None, None, :] < N)
