@@ -60,8 +60,8 @@ class LLM:
         decode step is queued before the previous one's tokens are read, so the host's work between steps overlaps
         the device's (``engine/launch_ahead.py``); the tokens do not change.
         ``gpu_linears``: what a GPU's bfloat16 decoder-layer linears run on: ``'cublas'`` (torch's, the default) or
-        ``'triton'`` (``models/triton_linear.py``'s tiles, which compute a row alike whatever the rows beside it, up
-        to 64 rows a call; ``bench/gpu_linear.py`` times both)."""
+        ``'triton'`` (``models/triton_linear.py``'s tiles, which compute a row alike whatever the rows beside it, in
+        every decode and verify forward; ``bench/gpu_linear.py`` times both)."""
         try:
             opts = EngineOptions(**options)
         except TypeError as exc:

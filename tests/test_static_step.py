@@ -13,6 +13,7 @@ import torch
 
 from quickdraft import LLM, SamplingParams
 import quickdraft.engine.verify_step as verify_step
+from quickdraft.engine.build import EngineOptions
 from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import ForwardItem, SequenceKV
 from quickdraft.kv import paged_attention as paged
@@ -125,6 +126,18 @@ def test_the_triton_kernel_inside_the_step(target, tiny_plain_greedy, monkeypatc
     for options in ({}, {"speculative": "ngram", "num_speculative_tokens": 3}):
         assert generate(target, prompts, params, static_step="eager", **options)[0] == want
     assert len(calls) >= 40  # 4 layers x (9 plain steps, or the verify passes)
+
+
+def test_a_fixed_k_past_the_default_limit_verifies_on_the_static_step(target, tiny_plain_greedy):
+    """A fixed ``num_speculative_tokens`` is the engine's limit, above ``max_speculative_tokens`` too: the step's
+    buckets (and the rows a GPU's Triton linears serve) hold its verify passes of k + 1 queries."""
+    tokens, llm = generate(target, tiny_prompts(64, 6), static_step="eager", speculative="ngram",
+                           num_speculative_tokens=12)
+    assert tokens == tiny_plain_greedy
+    static = llm.loaded.engine.target.static
+    assert static.query_sizes[-1] == 13 and static.forwards > 0
+    with pytest.raises(InvalidParameterError, match="num_speculative_tokens must be 'auto' or an int in 0..32"):
+        EngineOptions(num_speculative_tokens=33)  # refused before anything is loaded
 
 
 def test_prompt_chunks_take_the_dynamic_path(target):

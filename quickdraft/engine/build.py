@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.engine.engine import EngineConfig, LLMEngine
+from quickdraft.engine.engine import EngineConfig, LLMEngine, check_speculative_tokens
 from quickdraft.engine.launch_ahead import check_launch_ahead
 from quickdraft.engine.memory import KVNeed, MemoryPlan, fmt_bytes, parse_size, plan_memory, return_freed_heap
 from quickdraft.engine.scheduler import SchedulerConfig
@@ -85,6 +85,7 @@ class EngineOptions:
         self.runner_options()  # a bad static_step fails before anything is loaded
         check_launch_ahead(self.launch_ahead)  # before anything is loaded
         check_gpu_linears(self.gpu_linears, self.device)
+        check_speculative_tokens(self.num_speculative_tokens)
         if self.draft is not None and self.speculative not in (None, "suffix"):
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both "
                                         "(speculative='suffix' may take a draft model beside it)")
@@ -100,9 +101,15 @@ class EngineOptions:
                 f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
 
     @property
-    def largest_step_rows(self) -> int:
-        """Rows of the largest decode or verify forward (the static step's largest bucket)."""
-        return self.max_num_seqs * (self.max_speculative_tokens + 1)
+    def draft_limit(self) -> int:
+        """The most drafts a verify pass holds: a fixed k (the engine's limit then), else ``max_speculative_tokens``."""
+        return self.max_speculative_tokens if self.num_speculative_tokens == "auto" else self.num_speculative_tokens
+
+    @property
+    def drafts_ahead(self) -> bool:
+        """Whether a run-ahead thread drafts (a draft model, or self-speculation) beside the target's steps."""
+        with_model = self.draft is not None and self.speculative != "suffix" or self.speculative == "self"
+        return self.run_ahead and with_model
 
     def suffix_options(self) -> tuple[str, int]:
         """(scope, cache tokens) of the suffix drafter, defaults filled in."""
@@ -133,8 +140,8 @@ class EngineOptions:
                                             "read on the host in every forward): use 'auto' or 'eager'")
             mode = "eager"
         # run-ahead drafts in a second thread on the same GPU: no graph may be captured while it runs
-        return {"static_step": mode, "max_seqs": self.max_num_seqs, "max_queries": self.max_speculative_tokens + 1,
-                "capture_chunks": not self.run_ahead}
+        return {"static_step": mode, "max_seqs": self.max_num_seqs, "max_queries": self.draft_limit + 1,
+                "capture_chunks": not self.drafts_ahead}
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -262,11 +269,11 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
         raise InvalidParameterError(f"gpu_linears='triton' runs bfloat16 weights, got weights={weights!r}")
     target_model = load_model(checkpoint, weights, o.device)
     if o.gpu_linears == "triton":
-        triton_float_linears(target_model, o.largest_step_rows)
+        triton_float_linears(target_model, o.max_num_seqs * (o.draft_limit + 1))  # the largest decode/verify forward
     target = ModelRunner("target", target_model, plan.kv_caps["target"], o.block_size,
                          kv_dtype=_kv_dtype(o, checkpoint), **o.runner_options(cfg))
     # one sequence of the full context (plus drafts) must fit in the pool, or it could never finish
-    capacity = target.allocator.num_blocks * o.block_size - o.max_speculative_tokens - 1
+    capacity = target.allocator.num_blocks * o.block_size - o.draft_limit - 1
     if capacity < max_model_len:
         if o.max_model_len is not None:
             raise InvalidParameterError(
@@ -275,19 +282,18 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
         log.warning("the KV cache holds %d tokens of one sequence: max_model_len lowered from %d to that (raise "
                     "kv_cache_memory or max_memory for the model's full context)", capacity, max_model_len)
         max_model_len = capacity
-    positions = max_model_len + o.max_speculative_tokens + 2  # a verify pass reaches k + 1 past the context
+    positions = max_model_len + o.draft_limit + 2  # a verify pass reaches k + 1 past the context
     target_model.limit_positions(positions)
     drafter = None
     if draft_checkpoint is not None:
         drafter = _draft_model_drafter(o, draft_checkpoint, draft_weights, dtype, plan.kv_caps["draft"],
                                        cfg.vocab_size, positions, vocab)
     if o.speculative == "suffix":  # suffix match first, the draft model (if any) where it has nothing
-        k = o.max_speculative_tokens if o.num_speculative_tokens == "auto" else o.num_speculative_tokens
-        drafter = SuffixDrafter(*o.suffix_options(), model=drafter, max_k=k)
+        drafter = SuffixDrafter(*o.suffix_options(), model=drafter, max_k=o.draft_limit)
     elif o.speculative == "ngram":
         drafter = NgramDrafter(o.ngram_max, o.ngram_min)
     elif self_layers is not None:
-        drafter_class = RunAheadDrafter if o.run_ahead else ModelDrafter
+        drafter_class = RunAheadDrafter if o.drafts_ahead else ModelDrafter
         drafter = drafter_class(ModelRunner("self", target_model, plan.kv_caps["self"], o.block_size,
                                             num_layers=self_layers, kv_dtype=_kv_dtype(o, checkpoint),
                                             **o.runner_options(cfg)),
@@ -314,7 +320,7 @@ def _memory_plan(o: EngineOptions, checkpoint: Checkpoint, fmt: str | None, draf
     head = head_kernel(quantized, default_lm_head(quantized), checkpoint.tensor_types)
     weights = {"target": planned_weight_bytes(cfg, checkpoint.tensor_types, quantized, head, checkpoint.dtype)}
     # a sequence of the full context holds its drafts too (see the capacity check in build_engine)
-    blocks = -(-(max_model_len + o.max_speculative_tokens + 1) // o.block_size)
+    blocks = -(-(max_model_len + o.draft_limit + 1) // o.block_size)
 
     def kv_need(name: str, ckpt: Checkpoint, layers: int) -> KVNeed:
         c = ckpt.config
@@ -336,7 +342,7 @@ def _memory_plan(o: EngineOptions, checkpoint: Checkpoint, fmt: str | None, draf
         kv.append(kv_need("self", checkpoint, self_layers))
     # the least a cache may hold: one sequence of the context asked for, or of 2048 tokens when max_model_len may shrink
     shortest = max_model_len if o.max_model_len is not None else min(max_model_len, 2048)
-    min_blocks = -(-(shortest + o.max_speculative_tokens + 1) // o.block_size)
+    min_blocks = -(-(shortest + o.draft_limit + 1) // o.block_size)
     # a CUDA pool is allocated whole: its auto cap comes out of the GPU's free memory, not the host's
     free = torch.cuda.mem_get_info(torch.device(o.device))[0] if str(o.device).startswith("cuda") else None
     return plan_memory(weights, kv, o.kv_cache_memory, min_blocks, o.max_memory, free)
@@ -363,14 +369,14 @@ def _draft_model_drafter(o: EngineOptions, checkpoint: Checkpoint, fmt: str, dty
                              **(DRAFT_INT4_OPTIONS if fmt == "int4" else {}))
     draft_model.limit_positions(positions)
     if o.gpu_linears == "triton":  # a bfloat16 draft's too (a quantized one is on Triton's kernel already)
-        triton_float_linears(draft_model, o.largest_step_rows)
+        triton_float_linears(draft_model, o.max_num_seqs * (o.draft_limit + 1))
     long_model = load_model(checkpoint, dtype_name(dtype), o.device,
                             head_rows=head_rows) if keep_float else None
     if long_model is not None:
         long_model.limit_positions(positions)
     # run-ahead drafts during the target pass for a model drafter alone (the suffix drafter proposes no model draft
     # for most rounds of the texts it serves)
-    drafter_class = RunAheadDrafter if o.run_ahead and o.speculative != "suffix" else ModelDrafter
+    drafter_class = RunAheadDrafter if o.drafts_ahead else ModelDrafter
     return drafter_class(ModelRunner("draft", draft_model, kv_bytes, o.block_size, long_model=long_model,
                                      kv_dtype=_kv_dtype(o, checkpoint), **o.runner_options(checkpoint.config)),
                           target_vocab, vocab=vocab)

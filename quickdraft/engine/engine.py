@@ -51,10 +51,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
-        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 32):
-            raise InvalidParameterError(f"num_speculative_tokens must be 'auto' or an int in 0..32, got {k!r}")
+        check_speculative_tokens(k)
         if k != "auto":
             self.max_speculative_tokens = k
+
+
+def check_speculative_tokens(k: int | str) -> None:
+    """``num_speculative_tokens``: ``'auto'`` or an int in 0..32."""
+    if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 32):
+        raise InvalidParameterError(f"num_speculative_tokens must be 'auto' or an int in 0..32, got {k!r}")
 
 
 class LLMEngine:

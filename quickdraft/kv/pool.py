@@ -55,7 +55,8 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., D]`` as int8 values and float32 scales ``[..., D / SCALE_GROUP]``: scale = max |x| / 127 per group,
     value = x / scale rounded to nearest even. The same bytes as the C kernel's ``qd_kv_store``."""
     groups = x.float().unflatten(-1, (-1, SCALE_GROUP))
-    scale = groups.abs().amax(-1) / 127
+    amax = groups.abs().amax(-1)
+    scale = amax / amax.new_tensor(127.0)  # (a tensor: CUDA divides by a Python number as a reciprocal's product)
     values = torch.where(scale[..., None] > 0, torch.round(groups / scale[..., None]), 0)
     return values.to(torch.int8).flatten(-2), scale
 

@@ -123,11 +123,11 @@ class RotaryEmbedding(nn.Module):
 
     def rotate_pair(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k rotated (each maybe in place); in one call where k's heads follow q's in one buffer, as the
-        views of a fused q/k/v output do (one kernel launch, not two)."""
+        """q and k rotated (maybe in place); in one call (one launch) where k's heads follow q's in one buffer."""
         t, heads, d = q.shape
-        if (k.shape[0] == t and k.shape[2] == d and q.stride() == k.stride() and q.stride(1) == d
-                and q.stride(2) == 1 and k.data_ptr() == q.data_ptr() + heads * d * q.element_size()):
+        one_buffer = q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() and q.dtype == k.dtype
+        if (one_buffer and k.shape[0] == t and k.shape[2] == d and q.stride() == k.stride() == (q.stride(0), d, 1)
+                and k.data_ptr() == q.data_ptr() + heads * d * q.element_size()):
             qk = self(q.as_strided((t, heads + k.shape[1], d), q.stride()), positions)
             return qk[:, :heads], qk[:, heads:]
         return self(q, positions), self(k, positions)
