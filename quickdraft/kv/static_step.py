@@ -11,8 +11,9 @@ on the device), and writes float32 logits into a static output: nothing in it re
 
 On CUDA each bucket's forward is captured once as a CUDA graph and replayed (``graphs=True``; a prompt chunk's
 bucket on first use, unless ``warm_up`` captured it): run eagerly, a forward launches each of its few hundred
-kernels from Python, and a short prompt's first token waits on the host, not on the GPU. Anywhere, the same function can run eagerly on the same buffers, which is how CI checks everything but the capture on a CPU. Padding
-sequences and padding rows write their keys to a scratch block no sequence owns, and their logits are never read.
+kernels from Python, and a short prompt's first token waits on the host, not on the GPU. Anywhere, the same function
+can run eagerly on the same buffers, which is how CI checks everything but the capture on a CPU. Padding sequences
+and padding rows write their keys to a scratch block no sequence owns, and their logits are never read.
 """
 from __future__ import annotations
 

@@ -275,7 +275,8 @@ def _quantized(name: str, linear: nn.Linear, fmt: str, sources: Sources, cfg: Mo
 
     def part(rows: tuple[int, int] | None, part_bias: torch.Tensor | None) -> tuple[nn.Module, bool]:
         tensors, exact = values(rows)
-        return (Int8Linear(*tensors, part_bias) if fmt == "int8" else Int4Linear(*tensors, group_size, part_bias)), exact
+        layer = Int8Linear(*tensors, part_bias) if fmt == "int8" else Int4Linear(*tensors, group_size, part_bias)
+        return layer, exact
 
     kernel_rows = default_backend(device) == "qmatmul" and linear.in_features % 32 == 0 \
         and (fmt == "int8" or group_size == 32) and sources.reads_rows(name, cfg)
