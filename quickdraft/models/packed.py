@@ -83,16 +83,9 @@ class PackedLinear(nn.Module):
                 f"backend={self.backend}")
 
 
-class RowTiledLinear(nn.Module):
-    """A float linear layer off CPU that computes every row with one GEMM shape: calls run in tiles of ``ROW_TILE``
-    rows, the last one zero-padded. cuBLAS picks its float32 kernel by the row count (one row is a GEMV, 2-16 rows
-    one GEMM kernel, more rows others; each rounds differently, seen on an H100), so without tiles a token's logits
-    would depend on how many rows share its call, and verifying k drafts would not give the logits of k single steps
-    (greedy speculation could flip a near-tie). A 16-row call computes each row on its own, whatever the other rows
-    hold. Its bfloat16 kernels were row-independent at every row count tried (1-64), so bfloat16 keeps plain
-    linears. The weight stays the wrapped linear's (a tied head still shares the embedding)."""
-
-    ROW_TILE = 16
+class WrappedLinear(nn.Module):
+    """A float linear layer that runs its wrapped ``nn.Linear``'s weight and bias on another path; the weight stays
+    the wrapped one's (a tied head still shares the embedding)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -106,6 +99,18 @@ class RowTiledLinear(nn.Module):
     @property
     def bias(self) -> torch.Tensor | None:
         return self.linear.bias
+
+
+class RowTiledLinear(WrappedLinear):
+    """A float linear layer off CPU that computes every row with one GEMM shape: calls run in tiles of ``ROW_TILE``
+    rows, the last one zero-padded. cuBLAS picks its float32 kernel by the row count (one row is a GEMV, 2-16 rows
+    one GEMM kernel, more rows others; each rounds differently, seen on an H100), so without tiles a token's logits
+    would depend on how many rows share its call, and verifying k drafts would not give the logits of k single steps
+    (greedy speculation could flip a near-tie). A 16-row call computes each row on its own, whatever the other rows
+    hold. Its bfloat16 kernels were row-independent at every row count tried (1-64), so bfloat16 keeps plain
+    linears. The weight stays the wrapped linear's (a tied head still shares the embedding)."""
+
+    ROW_TILE = 16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

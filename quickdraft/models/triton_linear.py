@@ -29,6 +29,8 @@ import os
 import torch
 from torch import nn
 
+from quickdraft.models.packed import WrappedLinear
+
 triton = tl = None  # optional (pip install triton): imported by _kernels, on first use
 _int4_tile = _dot = None  # the kernels' helpers (_kernels)
 
@@ -95,27 +97,18 @@ def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     # scales, unread)
 
 
-class TritonLinear(nn.Module):
+class TritonLinear(WrappedLinear):
     """A bfloat16 linear layer on a GPU whose calls of up to ``max_rows`` rows run ``float_matmul``, and longer ones
     cuBLAS (whose GEMMs a long prompt's chunk wants: the kernel's 16-row tiles read the weight once per 16 rows). The
     engine passes its largest decode or verify forward, so that a row's bits are alike in all of them (greedy
     speculation's equality with plain decoding). The weight and bias stay the wrapped linear's."""
 
     def __init__(self, linear: nn.Linear, max_rows: int) -> None:
-        super().__init__()
         if linear.weight.dtype != torch.bfloat16 or not runs_on(linear.weight.device):
             raise ValueError(f"TritonLinear takes a bfloat16 linear where Triton's kernel runs, got "
                              f"{linear.weight.dtype} on {linear.weight.device}")
-        self.linear, self.max_rows = linear, max_rows
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.linear.bias
+        super().__init__(linear)
+        self.max_rows = max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
