@@ -6,8 +6,10 @@ Each call is timed inside a CUDA graph of ``--calls`` calls replayed back to bac
 them), so launch gaps count as they do there. Bandwidth is the bytes the call reads (its weights, scales and
 activations) over its time, against a device-to-device copy measured in the same run; "per token" sums a layer's
 four projections times the layers, the linear part of a batch-1 decode step. int4 runs twice: K split over programs
-where the shape asks (the default) and in one program per output tile, K not split (what splitting gains). Every
-call writes bfloat16, as the model's layers do.
+where the shape asks (the default) and in one program per output tile, K not split (what splitting gains), and so
+does bfloat16 on Triton's tiles. Gate/up also runs with its SwiGLU: cuBLAS or int4 then the activation's own kernel,
+against the activation in the Triton kernel's last step (``gate=``). Every call writes bfloat16, as the model's
+layers do.
 
 Usage: python bench/gpu_linear.py [--shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b] [--rows 1,5,32] [--calls 50]
        [--device cuda|cpu] [--name gpu_linear]
@@ -32,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 from common import machine, save, table  # noqa: E402
 from cuda_decode import SHAPES, read_bandwidth  # noqa: E402
 
-from quickdraft.models import triton_linear  # noqa: E402
+from quickdraft.models import triton_linear, triton_ops  # noqa: E402
 from quickdraft.models.quant import Int4Linear, Int8Linear  # noqa: E402
 
 
@@ -90,7 +92,16 @@ def bench_projection(name: str, out_f: int, in_f: int, rows: list[int], calls: i
         "int4, one program a tile": (lambda x: triton_linear.int4_matmul(x, int4.qweight, sz, 32, out_dtype=bf16,
                                                                          split=False),
                                      int4.qweight.numel() + sz.numel() * 2),
+        "bfloat16, triton, one program a tile": (
+            lambda x: triton_linear.float_matmul(x, weight, out_dtype=bf16, split=False), weight.numel() * 2),
     }
+    if name == "gate_up":  # the activation after the call (its own kernel), or in the call's last step
+        formats.update({
+            "bfloat16, then gated": (lambda x: triton_ops.gated(F.linear(x, weight), "silu"), weight.numel() * 2),
+            "bfloat16, triton, gated": (lambda x: triton_linear.float_matmul(x, weight, out_dtype=bf16, gate="silu"),
+                                        weight.numel() * 2),
+            "int4, then gated": (lambda x: triton_ops.gated(int4(x), "silu"), int4.qweight.numel() + sz.numel() * 2),
+            "int4, gated": (lambda x: int4.forward_gated(x, "silu"), int4.qweight.numel() + sz.numel() * 2)})
     out = []
     for m in rows:
         x = torch.randn(m, in_f, generator=g).to(device, torch.bfloat16)
@@ -103,10 +114,13 @@ def bench_projection(name: str, out_f: int, in_f: int, rows: list[int], calls: i
 
 
 def per_token(rows: list[dict], shape_name: str, layers: int) -> list[dict]:
-    """A layer's four projections times the layers, per format and row count: the linear part of a decode step."""
+    """A layer's four projections times the layers, per format and row count: the linear part of a decode step
+    (formats timed on every projection; the gated ones are gate/up's alone)."""
     summary = []
+    everywhere = [f for f in dict.fromkeys(r["format"] for r in rows)
+                  if len({r["projection"] for r in rows if r["format"] == f}) == len({r["projection"] for r in rows})]
     for m in sorted({r["rows"] for r in rows}):
-        for fmt in dict.fromkeys(r["format"] for r in rows):
+        for fmt in everywhere:
             chosen = [r for r in rows if r["rows"] == m and r["format"] == fmt]
             us = sum(r["us"] for r in chosen) * layers
             summary.append(dict(shape=shape_name, rows=m, format=fmt, layers_ms=us / 1000,
@@ -123,7 +137,7 @@ def main() -> None:
     ap.add_argument("--name", default="gpu_linear")
     args = ap.parse_args()
     if args.device == "cpu":
-        triton_linear.KERNEL_ON_CPU = True
+        triton_linear.KERNEL_ON_CPU = triton_ops.KERNEL_ON_CPU = True
         shapes = ["smoke"]
     else:
         shapes = args.shapes.split(",")

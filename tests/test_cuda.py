@@ -269,9 +269,10 @@ def test_quantizing_on_the_gpu_gives_the_cpus_bits():
 
 
 def test_bfloat16_linears_on_tritons_kernel(target, draft):
-    """``gpu_linears='triton'``: the decoder layers' bfloat16 linears run Triton's kernel, inside the graphs too; the
-    eager step gives the graphs' tokens, and greedy speculation (n-gram, a draft model) plain greedy's."""
-    from quickdraft.models.triton_linear import TritonLinear
+    """``gpu_linears='triton'``: the decoder layers' bfloat16 linears run Triton's kernel, inside the graphs too,
+    gate/up with its SwiGLU in the kernel; the eager step gives the graphs' tokens, and greedy speculation (n-gram, a
+    draft model) plain greedy's."""
+    from quickdraft.models.triton_linear import GatedProjection, TritonLinear
 
     prompts = tiny_prompts(64, 4)
 
@@ -282,6 +283,7 @@ def test_bfloat16_linears_on_tritons_kernel(target, draft):
     graphs, llm = run()
     layer = llm.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, TritonLinear) and isinstance(layer.mlp.down_proj, TritonLinear)
+    assert isinstance(layer.mlp.gate_up_proj, GatedProjection) and layer.mlp.activated
     assert llm.target.static.replays > 0
     assert run(static_step="eager")[0] == graphs
     assert run(speculative="ngram", num_speculative_tokens=3)[0] == graphs

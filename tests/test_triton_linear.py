@@ -188,6 +188,69 @@ def test_a_bfloat16_layer_on_the_kernel():
         triton_linear.TritonLinear(torch.nn.Linear(8, 8), max_rows=64)
 
 
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_the_gate_in_the_kernel_gives_the_bits_of_the_gated_kernel_after_it(monkeypatch, bits, split, activation):
+    """A gate/up projection that applies its activation in the kernel's last step (split or not; an output half that
+    is not a multiple of a tile; a bias; rows of a decode step, a verify pass and a chunk) gives the bits of the
+    projection followed by the gated activation's own kernel, in bfloat16 and in float32."""
+    from quickdraft.models import triton_ops
+
+    monkeypatch.setattr(triton_ops, "KERNEL_ON_CPU", True)
+    g = torch.Generator().manual_seed(bits + 2 * split)
+    in_features = 2 * triton_linear.CHUNK_K + 64
+    weight, bias = randn(80, in_features, generator=g), randn(80, generator=g).to(torch.bfloat16)
+    if bits == 16:
+        run = functools.partial(triton_linear.float_matmul, weight=weight.to(torch.bfloat16), bias=bias)
+    elif bits == 8:
+        layer = Int8Linear.from_float(weight, kernel="triton")
+        run = functools.partial(triton_linear.int8_matmul, qweight=layer.qweight, scales=layer.scales, bias=bias)
+    else:
+        layer = Int4Linear.from_float(weight, group_size=32, kernel="triton")
+        run = functools.partial(triton_linear.int4_matmul, qweight=layer.qweight,
+                                scales_and_zeros=layer.scales_and_zeros, group=32, bias=bias)
+    for rows, dtype in [(1, torch.bfloat16), (5, torch.bfloat16), (17, torch.float32)]:
+        x = randn(rows, in_features, generator=g)
+        gated = run(x, out_dtype=dtype, split=split, gate=activation)
+        assert gated.shape == (rows, 40) and gated.dtype == dtype
+        assert torch.equal(gated, triton_ops.gated(run(x, out_dtype=dtype, split=split), activation))
+    with pytest.raises(ValueError, match="gate must be one of silu, gelu_tanh"):
+        run(x, gate="relu")
+
+
+def test_a_bfloat16_gate_up_projection_on_the_kernel(monkeypatch):
+    """``GatedProjection`` over a ``TritonLinear``: the kernel's gated rows up to ``max_rows``, longer calls the
+    wrapped linear's output gated with the same arithmetic; an MLP fused with it runs it as its whole gate/up."""
+    from quickdraft.config import ModelConfig
+    from quickdraft.models import triton_ops
+    from quickdraft.models.feed_forward import MLP
+
+    monkeypatch.setattr(triton_ops, "KERNEL_ON_CPU", True)
+    g = torch.Generator().manual_seed(6)
+    linear = torch.nn.Linear(96, 48, dtype=torch.bfloat16).to(DEVICE)
+    with torch.no_grad():
+        linear.weight.copy_(randn(48, 96, generator=g))
+        linear.bias.copy_(randn(48, generator=g))
+    gated = triton_linear.GatedProjection(triton_linear.TritonLinear(linear, max_rows=8), "silu")
+    assert (gated.in_features, gated.out_features) == (96, 24)
+    x = randn(12, 96, generator=g).to(torch.bfloat16)
+    assert torch.equal(gated(x[:8]), triton_ops.gated(triton_linear.float_matmul(x[:8], linear.weight, linear.bias,
+                                                                                 torch.bfloat16), "silu"))
+    assert torch.equal(gated(x), triton_ops.gated(linear(x), "silu"))  # 12 rows: past max_rows
+    assert torch.equal(gated(x[None, :3]), gated(x[:3])[None])
+    cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=96, intermediate_size=24, num_layers=1, num_heads=2,
+                      num_kv_heads=2, head_dim=48)
+    mlp = MLP(cfg)
+    mlp.fuse(gated, activation="silu")
+    assert mlp.activated and not hasattr(mlp, "gate_proj")
+    with pytest.raises(ValueError, match="applies gelu_tanh cannot serve an MLP of silu"):
+        MLP(cfg).fuse(gated, activation="gelu_tanh")
+    with pytest.raises(ValueError, match="even number of outputs"):
+        triton_linear.GatedProjection(triton_linear.TritonLinear(torch.nn.Linear(96, 7, dtype=torch.bfloat16)
+                                                                 .to(DEVICE), max_rows=8), "silu")
+
+
 def test_float_matmul_refuses_other_weights():
     x = torch.randn(2, 32)
     for weight in (torch.randn(8, 32), torch.randn(32, 8).to(torch.bfloat16).T):
@@ -250,7 +313,8 @@ def test_a_models_stacked_projections_give_its_tokens(tiny_dir, monkeypatch, wei
 
     stacked_tokens, llm = tokens()
     attn, mlp = llm.model.model.layers[0].self_attn, llm.model.model.layers[0].mlp
-    assert attn.qkv_proj.backend == mlp.gate_up_proj.backend == "triton" and not mlp.activated
+    assert isinstance(mlp.gate_up_proj, triton_linear.GatedProjection) and mlp.activated  # SwiGLU in the kernel
+    assert attn.qkv_proj.backend == mlp.gate_up_proj.projection.backend == "triton"
     monkeypatch.setattr(quantize, "fuse_quant_linears", lambda model: 0)
     apart_tokens, apart = tokens()
     assert apart.model.model.layers[0].self_attn.qkv_proj is None

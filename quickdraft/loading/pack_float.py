@@ -11,6 +11,7 @@ from torch import nn
 
 from quickdraft.errors import InvalidParameterError
 from quickdraft.loading.quant_convert import layer_linears, quantizable_linears
+from quickdraft.loading.quant_groups import fuse_gated
 from quickdraft.models import triton_linear
 from quickdraft.models.packed import PackedLinear, RowTiledLinear, packing_supported
 from quickdraft.models.transformer import Transformer
@@ -60,7 +61,8 @@ def check_gpu_linears(choice: str, device: str) -> None:
 def triton_float_linears(model: Transformer, max_rows: int) -> int:
     """Every decoder layer's bfloat16 linears (q/k/v, o, gate/up, down) on Triton's kernel (``TritonLinear``, for
     calls of up to ``max_rows`` rows) instead of cuBLAS, which reads some mid-sized weights at a decode step's one
-    row well under the copy bandwidth; the head stays on cuBLAS. Returns how many linears were wrapped."""
+    row well under the copy bandwidth; gate/up applies the MLP's activation in the kernel where it can
+    (``fuse_gated``); the head stays on cuBLAS. Returns how many linears were wrapped."""
     wrapped = 0
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -68,7 +70,11 @@ def triton_float_linears(model: Transformer, max_rows: int) -> int:
                 (mlp, part) for _, mlp in layer.feed_forwards() for part in ("gate_up_proj", "down_proj")]:
             linear = getattr(owner, name, None)
             if type(linear) is nn.Linear and linear.weight.dtype == torch.bfloat16:
-                setattr(owner, name, triton_linear.TritonLinear(linear, max_rows))
+                on_kernel = triton_linear.TritonLinear(linear, max_rows)
+                if name == "gate_up_proj" and not owner.activated:
+                    fuse_gated(owner, on_kernel)
+                else:
+                    setattr(owner, name, on_kernel)
                 wrapped += 1
     return wrapped
 

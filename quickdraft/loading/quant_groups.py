@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quickdraft.models import triton_linear
+from quickdraft.models.feed_forward import MLP
 from quickdraft.models.quant import Int4Linear, Int8Linear
 from quickdraft.models.quant_group import QuantGroup, QuantLinear
 from quickdraft.models.transformer import Transformer
@@ -14,7 +16,7 @@ def fuse_quant_linears(model: Transformer) -> int:
     """Make q/k/v one call per decoder layer and gate/up one call: where every layer runs on the qmatmul kernel, a
     ``QuantGroup`` (whose gate/up call also applies SwiGLU where the MLP uses it; the layers' tensors are shared, not
     copied); where every layer runs on Triton's kernel in one format, one layer of their weights stacked
-    (``stacked``). Fewer kernel calls and torch ops per token. Returns the number of decoder layers fused."""
+    (``stacked``), gate/up's applying the activation too (``fuse_gated``). Fewer kernel calls and torch ops per token. Returns the number of decoder layers fused."""
     fused = 0
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -27,7 +29,7 @@ def fuse_quant_linears(model: Transformer) -> int:
             attn.fuse(QuantGroup(qkv))
             for mlp, gate_up in zip(mlps, gate_ups):
                 swiglu = mlp.act == "silu"  # the kernel applies silu only; a GeGLU MLP takes [gate | up]
-                mlp.fuse(QuantGroup(gate_up, swiglu=swiglu), activated=swiglu)
+                mlp.fuse(QuantGroup(gate_up, swiglu=swiglu), activation="silu" if swiglu else None)
             fused += 1
             continue
         stacks = [stacked(qkv)] + [stacked(gate_up) for gate_up in gate_ups]
@@ -35,9 +37,18 @@ def fuse_quant_linears(model: Transformer) -> int:
             continue
         attn.fuse(stacks[0])
         for mlp, gate_up in zip(mlps, stacks[1:]):
-            mlp.fuse(gate_up)  # the activation after it: one Triton kernel (triton_ops.gated)
+            fuse_gated(mlp, gate_up)
         fused += 1
     return fused
+
+
+def fuse_gated(mlp: MLP, gate_up: nn.Module) -> None:
+    """``mlp``'s gate/up as ``gate_up`` (on Triton's kernel), which applies the activation in its last step where the
+    kernel has it (``GatedProjection``: one launch a layer fewer); else ``triton_ops.gated`` runs after it."""
+    if mlp.act in triton_linear.ACTIVATIONS:
+        mlp.fuse(triton_linear.GatedProjection(gate_up, mlp.act), activation=mlp.act)
+    else:
+        mlp.fuse(gate_up)
 
 
 def stacked(layers: list[nn.Module]) -> Int8Linear | Int4Linear | None:

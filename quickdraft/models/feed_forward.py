@@ -33,13 +33,15 @@ class MLP(nn.Module):
         self.act = "clamped_swiglu" if cfg.swiglu_limit is not None else cfg.hidden_act
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
 
-    def fuse(self, gate_up_proj: nn.Module, activated: bool = False) -> None:
-        """Run gate and up as one projection whose output is their concatenation, or, ``activated``, already
-        ``silu(gate) * up`` (SwiGLU models only)."""
-        if activated and self.act != "silu":  # (a clamped SwiGLU is not one)
-            raise ValueError(f"an activated gate/up projection applies silu; this MLP uses {self.act}")
-        self.gate_up_proj, self.activated = gate_up_proj, activated
-        del self.gate_proj, self.up_proj
+    def fuse(self, gate_up_proj: nn.Module, activation: str | None = None) -> None:
+        """Run gate and up as one projection whose output is their concatenation, or, where the projection applies
+        the MLP's ``activation`` itself, already ``act(gate) * up``. A fused MLP may be fused again (the GPU's
+        loader moves a projection onto another kernel)."""
+        if activation is not None and activation != self.act:  # (a clamped SwiGLU is applied by torch only)
+            raise ValueError(f"a gate/up projection that applies {activation} cannot serve an MLP of {self.act}")
+        self.gate_up_proj, self.activated = gate_up_proj, activation is not None
+        if hasattr(self, "gate_proj"):
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activated:

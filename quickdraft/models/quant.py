@@ -66,6 +66,14 @@ class _QuantLinearBase(nn.Module):
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.float_output else x.dtype
 
+    def forward_gated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """``act(gate) * up`` of this layer's two halves of output, in Triton's kernel (the ``triton`` backend only;
+        see ``triton_linear.GatedProjection``)."""
+        if self.backend != "triton":
+            raise ValueError(f"a gated call runs on the triton backend, this layer's is {self.backend}")
+        y = self._triton(x.reshape(-1, self.in_features), self._out_dtype(x), activation)
+        return y.reshape(*x.shape[:-1], self.out_features // 2)
+
     def _finish(self, y: torch.Tensor, x: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
         dtype = self._out_dtype(x)
         y = y.to(dtype)
@@ -150,6 +158,10 @@ class Int8Linear(_QuantLinearBase):
         """The float32 weight ``[out, in]`` this layer multiplies with."""
         return self.int_weight().float() * self.channel_scales().float()[:, None]
 
+    def _triton(self, x2: torch.Tensor, out_dtype: torch.dtype, gate: str | None = None) -> torch.Tensor:
+        """On Triton's kernel, the bias added and the output rounded (and gated) in it."""
+        return triton_linear.int8_matmul(x2, self.qweight, self.scales, self.bias, out_dtype, gate=gate)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -164,8 +176,7 @@ class Int8Linear(_QuantLinearBase):
                 scales = self._scales_f16
             y = torch.ops.aten._weight_int8pack_mm(aligned(x2.to(kd)), self.qweight, scales)
         elif self.backend == "triton":  # the bias added and the output rounded in the kernel: no launches after
-            y = triton_linear.int8_matmul(x2, self.qweight, self.scales, self.bias, self._out_dtype(x))
-            return y.reshape(*lead, self.out_features)
+            return self._triton(x2, self._out_dtype(x)).reshape(*lead, self.out_features)
         else:
             w = self.qweight.to(x2.dtype) * self.scales.to(x2.dtype)[:, None]
             y = F.linear(x2, w)
@@ -316,6 +327,11 @@ class Int4Linear(_QuantLinearBase):
         """The float32 weight ``[out, in]`` this layer multiplies with."""
         return dequantize_int4(self.int_weight(), self.scales, self.zeros, self.group_size)
 
+    def _triton(self, x2: torch.Tensor, out_dtype: torch.dtype, gate: str | None = None) -> torch.Tensor:
+        """On Triton's kernel, the bias added and the output rounded (and gated) in it."""
+        return triton_linear.int4_matmul(x2, self.qweight, self.scales_and_zeros, self.group_size, self.bias,
+                                         out_dtype, gate=gate)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -332,9 +348,7 @@ class Int4Linear(_QuantLinearBase):
             if self.padded_out != self.out_features:
                 y = y[:, :self.out_features]
         elif self.backend == "triton":  # (as Int8Linear's)
-            y = triton_linear.int4_matmul(x2, self.qweight, self.scales_and_zeros, self.group_size, self.bias,
-                                          self._out_dtype(x))
-            return y.reshape(*lead, self.out_features)
+            return self._triton(x2, self._out_dtype(x)).reshape(*lead, self.out_features)
         else:
             n, k, g = self.out_features, self.in_features, self.group_size
             q = unpack_nibbles(self.qweight).to(x2.dtype).reshape(n, k // g, g)

@@ -19,14 +19,14 @@ import os
 
 import torch
 
-from quickdraft.models.triton_linear import triton_available
+from quickdraft.models import triton_linear
+from quickdraft.models.triton_linear import ACTIVATIONS, triton_available
 
-triton = tl = None  # optional (pip install triton): imported by _kernels, on first use
+triton = tl = _gated = None  # optional (pip install triton): imported by _kernels, on first use
 
 # Run the kernels on CPU tensors too, under Triton's interpreter (tests set it; see kv/paged_attention.py).
 KERNEL_ON_CPU = False
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the gated activations a kernel applies (gpt-oss's clamped one: torch)
 
 
 def _runs(x: torch.Tensor) -> bool:
@@ -124,16 +124,19 @@ def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     rows = gate_up.numel() // (2 * n)
     y = gate_up.new_empty(*gate_up.shape[:-1], n)
     block = min(1024, _block(n))
-    _kernels()[2][(rows, -(-n // block))](gate_up, y, n, ACT=ACTIVATIONS[act], BLOCK=block)
+    # without fused multiply-adds, as the linear kernel's last step computes it (``triton_linear.GatedProjection``)
+    _kernels()[2][(rows, -(-n // block))](gate_up, y, n, ACT=ACTIVATIONS[act], BLOCK=block, enable_fp_fusion=False)
     return y
 
 
 @functools.cache
 def _kernels():
     """Triton imported and the kernels defined on first use (see kv/paged_attention.py's ``_kernel``)."""
-    global triton, tl
+    global triton, tl, _gated
     import triton
     import triton.language as tl
+    triton_linear._helpers()
+    _gated = triton_linear._gated  # act(gate) * up, as the linear kernel's last step computes it
 
     @triton.jit
     def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
@@ -168,13 +171,7 @@ def _kernels():
         inside = cols < N
         gate = tl.load(x_ptr + row * 2 * N + cols, mask=inside, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * 2 * N + N + cols, mask=inside, other=0.0).to(tl.float32)
-        if ACT == 0:  # silu: gate * sigmoid(gate)
-            a = gate
-        else:  # gelu with tanh's approximation, 0.5 gate (1 + tanh(z)) = gate * sigmoid(2z)
-            a = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
-        e = tl.exp(-tl.abs(a))  # sigmoid without overflow: exp of a value <= 0 only
-        act = gate * tl.where(a >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-        tl.store(y_ptr + row * N + cols, (act * up).to(y_ptr.dtype.element_ty), mask=inside)
+        tl.store(y_ptr + row * N + cols, _gated(gate, up, ACT).to(y_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
