@@ -6,8 +6,8 @@ Each call is timed inside a CUDA graph of ``--calls`` calls replayed back to bac
 them), so launch gaps count as they do there. Bandwidth is the bytes the call reads (its weights, scales and
 activations) over its time, against a device-to-device copy measured in the same run; "per token" sums a layer's
 four projections times the layers, the linear part of a batch-1 decode step. int4 runs twice: K split over programs
-where the shape asks (the default) and in one program per output tile, K not split (what splitting gains), and so
-does bfloat16 on Triton's tiles. Gate/up also runs with its SwiGLU: cuBLAS or int4 then the activation's own kernel,
+where the shape asks (the default) and in one program per output tile, K not split (what splitting gains), and
+bfloat16 on Triton's tiles both ways too. Gate/up also runs with its SwiGLU: cuBLAS or int4 then the activation's own kernel,
 against the activation in the Triton kernel's last step (``gate=``). Every call writes bfloat16, as the model's
 layers do.
 
@@ -94,6 +94,8 @@ def bench_projection(name: str, out_f: int, in_f: int, rows: list[int], calls: i
                                      int4.qweight.numel() + sz.numel() * 2),
         "bfloat16, triton, one program a tile": (
             lambda x: triton_linear.float_matmul(x, weight, out_dtype=bf16, split=False), weight.numel() * 2),
+        "bfloat16, triton, K split": (
+            lambda x: triton_linear.float_matmul(x, weight, out_dtype=bf16, split=True), weight.numel() * 2),
     }
     if name == "gate_up":  # the activation after the call (its own kernel), or in the call's last step
         formats.update({

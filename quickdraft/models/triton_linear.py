@@ -66,6 +66,9 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
 CHUNK_TILES = 4
 CHUNK_K = CHUNK_TILES * BLOCK_K
 SPLIT_BELOW = 1024  # split K over programs while the output has fewer tiles than this (a few per multiprocessor)
+# ... and K has at least this many chunks: a tile of two or three chunks (a 135M's or a 1.5B's projections but down)
+# is read in about the time the split's second launch costs inside a graph (bench/gpu_linear.py times both)
+SPLIT_FROM_CHUNKS = 4
 
 # The gated activations the kernels apply to a gate/up projection's output, ``act(gate) * up`` (``GatedProjection``,
 # and ``triton_ops.gated`` after a projection that does not); gpt-oss's clamped SwiGLU stays in torch.
@@ -175,7 +178,7 @@ def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: 
         raise ValueError(f"bias must be [{n}] on {x.device}, got {tuple(bias.shape)} on {bias.device}")
     tiles, chunks = (-(-width // BLOCK_N), -(-rows // BLOCK_M)), -(-k // CHUNK_K)
     if split is None:
-        split = chunks > 1 and tiles[0] * tiles[1] < SPLIT_BELOW
+        split = chunks >= SPLIT_FROM_CHUNKS and tiles[0] * tiles[1] < SPLIT_BELOW
     # the chunks' sums [chunks, M, N] where they run apart (a decode step's: a few KiB to a MiB)
     sums = torch.empty(chunks, rows, n, dtype=torch.float32, device=x.device) if split else out
     scales = scales.contiguous()
