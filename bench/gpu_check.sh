@@ -5,8 +5,9 @@
 # (each projection of the three shapes in bfloat16 on cuBLAS and on Triton's tiles, int8 and int4), then
 # bench/cuda_decode.py on the three real shapes (launch-ahead on and off, HF transformers at batch 1, the kernels of a
 # batch-1 step; the 1.5B and 7B with bfloat16 linears on Triton's tiles and with int4 weights). Results go to $OUT (the device tool's folder) or
-# bench/results/gpu_check. Missing packages travel as wheels in .whl/ (the GPU image lacks gguf:
-# `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0`); .whl/ is ignored by git,
+# bench/results/gpu_check. Missing packages travel as wheels in .whl/ (the GPU image lacks gguf and pytest-xdist:
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0 pytest-xdist==3.8.0
+# execnet==2.1.2`); .whl/ is ignored by git,
 # so the device tool must carry it (carry=[".whl"]), and the run needs a timeout of about 590 s.
 # Usage: bash bench/gpu_check.sh [SHAPES]   (SHAPES: bench/cuda_decode.py --shapes, default all three)
 set -uo pipefail
@@ -21,7 +22,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 start=$(date +%s)
-timeout 140 python3 -m pytest -q -rs tests/test_cuda.py tests/test_paged_attention.py tests/test_static_step.py \
+# four test processes where pytest-xdist travels in .whl/: each compiles its own kernels, which a fresh machine's
+# empty Triton cache makes most of the tests' time
+workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
+timeout 140 python3 -m pytest -q -rs $workers tests/test_cuda.py tests/test_paged_attention.py tests/test_static_step.py \
     tests/test_triton_linear.py tests/test_triton_ops.py \
     2>&1 | tee "$OUT/tests.txt"
 echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
