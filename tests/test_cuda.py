@@ -241,6 +241,7 @@ def test_weight_only_int8_and_int4_run_on_tritons_kernel(target, weights):
     of the same step run eagerly, and greedy n-gram speculation gives plain greedy's tokens. (Against the dynamic
     path, whose attention is another kernel, a bfloat16 near-tie may flip: seen at token 25 on an H200.)"""
     from quickdraft.models.quant import Int4Linear, Int8Linear
+    from quickdraft.models.triton_linear import GatedProjection
 
     prompts = tiny_prompts(64, 4)
 
@@ -252,6 +253,7 @@ def test_weight_only_int8_and_int4_run_on_tritons_kernel(target, weights):
     layers = [m for m in llm.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
     assert layers and {m.backend for m in layers} == {"triton"}
     assert all(layer.self_attn.qkv_proj is not None for layer in llm.model.model.layers)  # q/k/v as one call
+    assert all(isinstance(layer.mlp.gate_up_proj, GatedProjection) for layer in llm.model.model.layers)  # SwiGLU in it
     assert llm.target.static.replays > 0
     assert run(static_step="eager")[0] == graphs
     assert run(speculative="ngram", num_speculative_tokens=3)[0] == graphs
