@@ -238,6 +238,9 @@ def test_a_bfloat16_gate_up_projection_on_the_kernel(monkeypatch):
     assert torch.equal(gated(x[:8]), triton_ops.gated(triton_linear.float_matmul(x[:8], linear.weight, linear.bias,
                                                                                  torch.bfloat16), "silu"))
     assert torch.equal(gated(x), triton_ops.gated(linear(x), "silu"))  # 12 rows: past max_rows
+    signed = torch.tensor([[-0.0, 0.5, 1.0, 2.0]], dtype=torch.bfloat16, device=DEVICE)  # a gate of -0.0 keeps its sign
+    assert torch.equal(triton_linear.gate_rows(signed, "silu").view(torch.int16),
+                       triton_ops.gated(signed, "silu").view(torch.int16))
     assert torch.equal(gated(x[None, :3]), gated(x[:3])[None])
     cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=96, intermediate_size=24, num_layers=1, num_heads=2,
                       num_kv_heads=2, head_dim=48)

@@ -363,10 +363,12 @@ def _helpers() -> None:
 
     @triton.jit
     def _chunk_total(sums, inside, chunk_size, chunks, BLOCK: tl.constexpr):
-        total = tl.zeros((BLOCK,), dtype=tl.float32)
-        chunk = 0  # stepped a chunk at a time: chunks * chunk_size may pass 2^31 where a caller forces the split
+        """The chunks' sums added in order, from the first (a sum of a chunk is never -0.0, as it starts from +0.0;
+        a value of cuBLAS's, ``gate_rows``', may be, and keeps its sign)."""
+        total = tl.load(sums, mask=inside, other=0.0).to(tl.float32)
+        chunk = 1  # stepped a chunk at a time: chunks * chunk_size may pass 2^31 where a caller forces the split
         while chunk < chunks:
-            total += tl.load(sums, mask=inside, other=0.0).to(tl.float32)
             sums += chunk_size
+            total += tl.load(sums, mask=inside, other=0.0).to(tl.float32)
             chunk += 1
         return total
