@@ -16,7 +16,8 @@ def fuse_quant_linears(model: Transformer) -> int:
     """Make q/k/v one call per decoder layer and gate/up one call: where every layer runs on the qmatmul kernel, a
     ``QuantGroup`` (whose gate/up call also applies SwiGLU where the MLP uses it; the layers' tensors are shared, not
     copied); where every layer runs on Triton's kernel in one format, one layer of their weights stacked
-    (``stacked``), gate/up's applying the activation too (``fuse_gated``). Fewer kernel calls and torch ops per token. Returns the number of decoder layers fused."""
+    (``stacked``), gate/up's applying the activation too (``fuse_gated``). Fewer kernel calls and torch ops per
+    token. Returns the number of decoder layers fused."""
     fused = 0
     for layer in model.model.layers:
         attn = layer.self_attn

@@ -32,7 +32,7 @@ from torch import nn
 from quickdraft.models.packed import WrappedLinear
 
 triton = tl = None  # optional (pip install triton): imported by _kernels, on first use
-_sums = _int4_tile = _dot = _finished = _gated = _chunk_total = None  # the kernels' helpers (_kernels)
+_sums = _int4_tile = _dot = _finished = _gated = _chunk_total = None  # the kernels' helpers (_helpers)
 
 # Run the kernel on CPU tensors too, under Triton's interpreter (tests set it; see kv/paged_attention.py).
 KERNEL_ON_CPU = False
