@@ -7,9 +7,9 @@ them), so launch gaps count as they do there. Bandwidth is the bytes the call re
 activations) over its time, against a device-to-device copy measured in the same run; "per token" sums a layer's
 four projections times the layers, the linear part of a batch-1 decode step. int4 runs twice: K split over programs
 where the shape asks (the default) and in one program per output tile, K not split (what splitting gains), and
-bfloat16 on Triton's tiles both ways too. Gate/up also runs with its SwiGLU: cuBLAS or int4 then the activation's own kernel,
-against the activation in the Triton kernel's last step (``gate=``). Every call writes bfloat16, as the model's
-layers do.
+bfloat16 on Triton's tiles both ways too. Gate/up also runs with its SwiGLU: cuBLAS or int4 then the activation's
+own kernel, against the activation in the Triton kernel's last step (``gate=``). Every call writes bfloat16, as the
+model's layers do.
 
 Usage: python bench/gpu_linear.py [--shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b] [--rows 1,5,32] [--calls 50]
        [--device cuda|cpu] [--name gpu_linear]

@@ -242,8 +242,8 @@ def test_a_bfloat16_gate_up_projection_on_the_kernel(monkeypatch):
     assert torch.equal(triton_linear.gate_rows(signed, "silu").view(torch.int16),
                        triton_ops.gated(signed, "silu").view(torch.int16))
     assert torch.equal(gated(x[None, :3]), gated(x[:3])[None])
-    cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=96, intermediate_size=24, num_layers=1, num_heads=2,
-                      num_kv_heads=2, head_dim=48)
+    cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=96, intermediate_size=24, num_layers=1,
+                      num_heads=2, num_kv_heads=2, head_dim=48)
     mlp = MLP(cfg)
     mlp.fuse(gated, activation="silu")
     assert mlp.activated and not hasattr(mlp, "gate_proj")
