@@ -71,8 +71,10 @@ def test_greedy_identity_smollm2(smollm2, smollm2_plain_greedy, kind, weights):
     prompts = bench_prompts(1)  # code, summarization and RAG: one of each
     params = SamplingParams(max_tokens=32, temperature=0.0)
     plain = smollm2_plain_greedy(weights, prompts, 32)  # LLM(smollm2, weights=weights) without speculation
-    kwargs = {"speculative": kind} if kind != "draft" else {"draft": str(smollm2), "num_speculative_tokens": 3}
-    llm = LLM(str(smollm2), weights=weights, kv_cache_memory=SMOLLM2_KV, **kwargs)
+    # a fixed k: the adaptive controller, timed on the host, may draft little on a loaded CI host (seen: 14 drafts,
+    # none accepted), and the passes saved are what this asks of a drafter on real weights
+    kwargs = {"speculative": kind} if kind != "draft" else {"draft": str(smollm2)}
+    llm = LLM(str(smollm2), weights=weights, kv_cache_memory=SMOLLM2_KV, num_speculative_tokens=3, **kwargs)
     spec = llm.generate(prompts, params)
     assert len(spec) == len(plain) == 3
     for (ids, text), b in zip(plain, spec):
