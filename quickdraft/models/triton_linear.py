@@ -255,7 +255,7 @@ def _kernels():
     def add_chunks(sums_ptr, s_ptr, b_ptr, out_ptr, size, chunk_size, N, chunks, BITS: tl.constexpr,
                    HAS_BIAS: tl.constexpr, GATE: tl.constexpr, BLOCK: tl.constexpr):
         """``out`` (``size`` values) from the chunks' sums ``[chunks, M, N]`` (``chunk_size`` = M N): each column's
-        sums added from zero and in order, as ``weight_only_matmul`` adds them in one program, then ``_finished``,
+        sums added in order (``_chunk_total``), as ``weight_only_matmul`` adds them in one program, then ``_finished``,
         then, for a ``GATE``, the gated product of the two halves' columns, each rounded to out's dtype first."""
         at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = at < size

@@ -22,7 +22,7 @@ import torch
 from quickdraft.models import triton_linear
 from quickdraft.models.triton_linear import ACTIVATIONS, triton_available
 
-triton = tl = _gated = None  # optional (pip install triton): imported by _kernels, on first use
+triton = tl = None  # optional (pip install triton): imported by _kernels, on first use
 
 # Run the kernels on CPU tensors too, under Triton's interpreter (tests set it; see kv/paged_attention.py).
 KERNEL_ON_CPU = False
@@ -61,7 +61,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     x, residual = x.contiguous(), residual.contiguous()
     d = x.shape[-1]
     total, y = torch.empty_like(x), torch.empty_like(x)
-    _kernels()[3][(x.numel() // d,)](x, residual, weight, total, y, d, eps, BLOCK=_block(d))
+    _kernels()[2][(x.numel() // d,)](x, residual, weight, total, y, d, eps, BLOCK=_block(d))
     return total, y
 
 
@@ -75,7 +75,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cache_k: tor
              ) -> None:
     """``cache_k[slots] = k`` and ``cache_v[slots] = v`` in one kernel (``runs_kv_write`` holds for both)."""
     width = k.shape[1] * k.shape[2]
-    _kernels()[4][(k.shape[0],)](k, v, slots, cache_k, cache_v, k.stride(0), v.stride(0), width,
+    _kernels()[3][(k.shape[0],)](k, v, slots, cache_k, cache_v, k.stride(0), v.stride(0), width,
                                  BLOCK=_block(width))
 
 
@@ -118,25 +118,18 @@ def runs_gated(gate_up: torch.Tensor, act: str) -> bool:
 
 def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """``act(gate) * up`` of ``gate_up [..., 2N] = [gate | up]``, in float32 and rounded once; ``act``: ``silu`` or
-    ``gelu_tanh`` (torch's ``gelu(approximate="tanh")``)."""
-    gate_up = gate_up.contiguous()
+    ``gelu_tanh`` (torch's ``gelu(approximate="tanh")``). The linear kernel's last step (``triton_linear.gate_rows``):
+    the bits of a projection that applies its activation itself (``triton_linear.GatedProjection``)."""
     n = gate_up.shape[-1] // 2
-    rows = gate_up.numel() // (2 * n)
-    y = gate_up.new_empty(*gate_up.shape[:-1], n)
-    block = min(1024, _block(n))
-    # without fused multiply-adds, as the linear kernel's last step computes it (``triton_linear.GatedProjection``)
-    _kernels()[2][(rows, -(-n // block))](gate_up, y, n, ACT=ACTIVATIONS[act], BLOCK=block, enable_fp_fusion=False)
-    return y
+    return triton_linear.gate_rows(gate_up.reshape(-1, 2 * n), act).reshape(*gate_up.shape[:-1], n)
 
 
 @functools.cache
 def _kernels():
     """Triton imported and the kernels defined on first use (see kv/paged_attention.py's ``_kernel``)."""
-    global triton, tl, _gated
+    global triton, tl
     import triton
     import triton.language as tl
-    triton_linear._helpers()
-    _gated = triton_linear._gated  # act(gate) * up, as the linear kernel's last step computes it
 
     @triton.jit
     def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
@@ -165,15 +158,6 @@ def _kernels():
         tl.store(first + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def gated_kernel(x_ptr, y_ptr, N, ACT: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < N
-        gate = tl.load(x_ptr + row * 2 * N + cols, mask=inside, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * 2 * N + N + cols, mask=inside, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * N + cols, _gated(gate, up, ACT).to(y_ptr.dtype.element_ty), mask=inside)
-
-    @triton.jit
     def add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -196,7 +180,7 @@ def _kernels():
         tl.store(ck_ptr + slot * W + cols, tl.load(k_ptr + t * stride_k + cols, mask=inside), mask=inside)
         tl.store(cv_ptr + slot * W + cols, tl.load(v_ptr + t * stride_v + cols, mask=inside), mask=inside)
 
-    return rms_norm_kernel, rope_kernel, gated_kernel, add_rms_norm_kernel, kv_write_kernel
+    return rms_norm_kernel, rope_kernel, add_rms_norm_kernel, kv_write_kernel
 
 
 @functools.cache
