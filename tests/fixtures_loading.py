@@ -4,6 +4,8 @@ transformers' save_pretrained)."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -203,11 +205,13 @@ def save_tiny_hf(path: Path, model_type: str = "llama", *, tied: bool = False, s
 
 
 @pytest.fixture
-def cache_dir(tmp_path_factory, monkeypatch) -> Path:
-    """A private QUICKDRAFT_CACHE_DIR so tests never touch the user's cache."""
+def cache_dir(tmp_path_factory, monkeypatch) -> Iterator[Path]:
+    """A private QUICKDRAFT_CACHE_DIR so tests never touch the user's cache; removed after the test, whatever its
+    outcome (an entry is a whole converted model, and a suite's worth of them once filled a CI machine's disk)."""
     d = tmp_path_factory.mktemp("qdcache")
     monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(d))
-    return d
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
