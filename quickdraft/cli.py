@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.paths import cache_root
 
 GREEN, RESET = "\033[32m", "\033[0m"
 
@@ -144,6 +145,19 @@ def cmd_models(args: argparse.Namespace) -> int:
         print("\nanywhere else, install with pip:")
         for m in missing:
             print(f"  {m.name}: {m.pip_command}")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from quickdraft.loading import cache_budget
+    if args.clear:
+        count, freed = cache_budget.clear()
+        print(f"removed {count} converted-weight files ({freed / 1e9:.2f} GB) from {cache_root()}")
+    limit = cache_budget.limit_bytes()
+    print(f"{cache_root()}: {', '.join(cache_budget.BUDGETED)} kept under "
+          f"{'no bound' if limit is None else f'{limit / 1e9:g} GB'} (${cache_budget.LIMIT_ENV})")
+    for folder, (files, size) in cache_budget.usage().items():
+        print(f"  {folder:<12} {files:>6} files {size / 1e9:>9.2f} GB")
     return 0
 
 
@@ -302,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quickdraft", description="LLM inference with exact speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("models", help="list packaged models and whether each is installed").set_defaults(fn=cmd_models)
+    k = sub.add_parser("cache", help="the cache's folders and sizes; --clear removes the converted weights")
+    k.add_argument("--clear", action="store_true", help="remove every converted-weight file (rebuilt when next used)")
+    k.set_defaults(fn=cmd_cache)
     g = sub.add_parser("generate", help="stream a completion to stdout, stats to stderr")
     add_model_args(g)
     g.add_argument("prompt")

@@ -6,6 +6,7 @@ import os
 import torch
 
 from quickdraft.errors import ModelLoadError
+from quickdraft.loading import cache_budget
 from quickdraft.loading.checkpoint import Checkpoint
 from quickdraft.loading.gguf import load_gguf
 from quickdraft.loading.hf import load_hf_dir
@@ -24,6 +25,7 @@ def load_checkpoint(
     Raises ModelLoadError (naming the path and what is allowed) when the model is
     missing, corrupt or unsupported.
     """
+    cache_budget.limit_bytes()  # a bad bound is refused before any model work, not once an entry is written
     path = resolve_model(name_or_path)
     if path.is_dir():
         return load_hf_dir(path, dtype)

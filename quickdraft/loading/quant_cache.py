@@ -5,7 +5,8 @@ biases) and each quantized layer in the layout of the kernel it runs on, written
 converted and loaded back memory-mapped (an embedding costs only the rows read; the layers, which every step reads
 whole, are copied out a layer at a time, see ``TensorFile.copy``); keyed by the checkpoint fingerprint, the
 format and its options, the source precision and that layout (``cache_layout``), so an entry is only reused where
-the same kernel runs. A damaged or mismatching entry is dropped and rebuilt.
+the same kernel runs. A damaged or mismatching entry is dropped and rebuilt; ``cache_budget`` drops the least recently
+used entries past a bound.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quickdraft.loading import cache_budget
 from quickdraft.loading.quant_convert import set_module
 from quickdraft.loading.tensor_file import TensorFile, TensorFileWriter, header_room, open_tensor_file
 from quickdraft.loading.weight_cache import cache_root, dtype_name
@@ -130,6 +132,7 @@ def write_quantized(path: Path, meta: dict[str, str], model: Transformer, layers
         log.warning("could not write quantized weight cache %s: %s", path, exc)
         return False
     drop_outdated(path, meta)
+    cache_budget.trim(keep=path)
     return True
 
 
@@ -158,8 +161,9 @@ def drop_outdated(path: Path, meta: dict[str, str]) -> list[Path]:
 def open_quantized(path: Path, meta: dict[str, str]) -> TensorFile | None:
     """The cache entry mapped (float tensors and the kernels' own layer tensors, none copied), or None."""
     entry = open_tensor_file(path, meta, "quantized weight cache")
-    if entry is not None and "modules" not in entry.metadata:
+    if entry is None or "modules" not in entry.metadata:
         return None
+    cache_budget.mark_used(path)
     return entry
 
 

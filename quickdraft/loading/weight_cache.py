@@ -6,7 +6,7 @@
   memory-mapped (for float weight formats: dequantizing a GGUF costs seconds, mapping the result nothing).
 
 Entries are keyed by the source file's fingerprint (and the dtype), written atomically, and a damaged entry is
-ignored and rebuilt. Layout: ``$QUICKDRAFT_CACHE_DIR`` (or ``platformdirs.user_cache_dir('quickdraft')``) holds
+ignored and rebuilt; ``cache_budget`` drops the least recently used ones past a bound. Layout: ``$QUICKDRAFT_CACHE_DIR`` (or ``platformdirs.user_cache_dir('quickdraft')``) holds
 ``weights/`` (this cache), ``quantized/`` (``quant_cache.py``) and ``models/`` (assembled packaged models).
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from quickdraft.loading import cache_budget
 from quickdraft.loading.tensor_file import TensorFile, TensorFileWriter, atomic_path, header_room, open_tensor_file
 from quickdraft.paths import CACHE_ENV, cache_root  # noqa: F401  (re-exported)
 
@@ -52,6 +53,7 @@ def load_index(fingerprint: str) -> dict[str, Any] | None:
         record = json.loads(path.read_text())
         if record.get("fingerprint") != fingerprint:
             raise ValueError("fingerprint does not match")
+        cache_budget.mark_used(path)
         return record
     except (FileNotFoundError, NotADirectoryError):
         return None
@@ -69,6 +71,8 @@ def store_index(fingerprint: str, record: dict[str, Any]) -> None:
             Path(tmp).write_text(json.dumps({**record, "fingerprint": fingerprint}))
     except OSError as exc:
         log.warning("could not write weight cache record %s: %s", path, exc)
+        return
+    cache_budget.trim(keep=path)
 
 
 def float_weights(fingerprint: str, dtype: torch.dtype, tensors: Mapping[str, torch.Tensor],
@@ -80,6 +84,7 @@ def float_weights(fingerprint: str, dtype: torch.dtype, tensors: Mapping[str, to
     names = sorted(names)
     cached = open_tensor_file(path, meta, "weight cache")
     if cached is not None and sorted(cached.tensors) == names:
+        cache_budget.mark_used(path)
         return cached
     try:
         with TensorFileWriter(path, header_room(len(names))) as writer:
@@ -89,6 +94,7 @@ def float_weights(fingerprint: str, dtype: torch.dtype, tensors: Mapping[str, to
     except (OSError, ValueError) as exc:
         log.warning("could not write weight cache %s: %s", path, exc)
         return None
+    cache_budget.trim(keep=path)
     return open_tensor_file(path, meta, "weight cache")
 
 

@@ -1,0 +1,131 @@
+"""The converted-weight caches held under a disk budget: the least recently used entries go first.
+
+An entry of ``weights/`` or ``quantized/`` is a whole converted model (hundreds of MB to tens of GB), keyed by its
+source's path, size and mtime (``checkpoint.fingerprint``): a model that is moved, copied or rewritten gets a new
+entry and leaves the old one behind, so without a bound these folders only grow. After an entry is written,
+``trim`` deletes the least recently used others until the folders fit ``$QUICKDRAFT_CACHE_MAX_GB`` (default
+``DEFAULT_LIMIT_GB``; ``none`` for no bound). Opening an entry marks it used (its access time, set explicitly: a
+mount may not keep them; its mtime stays when it was written). Every entry can be rebuilt from its source, which is
+what the next load of a dropped one does.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from quickdraft.errors import InvalidParameterError
+from quickdraft.paths import cache_root
+
+log = logging.getLogger(__name__)
+
+LIMIT_ENV = "QUICKDRAFT_CACHE_MAX_GB"
+DEFAULT_LIMIT_GB = 64.0
+# The folders of entries derived from model files; models/ (assembled packages) and kernels/ (built code) are not
+# rebuilt from the user's own files and stay.
+BUDGETED = ("weights", "quantized")
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    path: Path
+    size: int
+    last_used_ns: int  # the file's access time
+
+
+def limit_bytes() -> int | None:
+    """The budget ``$QUICKDRAFT_CACHE_MAX_GB`` sets, in bytes (None: no bound). Raises InvalidParameterError for a value that is
+    not a number of GB >= 0 or ``none``."""
+    raw = os.environ.get(LIMIT_ENV, "").strip()
+    if not raw:
+        return int(DEFAULT_LIMIT_GB * 1e9)
+    if raw.lower() == "none":
+        return None
+    try:
+        gb = float(raw)
+    except ValueError:
+        gb = math.nan
+    if not (math.isfinite(gb) and gb >= 0):
+        raise InvalidParameterError(f"{LIMIT_ENV}={raw[:40]!r}: give the converted-weight caches' bound as a number of GB >= 0 "
+                          f"(0 keeps only the entry in use), or 'none' for no bound")
+    return int(gb * 1e9)
+
+
+def entries(root: Path | None = None) -> list[CacheEntry]:
+    """The budgeted folders' files, least recently used first."""
+    found = []
+    for folder in BUDGETED:
+        for path in ((root or cache_root()) / folder).glob("*"):
+            try:
+                st = path.stat()
+            except OSError:  # removed meanwhile by another process
+                continue
+            if path.is_file():
+                found.append(CacheEntry(path, st.st_size, max(st.st_atime_ns, st.st_mtime_ns)))
+    return sorted(found, key=lambda e: e.last_used_ns)
+
+
+def mark_used(path: Path) -> None:
+    """Record that ``path`` was read now, so that ``trim`` keeps it over entries read longer ago."""
+    try:
+        os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
+    except OSError:  # a read-only cache still serves
+        pass
+
+
+def trim(keep: Path) -> list[Path]:
+    """Delete the least recently used entries other than ``keep`` (just written or opened) until the budgeted
+    folders fit the limit; the removed files are returned. A model mapped from a removed file keeps running: the
+    file's pages stay until it is unmapped."""
+    limit = limit_bytes()
+    if limit is None:
+        return []
+    found = entries()
+    total = sum(e.size for e in found)
+    removed, freed = [], 0
+    for entry in found:
+        if total <= limit:
+            break
+        if entry.path == keep:
+            continue
+        try:
+            entry.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove cache entry %s: %s", entry.path, exc)
+            continue
+        total -= entry.size
+        freed += entry.size
+        removed.append(entry.path)
+    if removed:
+        log.info("removed %d least recently used cache entries (%.1f GB) to keep %s under %.1f GB",
+                 len(removed), freed / 1e9, cache_root(), limit / 1e9)
+    return removed
+
+
+def usage(root: Path | None = None) -> dict[str, tuple[int, int]]:
+    """Each folder of the cache root: (files, bytes)."""
+    root = root or cache_root()
+    folders = sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []
+    sizes = {}
+    for folder in folders:
+        files = [p.stat().st_size for p in folder.rglob("*") if p.is_file()]
+        sizes[folder.name] = (len(files), sum(files))
+    return sizes
+
+
+def clear() -> tuple[int, int]:
+    """Delete every entry of the budgeted folders: (files, bytes) removed."""
+    count = freed = 0
+    for entry in entries():
+        try:
+            entry.path.unlink()
+        except OSError as exc:
+            log.warning("could not remove cache entry %s: %s", entry.path, exc)
+            continue
+        count, freed = count + 1, freed + entry.size
+    return count, freed
