@@ -3,6 +3,8 @@ entry in use never is, a dropped model loads again to the same logits, and a bad
 model work."""
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,17 @@ def test_cache_command_lists_and_clears_only_converted_weights(cache_dir, files,
     assert main(["cache", "--clear"]) == 0
     assert capsys.readouterr().out.startswith("removed 2 converted-weight files")
     assert cache_budget.usage(cache_dir) == {"models": (1, 1000), "quantized": (0, 0), "weights": (0, 0)}
+
+
+def test_a_file_another_process_is_writing_is_left_alone(cache_dir, files, monkeypatch):
+    monkeypatch.setenv(cache_budget.LIMIT_ENV, "0")
+    (cache_dir / "quantized").mkdir()
+    writing = cache_dir / "quantized" / "0123-int8-4567.safetensors.x1y2.tmp"
+    abandoned = cache_dir / "quantized" / "89ab-int8-cdef.safetensors.z3w4.tmp"
+    for path in (writing, abandoned):
+        path.write_bytes(b"\0" * 4096)
+    hour_ago = time.time() - cache_budget.ABANDONED_S - 1
+    os.utime(abandoned, (hour_ago, hour_ago))
+    _logits(files["a"])
+    assert writing.exists() and not abandoned.exists()
+    assert _cached(cache_dir, files) == {"a": ["quantized"]}

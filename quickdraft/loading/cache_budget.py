@@ -27,6 +27,8 @@ DEFAULT_LIMIT_GB = 64.0
 # The folders of entries derived from model files; models/ (assembled packages) and kernels/ (built code) are not
 # rebuilt from the user's own files and stay.
 BUDGETED = ("weights", "quantized")
+# A cache file is written a tensor at a time: one untouched this long was left by a process that died writing it.
+ABANDONED_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ def limit_bytes() -> int | None:
 
 
 def entries(root: Path | None = None) -> list[CacheEntry]:
-    """The budgeted folders' files, least recently used first."""
+    """The budgeted folders' files, least recently used first. A file being written (``*.tmp``, renamed into place
+    when whole) is another process's, left alone unless nothing was written to it for ``ABANDONED_S``."""
     found = []
     for folder in BUDGETED:
         for path in ((root or cache_root()) / folder).glob("*"):
@@ -63,8 +66,9 @@ def entries(root: Path | None = None) -> list[CacheEntry]:
                 st = path.stat()
             except OSError:  # removed meanwhile by another process
                 continue
-            if path.is_file():
-                found.append(CacheEntry(path, st.st_size, max(st.st_atime_ns, st.st_mtime_ns)))
+            if not path.is_file() or (path.suffix == ".tmp" and time.time() - st.st_mtime < ABANDONED_S):
+                continue
+            found.append(CacheEntry(path, st.st_size, max(st.st_atime_ns, st.st_mtime_ns)))
     return sorted(found, key=lambda e: e.last_used_ns)
 
 
