@@ -105,15 +105,20 @@ def test_cache_command_lists_and_clears_only_converted_weights(cache_dir, files,
     assert cache_budget.usage(cache_dir) == {"models": (1, 1000), "quantized": (0, 0), "weights": (0, 0)}
 
 
-def test_a_file_another_process_is_writing_is_left_alone(cache_dir, files, monkeypatch):
+def test_only_its_own_entries_are_removed_and_never_one_being_written(cache_dir, files, monkeypatch):
+    """Entries another process is still writing stay, one abandoned goes; files quickdraft did not name stay."""
     monkeypatch.setenv(cache_budget.LIMIT_ENV, "0")
     (cache_dir / "quantized").mkdir()
-    writing = cache_dir / "quantized" / "0123-int8-4567.safetensors.x1y2.tmp"
-    abandoned = cache_dir / "quantized" / "89ab-int8-cdef.safetensors.z3w4.tmp"
-    for path in (writing, abandoned):
+    writing = cache_dir / "quantized" / f"{'0' * 32}-int8-0123456789abcdef.safetensors.x1_y2.tmp"
+    abandoned = cache_dir / "quantized" / f"{'1' * 32}-int8-0123456789abcdef.safetensors.z3w4.tmp"
+    foreign = [cache_dir / "quantized" / "my-model.safetensors", cache_dir / "quantized" / "notes.json"]
+    for path in (writing, abandoned, *foreign):
         path.write_bytes(b"\0" * 4096)
     hour_ago = time.time() - cache_budget.ABANDONED_S - 1
-    os.utime(abandoned, (hour_ago, hour_ago))
+    for path in (abandoned, *foreign):
+        os.utime(path, (hour_ago, hour_ago))
     _logits(files["a"])
-    assert writing.exists() and not abandoned.exists()
+    assert writing.exists() and not abandoned.exists() and all(path.exists() for path in foreign)
     assert _cached(cache_dir, files) == {"a": ["quantized"]}
+    assert main(["cache", "--clear"]) == 0
+    assert writing.exists() and all(path.exists() for path in foreign) and _cached(cache_dir, files) == {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,9 @@ DEFAULT_LIMIT_GB = 64.0
 # The folders of entries derived from model files; models/ (assembled packages) and kernels/ (built code) are not
 # rebuilt from the user's own files and stay.
 BUDGETED = ("weights", "quantized")
+# What quickdraft names its entries (a 32-digit fingerprint first; a file being written adds ``.<random>.tmp``): only
+# these are ever deleted, whatever else a folder named by $QUICKDRAFT_CACHE_DIR holds.
+ENTRY_NAME = re.compile(r"[0-9a-f]{32}-[\w.-]+\.(safetensors|json)(\.\w+\.tmp)?")
 # A cache file is written a tensor at a time: one untouched this long was left by a process that died writing it.
 ABANDONED_S = 3600.0
 
@@ -66,7 +70,8 @@ def entries(root: Path | None = None) -> list[CacheEntry]:
                 st = path.stat()
             except OSError:  # removed meanwhile by another process
                 continue
-            if not path.is_file() or (path.suffix == ".tmp" and time.time() - st.st_mtime < ABANDONED_S):
+            if not (ENTRY_NAME.fullmatch(path.name) and path.is_file()) or (
+                    path.suffix == ".tmp" and time.time() - st.st_mtime < ABANDONED_S):
                 continue
             found.append(CacheEntry(path, st.st_size, max(st.st_atime_ns, st.st_mtime_ns)))
     return sorted(found, key=lambda e: e.last_used_ns)
