@@ -150,10 +150,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     from quickdraft.loading import cache_budget
+    limit = cache_budget.limit_bytes()  # a bad bound is refused before anything is removed
     if args.clear:
         count, freed = cache_budget.clear()
         print(f"removed {count} converted-weight files ({freed / 1e9:.2f} GB) from {cache_root()}")
-    limit = cache_budget.limit_bytes()
     print(f"{cache_root()}: {', '.join(cache_budget.BUDGETED)} kept under "
           f"{'no bound' if limit is None else f'{limit / 1e9:g} GB'} (${cache_budget.LIMIT_ENV})")
     for folder, (files, size) in cache_budget.usage().items():

@@ -23,9 +23,9 @@ IDS = list(range(1, 30))
 
 @pytest.fixture
 def files(tmp_path) -> dict[str, Path]:
-    """Three tiny GGUF models of one shape (so their cache entries are the same size), different weights."""
+    """Four tiny GGUF models of one shape (so their cache entries are the same size), different weights."""
     made = {}
-    for seed, name in enumerate("abc"):
+    for seed, name in enumerate("abcd"):
         made[name] = tmp_path / f"{name}.gguf"
         write_tiny_gguf(made[name], "qwen2", QT.Q8_0, seed=seed)
     return made
@@ -62,6 +62,23 @@ def test_the_least_recently_used_model_goes_first(cache_dir, files, monkeypatch)
     assert _cached(cache_dir, files) == {"b": ["quantized", "weights"], "c": ["quantized", "weights"]}
 
 
+def test_a_target_read_before_its_draft_keeps_its_entry(cache_dir, files, monkeypatch):
+    """As an engine loads: the target's checkpoint, then the draft's (converted and cached), then the target's model
+    from its entry, which the draft's new entry must not have pushed out, however long ago the target last ran."""
+    for name in "cab":  # c's entries are the least recently used
+        _logits(files[name])
+    monkeypatch.setenv(cache_budget.LIMIT_ENV, str(sum(e.size for e in cache_budget.entries()) / 1e9))
+    target = load_checkpoint(files["c"], dtype=torch.bfloat16)
+    qz.load_model(load_checkpoint(files["d"], dtype=torch.bfloat16), "int8")  # the draft
+    monkeypatch.setattr(qz, "quantized_layers", _converts)
+    qz.load_model(target, "int8")
+    assert _cached(cache_dir, files) == {name: ["quantized", "weights"] for name in "bcd"}
+
+
+def _converts(*args, **kwargs):
+    raise AssertionError("the target was converted again: its cache entry was dropped")
+
+
 @pytest.mark.parametrize("bound", ["0", "1e-300"])
 @pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
 def test_a_zero_bound_keeps_only_the_entry_in_use(cache_dir, files, monkeypatch, bound, fmt):
@@ -75,20 +92,24 @@ def test_a_zero_bound_keeps_only_the_entry_in_use(cache_dir, files, monkeypatch,
     assert _cached(cache_dir, files) == {"a": [folder]}
 
 
-@pytest.mark.parametrize("bound", ["nan", "-1", "inf", "1e400", "ten", "0x10", "-0.5"])
+@pytest.mark.parametrize("bound", ["nan", "-1", "inf", "1e400", "1e300", "ten", "0x10", "-0.5"])
 def test_a_bad_bound_is_refused_before_any_model_work(cache_dir, files, monkeypatch, capsys, bound):
     monkeypatch.setenv(cache_budget.LIMIT_ENV, bound)
     with pytest.raises(InvalidParameterError, match=f"{cache_budget.LIMIT_ENV}=.*number of GB >= 0.*'none'"):
         load_checkpoint(files["a"])
     assert cache_budget.usage(cache_dir) == {}
     assert main(["cache"]) == 2 and cache_budget.LIMIT_ENV in capsys.readouterr().err
+    (cache_dir / "weights").mkdir()
+    (cache_dir / "weights" / f"{'0' * 32}-header-v3.json").write_text("{}")
+    assert main(["cache", "--clear"]) == 2  # refused before anything is removed
+    assert cache_budget.usage(cache_dir) == {"weights": (1, 2)}
 
 
 def test_no_bound_keeps_everything(cache_dir, files, monkeypatch):
     monkeypatch.setenv(cache_budget.LIMIT_ENV, "none")
     for path in files.values():
         _logits(path)
-    assert _cached(cache_dir, files) == {name: ["quantized", "weights"] for name in "abc"}
+    assert _cached(cache_dir, files) == {name: ["quantized", "weights"] for name in "abcd"}
 
 
 def test_cache_command_lists_and_clears_only_converted_weights(cache_dir, files, capsys):

@@ -54,7 +54,7 @@ def limit_bytes() -> int | None:
         gb = float(raw)
     except ValueError:
         gb = math.nan
-    if not (math.isfinite(gb) and gb >= 0):
+    if not (math.isfinite(gb * 1e9) and gb >= 0):  # 1e300 GB: no count of bytes
         raise InvalidParameterError(f"{LIMIT_ENV}={raw[:40]!r}: give the converted-weight caches' bound as a number of GB >= 0 "
                           f"(0 keeps only the entry in use), or 'none' for no bound")
     return int(gb * 1e9)
@@ -83,6 +83,14 @@ def mark_used(path: Path) -> None:
         os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
     except OSError:  # a read-only cache still serves
         pass
+
+
+def mark_source_used(fingerprint: str) -> None:
+    """Mark every entry of one source used: a load that opens them only later (a target whose draft is read
+    first) must not see them dropped for the entries written meanwhile."""
+    for entry in entries():
+        if entry.path.name.startswith(fingerprint + "-"):
+            mark_used(entry.path)
 
 
 def trim(keep: Path) -> list[Path]:
@@ -122,9 +130,17 @@ def usage(root: Path | None = None) -> dict[str, tuple[int, int]]:
     folders = sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []
     sizes = {}
     for folder in folders:
-        files = [p.stat().st_size for p in folder.rglob("*") if p.is_file()]
+        files = [size for p in folder.rglob("*") if (size := _file_size(p)) is not None]
         sizes[folder.name] = (len(files), sum(files))
     return sizes
+
+
+def _file_size(path: Path) -> int | None:
+    """The size of a plain file; None for anything else, or a file another process removed or renamed meanwhile."""
+    try:
+        return path.stat().st_size if path.is_file() else None
+    except OSError:
+        return None
 
 
 def clear() -> tuple[int, int]:

@@ -28,15 +28,21 @@ def load_checkpoint(
     cache_budget.limit_bytes()  # a bad bound is refused before any model work, not once an entry is written
     path = resolve_model(name_or_path)
     if path.is_dir():
-        return load_hf_dir(path, dtype)
+        return _marked(load_hf_dir(path, dtype))
     if not path.is_file():
         raise ModelLoadError(f"{path} is neither a file nor a directory")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF" or path.suffix.lower() == ".gguf":
-        return load_gguf(path, dtype, use_cache=use_cache)
+        return _marked(load_gguf(path, dtype, use_cache=use_cache))
     hint = " (pass the model directory that holds config.json)" if path.suffix in (".safetensors", ".json", ".bin") else ""
     raise ModelLoadError(
         f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'){hint}; "
         "supported: a .gguf file, a Hugging Face directory with config.json and *.safetensors, or a packaged model name"
     )
+
+
+def _marked(checkpoint: Checkpoint) -> Checkpoint:
+    """The checkpoint, its cache entries marked used now: the model built from it opens them later."""
+    cache_budget.mark_source_used(checkpoint.fingerprint)
+    return checkpoint

@@ -71,8 +71,6 @@ def store_index(fingerprint: str, record: dict[str, Any]) -> None:
             Path(tmp).write_text(json.dumps({**record, "fingerprint": fingerprint}))
     except OSError as exc:
         log.warning("could not write weight cache record %s: %s", path, exc)
-        return
-    cache_budget.trim(keep=path)
 
 
 def float_weights(fingerprint: str, dtype: torch.dtype, tensors: Mapping[str, torch.Tensor],
