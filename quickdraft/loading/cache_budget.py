@@ -43,8 +43,8 @@ class CacheEntry:
 
 
 def limit_bytes() -> int | None:
-    """The budget ``$QUICKDRAFT_CACHE_MAX_GB`` sets, in bytes (None: no bound). Raises InvalidParameterError for a value that is
-    not a number of GB >= 0 or ``none``."""
+    """The budget ``$QUICKDRAFT_CACHE_MAX_GB`` sets, in bytes (None: no bound). Raises InvalidParameterError for a
+    value that is not a number of GB >= 0 or ``none``."""
     raw = os.environ.get(LIMIT_ENV, "").strip()
     if not raw:
         return int(DEFAULT_LIMIT_GB * 1e9)
@@ -55,8 +55,8 @@ def limit_bytes() -> int | None:
     except ValueError:
         gb = math.nan
     if not (math.isfinite(gb * 1e9) and gb >= 0):  # 1e300 GB: no count of bytes
-        raise InvalidParameterError(f"{LIMIT_ENV}={raw[:40]!r}: give the converted-weight caches' bound as a number of GB >= 0 "
-                          f"(0 keeps only the entry in use), or 'none' for no bound")
+        raise InvalidParameterError(f"{LIMIT_ENV}={raw[:40]!r}: give the converted-weight caches' bound as a number "
+                                    f"of GB >= 0 (0 keeps only the entry in use), or 'none' for no bound")
     return int(gb * 1e9)
 
 
