@@ -106,14 +106,7 @@ def trim(keep: Path) -> list[Path]:
     for entry in found:
         if total <= limit:
             break
-        if entry.path == keep:
-            continue
-        try:
-            entry.path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("could not remove cache entry %s: %s", entry.path, exc)
+        if entry.path == keep or not _remove(entry.path):
             continue
         total -= entry.size
         freed += entry.size
@@ -145,12 +138,16 @@ def _file_size(path: Path) -> int | None:
 
 def clear() -> tuple[int, int]:
     """Delete every entry of the budgeted folders: (files, bytes) removed."""
-    count = freed = 0
-    for entry in entries():
-        try:
-            entry.path.unlink()
-        except OSError as exc:
-            log.warning("could not remove cache entry %s: %s", entry.path, exc)
-            continue
-        count, freed = count + 1, freed + entry.size
-    return count, freed
+    removed = [entry for entry in entries() if _remove(entry.path)]
+    return len(removed), sum(entry.size for entry in removed)
+
+
+def _remove(path: Path) -> bool:
+    """Delete one entry; False (with a warning) when it cannot be, True when it is gone (another process may have
+    removed it first)."""
+    try:
+        path.unlink(missing_ok=True)
+        return True
+    except OSError as exc:
+        log.warning("could not remove cache entry %s: %s", path, exc)
+        return False

@@ -6,8 +6,9 @@
   memory-mapped (for float weight formats: dequantizing a GGUF costs seconds, mapping the result nothing).
 
 Entries are keyed by the source file's fingerprint (and the dtype), written atomically, and a damaged entry is
-ignored and rebuilt; ``cache_budget`` drops the least recently used ones past a bound. Layout: ``$QUICKDRAFT_CACHE_DIR`` (or ``platformdirs.user_cache_dir('quickdraft')``) holds
-``weights/`` (this cache), ``quantized/`` (``quant_cache.py``) and ``models/`` (assembled packaged models).
+ignored and rebuilt; ``cache_budget`` drops the least recently used ones past a bound. Layout:
+``$QUICKDRAFT_CACHE_DIR`` (or ``platformdirs.user_cache_dir('quickdraft')``) holds ``weights/`` (this cache),
+``quantized/`` (``quant_cache.py``) and ``models/`` (assembled packaged models).
 """
 from __future__ import annotations
 
@@ -53,8 +54,7 @@ def load_index(fingerprint: str) -> dict[str, Any] | None:
         record = json.loads(path.read_text())
         if record.get("fingerprint") != fingerprint:
             raise ValueError("fingerprint does not match")
-        cache_budget.mark_used(path)
-        return record
+        return record  # marked used with the source's other entries (``load_checkpoint``)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, ValueError, AttributeError) as exc:
