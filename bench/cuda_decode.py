@@ -3,7 +3,7 @@ bandwidth limit measured in the same run, on random-weight models of real shapes
 
 Usage: python bench/cuda_decode.py [--shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b] [--batches 1,8,32]
          [--tokens 128] [--no-hf] [--hf-batches 1] [--device cuda|cpu] [--name cuda_decode] [--linears int8,int4,triton]
-         [--linears-shapes qwen2.5-7b] [--profile] [--kernels] [--graphs-only]
+         [--linears-shapes qwen2.5-7b] [--norm-apart] [--profile] [--kernels] [--graphs-only]
 Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tokenizer of the shape's vocabulary):
 - the read bandwidth (a device-to-device copy of 1 GiB, bytes read + written per second) and the batch-1 limit it
   gives: bandwidth / bytes of weights a decode step reads;
@@ -18,7 +18,8 @@ Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tok
 - with ``--linears int8,int4,triton`` (on ``--linears-shapes``, default the 7B): the same model with weight-only
   int8 / int4 (group 32) linears on Triton's kernel (``models/triton_linear.py``), or its bfloat16 linears on the
   same kernel's tiles (``gpu_linears="triton"``), batch 1 and the largest batch, against the limit of the bytes they
-  read;
+  read; with ``--norm-apart``, the first of them again at batch 1 with each residual add and RMSNorm in a kernel of
+  its own instead of inside the q/k/v or gate/up projection after it (``models/norms.py``);
 - the same graphs with launch-ahead off (``engine/launch_ahead.py``): each step's tokens read before the next step
   is launched, as before launch-ahead;
 - with ``--profile``: where the host's time goes at the smallest and largest batch, and under n-gram drafting
@@ -47,7 +48,7 @@ from conftest import write_word_tokenizer  # noqa: E402
 
 from quickdraft import LLM, SamplingParams  # noqa: E402
 from quickdraft.kv import ForwardItem, SequenceKV  # noqa: E402
-from quickdraft.models import step_weight_bytes  # noqa: E402
+from quickdraft.models import norms, step_weight_bytes  # noqa: E402
 
 SHAPES = {  # transformers config fields of each real model's shape
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -250,6 +251,29 @@ def bench_linears(directory: Path, name: str, args, bandwidth: float, common: di
         del llm
         gc.collect()
         torch.cuda.empty_cache() if args.device == "cuda" else None
+        if args.norm_apart and fmt == args.linears.split(",")[0]:
+            bench_norm_apart(directory, name, args, bandwidth, common, mode, options, rows, record)
+
+
+def bench_norm_apart(directory: Path, name: str, args, bandwidth: float, common: dict, mode: str, options: dict,
+                     rows: list[dict], record) -> None:
+    """Batch 1 with the residual adds and norms in kernels of their own (``norms.IN_PROJECTIONS`` off), against the
+    row before it, where the q/k/v and gate/up projections on Triton's kernel take them."""
+    norms.IN_PROJECTIONS = False
+    try:
+        llm = LLM(str(directory), static_step=mode, **options, **common)
+        tok_s, _ = time_generate(llm, prompts_for(SHAPES[name]["vocab_size"], 1), args.tokens, args.device)
+    finally:
+        norms.IN_PROJECTIONS = True
+    limit = bandwidth / step_weight_bytes(llm.model)
+    fmt = options.get("weights", "triton")
+    rows.append(dict(shape=name, engine=f"quickdraft {mode} {fmt}, norms apart", batch=1, tok_s=tok_s,
+                     limit_tok_s=limit, of_limit=tok_s / limit))
+    print(table([rows[-1]], list(rows[-1])))
+    record()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache() if args.device == "cuda" else None
 
 
 def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict], record) -> None:
@@ -342,6 +366,9 @@ def main() -> None:
     ap.add_argument("--linears", default="",
                     help="other linears to time too: int8, int4 (weight-only), triton (bfloat16 on Triton's tiles)")
     ap.add_argument("--linears-shapes", default="qwen2.5-7b", help="the shapes --linears runs on")
+    ap.add_argument("--norm-apart", action="store_true",
+                    help="with --linears: the first of them again at batch 1 with each residual add and norm in a "
+                         "kernel of its own, not in the projection after it")
     ap.add_argument("--profile", action="store_true", help="cProfile a batch-1 answer per shape (host time)")
     ap.add_argument("--graphs-only", action="store_true",
                     help="only the graphs' tokens/s (launch-ahead on and off) and --kernels: no dynamic path, verify "

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU check of the CUDA path in one run, sized for a lent H100/H200 (under 10 minutes): the CUDA tests (graph
 # replay against eager at every bucket, prompt chunks' graphs too, speculation against plain, the paged attention
-# kernel against float64, launch-ahead against the step without it, the Triton linears' bits), bench/gpu_linear.py
-# (each projection of the three shapes in bfloat16 on cuBLAS and on Triton's tiles, int8 and int4), then
-# bench/cuda_decode.py on the three real shapes (launch-ahead on and off, HF transformers at batch 1, the kernels of a
-# batch-1 step; the 1.5B and 7B with bfloat16 linears on Triton's tiles and with int4 weights). Results go to $OUT (the device tool's folder) or
+# kernel against float64, launch-ahead against the step without it, the Triton linears' bits, with the norms in them
+# too), bench/gpu_linear.py (each projection of the three shapes in bfloat16 on cuBLAS and on Triton's tiles, int8 and
+# int4), then bench/cuda_decode.py on the three real shapes at batch 1 and 32 on graphs (launch-ahead on and off, the
+# kernels of a batch-1 step; each shape with bfloat16 linears on Triton's tiles, with and without the residual adds
+# and norms inside its projections, and with int4 weights; HF transformers and the dynamic path, measured in earlier
+# runs, are left out for time). Results go to $OUT (the device tool's folder) or
 # bench/results/gpu_check. Missing packages travel as wheels in .whl/ (the GPU image lacks gguf and pytest-xdist:
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0 pytest-xdist==3.8.0
 # execnet==2.1.2`); .whl/ is ignored by git,
@@ -26,13 +28,13 @@ start=$(date +%s)
 # empty Triton cache makes most of the tests' time
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 timeout 140 python3 -m pytest -q -rs $workers tests/test_cuda.py tests/test_paged_attention.py tests/test_static_step.py \
-    tests/test_triton_linear.py tests/test_triton_ops.py \
+    tests/test_triton_linear.py tests/test_triton_linear_norm.py tests/test_triton_ops.py \
     2>&1 | tee "$OUT/tests.txt"
 echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 timeout 75 python3 bench/gpu_linear.py --name gpu_check_linear 2>&1 | tee "$OUT/linear.txt"
 cp bench/results/gpu_check_linear.json "$OUT/" 2>/dev/null
-timeout 340 python3 bench/cuda_decode.py ${1:+--shapes "$1"} --hf-batches 1 --profile --kernels \
-    --linears triton,int4 --linears-shapes qwen2.5-1.5b,qwen2.5-7b \
+timeout 340 python3 bench/cuda_decode.py ${1:+--shapes "$1"} --no-hf --graphs-only --batches 1,32 --profile --kernels \
+    --linears triton,int4 --linears-shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b --norm-apart \
     --name gpu_check_decode 2>&1 | tee "$OUT/bench.txt"
 cp bench/results/gpu_check_decode.json "$OUT/" 2>/dev/null
 # the device tool brings back at most eight files: the profiles and kernel tables travel as one

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from quickdraft.config import ModelConfig
 from quickdraft.models import native, triton_ops
 from quickdraft.models.fused import FusedExperts
+from quickdraft.models.norms import RMSNorm, add_norm, add_norm_project
 
 
 class MLP(nn.Module):
@@ -44,20 +45,35 @@ class MLP(nn.Module):
             del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activated:
-            return self.down_proj(self.gate_up_proj(x))
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            if native.runs_gated(gate_up):  # the kernel the fused layer and qd_moe apply
-                return self.down_proj(native.gated(gate_up, self.act, self.limit or 0.0, self.alpha or 0.0))
-            if triton_ops.runs_gated(gate_up, self.act):  # one kernel on a GPU
-                return self.down_proj(triton_ops.gated(gate_up, self.act))
-            gate, up = gate_up.chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_from(self.gate_up_proj(x))
+        return self._down(self.gate_proj(x), self.up_proj(x))
+
+    def forward_added(self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, self(norm(s)))`` for ``s = x + pending``: the add and the norm in the gate/up projection's kernel
+        where it takes them (``add_norm_project``)."""
+        if self.gate_up_proj is None:
+            x, h = add_norm(x, pending, norm)
+            return x, self(h)
+        x, gate_up = add_norm_project(x, pending, norm, self.gate_up_proj)
+        return x, self.down_from(gate_up)
+
+    def down_from(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from the output of ``gate_up_proj`` (already gated where ``activated``)."""
+        if self.activated:
+            return self.down_proj(gate_up)
+        if native.runs_gated(gate_up):  # the kernel the fused layer and qd_moe apply
+            return self.down_proj(native.gated(gate_up, self.act, self.limit or 0.0, self.alpha or 0.0))
+        if triton_ops.runs_gated(gate_up, self.act):  # one kernel on a GPU
+            return self.down_proj(triton_ops.gated(gate_up, self.act))
+        return self._down(*gate_up.chunk(2, dim=-1))
+
+    def _down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.act == "clamped_swiglu":  # gpt-oss, in float32 as transformers' float32 reference
+            dtype = gate.dtype
             gate, up = gate.float().clamp(max=self.limit), up.float().clamp(-self.limit, self.limit)
-            return self.down_proj(((up + 1) * gate * torch.sigmoid(gate * self.alpha)).to(x.dtype))
+            return self.down_proj(((up + 1) * gate * torch.sigmoid(gate * self.alpha)).to(dtype))
         act = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
         return self.down_proj(act * up)
 
@@ -141,6 +157,12 @@ class SparseMoE(nn.Module):
         weights (by storage: a key of tensors would compare their values)."""
         bias = self.gate.bias
         return self.fused(), self.gate.weight.data_ptr(), None if bias is None else bias.data_ptr()
+
+    def forward_added(self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, self(norm(s)))`` for ``s = x + pending`` (the router reads the normed input: nothing to fuse)."""
+        x, h = add_norm(x, pending, norm)
+        return x, self(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Each token's output is the sum of its chosen experts' outputs times their weights, added in float32 in

@@ -74,6 +74,23 @@ class _QuantLinearBase(nn.Module):
         y = self._triton(x.reshape(-1, self.in_features), self._out_dtype(x), activation)
         return y.reshape(*x.shape[:-1], self.out_features // 2)
 
+    def fuses_norm(self, x: torch.Tensor, gate: str | None = None) -> bool:
+        """Whether a call on ``x`` runs Triton's kernel unsplit, which can take a residual add and a norm
+        (``forward_normed``)."""
+        width = self.out_features // 2 if gate else self.out_features
+        return self.backend == "triton" and not triton_linear.splits(x.numel() // self.in_features, width,
+                                                                     self.in_features)
+
+    def forward_normed(self, x: torch.Tensor, norm: triton_linear.AddNorm, gate: str | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, self(rms_norm(s)))`` for ``s = x + norm.residual`` in Triton's kernel (the ``triton`` backend)."""
+        if self.backend != "triton":
+            raise ValueError(f"a call with its norm runs on the triton backend, this layer's is {self.backend}")
+        x2 = x.reshape(-1, self.in_features)
+        norm = triton_linear.AddNorm(norm.residual.reshape(x2.shape), norm.weight, norm.eps)
+        total, y = self._triton(x2, self._out_dtype(x), gate, norm)
+        return total.reshape(x.shape), y.reshape(*x.shape[:-1], y.shape[-1])
+
     def _finish(self, y: torch.Tensor, x: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
         dtype = self._out_dtype(x)
         y = y.to(dtype)
@@ -158,9 +175,10 @@ class Int8Linear(_QuantLinearBase):
         """The float32 weight ``[out, in]`` this layer multiplies with."""
         return self.int_weight().float() * self.channel_scales().float()[:, None]
 
-    def _triton(self, x2: torch.Tensor, out_dtype: torch.dtype, gate: str | None = None) -> torch.Tensor:
-        """On Triton's kernel, the bias added and the output rounded (and gated) in it."""
-        return triton_linear.int8_matmul(x2, self.qweight, self.scales, self.bias, out_dtype, gate=gate)
+    def _triton(self, x2: torch.Tensor, out_dtype: torch.dtype, gate: str | None = None,
+                norm: triton_linear.AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """On Triton's kernel, the bias added and the output rounded (and gated, and its input normed) in it."""
+        return triton_linear.int8_matmul(x2, self.qweight, self.scales, self.bias, out_dtype, gate=gate, norm=norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -327,10 +345,11 @@ class Int4Linear(_QuantLinearBase):
         """The float32 weight ``[out, in]`` this layer multiplies with."""
         return dequantize_int4(self.int_weight(), self.scales, self.zeros, self.group_size)
 
-    def _triton(self, x2: torch.Tensor, out_dtype: torch.dtype, gate: str | None = None) -> torch.Tensor:
-        """On Triton's kernel, the bias added and the output rounded (and gated) in it."""
+    def _triton(self, x2: torch.Tensor, out_dtype: torch.dtype, gate: str | None = None,
+                norm: triton_linear.AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """On Triton's kernel, the bias added and the output rounded (and gated, and its input normed) in it."""
         return triton_linear.int4_matmul(x2, self.qweight, self.scales_and_zeros, self.group_size, self.bias,
-                                         out_dtype, gate=gate)
+                                         out_dtype, gate=gate, norm=norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -4,10 +4,13 @@ scaling is only a different table, and a token's rotation depends on its positio
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
+from torch import nn
 
 from quickdraft.config import RopeScaling
+from quickdraft.models import native, triton_ops
 
 
 def _inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
@@ -88,3 +91,84 @@ def rope_tables(head_dim: int, theta: float, scaling: RopeScaling | None, positi
         cos[start:start + len(pos)] = angles.cos() * attention
         sin[start:start + len(pos)] = angles.sin() * attention
     return cos, sin
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (NeoX) layout, as HF stores q/k projections; a table row per position (``rope.py``).
+
+    The tables grow with the positions a forward reaches (``reach``), doubling, up to the engine's context (``limit``):
+    Gemma 3 270M's two tables for its whole 32k context, 256-wide heads, are 64 MiB beside 270M parameters, and a
+    short conversation needs a few hundred rows."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.scaling, self.max_positions = head_dim, theta, scaling, max_positions
+        self.device = torch.device(device)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin [rows, D / 2]
+        self._grow = threading.Lock()
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
+
+    def limit(self, positions: int) -> None:
+        """Keep rows for the first ``positions`` positions only (at most the model's own context)."""
+        positions = min(positions, self.max_positions)
+        if positions != self.max_positions:
+            self.max_positions, self._tables, self._rows = positions, None, None
+
+    def reach(self, end: int) -> None:
+        """Rows for positions below ``end`` (at most ``max_positions``) from now on. Tables only ever grow (under a
+        lock: run-ahead drafting shares the model between threads), so every thread keeps rows for the positions it
+        reached itself whenever another grows them; a fused layer keeps the tables it was built on alive."""
+        tables = self._tables
+        if tables is not None and len(tables[0]) >= end:
+            return
+        with self._grow:
+            tables = self._tables
+            if tables is None or len(tables[0]) < end:
+                rows = min(self.max_positions, max(end, 256, 2 * len(tables[0]) if tables is not None else 0))
+                cos, sin = rope_tables(self.head_dim, self.theta, self.scaling, rows)
+                self._tables = (cos.to(self.device), sin.to(self.device))
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reach(1)
+        return self._tables
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.tables()[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.tables()[1]
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of ``positions`` as ``[T, 1, head_dim / 2]``, gathered once per step: every layer of a forward
+        passes the same positions tensor (on a GPU each gather is a kernel launch, and decoding is launch-bound)."""
+        cached = self._rows  # one read: threads that share the model (run-ahead self-drafting) each see a whole tuple
+        if cached is None or cached[0] is not positions:
+            cached = self._rows = (positions, self.cos[positions][:, None, :], self.sin[positions][:, None, :])
+        return cached[1], cached[2]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; may rotate x in place (x is a fresh projection output)."""
+        if native.runs_rope(x):
+            cos, sin = self.tables()
+            return native.rope_(x, positions, cos, sin)
+        if triton_ops.runs_rope(x):
+            cos, sin = self.tables()
+            return triton_ops.rope_(x, positions, cos, sin)
+        cos, sin = self.rows(positions)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+    def rotate_pair(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated (maybe in place); in one call (one launch) where k's heads follow q's in one buffer."""
+        t, heads, d = q.shape
+        one_buffer = q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() and q.dtype == k.dtype
+        if (one_buffer and k.shape[0] == t and k.shape[2] == d and q.stride() == k.stride() == (q.stride(0), d, 1)
+                and k.data_ptr() == q.data_ptr() + heads * d * q.element_size()):
+            qk = self(q.as_strided((t, heads + k.shape[1], d), q.stride()), positions)
+            return qk[:, :heads], qk[:, heads:]
+        return self(q, positions), self(k, positions)

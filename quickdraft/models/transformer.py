@@ -7,7 +7,6 @@ who attends to what.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Collection, Mapping
 from typing import Protocol
 
@@ -15,11 +14,12 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from quickdraft.config import ModelConfig, RopeScaling
+from quickdraft.config import ModelConfig
 from quickdraft.models import native, triton_ops
 from quickdraft.models.feed_forward import MLP, SparseMoE
 from quickdraft.models.fused import FusedLayer, FusedStack, SingleTokens
-from quickdraft.models.rope import rope_tables
+from quickdraft.models.norms import RMSNorm, add_norm, add_norm_project
+from quickdraft.models.rope import RotaryEmbedding
 
 
 class Attention(Protocol):
@@ -36,101 +36,6 @@ class Attention(Protocol):
 
     def single_tokens(self, layer: int) -> SingleTokens | None:
         """Where every new token attends alone on quickdraft's CPU kernel: what a fused layer needs; else None."""
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if native.runs_rms_norm(x, self.weight):  # one call instead of ~8 small torch ops
-            return native.rms_norm(x, self.weight, self.eps)
-        if triton_ops.runs_rms_norm(x, self.weight):  # one kernel on a GPU
-            return triton_ops.rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half (NeoX) layout, as HF stores q/k projections; a table row per position (``rope.py``).
-
-    The tables grow with the positions a forward reaches (``reach``), doubling, up to the engine's context (``limit``):
-    Gemma 3 270M's two tables for its whole 32k context, 256-wide heads, are 64 MiB beside 270M parameters, and a
-    short conversation needs a few hundred rows."""
-
-    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None,
-                 device: str | torch.device = "cpu") -> None:
-        super().__init__()
-        self.head_dim, self.theta, self.scaling, self.max_positions = head_dim, theta, scaling, max_positions
-        self.device = torch.device(device)
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin [rows, D / 2]
-        self._grow = threading.Lock()
-        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
-
-    def limit(self, positions: int) -> None:
-        """Keep rows for the first ``positions`` positions only (at most the model's own context)."""
-        positions = min(positions, self.max_positions)
-        if positions != self.max_positions:
-            self.max_positions, self._tables, self._rows = positions, None, None
-
-    def reach(self, end: int) -> None:
-        """Rows for positions below ``end`` (at most ``max_positions``) from now on. Tables only ever grow (under a
-        lock: run-ahead drafting shares the model between threads), so every thread keeps rows for the positions it
-        reached itself whenever another grows them; a fused layer keeps the tables it was built on alive."""
-        tables = self._tables
-        if tables is not None and len(tables[0]) >= end:
-            return
-        with self._grow:
-            tables = self._tables
-            if tables is None or len(tables[0]) < end:
-                rows = min(self.max_positions, max(end, 256, 2 * len(tables[0]) if tables is not None else 0))
-                cos, sin = rope_tables(self.head_dim, self.theta, self.scaling, rows)
-                self._tables = (cos.to(self.device), sin.to(self.device))
-
-    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.reach(1)
-        return self._tables
-
-    @property
-    def cos(self) -> torch.Tensor:
-        return self.tables()[0]
-
-    @property
-    def sin(self) -> torch.Tensor:
-        return self.tables()[1]
-
-    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of ``positions`` as ``[T, 1, head_dim / 2]``, gathered once per step: every layer of a forward
-        passes the same positions tensor (on a GPU each gather is a kernel launch, and decoding is launch-bound)."""
-        cached = self._rows  # one read: threads that share the model (run-ahead self-drafting) each see a whole tuple
-        if cached is None or cached[0] is not positions:
-            cached = self._rows = (positions, self.cos[positions][:, None, :], self.sin[positions][:, None, :])
-        return cached[1], cached[2]
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; may rotate x in place (x is a fresh projection output)."""
-        if native.runs_rope(x):
-            cos, sin = self.tables()
-            return native.rope_(x, positions, cos, sin)
-        if triton_ops.runs_rope(x):
-            cos, sin = self.tables()
-            return triton_ops.rope_(x, positions, cos, sin)
-        cos, sin = self.rows(positions)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-    def rotate_pair(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k rotated (maybe in place); in one call (one launch) where k's heads follow q's in one buffer."""
-        t, heads, d = q.shape
-        one_buffer = q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() and q.dtype == k.dtype
-        if (one_buffer and k.shape[0] == t and k.shape[2] == d and q.stride() == k.stride() == (q.stride(0), d, 1)
-                and k.data_ptr() == q.data_ptr() + heads * d * q.element_size()):
-            qk = self(q.as_strided((t, heads + k.shape[1], d), q.stride()), positions)
-            return qk[:, :heads], qk[:, heads:]
-        return self(q, positions), self(k, positions)
 
 
 class SelfAttention(nn.Module):
@@ -162,19 +67,35 @@ class SelfAttention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
-        t = x.shape[0]
         if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x)
-            heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-            qk = qkv[:, :(heads + kv_heads) * dim].reshape(t, heads + kv_heads, dim)
-            if self.q_norm is None and self.clip is None and not native.runs_rope(qk):  # off CPU: rotated by attend
-                v = qkv[:, (heads + kv_heads) * dim:].reshape(t, kv_heads, dim)
-                out = attn.attend(self.layer, qk[:, :heads], qk[:, heads:], v, self.scale, self.window, self.sinks,
-                                  rotary=rope)
-                return self.o_proj(out.reshape(t, -1))
-            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return self.forward_qkv(self.qkv_proj(x), rope, attn)
+        return self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), rope, attn)
+
+    def forward_added(self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm, rope: RotaryEmbedding,
+                      attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, self(norm(s), ...))`` for ``s = x + pending``: the add and the norm in the q/k/v projection's
+        kernel where it takes them (``add_norm_project``)."""
+        if self.qkv_proj is None:
+            x, h = add_norm(x, pending, norm)
+            return x, self(h, rope, attn)
+        x, qkv = add_norm_project(x, pending, norm, self.qkv_proj)
+        return x, self.forward_qkv(qkv, rope, attn)
+
+    def forward_qkv(self, qkv: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
+        """The attention's output from the output of ``qkv_proj``."""
+        t = qkv.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qk = qkv[:, :(heads + kv_heads) * dim].reshape(t, heads + kv_heads, dim)
+        if self.q_norm is None and self.clip is None and not native.runs_rope(qk):  # off CPU: rotated by attend
+            v = qkv[:, (heads + kv_heads) * dim:].reshape(t, kv_heads, dim)
+            out = attn.attend(self.layer, qk[:, :heads], qk[:, heads:], v, self.scale, self.window, self.sinks,
+                              rotary=rope)
+            return self.o_proj(out.reshape(t, -1))
+        return self._attend(*qkv.split(self.qkv_sizes, dim=-1), rope, attn)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RotaryEmbedding, attn: Attention
+                ) -> torch.Tensor:
+        t = q.shape[0]
         if self.norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
@@ -251,24 +172,13 @@ class DecoderLayer(nn.Module):
     def forward_pending(self, x: torch.Tensor, pending: torch.Tensor | None, rope: RotaryEmbedding, attn: Attention
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` of ``x + pending`` with its residual adds left to the norm after each (one kernel for the
-        two on a GPU): returns ``(x, pending)`` whose sum is the layer's output."""
-        x, h = add_norm(x, pending, self.input_layernorm)
-        out = self.self_attn(h, rope, attn)
+        two on a GPU, or inside the next projection's: ``add_norm_project``): returns ``(x, pending)`` whose sum is
+        the layer's output."""
+        x, out = self.self_attn.forward_added(x, pending, self.input_layernorm, rope, attn)
         if self.sandwich:
-            x, h = add_norm(x, self.post_attention_layernorm(out), self.pre_feedforward_layernorm)
-            return x, self.post_feedforward_layernorm(self.mlp(h))
-        x, h = add_norm(x, out, self.post_attention_layernorm)
-        return x, self.mlp(h)
-
-
-def add_norm(x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, norm(s))`` for ``s = x + pending`` (``x`` where nothing is pending), the add and the norm in one kernel."""
-    if pending is None:
-        return x, norm(x)
-    if not triton_ops.runs_rms_norm(x, norm.weight):
-        x = x + pending
-        return x, norm(x)
-    return triton_ops.add_rms_norm(x, pending, norm.weight, norm.eps)
+            x, y = self.mlp.forward_added(x, self.post_attention_layernorm(out), self.pre_feedforward_layernorm)
+            return x, self.post_feedforward_layernorm(y)
+        return self.mlp.forward_added(x, out, self.post_attention_layernorm)
 
 
 class Backbone(nn.Module):

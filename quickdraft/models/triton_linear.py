@@ -25,14 +25,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from quickdraft.models.packed import WrappedLinear
+from quickdraft.models.triton_linear_kernels import kernels
 
-triton = tl = None  # optional (pip install triton): imported by _kernels, on first use
-_sums = _int4_tile = _dot = _finished = _gated = _chunk_total = None  # the kernels' helpers (_helpers)
 
 # Run the kernel on CPU tensors too, under Triton's interpreter (tests set it; see kv/paged_attention.py).
 KERNEL_ON_CPU = False
@@ -75,37 +75,60 @@ SPLIT_FROM_CHUNKS = 4
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
+@dataclass(frozen=True)
+class AddNorm:
+    """A projection's input given as ``rms_norm(x + residual)`` (a decoder layer's residual add and the norm before
+    its q/k/v or gate/up): computed in the matmul kernel itself, one launch fewer (``triton_linear_kernels``).
+    ``residual`` is x's shape and dtype, ``weight`` the norm's ``[K]``."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    def check(self, x: torch.Tensor) -> None:
+        r, w = self.residual, self.weight
+        if r.shape != x.shape or r.dtype != x.dtype or r.device != x.device:
+            raise ValueError(f"the residual must be x's {tuple(x.shape)} {x.dtype} on {x.device}, got "
+                             f"{tuple(r.shape)} {r.dtype} on {r.device}")
+        if w.shape != (x.shape[-1],) or w.device != x.device:
+            raise ValueError(f"the norm's weight must be [{x.shape[-1]}] on {x.device}, got {tuple(w.shape)} on "
+                             f"{w.device}")
+
+
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                out_dtype: torch.dtype = torch.float32, split: bool | None = None, gate: str | None = None
-                ) -> torch.Tensor:
+                out_dtype: torch.dtype = torch.float32, split: bool | None = None, gate: str | None = None,
+                norm: AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K] @ (qweight * scales[:, None]).T + bias`` as ``[M, N]`` of ``out_dtype``, summed and biased in
     float32 and rounded once; ``split`` forces K's chunks into programs of their own (True) or not (False) where None
     lets the shape choose: the result is the same either way. ``gate`` (one of ``ACTIVATIONS``): the output's two
     halves are a gate and an up projection, and the result ``[M, N // 2]`` is ``gate(first) * second``: the bits of
-    ``triton_ops.gated`` after the call without it."""
-    return _matmul(x, qweight, scales, bias, out_dtype, bits=8, group=1, split=split, gate=gate)
+    ``triton_ops.gated`` after the call without it. ``norm``: the input is ``rms_norm(x + norm.residual)``, and the
+    result is ``(x + norm.residual, out)``, the sum rounded to x's dtype."""
+    return _matmul(x, qweight, scales, bias, out_dtype, bits=8, group=1, split=split, gate=gate, norm=norm)
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, split: bool | None = None,
-                gate: str | None = None) -> torch.Tensor:
+                gate: str | None = None, norm: AddNorm | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K] @ W.T + bias`` with ``W[n, k] = (q - 8) * s + z`` from nibbles ``qweight [N, K // 2]`` and
     ``scales_and_zeros [K // group, N, 2]``; the rest as in ``int8_matmul``."""
     if BLOCK_K % group:
         raise ValueError(f"the triton int4 kernel takes groups dividing {BLOCK_K} columns, got {group}")
-    return _matmul(x, qweight, scales_and_zeros, bias, out_dtype, bits=4, group=group, split=split, gate=gate)
+    return _matmul(x, qweight, scales_and_zeros, bias, out_dtype, bits=4, group=group, split=split, gate=gate,
+                   norm=norm)
 
 
 def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.float32, split: bool | None = None, gate: str | None = None
-                 ) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float32, split: bool | None = None, gate: str | None = None,
+                 norm: AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K] @ weight.T + bias`` for a bfloat16 ``weight [N, K]`` (on a GPU the products are bfloat16 either
     way); the rest as in ``int8_matmul``."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"float_matmul takes a contiguous bfloat16 [N, K] weight, got {weight.dtype} "
                          f"{tuple(weight.shape)} with strides {weight.stride()}")
-    return _matmul(x, weight, weight, bias, out_dtype, bits=16, group=1, split=split, gate=gate)  # (the weight
-    # stands in for scales, unread)
+    return _matmul(x, weight, weight, bias, out_dtype, bits=16, group=1, split=split, gate=gate,
+                   norm=norm)  # (the weight stands in for scales, unread)
 
 
 class TritonLinear(WrappedLinear):
@@ -127,6 +150,21 @@ class TritonLinear(WrappedLinear):
     def forward_gated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """``act(gate) * up`` of this layer's output halves (``GatedProjection``); a long call's after cuBLAS."""
         return self._call(x, activation)
+
+    def fuses_norm(self, x: torch.Tensor, gate: str | None = None) -> bool:
+        """Whether a call on ``x`` runs the kernel unsplit, which can take a residual add and a norm
+        (``forward_normed``)."""
+        rows = x.numel() // self.in_features
+        width = self.out_features // 2 if gate else self.out_features
+        return rows <= self.max_rows and not splits(rows, width, self.in_features)
+
+    def forward_normed(self, x: torch.Tensor, norm: AddNorm, gate: str | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, self(rms_norm(s)))`` for ``s = x + norm.residual``, in one kernel (``fuses_norm`` calls only)."""
+        x2 = x.reshape(-1, self.in_features)
+        norm = AddNorm(norm.residual.reshape(x2.shape), norm.weight, norm.eps)
+        total, y = float_matmul(x2, self.linear.weight, self.linear.bias, out_dtype=x.dtype, gate=gate, norm=norm)
+        return total.reshape(x.shape), y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _call(self, x: torch.Tensor, gate: str | None) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -157,13 +195,27 @@ class GatedProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.projection.forward_gated(x, self.activation)
 
+    def fuses_norm(self, x: torch.Tensor) -> bool:
+        return self.projection.fuses_norm(x, self.activation)
+
+    def forward_normed(self, x: torch.Tensor, norm: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, self(rms_norm(s)))`` for ``s = x + norm.residual``, in one kernel."""
+        return self.projection.forward_normed(x, norm, self.activation)
+
     def extra_repr(self) -> str:
         return f"activation={self.activation}"
 
 
+def splits(rows: int, out_features: int, in_features: int) -> bool:
+    """Whether a call of ``rows`` rows sums K's chunks in programs of their own (``out_features``: the kernel's
+    output columns, a gated projection's half)."""
+    tiles = -(-out_features // BLOCK_N) * -(-rows // BLOCK_M)
+    return -(-in_features // CHUNK_K) >= SPLIT_FROM_CHUNKS and tiles < SPLIT_BELOW
+
+
 def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-            out_dtype: torch.dtype, bits: int, group: int, split: bool | None, gate: str | None = None
-            ) -> torch.Tensor:
+            out_dtype: torch.dtype, bits: int, group: int, split: bool | None, gate: str | None = None,
+            norm: AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
     rows, k = x.shape
     n = qweight.shape[0]
@@ -171,30 +223,36 @@ def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: 
         raise ValueError(f"gate must be one of {', '.join(ACTIVATIONS)} on an even number of output columns, got "
                          f"{gate!r} on {n}")
     width = n if gate is None else n // 2
+    if norm is not None:
+        norm.check(x)
+        if split or (split is None and splits(rows, width, k)):
+            raise ValueError(f"a norm runs in an unsplit call only (triton_linear.splits), got {rows} rows of {k} "
+                             f"to {width}")
     out = torch.empty(rows, width, dtype=out_dtype, device=x.device)
+    total = None if norm is None else torch.empty_like(x)  # x + residual, the residual stream's next value
     if rows == 0:
-        return out
+        return out if norm is None else (total, out)
     if bias is not None and (bias.shape != (n,) or bias.device != x.device):
         raise ValueError(f"bias must be [{n}] on {x.device}, got {tuple(bias.shape)} on {bias.device}")
     tiles, chunks = (-(-width // BLOCK_N), -(-rows // BLOCK_M)), -(-k // CHUNK_K)
-    if split is None:
-        split = chunks >= SPLIT_FROM_CHUNKS and tiles[0] * tiles[1] < SPLIT_BELOW
+    split = splits(rows, width, k) if split is None else split
     # the chunks' sums [chunks, M, N] where they run apart (a decode step's: a few KiB to a MiB)
     sums = torch.empty(chunks, rows, n, dtype=torch.float32, device=x.device) if split else out
     scales = scales.contiguous()
     bias_or_any = scales if bias is None else bias.contiguous()  # (unread without a bias)
     gate_code = -1 if gate is None else ACTIVATIONS[gate]
-    matmul, add_chunks = _kernels()
+    residual, norm_weight = (x, x) if norm is None else (norm.residual.contiguous(), norm.weight.contiguous())
     # enable_fp_fusion=False: every product and sum rounds on its own, as the docstrings say (int8's scale, then the
     # bias; int4's (q - 8) * scale + zero) and as the interpreter does; a fused multiply-add rounds once
-    matmul[((-(-n // BLOCK_N), tiles[1], chunks) if split else tiles + (1,))](
-        x, qweight, scales, bias_or_any, sums, rows, n, k, x.stride(0), 1 if split else chunks,
+    kernels()[0][((-(-n // BLOCK_N), tiles[1], chunks) if split else tiles + (1,))](
+        x, qweight, scales, bias_or_any, sums, rows, n, k, x.stride(0), 1 if split else chunks, residual,
+        norm_weight, x if total is None else total, 0.0 if norm is None else float(norm.eps),
         BITS=bits, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, CHUNK_TILES=CHUNK_TILES,
         FINAL=not split, HAS_BIAS=bias is not None, DOT_BF16=x.is_cuda, GATE=-1 if split else gate_code,
-        enable_fp_fusion=False)
+        NORM=0 if norm is None else 1, enable_fp_fusion=False)
     if split:
         _add_chunks(sums, scales, bias_or_any, out, bits, bias is not None, gate_code)
-    return out
+    return out if norm is None else (total, out)
 
 
 def gate_rows(gate_up: torch.Tensor, gate: str) -> torch.Tensor:
@@ -209,166 +267,8 @@ def gate_rows(gate_up: torch.Tensor, gate: str) -> torch.Tensor:
 
 def _add_chunks(sums: torch.Tensor, scales: torch.Tensor, bias_or_any: torch.Tensor, out: torch.Tensor, bits: int,
                 has_bias: bool, gate_code: int) -> None:
-    """``out`` from the chunks' sums ``[chunks, M, N]``: added, scaled, biased, gated and rounded (``_kernels``)."""
+    """``out`` from the chunks' sums ``[chunks, M, N]``: added, scaled, biased, gated and rounded."""
     block = 1024
-    _kernels()[1][(-(-out.numel() // block),)](sums, scales, bias_or_any, out, out.numel(), sums[0].numel(),
-                                               sums.shape[2], sums.shape[0], BITS=bits, HAS_BIAS=has_bias,
-                                               GATE=gate_code, BLOCK=block, enable_fp_fusion=False)
-
-
-@functools.cache
-def _kernels():
-    """Triton imported and the kernels defined on first use (see kv/paged_attention.py's ``_kernel``)."""
-    _helpers()
-
-    @triton.jit
-    def weight_only_matmul(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, chunks_per_program,
-                           BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, CHUNK_TILES: tl.constexpr, FINAL: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr, GATE: tl.constexpr):
-        """Rows ``rm`` by columns ``rn`` of the output, summed over ``chunks_per_program`` chunks of K from the
-        program's third index on: the whole of K into ``out [M, N]`` (``FINAL``: int8's row scales and the bias
-        applied, rounded to out's dtype; ``GATE`` >= 0, an activation of ``ACTIVATIONS``: ``out [M, N // 2]``, the
-        gated product of the weight's two halves, each rounded first), or one chunk's float32 sum into its slice of
-        ``out [chunks, M, N]``."""
-        # int64 offsets: a weight of more than 2^31 values (a 256k vocabulary's head) must not wrap
-        rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        chunk = tl.program_id(2) * chunks_per_program
-        total = _sums(x_ptr, w_ptr, s_ptr, rm, rn, chunk, chunks_per_program, M, N, K, stride_xm, BITS, GROUP,
-                      BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_TILES, DOT_BF16)
-        width = N
-        if FINAL:
-            total = _finished(total, s_ptr, b_ptr, rn[None, :], N, BITS, HAS_BIAS)
-            if GATE >= 0:  # the up projection's rows are the weight's second half
-                width = N // 2
-                up = _sums(x_ptr, w_ptr, s_ptr, rm, rn + width, chunk, chunks_per_program, M, N, K, stride_xm,
-                           BITS, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_TILES, DOT_BF16)
-                up = _finished(up, s_ptr, b_ptr, rn[None, :] + width, N, BITS, HAS_BIAS)
-                total = _gated(total.to(out_ptr.dtype.element_ty).to(tl.float32),
-                               up.to(out_ptr.dtype.element_ty).to(tl.float32), GATE)
-        at = out_ptr + tl.program_id(2).to(tl.int64) * M * N  # this chunk's slice (the first, and only, where not split)
-        tl.store(at + rm[:, None] * width + rn[None, :], total.to(out_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < width))
-
-    @triton.jit
-    def add_chunks(sums_ptr, s_ptr, b_ptr, out_ptr, size, chunk_size, N, chunks, BITS: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, GATE: tl.constexpr, BLOCK: tl.constexpr):
-        """``out`` (``size`` values) from the chunks' sums ``[chunks, M, N]`` (``chunk_size`` = M N): each column's
-        sums added in order (``_chunk_total``), as ``weight_only_matmul`` adds them in one program, then ``_finished``,
-        then, for a ``GATE``, the gated product of the two halves' columns, each rounded to out's dtype first."""
-        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        inside = at < size
-        if GATE >= 0:
-            half = N // 2
-            first, col = at // half * N + at % half, at % half
-            gate = _finished(_chunk_total(sums_ptr + first, inside, chunk_size, chunks, BLOCK), s_ptr, b_ptr, col, N,
-                             BITS, HAS_BIAS)
-            up = _finished(_chunk_total(sums_ptr + first + half, inside, chunk_size, chunks, BLOCK), s_ptr, b_ptr,
-                           col + half, N, BITS, HAS_BIAS)
-            total = _gated(gate.to(out_ptr.dtype.element_ty).to(tl.float32),
-                           up.to(out_ptr.dtype.element_ty).to(tl.float32), GATE)
-        else:
-            total = _finished(_chunk_total(sums_ptr + at, inside, chunk_size, chunks, BLOCK), s_ptr, b_ptr, at % N,
-                              N, BITS, HAS_BIAS)
-        tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=inside)
-
-    return weight_only_matmul, add_chunks
-
-
-@functools.cache
-def _helpers() -> None:
-    """Triton imported and the functions the kernels call defined, as module globals: where Triton's interpreter
-    looks for them."""
-    global triton, tl, _sums, _int4_tile, _dot, _finished, _gated, _chunk_total
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _sums(x_ptr, w_ptr, s_ptr, rm, rn, chunk, chunks, M, N, K, stride_xm, BITS: tl.constexpr,
-              GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              CHUNK_TILES: tl.constexpr, DOT_BF16: tl.constexpr):
-        """The float32 sums of rows ``rm`` by weight rows ``rn`` over ``chunks`` chunks of K from ``chunk`` on,
-        each chunk summed from zero and added in order."""
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        done = 0
-        while done < chunks:  # (a while loop: the interpreter cannot take range() over a runtime bound)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for tile in tl.static_range(CHUNK_TILES):
-                k0 = (chunk + done) * CHUNK_TILES * BLOCK_K + tile * BLOCK_K
-                if BITS >= 8:  # int8, or bfloat16 (BITS 16): a tile of the weight as it is stored
-                    rk = k0 + tl.arange(0, BLOCK_K)
-                    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                                mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-                    w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=(rk[:, None] < K) & (rn[None, :] < N),
-                                other=0)  # the tile [BLOCK_K, BLOCK_N], transposed
-                    acc = _dot(x, w.to(tl.float32), acc, DOT_BF16)
-                else:
-                    acc = _int4_tile(x_ptr, w_ptr, s_ptr, acc, rm, rn, k0, M, N, K, stride_xm, GROUP, BLOCK_N,
-                                     BLOCK_K, DOT_BF16)
-            total += acc
-            done += 1
-        return total
-
-    @triton.jit
-    def _int4_tile(x_ptr, w_ptr, s_ptr, acc, rm, rn, k0, M, N, K, stride_xm, GROUP: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr):
-        """``acc`` plus the tile of K from ``k0``: each byte of the weight is read once, its low nibbles (even
-        columns) and high ones (odd) widened apart and met with x's even and odd columns; the tile's groups' scales
-        and zeros are read once each, as a [groups, 1, BLOCK_N] block."""
-        g = tl.arange(0, BLOCK_K // GROUP)[:, None, None]
-        pair = g * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :, None]  # the byte's place in the tile
-        inside = (pair < (K - k0) // 2) & (rn[None, None, :] < N)  # (K even: the same bytes as k0 + 2 pair < K,
-        # a mask of unit stride, which compiles to vector loads)
-        packed = tl.load(w_ptr + rn[None, None, :] * (K // 2) + k0 // 2 + pair, mask=inside, other=0).to(tl.int32)
-        at = ((k0 // GROUP + g) * N + rn[None, None, :]) * 2
-        group_inside = (k0 + g * GROUP < K) & (rn[None, None, :] < N)
-        scale = tl.load(s_ptr + at, mask=group_inside, other=0.0).to(tl.float32)
-        zero = tl.load(s_ptr + at + 1, mask=group_inside, other=0.0).to(tl.float32)
-        low = tl.reshape(((packed & 0xF).to(tl.float32) - 8.0) * scale + zero, (BLOCK_K // 2, BLOCK_N))
-        high = tl.reshape(((packed >> 4).to(tl.float32) - 8.0) * scale + zero, (BLOCK_K // 2, BLOCK_N))
-        even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        row_inside = rm[:, None] < M
-        x_even = tl.load(x_ptr + rm[:, None] * stride_xm + even[None, :], mask=row_inside & (even[None, :] < K),
-                         other=0.0)
-        x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + even[None, :] + 1,
-                        mask=row_inside & (even[None, :] + 1 < K), other=0.0)
-        acc = _dot(x_even, low, acc, DOT_BF16)
-        return _dot(x_odd, high, acc, DOT_BF16)
-
-    @triton.jit
-    def _dot(x, w, acc, DOT_BF16: tl.constexpr):
-        if DOT_BF16:  # tensor cores: bfloat16 products, float32 sums
-            return tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16), acc)
-        return tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")  # what the interpreter gets right
-
-    @triton.jit
-    def _finished(total, s_ptr, b_ptr, cols, N, BITS: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """Float32 sums of output columns ``cols`` times int8's row scales, plus the bias."""
-        if BITS == 8:
-            total = total * tl.load(s_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            total = total + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        return total
-
-    @triton.jit
-    def _gated(gate, up, ACT: tl.constexpr):
-        """``act(gate) * up`` in float32: SiLU (``ACT`` 0) or GELU with tanh's approximation (1)."""
-        if ACT == 0:  # silu: gate * sigmoid(gate)
-            a = gate
-        else:  # gelu with tanh's approximation, 0.5 gate (1 + tanh(z)) = gate * sigmoid(2z)
-            a = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
-        e = tl.exp(-tl.abs(a))  # sigmoid without overflow: exp of a value <= 0 only
-        return gate * tl.where(a >= 0, 1.0 / (1.0 + e), e / (1.0 + e)) * up
-
-    @triton.jit
-    def _chunk_total(sums, inside, chunk_size, chunks, BLOCK: tl.constexpr):
-        """The chunks' sums added in order, from the first (a sum of a chunk is never -0.0, as it starts from +0.0;
-        a value of cuBLAS's, ``gate_rows``', may be, and keeps its sign)."""
-        total = tl.load(sums, mask=inside, other=0.0).to(tl.float32)
-        chunk = 1  # stepped a chunk at a time: chunks * chunk_size may pass 2^31 where a caller forces the split
-        while chunk < chunks:
-            sums += chunk_size
-            total += tl.load(sums, mask=inside, other=0.0).to(tl.float32)
-            chunk += 1
-        return total
+    kernels()[1][(-(-out.numel() // block),)](sums, scales, bias_or_any, out, out.numel(), sums[0].numel(),
+                                              sums.shape[2], sums.shape[0], BITS=bits, HAS_BIAS=has_bias,
+                                              GATE=gate_code, BLOCK=block, enable_fp_fusion=False)
