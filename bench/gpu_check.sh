@@ -31,9 +31,9 @@ timeout 140 python3 -m pytest -q -rs $workers tests/test_cuda.py tests/test_page
     tests/test_triton_linear.py tests/test_triton_linear_norm.py tests/test_triton_ops.py \
     2>&1 | tee "$OUT/tests.txt"
 echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
-timeout 75 python3 bench/gpu_linear.py --name gpu_check_linear 2>&1 | tee "$OUT/linear.txt"
+timeout 90 python3 bench/gpu_linear.py --name gpu_check_linear 2>&1 | tee "$OUT/linear.txt"
 cp bench/results/gpu_check_linear.json "$OUT/" 2>/dev/null
-timeout 340 python3 bench/cuda_decode.py ${1:+--shapes "$1"} --no-hf --graphs-only --batches 1,32 --profile --kernels \
+timeout 330 python3 bench/cuda_decode.py ${1:+--shapes "$1"} --no-hf --graphs-only --batches 1,32 --profile --kernels \
     --linears triton,int4 --linears-shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b --norm-apart \
     --name gpu_check_decode 2>&1 | tee "$OUT/bench.txt"
 cp bench/results/gpu_check_decode.json "$OUT/" 2>/dev/null

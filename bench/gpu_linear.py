@@ -8,8 +8,10 @@ activations) over its time, against a device-to-device copy measured in the same
 four projections times the layers, the linear part of a batch-1 decode step. int4 runs twice: K split over programs
 where the shape asks (the default) and in one program per output tile, K not split (what splitting gains), and
 bfloat16 on Triton's tiles both ways too. Gate/up also runs with its SwiGLU: cuBLAS or int4 then the activation's
-own kernel, against the activation in the Triton kernel's last step (``gate=``). Every call writes bfloat16, as the
-model's layers do.
+own kernel, against the activation in the Triton kernel's last step (``gate=``). Q/k/v and gate/up on Triton's
+bfloat16 tiles also run after the residual add and RMSNorm's own kernel (``triton_ops.add_rms_norm``), against the
+add and the norm inside the call (``norm=``, where the call is not split: ``models/norms.py``). Every call writes
+bfloat16, as the model's layers do.
 
 Usage: python bench/gpu_linear.py [--shapes smollm2-135m,qwen2.5-1.5b,qwen2.5-7b] [--rows 1,5,32] [--calls 50]
        [--device cuda|cpu] [--name gpu_linear]
@@ -104,10 +106,23 @@ def bench_projection(name: str, out_f: int, in_f: int, rows: list[int], calls: i
                                         weight.numel() * 2),
             "int4, then gated": (lambda x: triton_ops.gated(int4(x), "silu"), int4.qweight.numel() + sz.numel() * 2),
             "int4, gated": (lambda x: int4.forward_gated(x, "silu"), int4.qweight.numel() + sz.numel() * 2)})
+    if name in ("qkv", "gate_up"):  # the layer's residual add and norm before the call (x as its own residual)
+        gate = "silu" if name == "gate_up" else None
+        norm_weight = torch.ones(in_f, device=device, dtype=bf16)
+        formats.update({
+            "bfloat16, triton, after add+norm": (
+                lambda x: triton_linear.float_matmul(triton_ops.add_rms_norm(x, x, norm_weight, 1e-6)[1], weight,
+                                                     out_dtype=bf16, gate=gate), weight.numel() * 2),
+            "bfloat16, triton, add+norm in it": (
+                lambda x: triton_linear.float_matmul(x, weight, out_dtype=bf16, gate=gate,
+                                                     norm=triton_linear.AddNorm(x, norm_weight, 1e-6))[1],
+                weight.numel() * 2)})
     out = []
     for m in rows:
         x = torch.randn(m, in_f, generator=g).to(device, torch.bfloat16)
         for fmt, (fn, weight_bytes) in formats.items():
+            if fmt.endswith("in it") and triton_linear.splits(m, out_f // 2 if name == "gate_up" else out_f, in_f):
+                continue  # (a split call keeps the norm's own kernel)
             seconds = time_call(lambda: fn(x), calls, device)
             read = weight_bytes + x.numel() * 2
             out.append(dict(projection=name, out=out_f, inp=in_f, rows=m, format=fmt, us=seconds * 1e6,
