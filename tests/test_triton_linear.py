@@ -42,6 +42,23 @@ def randn(*shape: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=generator).to(DEVICE)
 
 
+def kernel_call(bits: int, weight: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> tuple[functools.partial, torch.Tensor]:
+    """The kernel's call on ``weight`` in ``bits`` (16: bfloat16 as stored; int4 in groups of 32), its bias fixed,
+    and the float32 weight it multiplies."""
+    if bits == 16:
+        weight = weight.to(torch.bfloat16)
+        return functools.partial(triton_linear.float_matmul, weight=weight, bias=bias), weight.float()
+    if bits == 8:
+        layer = Int8Linear.from_float(weight, kernel="triton")
+        run = functools.partial(triton_linear.int8_matmul, qweight=layer.qweight, scales=layer.scales, bias=bias)
+    else:
+        layer = Int4Linear.from_float(weight, group_size=32, kernel="triton")
+        run = functools.partial(triton_linear.int4_matmul, qweight=layer.qweight,
+                                scales_and_zeros=layer.scales_and_zeros, group=32, bias=bias)
+    return run, layer.dequantize().to(weight.device)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 17, 70])
 @pytest.mark.parametrize("out_features,in_features", [(40, 96), (64, 256), (7, 160)])
 def test_int8_kernel_equals_the_weights(rows, out_features, in_features):
@@ -201,15 +218,7 @@ def test_the_gate_in_the_kernel_gives_the_bits_of_the_gated_kernel_after_it(monk
     g = torch.Generator().manual_seed(bits + 2 * split)
     in_features = 2 * triton_linear.CHUNK_K + 64
     weight, bias = randn(80, in_features, generator=g), randn(80, generator=g).to(torch.bfloat16)
-    if bits == 16:
-        run = functools.partial(triton_linear.float_matmul, weight=weight.to(torch.bfloat16), bias=bias)
-    elif bits == 8:
-        layer = Int8Linear.from_float(weight, kernel="triton")
-        run = functools.partial(triton_linear.int8_matmul, qweight=layer.qweight, scales=layer.scales, bias=bias)
-    else:
-        layer = Int4Linear.from_float(weight, group_size=32, kernel="triton")
-        run = functools.partial(triton_linear.int4_matmul, qweight=layer.qweight,
-                                scales_and_zeros=layer.scales_and_zeros, group=32, bias=bias)
+    run, _ = kernel_call(bits, weight, bias)
     for rows, dtype in [(1, torch.bfloat16), (5, torch.bfloat16), (17, torch.float32)]:
         x = randn(rows, in_features, generator=g)
         gated = run(x, out_dtype=dtype, split=split, gate=activation)

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.models import triton_linear, triton_ops
-from quickdraft.models.quant import Int4Linear, Int8Linear
+from quickdraft.models.quant import Int8Linear
+from test_triton_linear import kernel_call
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -38,18 +39,8 @@ def randn(*shape: int, generator: torch.Generator) -> torch.Tensor:
 def projection(bits: int, out_features: int, generator: torch.Generator, bias: torch.Tensor | None = None
                ) -> tuple[functools.partial, torch.Tensor]:
     """The kernel's call for a random weight in ``bits`` (16: bfloat16), and the float64 weight it multiplies."""
-    weight = randn(out_features, IN_FEATURES, generator=generator)
-    if bits == 16:
-        weight = weight.to(torch.bfloat16)
-        return functools.partial(triton_linear.float_matmul, weight=weight, bias=bias), weight.double()
-    if bits == 8:
-        layer = Int8Linear.from_float(weight, kernel="triton")
-        run = functools.partial(triton_linear.int8_matmul, qweight=layer.qweight, scales=layer.scales, bias=bias)
-    else:
-        layer = Int4Linear.from_float(weight, group_size=32, kernel="triton")
-        run = functools.partial(triton_linear.int4_matmul, qweight=layer.qweight,
-                                scales_and_zeros=layer.scales_and_zeros, group=32, bias=bias)
-    return run, layer.dequantize().double().to(DEVICE)
+    run, weight = kernel_call(bits, randn(out_features, IN_FEATURES, generator=generator), bias)
+    return run, weight.double()
 
 
 def reference(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -127,11 +118,11 @@ def test_the_layers_take_the_norm_and_refuse_what_does_not_fit():
         triton_linear.float_matmul(x2, linear.weight, norm=triton_linear.AddNorm(residual, norm.weight, EPS))
     with pytest.raises(ValueError, match="the residual must be x's"):
         triton_linear.float_matmul(x2, linear.weight, norm=triton_linear.AddNorm(x2.double(), norm.weight, EPS))
-    with pytest.raises(ValueError, match=r"the norm's weight must be \[1088\]"):
+    with pytest.raises(ValueError, match=r"the norm's weight must be a float \[1088\]"):
         triton_linear.float_matmul(x2, linear.weight, norm=triton_linear.AddNorm(x2, norm.weight[:-1], EPS))
     total, out = triton_linear.float_matmul(x2[:0], linear.weight, norm=triton_linear.AddNorm(x2[:0], norm.weight, EPS))
     assert total.shape == (0, IN_FEATURES) and out.shape == (0, 48)
-    with pytest.raises(ValueError, match="a norm runs in an unsplit call only"):
+    with pytest.raises(ValueError, match="a norm runs in unsplit calls"):
         triton_linear.float_matmul(x2, linear.weight, split=True, norm=triton_linear.AddNorm(x2, norm.weight, EPS))
     # K of four chunks, a narrow output: the kernel would split K, so the layer leaves the norm to its own kernel
     wide = torch.nn.Linear(4 * triton_linear.CHUNK_K, 48, dtype=torch.bfloat16).to(DEVICE)
@@ -139,9 +130,42 @@ def test_the_layers_take_the_norm_and_refuse_what_does_not_fit():
     assert triton_linear.splits(1, 48, 4 * triton_linear.CHUNK_K)
     assert not triton_linear.TritonLinear(wide, max_rows=8).fuses_norm(x_wide)
     assert not Int8Linear.from_float(wide.weight.float(), kernel="triton").fuses_norm(x_wide)
-    with pytest.raises(ValueError, match="a norm runs in an unsplit call only"):
+    with pytest.raises(ValueError, match="a norm runs in unsplit calls"):
         triton_linear.float_matmul(x_wide, wide.weight,
                                    norm=triton_linear.AddNorm(x_wide, torch.ones(x_wide.shape[1]), EPS))
+
+
+def test_whether_the_norm_runs_inside_never_depends_on_the_rows(monkeypatch):
+    """A shape whose single row splits K but whose 17 rows would not (a threshold lowered to show it on a small
+    weight; a 7B's gate/up at 49 rows and more): the norm stays in its own kernel at every row count, so a row's
+    output has the same bits alone as in a verify pass or a batch."""
+    from quickdraft.models.norms import RMSNorm, add_norm_project
+
+    monkeypatch.setattr(triton_linear, "SPLIT_BELOW", 2)
+    g = torch.Generator().manual_seed(8)
+    k = 4 * triton_linear.CHUNK_K
+    layer = Int8Linear.from_float(torch.randn(64, k, generator=g), kernel="triton")
+    assert triton_linear.splits(1, 64, k) and not triton_linear.splits(17, 64, k)
+    norm = RMSNorm(k, EPS)
+    x, pending = randn(17, k, generator=g), randn(17, k, generator=g)
+    assert not layer.fuses_norm(x[:1]) and not layer.fuses_norm(x)
+    one, batch = add_norm_project(x[:1], pending[:1], norm, layer), add_norm_project(x, pending, norm, layer)
+    assert torch.equal(one[0], batch[0][:1]) and torch.equal(one[1], batch[1][:1])
+    with pytest.raises(ValueError, match="a norm runs in unsplit calls"):
+        triton_linear.int8_matmul(x, layer.qweight, layer.scales, norm=triton_linear.AddNorm(pending, norm.weight, EPS))
+
+
+def test_a_bad_norm_is_refused():
+    weight = torch.zeros(8, IN_FEATURES, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.ones(2, IN_FEATURES, device=DEVICE)
+    for eps in (float("nan"), -1e-6, float("inf")):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            triton_linear.float_matmul(x, weight, norm=triton_linear.AddNorm(x, torch.ones(IN_FEATURES), eps))
+    with pytest.raises(ValueError, match="the norm's weight must be a float"):
+        triton_linear.float_matmul(x, weight, norm=triton_linear.AddNorm(x, torch.ones(IN_FEATURES, dtype=torch.int32),
+                                                                         EPS))
+    with pytest.raises(ValueError, match="a norm runs in unsplit calls"):  # no output columns: nothing writes the sum
+        triton_linear.float_matmul(x, weight[:0], norm=triton_linear.AddNorm(x, torch.ones(IN_FEATURES), EPS))
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every quantized model runs the kernel (tests/test_cuda.py)")

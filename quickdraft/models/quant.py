@@ -75,11 +75,10 @@ class _QuantLinearBase(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features // 2)
 
     def fuses_norm(self, x: torch.Tensor, gate: str | None = None) -> bool:
-        """Whether a call on ``x`` runs Triton's kernel unsplit, which can take a residual add and a norm
-        (``forward_normed``)."""
+        """Whether calls run Triton's kernel and this shape takes a residual add and a norm in it (``forward_normed``,
+        ``triton_linear.takes_norm``: never a question of the rows)."""
         width = self.out_features // 2 if gate else self.out_features
-        return self.backend == "triton" and not triton_linear.splits(x.numel() // self.in_features, width,
-                                                                     self.in_features)
+        return self.backend == "triton" and triton_linear.takes_norm(width, self.in_features)
 
     def forward_normed(self, x: torch.Tensor, norm: triton_linear.AddNorm, gate: str | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 
@@ -87,12 +88,14 @@ class AddNorm:
 
     def check(self, x: torch.Tensor) -> None:
         r, w = self.residual, self.weight
+        if not math.isfinite(self.eps) or self.eps < 0:
+            raise ValueError(f"the norm's eps must be a finite number >= 0, got {self.eps!r}")
         if r.shape != x.shape or r.dtype != x.dtype or r.device != x.device:
             raise ValueError(f"the residual must be x's {tuple(x.shape)} {x.dtype} on {x.device}, got "
                              f"{tuple(r.shape)} {r.dtype} on {r.device}")
-        if w.shape != (x.shape[-1],) or w.device != x.device:
-            raise ValueError(f"the norm's weight must be [{x.shape[-1]}] on {x.device}, got {tuple(w.shape)} on "
-                             f"{w.device}")
+        if w.shape != (x.shape[-1],) or w.device != x.device or not w.is_floating_point():
+            raise ValueError(f"the norm's weight must be a float [{x.shape[-1]}] on {x.device}, got {w.dtype} "
+                             f"{tuple(w.shape)} on {w.device}")
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
@@ -152,11 +155,10 @@ class TritonLinear(WrappedLinear):
         return self._call(x, activation)
 
     def fuses_norm(self, x: torch.Tensor, gate: str | None = None) -> bool:
-        """Whether a call on ``x`` runs the kernel unsplit, which can take a residual add and a norm
-        (``forward_normed``)."""
-        rows = x.numel() // self.in_features
+        """Whether a call on ``x`` runs the kernel and its shape takes a residual add and a norm (``takes_norm``;
+        ``forward_normed``). Every decode and verify forward is within ``max_rows``, so they all decide alike."""
         width = self.out_features // 2 if gate else self.out_features
-        return rows <= self.max_rows and not splits(rows, width, self.in_features)
+        return x.numel() // self.in_features <= self.max_rows and takes_norm(width, self.in_features)
 
     def forward_normed(self, x: torch.Tensor, norm: AddNorm, gate: str | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,6 +215,13 @@ def splits(rows: int, out_features: int, in_features: int) -> bool:
     return -(-in_features // CHUNK_K) >= SPLIT_FROM_CHUNKS and tiles < SPLIT_BELOW
 
 
+def takes_norm(out_features: int, in_features: int) -> bool:
+    """Whether calls of this shape take a residual add and norm (``AddNorm``): where no row count splits K (a single
+    row splits where any does). A property of the shape, never of the rows: the norm inside the kernel gives other
+    bits than its own kernel before it, so a row's bits would otherwise depend on its batch."""
+    return out_features > 0 and not splits(1, out_features, in_features)
+
+
 def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
             out_dtype: torch.dtype, bits: int, group: int, split: bool | None, gate: str | None = None,
             norm: AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -225,9 +234,9 @@ def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: 
     width = n if gate is None else n // 2
     if norm is not None:
         norm.check(x)
-        if split or (split is None and splits(rows, width, k)):
-            raise ValueError(f"a norm runs in an unsplit call only (triton_linear.splits), got {rows} rows of {k} "
-                             f"to {width}")
+        if split or not takes_norm(width, k):
+            raise ValueError(f"a norm runs in unsplit calls of a shape no row count splits (triton_linear.takes_norm), "
+                             f"got {k} columns to {width}{' split' if split else ''}")
     out = torch.empty(rows, width, dtype=out_dtype, device=x.device)
     total = None if norm is None else torch.empty_like(x)  # x + residual, the residual stream's next value
     if rows == 0:

@@ -10,9 +10,10 @@ projection fewer. Every program reads its rows' ``x`` and ``residual`` tile by t
 ``s = x + residual`` to x's dtype (the first column of programs writes ``s`` out: the residual stream's next value),
 multiplies it by the norm's weight and rounds again, and sums ``s * s`` beside the products. A row's reciprocal RMS
 is a factor of every one of its outputs, so it multiplies the finished sums once K is done: no pass over K before
-the products. A row's bits do not depend on the rows beside it. Only an unsplit call takes a norm: the launch it
-saves is what matters where K is short and the output narrow (a small model's projections), and a split K's
-programs would each need the whole row's squares.
+the products. A row's bits do not depend on the rows beside it. Only a shape that no row count splits takes a norm
+(``triton_linear.takes_norm``): the launch it saves is what matters where K is short (a small model's projections),
+a split K's programs would each need the whole row's squares, and the norm's bits inside the kernel differ from its
+own kernel's, so the choice must not follow the rows.
 """
 from __future__ import annotations
 
