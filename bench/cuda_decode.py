@@ -48,7 +48,7 @@ from conftest import write_word_tokenizer  # noqa: E402
 
 from quickdraft import LLM, SamplingParams  # noqa: E402
 from quickdraft.kv import ForwardItem, SequenceKV  # noqa: E402
-from quickdraft.models import norms, step_weight_bytes  # noqa: E402
+from quickdraft.models import norms, step_weight_bytes, triton_linear  # noqa: E402
 
 SHAPES = {  # transformers config fields of each real model's shape
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -251,7 +251,10 @@ def bench_linears(directory: Path, name: str, args, bandwidth: float, common: di
         del llm
         gc.collect()
         torch.cuda.empty_cache() if args.device == "cuda" else None
-        if args.norm_apart and fmt == args.linears.split(",")[0]:
+        shape = SHAPES[name]
+        takes = triton_linear.takes_norm(shape["intermediate_size"], shape["hidden_size"])  # gate/up (q/k/v's as
+        # wide or narrower: it takes the norm only where gate/up does)
+        if args.norm_apart and fmt == args.linears.split(",")[0] and takes:
             bench_norm_apart(directory, name, args, bandwidth, common, mode, options, rows, record)
 
 
