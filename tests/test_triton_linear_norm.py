@@ -38,20 +38,21 @@ def randn(*shape: int, generator: torch.Generator) -> torch.Tensor:
 
 def projection(bits: int, out_features: int, generator: torch.Generator, bias: torch.Tensor | None = None
                ) -> tuple[functools.partial, torch.Tensor]:
-    """The kernel's call for a random weight in ``bits`` (16: bfloat16), and the float64 weight it multiplies."""
+    """The kernel's call for a random weight in ``bits`` (16: bfloat16), and the float64 weight it multiplies (on a
+    GPU an int4 weight rounded to bfloat16, as its products take it; int8's values are exact there)."""
     run, weight = kernel_call(bits, randn(out_features, IN_FEATURES, generator=generator), bias)
-    return run, weight.double()
+    return run, (weight.to(torch.bfloat16) if DEVICE == "cuda" and bits == 4 else weight).double()
 
 
 def reference(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None, gate: str | None) -> torch.Tensor:
-    """``projection(rms_norm(x + residual))`` in float64 from the sum rounded to x's dtype (as the kernel rounds it);
-    on a GPU the normed input rounded to bfloat16, as its products take it."""
+    """``projection(rms_norm(x + residual))`` in float64 with the kernel's roundings: the sum rounded to x's dtype,
+    its product with the norm's weight rounded to x's dtype (and on a GPU to bfloat16, as its products take it), the
+    reciprocal RMS applied to the sums."""
     total = (x + residual).double()
-    h = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + EPS) * norm_weight.double()
-    if DEVICE == "cuda":
-        h = h.to(torch.bfloat16).double()
-    y = h @ weight.T + (0 if bias is None else bias.double())
+    h = (total * norm_weight.double()).to(x.dtype)
+    h = (h.to(torch.bfloat16) if DEVICE == "cuda" else h).double()
+    y = h @ weight.T * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + EPS) + (0 if bias is None else bias.double())
     if gate is None:
         return y.float()
     first, second = y.chunk(2, dim=-1)
