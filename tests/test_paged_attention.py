@@ -170,3 +170,24 @@ def test_splits_must_be_a_power_of_two():
     pool, q, tables, ctx, qlens, *_ = make_case(torch.float32, 2, 1, 32, [4], [1], 1)
     with pytest.raises(ValueError, match="splits must be a power of two, got 3"):
         paged_attention(q, pool.layer(0), tables, ctx, qlens, 1, BLOCK, 0.2, splits=3)
+
+
+def test_the_split_programs_count_on_counters_they_leave_at_zero():
+    """The last of a group's split programs merges their shares, counted on ``counters`` that it zeroes again: one
+    buffer serves call after call (every layer of a step, every replay of its graph) and gives the same bits as a
+    fresh one; a buffer too short or of another dtype is refused before the kernel runs."""
+    heads, kv_heads, dim, contexts, query_lens, queries, window = CASES["verify"]
+    pool, q, tables, ctx, qlens, keys, values = make_case(torch.float32, heads, kv_heads, dim, contexts, query_lens,
+                                                          queries, 7)
+    groups = paged.merge_groups(len(contexts), queries, heads, kv_heads)
+    counters = torch.zeros(groups + 3, dtype=torch.int32, device=DEVICE)
+    run = lambda **kw: paged_attention(q, pool.layer(0), tables, ctx, qlens, queries, BLOCK, 0.2, splits=8, **kw)
+    fresh = run()
+    for _ in range(2):
+        assert torch.equal(run(counters=counters), fresh)
+        assert not counters.any()
+    want = reference(q, keys, values, contexts, query_lens, queries, 0.2, window)
+    assert (fresh.double().cpu() - want).abs().max().item() < 2e-5
+    for bad in (counters[:groups - 1], counters.long()):
+        with pytest.raises(ValueError, match=f"counters must be at least {groups} int32 zeros"):
+            run(counters=bad)

@@ -5,8 +5,9 @@ This is the attention of the graph-ready step (``static_step.py``). Its shapes d
 (sequences x queries per sequence) and the block table's width, and it reads nothing back to the host, so a CUDA
 graph can capture it. The same math has two implementations:
 - ``triton``: ``splits`` programs per (sequence, key/value head, 16 query rows), each reading every ``splits``-th
-  tile of keys, merged by a second kernel (flash-decoding: a decode step's few rows would otherwise keep two or
-  three programs busy). The query heads that share a key/value head
+  tile of keys (flash-decoding: a decode step's few rows would otherwise keep two or three programs busy); the last
+  of them to finish merges their shares, counted on a per-group counter it resets (no second kernel: a launch a
+  layer fewer in a step bound by its launches). The query heads that share a key/value head
   (GQA) and all k+1 queries of a verify pass read each key block once, straight from the pool, in its format
   (float, or int8 with a scale per ``SCALE_GROUP`` values), and compute in float32: a decode step's attention is
   bound by the bytes it reads, not by its arithmetic (and the interpreter's bfloat16 ``tl.dot`` is wrong). It runs
@@ -35,6 +36,7 @@ from quickdraft.models.native import CacheLayer, KV_SCALE_GROUP
 from quickdraft.models.triton_linear import triton_available
 
 triton = tl = None  # optional (pip install triton): imported by _kernel, on first use
+_merge = None  # the kernel's helper (_merge_helper)
 
 BLOCK_M = 16  # query rows per program: tl.dot's smallest tile
 # Keys a program reads per trip through its loop, as values of a key tile (64 keys of a 64-wide head, 32 of a
@@ -75,19 +77,22 @@ def query_last_keys(context_lens: torch.Tensor, query_lens: torch.Tensor, querie
 
 def paged_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int = 0,
-                    sinks: torch.Tensor | None = None, splits: int = 1) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, splits: int = 1, counters: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """q ``[B * queries, H, D]`` (rows of a sequence consecutive); block_tables ``[B, width]``; context_lens,
     query_lens ``[B]``. Returns ``[B * queries, H, D]`` in q's dtype. ``window`` 0: every earlier key. ``sinks``
     [H] (gpt-oss's attention sinks) take the torch path: a mixture of experts, the one family with them, runs
     its static step eagerly. ``splits`` (a power of two, the kernel only): programs per group of rows, each reading
     every ``splits``-th tile of keys, merged after (flash-decoding): a decode step's few rows then keep more of the
     GPU busy. A row's result depends on ``splits``, so every forward that must give a row's bits alike (the static
-    step's decode steps, verify passes and prompt chunks) passes the same value (``KEY_SPLITS``)."""
+    step's decode steps, verify passes and prompt chunks) passes the same value (``KEY_SPLITS``). ``counters``:
+    int32 zeros, at least ``merge_groups`` of them, that the split kernel counts its finished programs on and leaves
+    at zero (a CUDA graph's step keeps one buffer for every layer: ``static_step.py``); None: made for this call."""
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two, got {splits}")
     if sinks is None and kernel_runs(q, cache, block_size):
         return _triton_attention(q, cache, block_tables, context_lens, query_lens, queries, block_size, scale, window,
-                                 splits)
+                                 splits, counters)
     return paged_attention_torch(q, cache, block_tables, context_lens, query_lens, queries, block_size, scale, window,
                                  sinks)
 
@@ -124,18 +129,33 @@ def paged_attention_torch(q: torch.Tensor, cache: CacheLayer, block_tables: torc
     return o.view(batch, kv_heads, queries, group, dim).permute(0, 2, 1, 3, 4).reshape(tokens, heads, dim)
 
 
+def merge_groups(batch: int, queries: int, heads: int, kv_heads: int) -> int:
+    """How many groups of split programs (each merging its own rows) a call of ``batch`` sequences of ``queries``
+    rows has: the counters it needs."""
+    return batch * kv_heads * -(-queries * (heads // kv_heads) // BLOCK_M)
+
+
 def _triton_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
                       query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int,
-                      splits: int) -> torch.Tensor:
+                      splits: int, counters: torch.Tensor | None) -> torch.Tensor:
     tokens, heads, dim = q.shape
     kv_heads = cache.k.shape[1]
     group = heads // kv_heads
     batch = block_tables.shape[0]
+    if splits > 1:
+        groups = merge_groups(batch, queries, heads, kv_heads)
+        if counters is None:
+            counters = torch.zeros(groups, dtype=torch.int32, device=q.device)
+        elif counters.dtype != torch.int32 or counters.numel() < groups or counters.device != q.device:
+            raise ValueError(f"counters must be at least {groups} int32 zeros on {q.device}, got {counters.numel()} "
+                             f"{counters.dtype} on {counters.device}")
+    else:
+        counters = context_lens  # (unread)
     out = torch.empty_like(q)
     quantized = cache.k_scale is not None
     scales = (cache.k_scale, cache.v_scale) if quantized else (cache.k, cache.v)  # unread placeholders
     block_d = max(16, 1 << (dim - 1).bit_length())
-    # each split's share of every row (running max and sum, weighted values), merged by the combine kernel
+    # each split's share of every row (running max and sum, weighted values), merged by the group's last program
     parts = (torch.empty(tokens, heads, splits, block_d, dtype=torch.float32, device=q.device),
              torch.empty(tokens, heads, splits, 2, dtype=torch.float32, device=q.device)) if splits > 1 else (out, out)
     # the rows per sequence are an argument, not a constant: prompt chunks of every length (static_step.run_chunks)
@@ -145,13 +165,10 @@ def _triton_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Te
     attend[grid](
         q, cache.k, cache.v, scales[0], scales[1], out, block_tables, context_lens, query_lens,
         q.stride(0), q.stride(1), cache.k.stride(0), cache.k.stride(1), scales[0].stride(0), scales[0].stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0), scale, queries, parts[0], parts[1], heads,
+        out.stride(0), out.stride(1), block_tables.stride(0), scale, queries, parts[0], parts[1], heads, counters,
         GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         TILE=max(block_size, TILE_VALUES // block_d), BLOCK_M=BLOCK_M, WINDOW=window, INT8=quantized,
         SCALE_GROUP=KV_SCALE_GROUP, SPLITS=splits)
-    if splits > 1:
-        _combine_kernel()[(tokens, heads)](parts[0], parts[1], out, out.stride(0), out.stride(1), heads, HEAD_DIM=dim,
-                                 BLOCK_D=block_d, SPLITS=splits)
     return out
 
 
@@ -162,11 +179,12 @@ def _kernel():
     global triton, tl
     import triton
     import triton.language as tl
+    _merge_helper()
 
     @triton.jit
     def paged_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tables_ptr, ctx_ptr, qlen_ptr,
                                stride_qt, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_ot, stride_oh,
-                               stride_table, scale, queries, part_acc_ptr, part_ml_ptr, HEADS,
+                               stride_table, scale, queries, part_acc_ptr, part_ml_ptr, HEADS, counter_ptr,
                                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                                BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, INT8: tl.constexpr, SCALE_GROUP: tl.constexpr,
@@ -236,35 +254,48 @@ def _kernel():
             o = acc / tl.maximum(l_i, 1e-30)[:, None]
             tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        else:  # this split's share of each row: its running max, sum and weighted values, merged by combine_kernel
+        else:  # this split's share of each row (its running max, sum and weighted values); the last split merges
             at = (token * HEADS + head) * SPLITS + split
             tl.store(part_ml_ptr + at * 2, m_i, mask=row_ok)
             tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=row_ok)
             tl.store(part_acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+            # every thread's shares stored before the count (a CUTLASS semaphore's order: the block's barrier, then
+            # one release at the GPU's scope); the program that counts the group's last merges, acquiring first
+            groups = tl.num_programs(2) // SPLITS
+            at_counter = counter_ptr + (seq * tl.num_programs(1) + kv_head) * groups + tl.program_id(2) // SPLITS
+            tl.debug_barrier()
+            if tl.atomic_add(at_counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                tl.store(at_counter, 0)  # zero again for the next launch (or the graph's next replay)
+                _merge(part_acc_ptr, part_ml_ptr, out_ptr, token, head, d, row_ok, d_ok, stride_ot, stride_oh, HEADS,
+                       BLOCK_M, BLOCK_D, SPLITS)
 
     return paged_attention_kernel
 
 
 @functools.cache
-def _combine_kernel():
-    """The kernel that merges a split decode's shares of each row (defined on first use, as ``_kernel``)."""
-    _kernel()  # Triton imported, ``tl`` among the globals
+def _merge_helper() -> None:
+    """The merge of a split group's shares, a module global (where the interpreter looks for it)."""
+    global _merge
 
     @triton.jit
-    def combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, HEADS, HEAD_DIM: tl.constexpr,
-                       BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
-        # one (token, head): its splits merged by their maxima, in one fixed order (log-sum-exp). A split that saw
-        # none of the row's keys holds (-1e30, 0, 0) and adds exact zeros; a row that saw no key at all gives zeros
-        token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        at = (token * HEADS + head) * SPLITS + tl.arange(0, SPLITS)
-        d = tl.arange(0, BLOCK_D)
-        m = tl.load(part_ml_ptr + at * 2)
-        weight = tl.exp(m - tl.max(m, 0))
-        total = tl.sum(weight * tl.load(part_ml_ptr + at * 2 + 1), 0)
-        acc = tl.sum(weight[:, None] * tl.load(part_acc_ptr + at[:, None] * BLOCK_D + d[None, :]), 0)
-        o = acc / tl.maximum(total, 1e-30)
-        tl.store(out_ptr + token * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty),
-                 mask=d < HEAD_DIM)
-
-    return combine_kernel
+    def _merge(part_acc_ptr, part_ml_ptr, out_ptr, token, head, d, row_ok, d_ok, stride_ot, stride_oh, HEADS,
+               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+        """Rows ``(token, head)`` from their ``SPLITS`` shares, in split order (log-sum-exp). A split that saw none
+        of a row's keys holds (-1e30, 0, 0) and adds exact zeros; a row that saw no key at all gives zeros. Read
+        past the L1 cache (``.cg``): the shares are other programs' writes."""
+        first = (token * HEADS + head) * SPLITS
+        top = tl.load(part_ml_ptr + first * 2, mask=row_ok, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLITS):
+            top = tl.maximum(top, tl.load(part_ml_ptr + (first + s) * 2, mask=row_ok, other=0.0,
+                                          cache_modifier=".cg"))
+        total = tl.zeros_like(top)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for s in tl.static_range(SPLITS):
+            at = first + s
+            weight = tl.exp(tl.load(part_ml_ptr + at * 2, mask=row_ok, other=0.0, cache_modifier=".cg") - top)
+            total += weight * tl.load(part_ml_ptr + at * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+            acc += weight[:, None] * tl.load(part_acc_ptr + at[:, None] * BLOCK_D + d[None, :], mask=row_ok[:, None],
+                                             other=0.0, cache_modifier=".cg")
+        o = acc / tl.maximum(total, 1e-30)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

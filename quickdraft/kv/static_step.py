@@ -89,8 +89,9 @@ class StaticAttention:
     """What the model sees of a static step (the model's ``Attention`` protocol): the new keys go to their slots,
     each sequence's queries attend through its block table."""
 
-    def __init__(self, pool: KVPool, inputs: dict[str, torch.Tensor], queries: int, end: int, splits: int) -> None:
-        self.pool, self.queries, self.end, self.splits = pool, queries, end, splits
+    def __init__(self, pool: KVPool, inputs: dict[str, torch.Tensor], queries: int, end: int, splits: int,
+                 counters: torch.Tensor) -> None:
+        self.pool, self.queries, self.end, self.splits, self.counters = pool, queries, end, splits, counters
         self.positions = inputs["positions"][:]  # a new view per forward: RoPE caches its rows by tensor identity
         self.slots, self.tables = inputs["slots"], inputs["tables"]
         self.context_lens, self.query_lens = inputs["context_lens"], inputs["query_lens"]
@@ -105,7 +106,8 @@ class StaticAttention:
             self.pool.write(layer, self.slots, k, v)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return paged_attention(q, self.pool.layer(layer), self.tables, self.context_lens, self.query_lens,
-                               self.queries, self.pool.block_size, scale, window or 0, sinks, self.splits)
+                               self.queries, self.pool.block_size, scale, window or 0, sinks, self.splits,
+                               self.counters)
 
     def single_tokens(self, layer: int) -> None:
         return None  # the CPU's fused C layers are not part of this path
@@ -136,6 +138,12 @@ class StaticStep:
         self._outputs: dict[str, torch.Tensor] = {}
         self.forwards = self.replays = 0  # decode and verify forwards run here, and of those served by a graph
         self.chunk_forwards = 0  # forwards of prompt chunks (run_chunks), replayed or eager
+        # the split attention's counters (paged_attention's ``counters``), zeros between launches: one buffer for
+        # every layer and bucket, made here since a graph must not zero its own (a launch a layer more)
+        rows = max(MAX_CHUNK_ROWS, self.seq_sizes[-1] * self.query_sizes[-1])  # a forward's most rows
+        self.merge_counters = torch.zeros(rows * model.config.num_heads, dtype=torch.int32, device=self.device)  # (a
+        # group merges up to 16 of a sequence's rows of one key/value head's queries: never more groups than rows
+        # times query heads)
 
     @property
     def end(self) -> int:
@@ -276,7 +284,7 @@ class StaticStep:
         (``KEY_SPLITS``), prompt chunks' too: a draft verified beside the last prompt chunk must get the bits it gets
         as a decode step."""
         views = inputs.views(inputs.device)
-        attn = StaticAttention(self.pool, views, bucket.queries, self.end, KEY_SPLITS)
+        attn = StaticAttention(self.pool, views, bucket.queries, self.end, KEY_SPLITS, self.merge_counters)
         hidden = self.model(views["tokens"], attn, num_layers=self.num_layers)
         return hidden if logit_columns is None else self._head(hidden, logit_columns)
 
