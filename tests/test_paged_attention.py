@@ -188,6 +188,23 @@ def test_the_split_programs_count_on_counters_they_leave_at_zero():
         assert not counters.any()
     want = reference(q, keys, values, contexts, query_lens, queries, 0.2, window)
     assert (fresh.double().cpu() - want).abs().max().item() < 2e-5
-    for bad in (counters[:groups - 1], counters.long()):
-        with pytest.raises(ValueError, match=f"counters must be at least {groups} int32 zeros"):
+    strided = torch.zeros(2 * groups, dtype=torch.int32, device=DEVICE)[::2]
+    for bad in (counters[:groups - 1], counters.long(), strided):
+        with pytest.raises(ValueError, match=f"counters must be at least {groups} contiguous int32 zeros"):
             run(counters=bad)
+
+
+@pytest.mark.skipif(DEVICE != "cuda",
+                    reason="the interpreter runs programs one at a time: the order under test is a GPU's")
+def test_many_groups_merge_right_launch_after_launch():
+    """On a GPU the split programs of a group finish in any order and the last merges: 300 launches of a batch of 64
+    decode rows (hundreds of groups) on one counters buffer, each bit for bit the first's, the buffer zero after."""
+    contexts = [40 + 37 * i % 400 for i in range(64)]
+    pool, q, tables, ctx, qlens, *_ = make_case(torch.bfloat16, 12, 2, 128, contexts, [1] * 64, 1, seed=9)
+    counters = torch.zeros(paged.merge_groups(64, 1, 12, 2), dtype=torch.int32, device=DEVICE)
+    run = lambda: paged_attention(q, pool.layer(0), tables, ctx, qlens, 1, BLOCK, 0.1, splits=8, counters=counters)
+    first = run()
+    outs = [run() for _ in range(300)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, first) for out in outs)
+    assert not counters.any()

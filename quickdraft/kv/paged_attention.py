@@ -146,9 +146,10 @@ def _triton_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Te
         groups = merge_groups(batch, queries, heads, kv_heads)
         if counters is None:
             counters = torch.zeros(groups, dtype=torch.int32, device=q.device)
-        elif counters.dtype != torch.int32 or counters.numel() < groups or counters.device != q.device:
-            raise ValueError(f"counters must be at least {groups} int32 zeros on {q.device}, got {counters.numel()} "
-                             f"{counters.dtype} on {counters.device}")
+        elif (counters.dtype != torch.int32 or counters.numel() < groups or counters.device != q.device
+              or not counters.is_contiguous()):
+            raise ValueError(f"counters must be at least {groups} contiguous int32 zeros on {q.device}, got "
+                             f"{counters.numel()} {counters.dtype} on {counters.device}")
     else:
         counters = context_lens  # (unread)
     out = torch.empty_like(q)

@@ -139,7 +139,8 @@ class StaticStep:
         self.forwards = self.replays = 0  # decode and verify forwards run here, and of those served by a graph
         self.chunk_forwards = 0  # forwards of prompt chunks (run_chunks), replayed or eager
         # the split attention's counters (paged_attention's ``counters``), zeros between launches: one buffer for
-        # every layer and bucket, made here since a graph must not zero its own (a launch a layer more)
+        # every layer and bucket, made here since a graph must not zero its own (a launch a layer more). Two of this
+        # step's forwards must never run at once (they never do: one stream at a time, _graph's side stream joined)
         rows = max(MAX_CHUNK_ROWS, self.seq_sizes[-1] * self.query_sizes[-1])  # a forward's most rows
         self.merge_counters = torch.zeros(rows * model.config.num_heads, dtype=torch.int32, device=self.device)  # (a
         # group merges up to 16 of a sequence's rows of one key/value head's queries: never more groups than rows
