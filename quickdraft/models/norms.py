@@ -18,6 +18,7 @@ from quickdraft.models.triton_linear import AddNorm
 # turns it off before loading a model to time the norm's own kernel against it (bench/cuda_decode.py --norm-apart).
 IN_PROJECTIONS = True
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

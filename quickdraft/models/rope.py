@@ -161,7 +161,6 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
-
     def rotate_pair(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated (maybe in place); in one call (one launch) where k's heads follow q's in one buffer."""

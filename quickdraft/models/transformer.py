@@ -12,7 +12,6 @@ from typing import Protocol
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from quickdraft.config import ModelConfig
 from quickdraft.models import native, triton_ops
