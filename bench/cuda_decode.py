@@ -232,51 +232,39 @@ def profile_host(llm: LLM, vocab: int, args, name: str, batches: list[int], repe
 def bench_linears(directory: Path, name: str, args, bandwidth: float, common: dict, mode: str, rows: list[dict],
                   record) -> None:
     """The shape with other linears: weight-only int8 / int4 (quantized from its bfloat16 weights at load), or its
-    bfloat16 weights on Triton's tiles (``triton``)."""
-    vocab, batches = SHAPES[name]["vocab_size"], [int(b) for b in args.batches.split(",")]
-    for fmt in [f for f in args.linears.split(",") if f]:
-        t0 = time.perf_counter()
+    bfloat16 weights on Triton's tiles (``triton``), at the smallest and largest batch; with ``--norm-apart`` the
+    first of them again at the smallest batch with the residual adds and norms in kernels of their own
+    (``norms.IN_PROJECTIONS`` off), where the shape's q/k/v or gate/up would take them."""
+    shape, batches = SHAPES[name], [int(b) for b in args.batches.split(",")]
+    formats = [f for f in args.linears.split(",") if f]
+    # gate/up takes the norm where any projection does (q/k/v is as wide or narrower, so splits K as soon as it does)
+    takes = triton_linear.takes_norm(shape["intermediate_size"], shape["hidden_size"])
+    runs = []  # (label, options, batches, norms inside the projections)
+    for fmt in formats:
         options = {"gpu_linears": "triton"} if fmt == "triton" else {"weights": fmt}
-        llm = LLM(str(directory), static_step=mode, **options, **common)
-        load_s = time.perf_counter() - t0
-        step_bytes = step_weight_bytes(llm.model)
-        for batch in sorted({batches[0], batches[-1]}):
-            tok_s, _ = time_generate(llm, prompts_for(vocab, batch), args.tokens, args.device)
+        runs.append((fmt, options, sorted({batches[0], batches[-1]}), True))
+        if args.norm_apart and fmt == formats[0] and takes:
+            runs.append((f"{fmt}, norms apart", options, batches[:1], False))
+    for label, options, run_batches, norms_inside in runs:
+        norms.IN_PROJECTIONS = norms_inside  # read at every call: off for the load's graphs and the timed calls
+        try:
+            t0 = time.perf_counter()
+            llm = LLM(str(directory), static_step=mode, **options, **common)
+            load_s = time.perf_counter() - t0
+            step_bytes = step_weight_bytes(llm.model)
             limit = bandwidth / step_bytes
-            rows.append(dict(shape=name, engine=f"quickdraft {mode} {fmt}", batch=batch, tok_s=tok_s, load_s=load_s,
-                             step_gb=step_bytes / 1e9, limit_tok_s=limit if batch == 1 else None,
-                             of_limit=tok_s / limit if batch == 1 else None))
-            print(table([rows[-1]], list(rows[-1])))
-            record()
+            for batch in run_batches:
+                tok_s, _ = time_generate(llm, prompts_for(shape["vocab_size"], batch), args.tokens, args.device)
+                rows.append(dict(shape=name, engine=f"quickdraft {mode} {label}", batch=batch, tok_s=tok_s,
+                                 load_s=load_s, step_gb=step_bytes / 1e9, limit_tok_s=limit if batch == 1 else None,
+                                 of_limit=tok_s / limit if batch == 1 else None))
+                print(table([rows[-1]], list(rows[-1])))
+                record()
+        finally:
+            norms.IN_PROJECTIONS = True
         del llm
         gc.collect()
         torch.cuda.empty_cache() if args.device == "cuda" else None
-        shape = SHAPES[name]
-        takes = triton_linear.takes_norm(shape["intermediate_size"], shape["hidden_size"])  # gate/up (q/k/v's as
-        # wide or narrower: it takes the norm only where gate/up does)
-        if args.norm_apart and fmt == args.linears.split(",")[0] and takes:
-            bench_norm_apart(directory, name, args, bandwidth, common, mode, options, rows, record)
-
-
-def bench_norm_apart(directory: Path, name: str, args, bandwidth: float, common: dict, mode: str, options: dict,
-                     rows: list[dict], record) -> None:
-    """Batch 1 with the residual adds and norms in kernels of their own (``norms.IN_PROJECTIONS`` off), against the
-    row before it, where the q/k/v and gate/up projections on Triton's kernel take them."""
-    norms.IN_PROJECTIONS = False
-    try:
-        llm = LLM(str(directory), static_step=mode, **options, **common)
-        tok_s, _ = time_generate(llm, prompts_for(SHAPES[name]["vocab_size"], 1), args.tokens, args.device)
-    finally:
-        norms.IN_PROJECTIONS = True
-    limit = bandwidth / step_weight_bytes(llm.model)
-    fmt = options.get("weights", "triton")
-    rows.append(dict(shape=name, engine=f"quickdraft {mode} {fmt}, norms apart", batch=1, tok_s=tok_s,
-                     limit_tok_s=limit, of_limit=tok_s / limit))
-    print(table([rows[-1]], list(rows[-1])))
-    record()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache() if args.device == "cuda" else None
 
 
 def bench_shape(name: str, args, bandwidth: float, root: Path, rows: list[dict], record) -> None:
