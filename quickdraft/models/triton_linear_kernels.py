@@ -132,9 +132,11 @@ def _helpers() -> None:
                     acc, tile_squares = _int4_tile(x_ptr, w_ptr, s_ptr, acc, rm, rn, k0, M, N, K, stride_xm, r_ptr,
                                                    nw_ptr, sum_ptr, writes, GROUP, BLOCK_N, BLOCK_K,
                                                    DOT_BF16, NORM)
-                chunk_squares += tile_squares
+                if NORM != 0:
+                    chunk_squares += tile_squares
             total += acc
-            squares += tl.sum(chunk_squares, axis=1)
+            if NORM != 0:
+                squares += tl.sum(chunk_squares, axis=1)
             done += 1
         return total, squares
 
