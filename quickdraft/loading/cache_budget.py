@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +71,7 @@ def entries(root: Path | None = None) -> list[CacheEntry]:
                 st = path.stat()
             except OSError:  # removed meanwhile by another process
                 continue
-            if not (ENTRY_NAME.fullmatch(path.name) and path.is_file()) or (
+            if not (ENTRY_NAME.fullmatch(path.name) and stat.S_ISREG(st.st_mode)) or (
                     path.suffix == ".tmp" and time.time() - st.st_mtime < ABANDONED_S):
                 continue
             found.append(CacheEntry(path, st.st_size, max(st.st_atime_ns, st.st_mtime_ns)))
@@ -131,9 +132,10 @@ def usage(root: Path | None = None) -> dict[str, tuple[int, int]]:
 def _file_size(path: Path) -> int | None:
     """The size of a plain file; None for anything else, or a file another process removed or renamed meanwhile."""
     try:
-        return path.stat().st_size if path.is_file() else None
+        st = path.stat()
     except OSError:
         return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def clear() -> tuple[int, int]:
