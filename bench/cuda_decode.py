@@ -19,7 +19,9 @@ Per shape (bfloat16, weights drawn from N(0, 0.02), norms at 1, a word-level tok
   int8 / int4 (group 32) linears on Triton's kernel (``models/triton_linear.py``), or its bfloat16 linears on the
   same kernel's tiles (``gpu_linears="triton"``), batch 1 and the largest batch, against the limit of the bytes they
   read; with ``--norm-apart``, the first of them again at batch 1 with each residual add and RMSNorm in a kernel of
-  its own instead of inside the q/k/v or gate/up projection after it (``models/norms.py``);
+  its own instead of inside the q/k/v or gate/up projection after it (``models/norms.py``); each load chooses the
+  tiles of the layers on Triton's kernel (``kv/tile_tuning.py``): a one-sequence step's device time with the default
+  tiles and with the chosen ones, and each group's choice, go beside its rows;
 - the same graphs with launch-ahead off (``engine/launch_ahead.py``): each step's tokens read before the next step
   is launched, as before launch-ahead;
 - with ``--profile``: where the host's time goes at the smallest and largest batch, and under n-gram drafting
@@ -49,6 +51,7 @@ from conftest import write_word_tokenizer  # noqa: E402
 from quickdraft import LLM, SamplingParams  # noqa: E402
 from quickdraft.kv import ForwardItem, SequenceKV  # noqa: E402
 from quickdraft.models import norms, step_weight_bytes, triton_linear  # noqa: E402
+from quickdraft.models.triton_tuning import tile_groups  # noqa: E402
 
 SHAPES = {  # transformers config fields of each real model's shape
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -229,6 +232,20 @@ def profile_host(llm: LLM, vocab: int, args, name: str, batches: list[int], repe
     print(f"{name}: host profile in {path}")
 
 
+def tile_choices(llm: LLM) -> dict:
+    """What the load's choice of tiles for the layers on Triton's kernel found (``runner.tile_tuning``): a
+    one-sequence step's device time with the defaults and as chosen, each group's tiles (output columns / warps /
+    K split) by its weight's shape, and every trial."""
+    runner = llm.loaded.engine.target
+    report = runner.tile_tuning
+    if not report:
+        return {}
+    chosen = {f"{key[0]} {key[1]}x{key[2]}": "{0.block_n}/{0.warps}/{0.split}".format(layers[0].tiles)
+              for key, layers in tile_groups(runner.model).items()}
+    return dict(default_step_ms=1000 * report[0]["seconds"], tuned_step_ms=1000 * report[-1]["seconds"],
+                tiles=chosen, tile_trials=report)
+
+
 def bench_linears(directory: Path, name: str, args, bandwidth: float, common: dict, mode: str, rows: list[dict],
                   record) -> None:
     """The shape with other linears: weight-only int8 / int4 (quantized from its bfloat16 weights at load), or its
@@ -253,12 +270,13 @@ def bench_linears(directory: Path, name: str, args, bandwidth: float, common: di
             load_s = time.perf_counter() - t0
             step_bytes = step_weight_bytes(llm.model)
             limit = bandwidth / step_bytes
+            tiles = tile_choices(llm)
             for batch in run_batches:
                 tok_s, _ = time_generate(llm, prompts_for(shape["vocab_size"], batch), args.tokens, args.device)
                 rows.append(dict(shape=name, engine=f"quickdraft {mode} {label}", batch=batch, tok_s=tok_s,
                                  load_s=load_s, step_gb=step_bytes / 1e9, limit_tok_s=limit if batch == 1 else None,
-                                 of_limit=tok_s / limit if batch == 1 else None))
-                print(table([rows[-1]], list(rows[-1])))
+                                 of_limit=tok_s / limit if batch == 1 else None, **tiles))
+                print(table([rows[-1]], [column for column in rows[-1] if column != "tile_trials"]))
                 record()
         finally:
             norms.IN_PROJECTIONS = True

@@ -28,7 +28,7 @@ start=$(date +%s)
 # empty Triton cache makes most of the tests' time
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 timeout 140 python3 -m pytest -q -rs $workers tests/test_cuda.py tests/test_paged_attention.py tests/test_static_step.py \
-    tests/test_triton_linear.py tests/test_triton_linear_norm.py tests/test_triton_ops.py \
+    tests/test_triton_linear.py tests/test_triton_linear_norm.py tests/test_triton_ops.py tests/test_tile_tuning.py \
     2>&1 | tee "$OUT/tests.txt"
 echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 timeout 90 python3 bench/gpu_linear.py --name gpu_check_linear 2>&1 | tee "$OUT/linear.txt"

@@ -227,3 +227,12 @@ class SequenceKV:
             digest = block_hash(self.hashes[-1] if self.hashes else b"", tokens[i * block_size:(i + 1) * block_size])
             allocator.register(self.block_table[i], digest)
             self.hashes.append(digest)
+
+
+@dataclass
+class ForwardItem:
+    """One sequence's part of a batched forward: its KV handle, new tokens, and how many trailing logits rows it needs."""
+
+    kv: SequenceKV
+    tokens: list[int]
+    num_logits: int

@@ -2,27 +2,18 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from quickdraft.kv.attention import AttentionBatch
-from quickdraft.kv.blocks import BlockAllocator, SequenceKV
+from quickdraft.kv.blocks import BlockAllocator, ForwardItem, SequenceKV
 from quickdraft.kv.paged_attention import kernel_possible
 from quickdraft.kv.pool import KVPool
 from quickdraft.kv.static_step import StaticStep
+from quickdraft.kv.tile_tuning import tune_tiles
 from quickdraft.models import Transformer
 
 STATIC_STEPS = ("graphs", "eager", "off")
-
-
-@dataclass
-class ForwardItem:
-    """One sequence's part of a batched forward: its KV handle, new tokens, and how many trailing logits rows it needs."""
-
-    kv: SequenceKV
-    tokens: list[int]
-    num_logits: int
 
 
 class ModelRunner:
@@ -66,6 +57,7 @@ class ModelRunner:
                                  graphs=static_step == "graphs", capture_chunks=capture_chunks) if scratch else None
         self.bytes_per_block = per_block
         self.last_forward_s = 0.0
+        self.tile_tuning: list[dict] = []  # what choosing the Triton linears' tiles tried (``warm_up``)
         # On a GPU, prompt chunks run on the static step's kernels too (graphs of their own): the dynamic path's
         # attention builds its batch on the host with reads back from the device, tens of milliseconds a forward. Not
         # where the step's attention would be torch's (no Triton, or gpt-oss's sinks): that one reads every block
@@ -228,8 +220,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Capture the static step's graphs now (at load), where it replays them."""
-        if self.static is not None:
+        """Capture the static step's graphs now (at load), where it replays them, after choosing the tiles of the
+        layers on Triton's linear kernel there (``tile_tuning``)."""
+        if self.static is not None and self.static.graphs:
+            self.tile_tuning = tune_tiles(self)
             self.static.warm_up(self.logit_columns, chunks=self.chunks_on_static)
 
     @torch.inference_mode()

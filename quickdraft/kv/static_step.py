@@ -296,6 +296,11 @@ class StaticStep:
             logits[:, logit_columns:] = float("-inf")
         return logits
 
+    def forget_graphs(self) -> None:
+        """Drop every captured graph (the kernels' choices, ``Tiles`` among them, are baked into a capture): each
+        bucket is captured again on its next use."""
+        self._graphs.clear()
+
     def _graph(self, bucket: Bucket, inputs: _Inputs, logit_columns: int | None
                ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The bucket's graph and its output (``_forward``'s), captured on first use."""

@@ -31,7 +31,7 @@ from quickdraft.models.quant_formats import (
 )
 
 
-class _QuantLinearBase(nn.Module):
+class _QuantLinearBase(nn.Module, triton_linear.TiledLayer):
     """What the quantized layers (Int8Linear, Int4Linear, BlockLinear) share: the bias (added after the matmul),
     the qmatmul call, the output."""
 
@@ -44,6 +44,11 @@ class _QuantLinearBase(nn.Module):
     # float32 output whatever the input's dtype: an lm_head's logits rounded to bfloat16 lose ties (at a logit of
     # 64-128 a bfloat16 step is 0.5), so greedy choices would hinge on the rounding (set by the loader)
     float_output: bool = False
+
+    def tile_key(self) -> tuple | None:
+        if self.backend != "triton":
+            return None
+        return self.kernel_name, self.out_features, self.in_features, self.bias is not None
 
     def _init_bias(self, bias: torch.Tensor | None) -> None:
         if bias is not None:
@@ -177,7 +182,8 @@ class Int8Linear(_QuantLinearBase):
     def _triton(self, x2: torch.Tensor, out_dtype: torch.dtype, gate: str | None = None,
                 norm: triton_linear.AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """On Triton's kernel, the bias added and the output rounded (and gated, and its input normed) in it."""
-        return triton_linear.int8_matmul(x2, self.qweight, self.scales, self.bias, out_dtype, gate=gate, norm=norm)
+        return triton_linear.int8_matmul(x2, self.qweight, self.scales, self.bias, out_dtype, gate=gate, norm=norm,
+                                         tiles=self.tiles)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -348,7 +354,7 @@ class Int4Linear(_QuantLinearBase):
                 norm: triton_linear.AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """On Triton's kernel, the bias added and the output rounded (and gated, and its input normed) in it."""
         return triton_linear.int4_matmul(x2, self.qweight, self.scales_and_zeros, self.group_size, self.bias,
-                                         out_dtype, gate=gate, norm=norm)
+                                         out_dtype, gate=gate, norm=norm, tiles=self.tiles)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

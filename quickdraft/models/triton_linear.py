@@ -71,6 +71,39 @@ SPLIT_BELOW = 1024  # split K over programs while the output has fewer tiles tha
 # is read in about the time the split's second launch costs inside a graph (bench/gpu_linear.py times both)
 SPLIT_FROM_CHUNKS = 4
 
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How a layer's calls of up to ``BLOCK_M`` rows (a decode step's, a few sequences') run: output columns per
+    program, warps per program, and whether K's chunks run in programs of their own (None: the shape's rule,
+    ``splits``; a call with a norm never splits). Longer calls take the defaults. The device decides which pays
+    (``triton_tuning``), and keeps a choice only where a forward with it gives the defaults' bits."""
+
+    block_n: int = BLOCK_N
+    warps: int = 4
+    split: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_n not in (16, 32, 64, 128) or self.warps not in (1, 2, 4, 8):
+            raise ValueError(f"tiles take 16, 32, 64 or 128 output columns and 1, 2, 4 or 8 warps a program, got "
+                             f"{self.block_n} and {self.warps}")
+
+
+DEFAULT_TILES = Tiles()
+
+
+class TiledLayer:
+    """A layer whose calls may run on Triton's linear kernel, and how (``tiles``; see ``triton_tuning``)."""
+
+    tiles: Tiles = DEFAULT_TILES
+
+    def tile_key(self) -> tuple | None:
+        """What decides how fast a choice of ``tiles`` runs this layer's calls (layers of one key are tuned as one);
+        None where its calls do not run on Triton's kernel."""
+        raise NotImplementedError
+
+
 # The gated activations the kernels apply to a gate/up projection's output, ``act(gate) * up`` (``GatedProjection``,
 # and ``triton_ops.gated`` after a projection that does not); gpt-oss's clamped SwiGLU stays in torch.
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -100,41 +133,44 @@ class AddNorm:
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                 out_dtype: torch.dtype = torch.float32, split: bool | None = None, gate: str | None = None,
-                norm: AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                norm: AddNorm | None = None, tiles: Tiles = DEFAULT_TILES
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K] @ (qweight * scales[:, None]).T + bias`` as ``[M, N]`` of ``out_dtype``, summed and biased in
     float32 and rounded once; ``split`` forces K's chunks into programs of their own (True) or not (False) where None
     lets the shape choose: the result is the same either way. ``gate`` (one of ``ACTIVATIONS``): the output's two
     halves are a gate and an up projection, and the result ``[M, N // 2]`` is ``gate(first) * second``: the bits of
     ``triton_ops.gated`` after the call without it. ``norm``: the input is ``rms_norm(x + norm.residual)``, and the
-    result is ``(x + norm.residual, out)``, the sum rounded to x's dtype."""
-    return _matmul(x, qweight, scales, bias, out_dtype, bits=8, group=1, split=split, gate=gate, norm=norm)
+    result is ``(x + norm.residual, out)``, the sum rounded to x's dtype. ``tiles``: see ``Tiles``."""
+    return _matmul(x, qweight, scales, bias, out_dtype, bits=8, group=1, split=split, gate=gate, norm=norm,
+                   tiles=tiles)
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, split: bool | None = None,
-                gate: str | None = None, norm: AddNorm | None = None
+                gate: str | None = None, norm: AddNorm | None = None, tiles: Tiles = DEFAULT_TILES
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K] @ W.T + bias`` with ``W[n, k] = (q - 8) * s + z`` from nibbles ``qweight [N, K // 2]`` and
     ``scales_and_zeros [K // group, N, 2]``; the rest as in ``int8_matmul``."""
     if BLOCK_K % group:
         raise ValueError(f"the triton int4 kernel takes groups dividing {BLOCK_K} columns, got {group}")
     return _matmul(x, qweight, scales_and_zeros, bias, out_dtype, bits=4, group=group, split=split, gate=gate,
-                   norm=norm)
+                   norm=norm, tiles=tiles)
 
 
 def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  out_dtype: torch.dtype = torch.float32, split: bool | None = None, gate: str | None = None,
-                 norm: AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 norm: AddNorm | None = None, tiles: Tiles = DEFAULT_TILES
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K] @ weight.T + bias`` for a bfloat16 ``weight [N, K]`` (on a GPU the products are bfloat16 either
     way); the rest as in ``int8_matmul``."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"float_matmul takes a contiguous bfloat16 [N, K] weight, got {weight.dtype} "
                          f"{tuple(weight.shape)} with strides {weight.stride()}")
-    return _matmul(x, weight, weight, bias, out_dtype, bits=16, group=1, split=split, gate=gate,
-                   norm=norm)  # (the weight stands in for scales, unread)
+    return _matmul(x, weight, weight, bias, out_dtype, bits=16, group=1, split=split, gate=gate, norm=norm,
+                   tiles=tiles)  # (the weight stands in for scales, unread)
 
 
-class TritonLinear(WrappedLinear):
+class TritonLinear(WrappedLinear, TiledLayer):
     """A bfloat16 linear layer on a GPU whose calls of up to ``max_rows`` rows run ``float_matmul``, and longer ones
     cuBLAS (whose GEMMs a long prompt's chunk wants: the kernel's 16-row tiles read the weight once per 16 rows). The
     engine passes its largest decode or verify forward, so that a row's bits are alike in all of them (greedy
@@ -146,6 +182,9 @@ class TritonLinear(WrappedLinear):
                              f"{linear.weight.dtype} on {linear.weight.device}")
         super().__init__(linear)
         self.max_rows = max_rows
+
+    def tile_key(self) -> tuple:
+        return "bfloat16", self.out_features, self.in_features, self.linear.bias is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._call(x, None)
@@ -165,7 +204,8 @@ class TritonLinear(WrappedLinear):
         """``(s, self(rms_norm(s)))`` for ``s = x + norm.residual``, in one kernel (``fuses_norm`` calls only)."""
         x2 = x.reshape(-1, self.in_features)
         norm = AddNorm(norm.residual.reshape(x2.shape), norm.weight, norm.eps)
-        total, y = float_matmul(x2, self.linear.weight, self.linear.bias, out_dtype=x.dtype, gate=gate, norm=norm)
+        total, y = float_matmul(x2, self.linear.weight, self.linear.bias, out_dtype=x.dtype, gate=gate, norm=norm,
+                                tiles=self.tiles)
         return total.reshape(x.shape), y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _call(self, x: torch.Tensor, gate: str | None) -> torch.Tensor:
@@ -174,7 +214,7 @@ class TritonLinear(WrappedLinear):
             y = self.linear(x2)
             y = y if gate is None else gate_rows(y, gate)
         else:
-            y = float_matmul(x2, self.linear.weight, self.linear.bias, out_dtype=x.dtype, gate=gate)
+            y = float_matmul(x2, self.linear.weight, self.linear.bias, out_dtype=x.dtype, gate=gate, tiles=self.tiles)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -224,9 +264,12 @@ def takes_norm(out_features: int, in_features: int) -> bool:
 
 def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
             out_dtype: torch.dtype, bits: int, group: int, split: bool | None, gate: str | None = None,
-            norm: AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            norm: AddNorm | None = None, tiles: Tiles = DEFAULT_TILES
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
     rows, k = x.shape
+    if rows > BLOCK_M:
+        tiles = DEFAULT_TILES  # (the tiles are chosen for a decode step's few rows)
     n = qweight.shape[0]
     if gate is not None and (gate not in ACTIVATIONS or n % 2):
         raise ValueError(f"gate must be one of {', '.join(ACTIVATIONS)} on an even number of output columns, got "
@@ -243,8 +286,9 @@ def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: 
         return out if norm is None else (total, out)
     if bias is not None and (bias.shape != (n,) or bias.device != x.device):
         raise ValueError(f"bias must be [{n}] on {x.device}, got {tuple(bias.shape)} on {bias.device}")
-    tiles, chunks = (-(-width // BLOCK_N), -(-rows // BLOCK_M)), -(-k // CHUNK_K)
-    split = splits(rows, width, k) if split is None else split
+    block_n, chunks = tiles.block_n, -(-k // CHUNK_K)
+    if split is None:
+        split = (splits(rows, width, k) if tiles.split is None else tiles.split) and norm is None
     # the chunks' sums [chunks, M, N] where they run apart (a decode step's: a few KiB to a MiB)
     sums = torch.empty(chunks, rows, n, dtype=torch.float32, device=x.device) if split else out
     scales = scales.contiguous()
@@ -253,12 +297,13 @@ def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: 
     residual, norm_weight = (x, x) if norm is None else (norm.residual.contiguous(), norm.weight.contiguous())
     # enable_fp_fusion=False: every product and sum rounds on its own, as the docstrings say (int8's scale, then the
     # bias; int4's (q - 8) * scale + zero) and as the interpreter does; a fused multiply-add rounds once
-    kernels()[0][((-(-n // BLOCK_N), tiles[1], chunks) if split else tiles + (1,))](
+    row_tiles = -(-rows // BLOCK_M)
+    kernels()[0][(-(-n // block_n), row_tiles, chunks) if split else (-(-width // block_n), row_tiles, 1)](
         x, qweight, scales, bias_or_any, sums, rows, n, k, x.stride(0), 1 if split else chunks, residual,
         norm_weight, x if total is None else total, 0.0 if norm is None else float(norm.eps),
-        BITS=bits, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, CHUNK_TILES=CHUNK_TILES,
+        BITS=bits, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, CHUNK_TILES=CHUNK_TILES,
         FINAL=not split, HAS_BIAS=bias is not None, DOT_BF16=x.is_cuda, GATE=-1 if split else gate_code,
-        NORM=0 if norm is None else 1, enable_fp_fusion=False)
+        NORM=0 if norm is None else 1, num_warps=tiles.warps, enable_fp_fusion=False)
     if split:
         _add_chunks(sums, scales, bias_or_any, out, bits, bias is not None, gate_code)
     return out if norm is None else (total, out)
