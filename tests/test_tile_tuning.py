@@ -84,12 +84,18 @@ def test_the_tuner_keeps_the_fastest_choice_that_keeps_the_bits():
     def measure() -> float:
         return times.get(wide[0].tiles, 1.0) + (0.2 if narrow[0].tiles == Tiles(16, 4, False) else 0.0)
 
-    report = tune({"wide": wide, "narrow": narrow}, measure, lambda: wide[0].tiles != fastest_split)
+    def same_bits() -> bool:
+        if narrow[0].tiles.block_n == 32:
+            raise RuntimeError("out of resources")  # as a compiler refuses a tile on some card
+        return wide[0].tiles != fastest_split
+
+    report = tune({"wide": wide, "narrow": narrow}, measure, same_bits)
     assert all(layer.tiles == Tiles(32, 4, True) for layer in wide)
     assert narrow[0].tiles == DEFAULT_TILES  # nothing ran faster than the defaults
     assert report[0]["seconds"] == 1.0 and report[-1]["seconds"] == 0.5
     rejected = [row for row in report if not row["same_bits"]]
-    assert len(rejected) == 1 and "seconds" not in rejected[0]
+    assert len(rejected) == 2 and all("seconds" not in row for row in rejected)
+    assert rejected[1]["error"] == "RuntimeError: out of resources"
     assert len(report) == 2 + len(choices(wide[0])) + len(choices(narrow[0]))
 
 

@@ -54,8 +54,9 @@ def choices(layer: TiledLayer) -> list[Tiles]:
 def tune(groups: dict[tuple, list[TiledLayer]], measure: Callable[[], float], same_bits: Callable[[], bool]
          ) -> list[dict]:
     """Give each group the tiles under which ``measure`` (seconds of a step) was least, among those under which
-    ``same_bits`` held, one group at a time, the others as chosen so far. Returns a row per trial: the defaults'
-    step first, then each group's choices, then the chosen step's (measured again)."""
+    ``same_bits`` held (and did not raise: a choice the card or its compiler cannot run is passed over), one group
+    at a time, the others as chosen so far. Returns a row per trial: the defaults' step first, then each group's
+    choices, then the chosen step's (measured again)."""
     for layers in groups.values():
         _set(layers, DEFAULT_TILES)
     best = measure()
@@ -64,7 +65,11 @@ def tune(groups: dict[tuple, list[TiledLayer]], measure: Callable[[], float], sa
         chosen = DEFAULT_TILES
         for tiles in choices(layers[0]):
             _set(layers, tiles)
-            row = dict(group=list(key), layers=len(layers), tiles=asdict(tiles), same_bits=same_bits())
+            row = dict(group=list(key), layers=len(layers), tiles=asdict(tiles))
+            try:
+                row["same_bits"] = same_bits()
+            except Exception as exc:  # noqa: BLE001 - a choice this card or compiler cannot run is not taken
+                row.update(same_bits=False, error=f"{type(exc).__name__}: {exc}"[:500])
             if row["same_bits"]:
                 row["seconds"] = measure()
                 if row["seconds"] < best:
