@@ -216,3 +216,13 @@ def test_embeddings_in_batches_equal_each_input_alone(smollm2):
     assert not torch.allclose(torch.tensor(llm.embed(texts[1], pooling="mean")[0]), together[1], atol=1e-3)
     with pytest.raises(InvalidParameterError, match="pooling must be one of last, mean"):
         llm.embed("x", pooling="max")
+
+
+def test_spec_metrics_add_every_counter():
+    """``SpecMetrics.add`` names its counters one by one: a counter added later must be summed too."""
+    from quickdraft.engine.outputs import SpecMetrics
+
+    total, one = SpecMetrics(), SpecMetrics(**{f.name: i + 1 for i, f in enumerate(dataclasses.fields(SpecMetrics))})
+    total.add(one)
+    total.add(one)
+    assert total == SpecMetrics(**{f.name: 2 * (i + 1) for i, f in enumerate(dataclasses.fields(SpecMetrics))})

@@ -318,9 +318,9 @@ class LLMEngine:
         logprobs = None
         if seq.params.logprobs is not None:
             logprobs = top_logprobs(rows[:len(new_tokens), :self.vocab_size], torch.tensor(new_tokens), seq.params.logprobs)
-        before = len(seq.output_ids)
+        before = seq.num_output_tokens
         seq.append(new_tokens, [True] * accepted + [False], logprobs)
-        produced = len(seq.output_ids) - before
+        produced = seq.num_output_tokens - before
         # forced tokens (the grammar's, after the drafts) are neither drafted nor part of the drafter's acceptance
         num_drafted = proposal.drafted
         accepted_drafts = min(accepted, num_drafted, produced)

@@ -100,7 +100,7 @@ class Sequence:
         request's own cap (``SamplingParams.speculative``); none once the drafter failed for it."""
         if self.spec.draft_failed:
             return 0
-        room = min(self.max_model_len - self.num_tokens - 1, self.params.max_tokens - len(self.output_ids) - 1)
+        room = min(self.max_model_len - self.num_tokens - 1, self.params.max_tokens - self.num_output_tokens - 1)
         cap = self.params.max_draft_tokens
         return max(0, room if cap is None else min(room, cap))
 
@@ -134,6 +134,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """``len(output_ids)`` without the copy (asked of every sequence every step)."""
+        return len(self.token_ids) - len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -204,7 +209,7 @@ class Sequence:
                 self._text_ends[-1] = len(self.text)
         self.status = Status.FINISHED
         self.finish_reason = reason
-        self.metrics.generated_tokens = len(self.output_ids) - self._base_tokens
+        self.metrics.generated_tokens = self.num_output_tokens - self._base_tokens
         self.metrics.total_s = time.perf_counter() - self.arrival_s
 
     def fail(self, error: str) -> None:
@@ -220,14 +225,14 @@ class Sequence:
 
     def take_chunk(self) -> StreamChunk | None:
         """New tokens and text since the last call; text that may still become a stop string is held back."""
-        n_out = len(self.output_ids)
+        n_out = self.num_output_tokens
         limit = len(self.text) if self.finished else max(self._emitted_chars, len(self.text) - self._holdback)
         if n_out == self._emitted_tokens and limit == self._emitted_chars and not self.finished:
             return None
         chunk = StreamChunk(
             request_id=self.request_id, index=self.index,
             text=self.text[self._emitted_chars:limit],
-            token_ids=self.output_ids[self._emitted_tokens:],
+            token_ids=self.token_ids[len(self.prompt_ids) + self._emitted_tokens:],
             from_draft=self._from_draft[self._emitted_tokens:],
             finished=self.finished, finish_reason=self.finish_reason,
             logprobs=self.logprobs[self._emitted_tokens:] if self.params.logprobs is not None else None,

@@ -57,6 +57,7 @@ class _Inputs:
 
     def __init__(self, bucket: Bucket, width: int, device: torch.device) -> None:
         rows, seqs = bucket.rows, bucket.seqs
+        # in this order (``StaticStep._pack`` writes the first three fields as one stretch, the last two as another)
         self.sizes = {"tokens": rows, "positions": rows, "slots": rows, "tables": seqs * width, "context_lens": seqs,
                       "query_lens": seqs}
         total = sum(self.sizes.values())
@@ -217,27 +218,29 @@ class StaticStep:
 
     def _pack(self, inputs: _Inputs, bucket: Bucket, kvs: list[SequenceKV], tokens: list[list[int]]) -> None:
         """Fill the host tensor: each sequence's rows, padding elsewhere (token 0 at a scratch slot; an empty
-        sequence whose table points at the scratch block). Python lists, a few tensor writes: this runs every step."""
+        sequence whose table points at the scratch block). Python lists and three tensor writes (a tensor a field,
+        and one a sequence's table, cost several times as much at 32 sequences): this runs every step."""
         host = inputs.views(inputs.host)
-        bs, queries, rows = self.block_size, bucket.queries, bucket.rows
+        bs, queries, rows, scratch = self.block_size, bucket.queries, bucket.rows, self.scratch_slot // self.block_size
         ids, positions, slots = [0] * rows, [0] * rows, [self.scratch_slot] * rows
         context, lengths = [0] * bucket.seqs, [0] * bucket.seqs
-        tables = host["tables"]
-        tables.fill_(self.scratch_slot // bs)
+        used_tables = []
         for b, (kv, new) in enumerate(zip(kvs, tokens)):
             start, n, table = kv.num_cached, len(new), kv.block_table
             for i, token in enumerate(new):
                 row, position = b * queries + i, start + i
                 ids[row], positions[row] = token, position
                 slots[row] = table[position // bs] * bs + position % bs
-            used = -(-(start + n) // bs)
-            tables[b, :used] = torch.tensor(table[:used], dtype=torch.long)
+            used_tables.append(table[:-(-(start + n) // bs)])
             context[b], lengths[b] = start + n, n
-        host["tokens"].copy_(torch.tensor(ids))
-        host["positions"].copy_(torch.tensor(positions))
-        host["slots"].copy_(torch.tensor(slots))
-        host["context_lens"].copy_(torch.tensor(context))
-        host["query_lens"].copy_(torch.tensor(lengths))
+        # tokens, positions and slots are the packed tensor's first stretch, context and query lengths its last
+        inputs.host[:3 * rows].copy_(torch.tensor(ids + positions + slots))
+        tables = host["tables"]
+        tables.fill_(scratch)
+        widest = max(map(len, used_tables), default=0)
+        if widest:
+            tables[:len(used_tables), :widest] = torch.tensor([t + [scratch] * (widest - len(t)) for t in used_tables])
+        inputs.host[-2 * bucket.seqs:].copy_(torch.tensor(context + lengths))
 
     def chunk_bucket(self, lengths: list[int]) -> Bucket | None:
         """The bucket ``run_chunks`` pads prompt chunks of ``lengths`` tokens to: a sequence bucket and the longest
