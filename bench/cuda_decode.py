@@ -240,7 +240,9 @@ def tile_choices(llm: LLM) -> dict:
     report = runner.tile_tuning
     if not report:
         return {}
-    chosen = {f"{key[0]} {key[1]}x{key[2]}": "{0.block_n}/{0.warps}/{0.split}".format(layers[0].tiles)
+    if "error" in report[0]:
+        return dict(tile_error=report[0]["error"])
+    chosen = {" ".join(map(str, key)): "{0.block_n}/{0.warps}/{0.split}".format(layers[0].tiles)
               for key, layers in tile_groups(runner.model).items()}
     return dict(default_step_ms=1000 * report[0]["seconds"], tuned_step_ms=1000 * report[-1]["seconds"],
                 tiles=chosen, tile_trials=report)

@@ -255,6 +255,10 @@ def test_weight_only_int8_and_int4_run_on_tritons_kernel(target, weights):
     assert all(layer.self_attn.qkv_proj is not None for layer in llm.model.model.layers)  # q/k/v as one call
     assert all(isinstance(layer.mlp.gate_up_proj, GatedProjection) for layer in llm.model.model.layers)  # SwiGLU in it
     assert llm.target.static.replays > 0
+    # the load chose its tiles on the graphs (every group of a tiny model runs a program or two): each trial kept
+    # the bits or was passed over, and the eager step (no tuning: the default tiles) gives the same tokens
+    tuning = llm.target.tile_tuning
+    assert len(tuning) > 2 and "error" not in tuning[0] and tuning[-1]["seconds"] > 0, tuning[:2]
     assert run(static_step="eager")[0] == graphs
     assert run(speculative="ngram", num_speculative_tokens=3)[0] == graphs
 

@@ -58,6 +58,8 @@ def test_tiles_are_checked_and_longer_calls_take_the_defaults():
         Tiles(block_n=48)
     with pytest.raises(ValueError, match="1, 2, 4 or 8 warps"):
         Tiles(warps=3)
+    with pytest.raises(ValueError, match="split is None"):
+        Tiles(split=1.5)
     g = torch.Generator().manual_seed(1)
     run, _ = kernel_call(8, torch.randn(OUT_FEATURES, IN_FEATURES, generator=g).to(DEVICE))
     x = torch.randn(triton_linear.BLOCK_M + 1, IN_FEATURES, generator=g).to(DEVICE)
@@ -78,24 +80,30 @@ def test_the_tuner_keeps_the_fastest_choice_that_keeps_the_bits():
     wide, narrow = [Layer(4096), Layer(4096)], [Layer(256)]
     assert len(choices(wide[0])) == 2 * len(TILE_SHAPES) and len(choices(narrow[0])) == len(TILE_SHAPES)
     assert default_programs(wide[0]) == 8 and default_programs(narrow[0]) == 1  # K's 8 chunks apart; one tile
+    gate_up = Layer(256)
+    gate_up.out_features = 4 * 64
+    assert default_programs(gate_up) == 4 and default_programs(gate_up, gated=True) == 2  # a column of each half
     fastest_split = Tiles(16, 4, True)  # the fastest of all, but its bits differ: never kept
     times = {fastest_split: 0.1, Tiles(32, 4, True): 0.5, Tiles(32, 4, False): 0.9}
-
-    def measure() -> float:
-        return times.get(wide[0].tiles, 1.0) + (0.2 if narrow[0].tiles == Tiles(16, 4, False) else 0.0)
 
     def same_bits() -> bool:
         if narrow[0].tiles.block_n == 32:
             raise RuntimeError("out of resources")  # as a compiler refuses a tile on some card
         return wide[0].tiles != fastest_split
 
+    def measure() -> float:
+        if wide[0].tiles == Tiles(64, 4, False):
+            raise RuntimeError("capture failed")  # a trial's timing fails: the choice is passed over
+        return times.get(wide[0].tiles, 1.0) + (0.2 if narrow[0].tiles == Tiles(16, 4, False) else 0.0)
+
     report = tune({"wide": wide, "narrow": narrow}, measure, same_bits)
     assert all(layer.tiles == Tiles(32, 4, True) for layer in wide)
     assert narrow[0].tiles == DEFAULT_TILES  # nothing ran faster than the defaults
     assert report[0]["seconds"] == 1.0 and report[-1]["seconds"] == 0.5
     rejected = [row for row in report if not row["same_bits"]]
-    assert len(rejected) == 2 and all("seconds" not in row for row in rejected)
-    assert rejected[1]["error"] == "RuntimeError: out of resources"
+    assert len(rejected) == 3 and all("seconds" not in row for row in rejected)
+    assert [row.get("error") for row in rejected] == ["RuntimeError: capture failed", None,
+                                                       "RuntimeError: out of resources"]
     assert len(report) == 2 + len(choices(wide[0])) + len(choices(narrow[0]))
 
 
@@ -126,10 +134,31 @@ def test_a_model_tuned_on_its_own_step_gives_its_tokens(tiny_dir, monkeypatch):
         tune_tiles(runner)
     narrowest = Tiles(16, 4, False)
     layers = [layer for group in groups.values() for layer in group]
-    free = runner.allocator.num_free
+    step, allocator = runner.static, runner.allocator
+    before_state = allocator.num_free, allocator.trim(), step.forwards, step.chunk_forwards
     report = tune_tiles(runner, measure=lambda: sum(layer.tiles != narrowest for layer in layers))
-    assert runner.allocator.num_free == free
+    assert (allocator.num_free, allocator.high_water, step.forwards, step.chunk_forwards) == before_state
     assert len(report) == 2 + sum(len(choices(group[0])) for group in groups.values())
     assert all(row["same_bits"] for row in report) and report[-1]["seconds"] == 0
     assert all(layer.tiles == narrowest for layer in layers)
+    assert tune_tiles(runner, measure=lambda: 0.0) == []  # a model is tuned once (runners may share it)
     assert [o.token_ids for o in llm.generate(prompts, params)] == before
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every load tunes its step (tests/test_cuda.py)")
+def test_a_pool_too_small_for_the_probes_keeps_the_defaults(tiny_dir, monkeypatch):
+    """Three KV blocks load and generate; the probes would need more: the model keeps its default tiles, the reason
+    in the report, and nothing raises."""
+    from quickdraft import LLM
+    from quickdraft.kv.tile_tuning import tune_tiles
+    from quickdraft.models import quant_backends
+    from quickdraft.models.triton_tuning import tile_groups
+
+    monkeypatch.setattr(quant_backends, "default_backend", lambda device: "triton")
+    llm = LLM(str(tiny_dir(arch="qwen2", vocab_size=64, layers=1)), dtype="float32", weights="int8",
+              kv_cache_memory="12KiB", static_step="eager", max_num_seqs=4)
+    runner = llm.loaded.engine.target
+    assert runner.allocator.num_free == 3
+    report = tune_tiles(runner, measure=lambda: 0.0)
+    assert len(report) == 1 and "free KV blocks" in report[0]["error"]
+    assert all(layer.tiles == DEFAULT_TILES for group in tile_groups(runner.model).values() for layer in group)

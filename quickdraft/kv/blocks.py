@@ -231,7 +231,8 @@ class SequenceKV:
 
 @dataclass
 class ForwardItem:
-    """One sequence's part of a batched forward: its KV handle, new tokens, and how many trailing logits rows it needs."""
+    """One sequence's part of a batched forward: its KV handle, new tokens, and how many trailing logits rows it
+    needs."""
 
     kv: SequenceKV
     tokens: list[int]

@@ -300,9 +300,12 @@ class StaticStep:
         return logits
 
     def forget_graphs(self) -> None:
-        """Drop every captured graph (the kernels' choices, ``Tiles`` among them, are baked into a capture): each
-        bucket is captured again on its next use."""
+        """Drop every captured graph (the kernels' choices, ``Tiles`` among them, are baked into a capture): a bucket
+        is captured again on its next use (a prompt chunk's, without ``capture_chunks``, runs eagerly). Later captures
+        take a new memory pool: torch refuses a pool whose graphs are all gone."""
         self._graphs.clear()
+        if self.graphs:
+            self._graph_pool = torch.cuda.graph_pool_handle()
 
     def _graph(self, bucket: Bucket, inputs: _Inputs, logit_columns: int | None
                ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -2,40 +2,55 @@
 
 A trial's time is the device's for one sequence's decode step: the bucket's graph, captured again with the trial's
 tiles, replayed back to back (``StaticStep.device_seconds``). Its bits are checked on that step and on a forward of
-up to 16 rows (the most a tile of the kernel holds), on blocks lent by the allocator and given back, against the
-logits the same forwards gave with the defaults.
+up to 16 rows (the most a tile of the kernel holds, in a bucket of no more), each after a few tokens of context, on
+blocks lent by the allocator and given back, against the logits the same forwards gave with the defaults.
+
+A model is tuned once: the runners that share it (self-speculation's first layers) take its tiles as they are, so
+no graph ever holds other tiles than the layers'. Tuning that cannot run (too few free blocks) or fails leaves the
+defaults, and the load goes on.
 """
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from quickdraft.kv.blocks import ForwardItem, SequenceKV
-from quickdraft.models.triton_linear import BLOCK_M
+from quickdraft.models.triton_linear import BLOCK_M, DEFAULT_TILES
 from quickdraft.models.triton_tuning import tile_groups, tune
 
 if TYPE_CHECKING:
     from quickdraft.kv.runner import ModelRunner
 
+log = logging.getLogger(__name__)
+
+CONTEXT = 5  # tokens each probe sequence holds before its checked forward (at position 0 attention returns v alone)
+_tuned: weakref.WeakSet = weakref.WeakSet()  # models whose tiles a runner has chosen
+
 
 def tune_tiles(runner: ModelRunner, measure: Callable[[], float] | None = None) -> list[dict]:
     """Tune the tiles of ``runner``'s model on its static step (``triton_tuning.tune``'s report; empty where no layer
-    runs on Triton's kernel). ``measure``: seconds of a step, by default the device's time of a one-sequence decode
-    step, which needs the step's graphs (tests on the CPU give their own)."""
+    runs on Triton's kernel or another runner tuned the model; one row with the reason where tuning could not run).
+    ``measure``: seconds of a step, by default the device's time of a one-sequence decode step, which needs the
+    step's graphs (tests on the CPU give their own)."""
     step = runner.static
     on_gpu = runner.device.type == "cuda"
     # two programs a multiprocessor: past that a one-row call is bound by its bytes whatever its tiles, and trying
     # choices there would only compile kernels at load
     groups = tile_groups(runner.model, 2 * torch.cuda.get_device_properties(runner.device).multi_processor_count
                          if on_gpu else None)
-    if step is None or not groups:
+    if step is None or not groups or runner.model in _tuned:
         return []
     if measure is None and not step.graphs:
         raise ValueError("tuning the tiles times the step's graphs: static_step='graphs', or a measure of its own")
-    seqs = min(step.seq_sizes[-1], 4)
-    shapes = [(1, 1), (seqs, min(step.query_sizes[-1], BLOCK_M // seqs))]
+    seqs = max(s for s in step.seq_sizes if s <= 4)
+    shapes = [(1, 1), (seqs, max(q for q in step.query_sizes if q <= BLOCK_M // seqs))]
+    blocks = sum(count * -(-(CONTEXT + queries) // runner.block_size) for count, queries in shapes)
+    if runner.allocator.num_free < blocks:
+        return [dict(error=f"not tuned: its probes need {blocks} free KV blocks, {runner.allocator.num_free} free")]
     vocab = runner.logit_columns
 
     def probe() -> list[torch.Tensor]:
@@ -43,10 +58,11 @@ def tune_tiles(runner: ModelRunner, measure: Callable[[], float] | None = None) 
         logits = []
         for count, queries in shapes:
             kvs = [SequenceKV() for _ in range(count)]
-            items = [ForwardItem(kv, [(97 * b + 31 * i + 1) % vocab for i in range(queries)], queries)
-                     for b, kv in enumerate(kvs)]
             try:
-                logits += runner.forward(items)
+                for tokens, wanted in ((CONTEXT, 0), (queries, queries)):  # the context, then the checked forward
+                    rows = runner.forward([ForwardItem(kv, [(97 * b + 31 * i + 1) % vocab for i in range(tokens)],
+                                                       wanted) for b, kv in enumerate(kvs)])
+                logits += rows
             finally:
                 for kv in kvs:
                     runner.free(kv)
@@ -56,8 +72,19 @@ def tune_tiles(runner: ModelRunner, measure: Callable[[], float] | None = None) 
         step.forget_graphs()  # captured again with the tiles as they are now
         return min(step.device_seconds(1, 1, runner.logit_columns, repeats=20) for _ in range(2))
 
-    reference = probe()
-    report = tune(groups, measure or device_seconds,
-                  lambda: all(torch.equal(a, b) for a, b in zip(probe(), reference)))
+    counts = step.forwards, step.replays, step.chunk_forwards
+    try:
+        reference = probe()
+        report = tune(groups, measure or device_seconds,
+                      lambda: all(torch.equal(a, b) for a, b in zip(probe(), reference)))
+    except Exception as exc:  # noqa: BLE001 - the defaults serve: a load must not fail for want of tuning
+        log.warning("the Triton linears keep their default tiles: tuning them failed (%s: %s)", type(exc).__name__, exc)
+        for layers in groups.values():
+            for layer in layers:
+                layer.tiles = DEFAULT_TILES
+        report = [dict(error=f"not tuned: {type(exc).__name__}: {exc}"[:500])]
+    _tuned.add(runner.model)
     step.forget_graphs()
+    step.forwards, step.replays, step.chunk_forwards = counts  # (counts of the engine's forwards)
+    runner.allocator.trim()  # the probes' blocks hold nothing
     return report

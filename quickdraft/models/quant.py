@@ -48,7 +48,7 @@ class _QuantLinearBase(nn.Module, triton_linear.TiledLayer):
     def tile_key(self) -> tuple | None:
         if self.backend != "triton":
             return None
-        return self.kernel_name, self.out_features, self.in_features, self.bias is not None
+        return self.kernel_name, self.out_features, self.in_features, self.bias is not None, self.float_output
 
     def _init_bias(self, bias: torch.Tensor | None) -> None:
         if bias is not None:
@@ -215,6 +215,10 @@ class Int4Linear(_QuantLinearBase):
     (even column in the low nibble) with ``scales_and_zeros``. Build the layer on the device it will run on."""
 
     format_code, kernel_name = 4, "int4"
+
+    def tile_key(self) -> tuple | None:
+        key = super().tile_key()
+        return None if key is None else (*key, self.group_size)
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 32,
                  bias: torch.Tensor | None = None, *, kernel: bool | str | None = None) -> None:

@@ -72,7 +72,6 @@ SPLIT_BELOW = 1024  # split K over programs while the output has fewer tiles tha
 SPLIT_FROM_CHUNKS = 4
 
 
-
 @dataclass(frozen=True)
 class Tiles:
     """How a layer's calls of up to ``BLOCK_M`` rows (a decode step's, a few sequences') run: output columns per
@@ -85,6 +84,8 @@ class Tiles:
     split: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.split not in (None, False, True):
+            raise ValueError(f"a tile's split is None (the shape's rule), False or True, got {self.split!r}")
         if self.block_n not in (16, 32, 64, 128) or self.warps not in (1, 2, 4, 8):
             raise ValueError(f"tiles take 16, 32, 64 or 128 output columns and 1, 2, 4 or 8 warps a program, got "
                              f"{self.block_n} and {self.warps}")

@@ -19,7 +19,7 @@ from dataclasses import asdict
 
 from torch import nn
 
-from quickdraft.models.triton_linear import CHUNK_K, DEFAULT_TILES, TiledLayer, Tiles, splits
+from quickdraft.models.triton_linear import CHUNK_K, DEFAULT_TILES, GatedProjection, TiledLayer, Tiles, splits
 
 # (output columns, warps) a program: the default, and narrower tiles (with fewer warps an int4 tile's registers
 # spill more, compiled for sm_90)
@@ -31,18 +31,24 @@ def tile_groups(model: nn.Module, fewer_programs_than: int | None = None) -> dic
     with ``fewer_programs_than``, only those whose one-row call runs fewer programs than that with the defaults (a
     call with a program or two for each multiprocessor already is bound by the bytes, whatever its tiles)."""
     groups: dict[tuple, list[TiledLayer]] = {}
+    gated = {id(module.projection) for module in model.modules() if isinstance(module, GatedProjection)}
     for module in model.modules():
         key = module.tile_key() if isinstance(module, TiledLayer) else None
-        if key is not None and (fewer_programs_than is None or default_programs(module) < fewer_programs_than):
+        if key is not None and (fewer_programs_than is None
+                                or default_programs(module, id(module) in gated) < fewer_programs_than):
             groups.setdefault(key, []).append(module)
     return dict(sorted(groups.items(), key=lambda item: -len(item[1]) * item[1][0].out_features
                        * item[1][0].in_features))
 
 
-def default_programs(layer: TiledLayer) -> int:
-    """The programs of a one-row call of ``layer`` with the defaults (a gated call's half as many)."""
-    tiles = -(-layer.out_features // DEFAULT_TILES.block_n)
-    return tiles * -(-layer.in_features // CHUNK_K) if splits(1, layer.out_features, layer.in_features) else tiles
+def default_programs(layer: TiledLayer, gated: bool = False) -> int:
+    """The programs of a one-row call of ``layer`` with the defaults; ``gated``: its calls are a gate/up projection's
+    (``GatedProjection``), whose programs each write a column of the output's half."""
+    width = layer.out_features // 2 if gated else layer.out_features
+    tiles = -(-width // DEFAULT_TILES.block_n)
+    if not splits(1, width, layer.in_features):
+        return tiles
+    return -(-layer.out_features // DEFAULT_TILES.block_n) * -(-layer.in_features // CHUNK_K)  # (split: every column)
 
 
 def choices(layer: TiledLayer) -> list[Tiles]:
@@ -54,28 +60,32 @@ def choices(layer: TiledLayer) -> list[Tiles]:
 def tune(groups: dict[tuple, list[TiledLayer]], measure: Callable[[], float], same_bits: Callable[[], bool]
          ) -> list[dict]:
     """Give each group the tiles under which ``measure`` (seconds of a step) was least, among those under which
-    ``same_bits`` held (and did not raise: a choice the card or its compiler cannot run is passed over), one group
-    at a time, the others as chosen so far. Returns a row per trial: the defaults' step first, then each group's
-    choices, then the chosen step's (measured again)."""
+    ``same_bits`` held (a choice whose check or timing raises, one the card or its compiler cannot run, is passed
+    over), one group at a time, the others as chosen so far; each choice is timed on one row (a decode step at
+    batch 1) and serves every call of up to 16 rows. Returns a row per trial: the defaults' step first, then each
+    group's choices, then the chosen step's (measured again)."""
     for layers in groups.values():
         _set(layers, DEFAULT_TILES)
     best = measure()
     report = [dict(group="every layer", tiles=asdict(DEFAULT_TILES), same_bits=True, seconds=best)]
     for key, layers in groups.items():
         chosen = DEFAULT_TILES
-        for tiles in choices(layers[0]):
-            _set(layers, tiles)
-            row = dict(group=list(key), layers=len(layers), tiles=asdict(tiles))
-            try:
-                row["same_bits"] = same_bits()
-            except Exception as exc:  # noqa: BLE001 - a choice this card or compiler cannot run is not taken
-                row.update(same_bits=False, error=f"{type(exc).__name__}: {exc}"[:500])
-            if row["same_bits"]:
-                row["seconds"] = measure()
-                if row["seconds"] < best:
+        try:
+            for tiles in choices(layers[0]):
+                _set(layers, tiles)
+                row = dict(group=list(key), layers=len(layers), tiles=asdict(tiles), same_bits=False)
+                try:
+                    row["same_bits"] = same_bits()
+                    if row["same_bits"]:
+                        row["seconds"] = measure()
+                except Exception as exc:  # noqa: BLE001 - a choice this card or compiler cannot run is not taken
+                    row.update(same_bits=False, error=f"{type(exc).__name__}: {exc}"[:500])
+                    row.pop("seconds", None)
+                if "seconds" in row and row["seconds"] < best:
                     chosen, best = tiles, row["seconds"]
-            report.append(row)
-        _set(layers, chosen)
+                report.append(row)
+        finally:
+            _set(layers, chosen)
     report.append(dict(group="every layer, as chosen", tiles=None, same_bits=True, seconds=measure()))
     return report
 
