@@ -148,7 +148,7 @@ def test_a_model_tuned_on_its_own_step_gives_its_tokens(tiny_dir, monkeypatch):
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every load tunes its step (tests/test_cuda.py)")
 def test_a_pool_too_small_for_the_probes_keeps_the_defaults(tiny_dir, monkeypatch):
     """Three KV blocks load and generate; the probes would need more: the model keeps its default tiles, the reason
-    in the report, and nothing raises."""
+    in the report, nothing raises, and no other runner of the model tunes it later."""
     from quickdraft import LLM
     from quickdraft.kv.tile_tuning import tune_tiles
     from quickdraft.models import quant_backends
@@ -161,4 +161,5 @@ def test_a_pool_too_small_for_the_probes_keeps_the_defaults(tiny_dir, monkeypatc
     assert runner.allocator.num_free == 3
     report = tune_tiles(runner, measure=lambda: 0.0)
     assert len(report) == 1 and "free KV blocks" in report[0]["error"]
+    assert tune_tiles(runner, measure=lambda: 0.0) == []  # marked all the same: a runner sharing it must not tune it
     assert all(layer.tiles == DEFAULT_TILES for group in tile_groups(runner.model).values() for layer in group)

@@ -302,9 +302,11 @@ class StaticStep:
     def forget_graphs(self) -> None:
         """Drop every captured graph (the kernels' choices, ``Tiles`` among them, are baked into a capture): a bucket
         is captured again on its next use (a prompt chunk's, without ``capture_chunks``, runs eagerly). Later captures
-        take a new memory pool: torch refuses a pool whose graphs are all gone."""
+        take a new memory pool: torch refuses a pool whose graphs are all gone, and keeps the old one's memory until
+        its cache is emptied (which a capture's own out-of-memory retry does not do)."""
         self._graphs.clear()
         if self.graphs:
+            torch.cuda.empty_cache()
             self._graph_pool = torch.cuda.graph_pool_handle()
 
     def _graph(self, bucket: Bucket, inputs: _Inputs, logit_columns: int | None

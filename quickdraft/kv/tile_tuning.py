@@ -5,9 +5,9 @@ tiles, replayed back to back (``StaticStep.device_seconds``). Its bits are check
 up to 16 rows (the most a tile of the kernel holds, in a bucket of no more), each after a few tokens of context, on
 blocks lent by the allocator and given back, against the logits the same forwards gave with the defaults.
 
-A model is tuned once: the runners that share it (self-speculation's first layers) take its tiles as they are, so
-no graph ever holds other tiles than the layers'. Tuning that cannot run (too few free blocks) or fails leaves the
-defaults, and the load goes on.
+A model is tuned once, by the first of its runners to warm up: those that share it (self-speculation's first
+layers) take its tiles as they are, so no graph holds other tiles than the layers'. Tuning that cannot run (too few
+free blocks) or fails leaves the defaults, and the load goes on (unless the failure left the device itself broken).
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def tune_tiles(runner: ModelRunner, measure: Callable[[], float] | None = None) 
         return []
     if measure is None and not step.graphs:
         raise ValueError("tuning the tiles times the step's graphs: static_step='graphs', or a measure of its own")
+    _tuned.add(runner.model)  # (whatever comes of it: another runner's graphs may be captured on these tiles next)
     seqs = max(s for s in step.seq_sizes if s <= 4)
     shapes = [(1, 1), (seqs, max(q for q in step.query_sizes if q <= BLOCK_M // seqs))]
     blocks = sum(count * -(-(CONTEXT + queries) // runner.block_size) for count, queries in shapes)
@@ -83,8 +84,7 @@ def tune_tiles(runner: ModelRunner, measure: Callable[[], float] | None = None) 
             for layer in layers:
                 layer.tiles = DEFAULT_TILES
         report = [dict(error=f"not tuned: {type(exc).__name__}: {exc}"[:500])]
-    _tuned.add(runner.model)
     step.forget_graphs()
     step.forwards, step.replays, step.chunk_forwards = counts  # (counts of the engine's forwards)
-    runner.allocator.trim()  # the probes' blocks hold nothing
+    runner.release_memory()  # the probes' blocks hold nothing
     return report

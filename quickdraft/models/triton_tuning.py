@@ -2,15 +2,15 @@
 
 A batch-1 decode step calls each projection on one row. The kernel's programs are then its output tiles (and K's
 chunks, where they run apart): a mid-sized weight (a 1.5B's o projection, 24 tiles of 64 columns; a 135M's, 9) runs
-on a few of a GPU's 132 multiprocessors, each program waiting on its own loads. Narrower tiles, fewer warps a
-program, or K's chunks in programs of their own make more programs; which of them pays depends on the shape and the
+on a few of a GPU's 132 multiprocessors, each program waiting on its own loads. Narrower tiles, or K's chunks in
+programs of their own, make more programs; which of them pays depends on the shape and the
 card, and only the card can say. So where the step replays CUDA graphs, every group of layers of one shape
 (``TiledLayer.tile_key``) tries each choice in turn at load, the other groups held, and keeps the one whose whole
 step ran fastest on the device (``tune``).
 
 A choice is kept only where the step's logits with it are, bit for bit, those with the defaults (``same_bits``):
-tiles change which program sums which outputs, not the order of one output's sums; the check makes that so on the
-card and compiler at hand, so no token ever depends on what a timing chose.
+tiles change which program sums which outputs, not the order of one output's sums, by design; the check, on the
+probes' inputs, holds the card and compiler at hand to that, so a choice that changed any bit there is never kept.
 """
 from __future__ import annotations
 
