@@ -20,7 +20,7 @@ import torch
 
 from quickdraft.kv.blocks import ForwardItem, SequenceKV
 from quickdraft.models.triton_linear import BLOCK_M, DEFAULT_TILES
-from quickdraft.models.triton_tuning import tile_groups, tune
+from quickdraft.models.triton_tuning import set_tiles, tile_groups, tune
 
 if TYPE_CHECKING:
     from quickdraft.kv.runner import ModelRunner
@@ -37,12 +37,13 @@ def tune_tiles(runner: ModelRunner, measure: Callable[[], float] | None = None) 
     ``measure``: seconds of a step, by default the device's time of a one-sequence decode step, which needs the
     step's graphs (tests on the CPU give their own)."""
     step = runner.static
-    on_gpu = runner.device.type == "cuda"
+    if step is None or runner.model in _tuned:
+        return []
     # two programs a multiprocessor: past that a one-row call is bound by its bytes whatever its tiles, and trying
     # choices there would only compile kernels at load
     groups = tile_groups(runner.model, 2 * torch.cuda.get_device_properties(runner.device).multi_processor_count
-                         if on_gpu else None)
-    if step is None or not groups or runner.model in _tuned:
+                         if runner.device.type == "cuda" else None)
+    if not groups:
         return []
     if measure is None and not step.graphs:
         raise ValueError("tuning the tiles times the step's graphs: static_step='graphs', or a measure of its own")
@@ -53,9 +54,17 @@ def tune_tiles(runner: ModelRunner, measure: Callable[[], float] | None = None) 
     if runner.allocator.num_free < blocks:
         return [dict(error=f"not tuned: its probes need {blocks} free KV blocks, {runner.allocator.num_free} free")]
     vocab = runner.logit_columns
+    layers = [layer for group in groups.values() for layer in group]
+    captured_with: list[list] = [[]]  # the layers' tiles when the step's graphs were last dropped and captured anew
+
+    def forget_stale_graphs() -> None:
+        tiles = [layer.tiles for layer in layers]
+        if captured_with[0] != tiles:  # (a trial's probe captured the graphs with the tiles its timing runs)
+            step.forget_graphs()
+            captured_with[0] = tiles
 
     def probe() -> list[torch.Tensor]:
-        step.forget_graphs()  # (captured with the last trial's tiles)
+        forget_stale_graphs()
         logits = []
         for count, queries in shapes:
             kvs = [SequenceKV() for _ in range(count)]
@@ -70,7 +79,7 @@ def tune_tiles(runner: ModelRunner, measure: Callable[[], float] | None = None) 
         return logits
 
     def device_seconds() -> float:
-        step.forget_graphs()  # captured again with the tiles as they are now
+        forget_stale_graphs()
         return min(step.device_seconds(1, 1, runner.logit_columns, repeats=20) for _ in range(2))
 
     counts = step.forwards, step.replays, step.chunk_forwards
@@ -80,9 +89,7 @@ def tune_tiles(runner: ModelRunner, measure: Callable[[], float] | None = None) 
                       lambda: all(torch.equal(a, b) for a, b in zip(probe(), reference)))
     except Exception as exc:  # noqa: BLE001 - the defaults serve: a load must not fail for want of tuning
         log.warning("the Triton linears keep their default tiles: tuning them failed (%s: %s)", type(exc).__name__, exc)
-        for layers in groups.values():
-            for layer in layers:
-                layer.tiles = DEFAULT_TILES
+        set_tiles(layers, DEFAULT_TILES)
         report = [dict(error=f"not tuned: {type(exc).__name__}: {exc}"[:500])]
     step.forget_graphs()
     step.forwards, step.replays, step.chunk_forwards = counts  # (counts of the engine's forwards)

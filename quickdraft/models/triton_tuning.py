@@ -53,8 +53,8 @@ def default_programs(layer: TiledLayer, gated: bool = False) -> int:
 
 def choices(layer: TiledLayer) -> list[Tiles]:
     """The tiles to try on a layer: each shape unsplit, and split where K has more than one chunk."""
-    splits = (False, True) if layer.in_features > CHUNK_K else (False,)
-    return [Tiles(block_n, warps, split) for block_n, warps in TILE_SHAPES for split in splits]
+    split_or_not = (False, True) if layer.in_features > CHUNK_K else (False,)
+    return [Tiles(block_n, warps, split) for block_n, warps in TILE_SHAPES for split in split_or_not]
 
 
 def tune(groups: dict[tuple, list[TiledLayer]], measure: Callable[[], float], same_bits: Callable[[], bool]
@@ -65,14 +65,14 @@ def tune(groups: dict[tuple, list[TiledLayer]], measure: Callable[[], float], sa
     batch 1) and serves every call of up to 16 rows. Returns a row per trial: the defaults' step first, then each
     group's choices, then the chosen step's (measured again)."""
     for layers in groups.values():
-        _set(layers, DEFAULT_TILES)
+        set_tiles(layers, DEFAULT_TILES)
     best = measure()
     report = [dict(group="every layer", tiles=asdict(DEFAULT_TILES), same_bits=True, seconds=best)]
     for key, layers in groups.items():
         chosen = DEFAULT_TILES
         try:
             for tiles in choices(layers[0]):
-                _set(layers, tiles)
+                set_tiles(layers, tiles)
                 row = dict(group=list(key), layers=len(layers), tiles=asdict(tiles), same_bits=False)
                 try:
                     row["same_bits"] = same_bits()
@@ -80,16 +80,16 @@ def tune(groups: dict[tuple, list[TiledLayer]], measure: Callable[[], float], sa
                         row["seconds"] = measure()
                 except Exception as exc:  # noqa: BLE001 - a choice this card or compiler cannot run is not taken
                     row.update(same_bits=False, error=f"{type(exc).__name__}: {exc}"[:500])
-                    row.pop("seconds", None)
                 if "seconds" in row and row["seconds"] < best:
                     chosen, best = tiles, row["seconds"]
                 report.append(row)
         finally:
-            _set(layers, chosen)
+            set_tiles(layers, chosen)
     report.append(dict(group="every layer, as chosen", tiles=None, same_bits=True, seconds=measure()))
     return report
 
 
-def _set(layers: list[TiledLayer], tiles: Tiles) -> None:
+def set_tiles(layers: list[TiledLayer], tiles: Tiles) -> None:
+    """Give every layer of ``layers`` the same ``tiles``."""
     for layer in layers:
         layer.tiles = tiles
