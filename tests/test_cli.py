@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from quickdraft import cli
 from quickdraft.loading import registry
 from quickdraft.loading.registry import ModelSpec
+from quickdraft.models import native, native_build
 
 
 @pytest.fixture
@@ -47,6 +49,17 @@ def _run(args: list[str], cache: Path) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+def _cache_with_kernels(cache: Path) -> Path:
+    """A new cache directory holding this process's CPU kernel library: a command run on it builds no kernels
+    (``test_first_run_in_a_fresh_cache`` does that)."""
+    (cache / "kernels").mkdir(parents=True)
+    if native.available():
+        built = Path(native.lib()._name)
+        for path in (built, native_build.checksum_path(built)):
+            shutil.copy2(path, cache / "kernels" / path.name)
+    return cache
+
+
 @pytest.mark.slow
 def test_first_run_in_a_fresh_cache(smollm2, tmp_path):
     """What `make demo` does, from a cache directory that does not exist yet (kernels built on first use)."""
@@ -66,7 +79,7 @@ def test_first_run_in_a_fresh_cache(smollm2, tmp_path):
 def test_a_closed_pipe_stops_the_cli_quietly(tiny_dir, tmp_path):
     """`quickdraft generate ... | head -c 1`: the reader leaves while tokens still stream; no traceback, the shell's
     SIGPIPE status."""
-    env = {**os.environ, "QUICKDRAFT_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "QUICKDRAFT_CACHE_DIR": str(_cache_with_kernels(tmp_path / "cache"))}
     model = tiny_dir(arch="llama", tie=True, vocab_size=96)
     proc = subprocess.Popen([sys.executable, "-m", "quickdraft.cli", "generate", str(model), "hello",
                              "--max-tokens", "2000", "--temperature", "1.0", "--seed", "1", "--max-model-len", "4096"],
@@ -80,13 +93,14 @@ def test_a_closed_pipe_stops_the_cli_quietly(tiny_dir, tmp_path):
 def test_generate_with_suffix_decoding_and_a_per_request_cap(tiny_dir, tmp_path):
     model = str(tiny_dir(arch="llama", tie=True, vocab_size=96))
     common = ["generate", model, "hello hello hello", "--max-tokens", "24", "--max-model-len", "256"]
-    plain = _run(common, tmp_path)
-    suffix = _run(common + ["--speculative", "suffix", "--suffix-scope", "request", "--k", "3"], tmp_path)
-    off = _run(common + ["--speculative", "suffix", "--k", "3", "--max-draft-tokens", "0"], tmp_path)
+    cache = _cache_with_kernels(tmp_path / "cache")
+    plain = _run(common, cache)
+    suffix = _run(common + ["--speculative", "suffix", "--suffix-scope", "request", "--k", "3"], cache)
+    off = _run(common + ["--speculative", "suffix", "--k", "3", "--max-draft-tokens", "0"], cache)
     assert plain.returncode == suffix.returncode == off.returncode == 0, suffix.stderr + off.stderr
     assert plain.stdout == suffix.stdout == off.stdout
     assert "suffix: acceptance" in suffix.stderr and "suffix: acceptance 0%, mean accepted 0.00" in off.stderr
-    bad = _run(common + ["--max-draft-tokens", "99"], tmp_path)
+    bad = _run(common + ["--max-draft-tokens", "99"], cache)
     assert bad.returncode == 2 and "speculative.max_draft_tokens must be an int in [0, 32], got 99" in bad.stderr
 
 

@@ -7,7 +7,6 @@ import hashlib
 import logging
 import os
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quickdraft.models import native
+from quickdraft.models import native, native_build
 from quickdraft.models.quant import Int4Linear, Int8Linear
 from quickdraft.models.quant_group import QuantGroup
 from quickdraft.models.transformer import RotaryEmbedding
@@ -119,10 +118,6 @@ def fresh_loader(tmp_path, monkeypatch) -> tuple[Path, Path]:
     return tmp_path / "cache", in_use
 
 
-def _compiler() -> str:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
 DAMAGE = {  # the cached file, the checksum beside it (of the good library, none, or of the file), the warning
     "truncated": (lambda good: good[:len(good) // 2], "good", "does not match the checksum recorded when it was built"),
     "bit flip": (lambda good: good[:5000] + bytes([good[5000] ^ 1]) + good[5001:], "good",
@@ -136,7 +131,7 @@ DAMAGE = {  # the cached file, the checksum beside it (of the good library, none
 def test_a_damaged_cached_library_is_rebuilt_once(fresh_loader, monkeypatch, caplog, damage):
     """A truncated library would crash the process in dlopen (SIGBUS), so the recorded checksum is checked first."""
     cache, in_use = fresh_loader
-    target = native._library_path(_compiler())
+    target = native_build.library_path(native_build.find_compiler())
     assert target.parent == cache / "kernels"
     target.parent.mkdir(parents=True)
     make, checksum_of, message = DAMAGE[damage]
@@ -144,24 +139,58 @@ def test_a_damaged_cached_library_is_rebuilt_once(fresh_loader, monkeypatch, cap
     target.write_bytes(make(good))
     if checksum_of is not None:
         summed = good if checksum_of == "good" else target.read_bytes()
-        native._checksum_path(target).write_text(hashlib.sha256(summed).hexdigest())
+        native_build.checksum_path(target).write_text(hashlib.sha256(summed).hexdigest())
     outputs = []
-    run = native._run
-    monkeypatch.setattr(native, "_run", lambda cmd: (outputs.append(Path(cmd[cmd.index("-o") + 1]))
+    run = native_build.run
+    monkeypatch.setattr(native_build, "run", lambda cmd: (outputs.append(Path(cmd[cmd.index("-o") + 1]))
                                                      if "-o" in cmd else None) or run(cmd))
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert native.available(), native.unavailable_reason()
     assert f"{target} {message}" in caplog.text and "rebuilding it" in caplog.text
     assert native.lib()._name == str(target)
-    assert native._checksum_path(target).read_text() == hashlib.sha256(target.read_bytes()).hexdigest()
-    # built under a fresh private directory with a random name beside the target, then renamed over it
-    (built,) = outputs
+    assert native_build.checksum_path(target).read_text() == hashlib.sha256(target.read_bytes()).hexdigest()
+    # built under a fresh private directory with a random name beside the target (its objects, qmatmul.c's in
+    # parts, then the library), then renamed over it
+    (built,) = [path for path in outputs if path.suffix != ".o"]
     assert built.name == target.name and built.parent.parent == target.parent
     assert built.parent.name.startswith(".build-") and built.parent.name != ".build-"
-    assert not built.parent.exists()
+    assert {path.parent for path in outputs} == {built.parent} and not built.parent.exists()
+    assert {path.name for path in outputs} > {"cpu_ops.o", "qmatmul-0.o", "qmatmul-1.o"}
     assert sorted(p.name for p in target.parent.iterdir()) == sorted([target.name, f"{target.stem}.sha256"])
     x, w = torch.randn(3, 64), torch.randn(64)
     assert torch.allclose(native.rms_norm(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_whether_the_kernels_can_be_built_is_answered_without_building_them(fresh_loader, monkeypatch):
+    """What `quickdraft models` plans with: nothing is compiled or cached to answer it."""
+    cache, _ = fresh_loader
+    assert native.can_build() and not cache.exists()
+    flags = native.cpu_flags
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no F16C: qmatmul.c's #error
+    assert not native.can_build()
+    monkeypatch.setattr(native, "cpu_flags", flags)
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert not native.can_build() and not cache.exists()
+
+
+def test_a_failed_compile_stops_the_build_and_says_why(fresh_loader, tmp_path, monkeypatch):
+    """The objects compile side by side: the first failure's message is the reason given, no compile starts after
+    it (at most one a core ran), nothing is linked, and the build directory is gone."""
+    cache, _ = fresh_loader
+    cc = tmp_path / "broken-cc"
+    cc.write_text(f'#!/bin/sh\ncase "$1" in --version) exec {native_build.find_compiler()} --version;; esac\n'
+                  'echo "broken-cc: cannot compile $*" >&2; exit 1\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    ran = []
+    run = native_build.run
+    monkeypatch.setattr(native_build, "run", lambda cmd: ran.append(cmd) or run(cmd))
+    assert not native.available()
+    assert native.unavailable_reason().startswith(f"RuntimeError: {cc} failed: broken-cc: cannot compile ")
+    compiles = [cmd for cmd in ran if "-c" in cmd]
+    assert compiles and len(compiles) == len(ran) - 1  # (and the --version of the cache's key)
+    assert len(compiles) <= len(os.sched_getaffinity(0))
+    assert list((cache / "kernels").iterdir()) == []
 
 
 def test_a_compiler_that_hangs_is_killed_and_torch_ops_are_used(fresh_loader, tmp_path, monkeypatch, caplog):
@@ -174,7 +203,7 @@ def test_a_compiler_that_hangs_is_killed_and_torch_ops_are_used(fresh_loader, tm
                   f'wait;; esac\n')
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setattr(native, "COMPILE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(native_build, "COMPILE_TIMEOUT_S", 1.0)
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert not native.available()

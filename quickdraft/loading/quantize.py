@@ -257,10 +257,11 @@ def weights_summary(model: Transformer, checkpoint: Checkpoint, weights: str) ->
 def file_defaults(path: str | Path) -> tuple[str, str, int | None]:
     """(how a GGUF file stores its decoder-layer linears, e.g. ``'Q4_K+Q6_K'``; the kernels ``'auto'`` runs them
     on, e.g. ``'Q4_K x169, Q6_K x29'`` counting the lm_head, or ``'float'``; the weight bytes a decode step of those
-    kernels reads, None for float weights), from the file's header alone."""
+    kernels reads, None for float weights), from the file's header alone: the CPU kernels are planned where they can
+    be built, and not built (a listing must not compile them)."""
     types = hf_tensor_types(gguf_tensor_types(path))
     stored = "+".join(t for t, _ in layer_linear_types(types).most_common()) or "?"
-    kernels = planned_kernels(types, lm_head_format(DEFAULT_LM_HEAD))
+    kernels = planned_kernels(types, lm_head_format(DEFAULT_LM_HEAD), qmatmul.can_build())
     if kernels is None:
         return stored, "float", None
     return stored, ", ".join(f"{k} x{n}" for k, n in kernels.items()), planned_step_bytes(path)
@@ -275,7 +276,7 @@ def planned_step_bytes(path: str | Path) -> int:
     used = experts_used(path) if any(is_stacked(name) for name in table) else 0
     stacks = {name: shape[0] for name, (_, shape) in table.items() if is_stacked(name)}  # each expert typed
     types = hf_tensor_types({name: t for name, (t, _) in table.items()}, stacks)
-    fmt = auto_format(types)
+    fmt = auto_format(types, qmatmul.can_build())
     head = head_kernel(fmt, default_lm_head(fmt), types)
     total = 0
     for name, (stored, shape) in table.items():

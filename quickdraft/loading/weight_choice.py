@@ -37,11 +37,12 @@ def layer_linear_types(tensor_types: Mapping[str, str] | None) -> Counter:
     return Counter(t for name, t in (tensor_types or {}).items() if _LAYER_LINEAR.fullmatch(name))
 
 
-def auto_format(tensor_types: Mapping[str, str] | None) -> str | None:
+def auto_format(tensor_types: Mapping[str, str] | None, kernels: bool | None = None) -> str | None:
     """The format ``'auto'`` runs a checkpoint with these tensor types in on CPU (see the module doc): ``'gguf'``,
-    ``'int4'``, ``'int8'``, or None for float weights in the model dtype (also for None: no GGUF types)."""
+    ``'int4'``, ``'int8'``, or None for float weights in the model dtype (also for None: no GGUF types).
+    ``kernels``: whether quickdraft's quantized CPU kernel runs here; None builds it if need be, and sees."""
     types = layer_linear_types(tensor_types)
-    if qmatmul.available() and any(t in FORMATS for t in types):
+    if (qmatmul.available() if kernels is None else kernels) and any(t in FORMATS for t in types):
         return "gguf"
     if any(t in INT4_TYPES for t in types):
         return "int4"
@@ -58,11 +59,12 @@ def head_kernel(fmt: str | None, head_fmt: str | None, tensor_types: Mapping[str
     return layer_kernel("gguf", (tensor_types or {}).get("lm_head.weight")) if head_fmt == "gguf" else head_fmt
 
 
-def planned_kernels(tensor_types: Mapping[str, str] | None, head_fmt: str | None) -> dict[str, int] | None:
+def planned_kernels(tensor_types: Mapping[str, str] | None, head_fmt: str | None, kernels: bool | None = None
+                    ) -> dict[str, int] | None:
     """Linear layers per kernel that ``'auto'`` runs a file with these types on, read from the types alone (the
     rule of ``quantize_model`` with ``wide_sources='int8'``), the lm_head in ``head_fmt`` (``'gguf'`` in a ``'gguf'``
-    model) included; None: float weights."""
-    fmt = auto_format(tensor_types)
+    model) included; None: float weights. ``kernels``: as ``auto_format``'s."""
+    fmt = auto_format(tensor_types, kernels)
     if fmt is None:
         return None
     counts: Counter = Counter()

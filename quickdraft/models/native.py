@@ -1,53 +1,41 @@
 """quickdraft's CPU kernels in C: built on first use, loaded, called.
 
 Four sources make one library: ``qmatmul.c`` (weight-only quantized linear layers: int4/int8 and the GGML block
-formats of ``qformats.h``, see ``qmatmul.py``), ``cpu_ops.c`` (RMSNorm, rotary embedding, the MLP's gated activation: the small per-token operations whose torch
-dispatch cost as much as the matmuls in a decode step), ``attention.c`` (decode and verify attention over the paged
-cache, in its stored format, whole or within a sliding window; ``kv.h``) and ``layer.c`` (a whole decoder layer in
-one call, a mixture of experts' router and experts). Each computes every result row with the same operations whatever the batch and thread count
-(bit-identical rows, which speculative verification relies on).
+formats of ``qformats.h``, see ``qmatmul.py``), ``cpu_ops.c`` (RMSNorm, rotary embedding, the MLP's gated
+activation: the small per-token operations whose torch dispatch cost as much as the matmuls in a decode step),
+``attention.c`` (decode and verify attention over the paged cache, in its stored format, whole or within a sliding
+window; ``kv.h``) and ``layer.c`` (a whole decoder layer in one call, a mixture of experts' router and experts).
+Each computes every result row with the same operations whatever the batch and thread count (bit-identical rows,
+which speculative verification relies on).
 
 The library is compiled with the system C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``)
-into ``cache_root()/kernels/`` and linked against the OpenMP runtime torch already loaded, so it shares
-torch's threads. It needs AVX2, FMA and F16C (x86-64 server CPUs since 2013-2015) and uses AVX512, AVX512-VNNI /
-AVX-VNNI and AVX512-BF16 where the CPU has them; the quantized kernel's integer sums are the same on every ISA.
-Where it cannot be built (no compiler, no AVX2, not x86-64) ``available()`` is False and the model runs torch's
-operations; ``QUICKDRAFT_KERNELS=0`` turns it off. A compiler that runs longer than ``COMPILE_TIMEOUT_S`` is
-killed (the same fallback, with a warning), and a cached library that no longer matches the checksum recorded
-beside it (``.sha256``), or does not load, is rebuilt once.
+into ``cache_root()/kernels/`` (``native_build.py``: its objects side by side) and linked against the OpenMP
+runtime torch already loaded, so it shares torch's threads. It needs AVX2, FMA and F16C (x86-64 server CPUs since
+2013-2015) and uses AVX512, AVX512-VNNI / AVX-VNNI and AVX512-BF16 where the CPU has them; the quantized kernel's
+integer sums are the same on every ISA. Where it cannot be built (no compiler, no AVX2, not x86-64) ``available()``
+is False and the model runs torch's operations; ``QUICKDRAFT_KERNELS=0`` turns it off. A compiler that runs longer
+than ``COMPILE_TIMEOUT_S`` is killed (the same fallback, with a warning), and a cached library that no longer
+matches the checksum recorded beside it (``.sha256``), or does not load, is rebuilt once.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import functools
-import hashlib
 import logging
 import os
 import platform
-import shutil
-import signal
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from quickdraft.paths import cache_root
+from quickdraft.models import native_build
+from quickdraft.models.native_build import ISA_ENV, build_flags, cpu_flags  # noqa: F401 - callers read them here
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "cpu_ops.c", "attention.c", "layer.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("floats.h", "kv.h", "qformats.h"))
 DISABLE_ENV = "QUICKDRAFT_KERNELS"
-# -ffp-contract=off: an auto-vectorized loop and its scalar prologue (whose length depends on the address) then
-# round alike, so a row's result never depends on where its buffer lies
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-ISA_ENV = "QUICKDRAFT_KERNEL_ISA"  # =avx2: no AVX-512 or AVX-VNNI, the code CPUs without them run (measured here)
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
-COMPILE_TIMEOUT_S = 300.0  # a compiler that hangs must not hang the first model load with it
 MAX_HEAD_DIM = 256
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # the cache formats the kernels read (kv.h)
 KV_SCALE_GROUP = 32  # int8 cache values per float32 scale (QGROUP in kv.h)
@@ -73,103 +61,12 @@ _SIGNATURES = {
 _RESTYPES = {"qd_row_bytes": ctypes.c_long}  # the others return 0 or an error code
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``); empty where they cannot be read."""
-    try:
-        return frozenset(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                              if ln.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration, IndexError):
-        return frozenset()
-
-
 def wide_int8_dot_products() -> bool:
     """True where the quantized kernel runs 512-bit VNNI dot products (AVX512-VNNI/BW/VL/DQ, the ``WIDE`` build of
     qmatmul.c). There an int4 forward beats a bfloat16 one at every prompt length measured, so a quantized draft keeps
     no float copy for long prompts (docs/MEASUREMENTS.md)."""
     wide = {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
     return available() and wide and "-mno-avx512f" not in build_flags()
-
-
-def _cpu_identity() -> str:
-    """Model name and feature flags: a library built with -march=native is only reused on the same CPU type."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
-        return "\n".join(keep)
-    except OSError:
-        return platform.processor()
-
-
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    """Run the compiler in its own process group with a time limit; on timeout (or interrupt) the whole group is
-    killed (the driver's cc1/as/ld children too, which would otherwise keep its pipes open)."""
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL) if hasattr(os, "killpg") else proc.kill()
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def build_flags() -> tuple[str, ...]:
-    """``FLAGS`` and those of ``QUICKDRAFT_KERNEL_ISA`` (``native``, the default, or ``avx2``)."""
-    isa = os.environ.get(ISA_ENV, "native")
-    if isa not in ISA_FLAGS:
-        raise ValueError(f"{ISA_ENV}={isa!r}: must be one of {', '.join(ISA_FLAGS)}")
-    return FLAGS + ISA_FLAGS[isa]
-
-
-def _library_path(compiler: str) -> Path:
-    """Where the library built from these sources, by this compiler, for this CPU type is cached."""
-    version = _run([compiler, "--version"])
-    if version.returncode != 0:
-        raise RuntimeError(f"{compiler} --version failed: {version.stderr.strip()[-400:]}")
-    key = "\n".join([*(s.read_text() for s in SOURCES + HEADERS), compiler, version.stdout, " ".join(build_flags()),
-                     _cpu_identity()])
-    return cache_root() / "kernels" / f"quickdraft-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-
-
-def _checksum_path(target: Path) -> Path:
-    return target.with_name(target.stem + ".sha256")
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _compile(compiler: str, target: Path) -> None:
-    """Build into a fresh private directory beside ``target`` (mode 0700, random name: nobody can plant or read a
-    file there), record the library's checksum, and rename both into place: concurrent builders and loaders never
-    see half a file, and a library damaged later on disk is recognised before it is mapped."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    build_dir = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-    try:
-        out = build_dir / target.name
-        proc = _run([compiler, *build_flags(), "-o", str(out), *map(str, SOURCES), "-lm"])
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-400:]}")
-        checksum = build_dir / "checksum"
-        checksum.write_text(_sha256(out))
-        os.replace(checksum, _checksum_path(target))
-        os.replace(out, target)
-    finally:
-        shutil.rmtree(build_dir, ignore_errors=True)
-
-
-def _damage(target: Path) -> str | None:
-    """Why the cached library must not be mapped (dlopen of a truncated file can crash the process), or None."""
-    try:
-        recorded = _checksum_path(target).read_text().strip()
-    except OSError:
-        return "has no recorded checksum"
-    if _sha256(target) != recorded:
-        return "does not match the checksum recorded when it was built (truncated or damaged)"
-    return None
 
 
 def _open(path: Path) -> ctypes.CDLL:
@@ -183,16 +80,16 @@ def _open(path: Path) -> ctypes.CDLL:
 def _build_and_open(compiler: str) -> ctypes.CDLL:
     """The cached library, built first if missing; a cached file that is damaged or does not load (or lacks a
     kernel) is rebuilt once."""
-    target = _library_path(compiler)
+    target = native_build.library_path(compiler)
     if target.is_file():
-        problem = _damage(target)
+        problem = native_build.damage(target)
         if problem is None:
             try:
                 return _open(target)
             except (OSError, AttributeError) as exc:
                 problem = f"does not load ({exc})"
         log.warning("the cached quickdraft CPU kernel library %s %s; rebuilding it", target, problem)
-    _compile(compiler, target)
+    native_build.compile_library(compiler, target)
     return _open(target)
 
 
@@ -206,14 +103,14 @@ def _load() -> ctypes.CDLL | None:
         if os.environ.get(DISABLE_ENV, "1") == "0":
             _error = f"turned off by {DISABLE_ENV}=0"
             return None
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        compiler = native_build.find_compiler()
         if platform.machine().lower() not in ("x86_64", "amd64") or compiler is None:
             _error = "needs an x86-64 CPU and a C compiler"
             return None
         try:
             _lib = _build_and_open(compiler)
         except subprocess.TimeoutExpired:
-            _error = f"{compiler} did not finish within {COMPILE_TIMEOUT_S:g} s (COMPILE_TIMEOUT_S)"
+            _error = f"{compiler} did not finish within {native_build.COMPILE_TIMEOUT_S:g} s (COMPILE_TIMEOUT_S)"
             log.warning("quickdraft CPU kernels unavailable, using torch's operations (%s)", _error)
         except Exception as exc:  # no AVX2 (#error in the source), compiler missing headers, ...
             _error = f"{type(exc).__name__}: {exc}"
@@ -224,6 +121,16 @@ def _load() -> ctypes.CDLL | None:
 def available() -> bool:
     """True when the library is built (or was just built) and loaded for this CPU."""
     return _load() is not None
+
+
+def can_build() -> bool:
+    """Whether the library is loaded, or could be built here, without building it: not turned off, an x86-64 CPU
+    with AVX2, FMA and F16C, a C compiler. What a listing plans with (``quickdraft models``); a load builds it, and a
+    build that fails then leaves torch's operations."""
+    if _lib is not None or _error is not None:
+        return _lib is not None
+    return (os.environ.get(DISABLE_ENV, "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
+            and native_build.find_compiler() is not None and {"avx2", "fma", "f16c"} <= cpu_flags())
 
 
 def unavailable_reason() -> str | None:

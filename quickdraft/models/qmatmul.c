@@ -21,6 +21,10 @@
  * Every output element is computed by one thread with the same sequence of operations whatever M, the
  * row tile it falls in and the thread count are: a row's result is bit-identical whether it is alone in
  * the call or one of many (speculative verification relies on this).
+ *
+ * The file is compiled in parts, side by side (native.py; a format's kernels take seconds to compile): with
+ * -DQD_PART=n, 1 <= n <= QD_PARTS, the kernels of the formats of FORMATS_n alone; with -DQD_PART=0, the rest (x's
+ * quantization, the dispatch over formats, qd_linear).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -29,6 +33,11 @@
 
 #include "floats.h"
 #include "qformats.h"
+
+#define QD_PARTS 5
+#if !defined(QD_PART) || QD_PART < 0 || QD_PART > QD_PARTS
+#error "qmatmul.c is compiled in parts: -DQD_PART=0 .. QD_PARTS"
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define WIDE 1 /* 512-bit dot products: half the instructions per block */
@@ -60,6 +69,8 @@
 #endif
 #define K_CHUNK 8 /* blocks (of 256 columns) per pass over a task's output columns, when x has several rows */
 #define ROW_TILE 8      /* rows of x that share one unpacked weight block (a verify pass of up to 8 tokens) */
+
+#if QD_PART == 0
 
 /* The quantized x rows: xq row m at m * xrow (the block layout over Kpad columns, then, when K % 256 != 0, the last
  * groups again in element order for the tail records); per group g: xs (scale), xsum, and xhalf (per block: the 8
@@ -171,6 +182,7 @@ static void quantize_row(const void *x, int bf16, size_t row_off, int K, int Kpa
         *hi_half = xs[g] * (float)sum[1];
     }
 }
+#endif
 
 /* The int32 dot products of one tail group: 32 values w (u8) with 32 x (s8), in 8 lanes of partial sums. */
 static inline __attribute__((always_inline)) __m256i dot32(int F, __m256i w, __m256i x) {
@@ -376,18 +388,31 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
     for (int r = 0; r < TILE; r++) st->dot[r] = acc[r], st->part[r] = part[r], st->tail_shift[r] = tail_shift[r];
 }
 
-/* Every format, with the name its functions take. */
-#define FORMATS(X)                                                                                                  \
-    X(QF_INT4, int4) X(QF_INT8, int8) X(QF_Q4_0, q4_0) X(QF_Q4_1, q4_1) X(QF_Q5_0, q5_0) X(QF_Q5_1, q5_1)          \
-    X(QF_Q8_0, q8_0) X(QF_Q4_K, q4_k) X(QF_Q5_K, q5_k) X(QF_Q6_K, q6_k) X(QF_IQ4_NL, iq4_nl) X(QF_IQ4_XS, iq4_xs) \
-    X(QF_Q1_0, q1_0) X(QF_Q2_0, q2_0) X(QF_MXFP4, mxfp4)
+/* Every format, with the name its functions take, in the parts compiled apart (about as long to compile each). */
+#define FORMATS_1(X) X(QF_INT4, int4) X(QF_INT8, int8) X(QF_Q4_0, q4_0)
+#define FORMATS_2(X) X(QF_Q4_1, q4_1) X(QF_Q5_0, q5_0) X(QF_Q5_1, q5_1)
+#define FORMATS_3(X) X(QF_Q8_0, q8_0) X(QF_Q4_K, q4_k) X(QF_Q5_K, q5_k)
+#define FORMATS_4(X) X(QF_Q6_K, q6_k) X(QF_IQ4_NL, iq4_nl) X(QF_IQ4_XS, iq4_xs)
+#define FORMATS_5(X) X(QF_Q1_0, q1_0) X(QF_Q2_0, q2_0) X(QF_MXFP4, mxfp4)
+#define FORMATS(X) FORMATS_1(X) FORMATS_2(X) FORMATS_3(X) FORMATS_4(X) FORMATS_5(X)
+
+/* A format's kernels are called from part 0 through the dispatch below: visible across the library's objects, not
+ * outside it. */
+#define KERNEL __attribute__((visibility("hidden")))
+#define KERNEL_SIGNATURES(name)                                                                                     \
+    KERNEL void tiles_##name(int rows, const uint8_t *wrow, const uint16_t *szrow, int b0, int b1, int nblk,        \
+                             int ntail, const x_rows *X, int m0, tile_sums *st);                                     \
+    KERNEL void columns_##name(const uint8_t *w, const uint16_t *sz, size_t row_bytes, int full, int nblk,         \
+                               int ntail, const x_rows *X, int n0, int n1, float *total);
+#define DECLARE_KERNELS(F, name) KERNEL_SIGNATURES(name)
+FORMATS(DECLARE_KERNELS)
 
 /* For format F, in functions of its own (a switch over formats of inlined tiles would be one very large function):
  * tiles_NAME, one tile of every row count; columns_NAME, the totals of columns n0 .. n1 - 1 of a single row of x (a
  * decode step's matrix-vector product), each a one-row tile taken whole with its sums kept in registers: the same
  * operations, so the same bits, as the tile path. */
 #define KERNELS_OF(F, name)                                                                                         \
-    static void tiles_##name(int rows, const uint8_t *wrow, const uint16_t *szrow, int b0, int b1, int nblk,        \
+    KERNEL void tiles_##name(int rows, const uint8_t *wrow, const uint16_t *szrow, int b0, int b1, int nblk,        \
                              int ntail, const x_rows *X, int m0, tile_sums *st) {                                    \
         switch (rows) {                                                                                             \
         case 8: tile(8, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                     \
@@ -400,7 +425,7 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
         default: tile(1, F, wrow, szrow, b0, b1, nblk, ntail, X, m0, st); break;                                    \
         }                                                                                                           \
     }                                                                                                               \
-    static void columns_##name(const uint8_t *w, const uint16_t *sz, size_t row_bytes, int full, int nblk,         \
+    KERNEL void columns_##name(const uint8_t *w, const uint16_t *sz, size_t row_bytes, int full, int nblk,         \
                                int ntail, const x_rows *X, int n0, int n1, float *total) {                           \
         for (int n = n0; n < n1; n++) {                                                                             \
             tile_sums s;                                                                                            \
@@ -410,7 +435,11 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
         }                                                                                                           \
     }
 #define DEFINE_KERNELS(F, name) KERNELS_OF(F, name)
-FORMATS(DEFINE_KERNELS)
+#define PART_FORMATS(n) FORMATS_##n
+#define FORMATS_OF_PART(n) PART_FORMATS(n) /* (QD_PART expanded first) */
+#if QD_PART > 0
+FORMATS_OF_PART(QD_PART)(DEFINE_KERNELS)
+#else
 
 typedef void (*tiles_fn)(int, const uint8_t *, const uint16_t *, int, int, int, int, const x_rows *, int, tile_sums *);
 typedef void (*columns_fn)(const uint8_t *, const uint16_t *, size_t, int, int, int, const x_rows *, int, int, float *);
@@ -533,3 +562,4 @@ int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, con
     }
     return 0;
 }
+#endif

@@ -35,6 +35,11 @@ def available() -> bool:
     return native.available()
 
 
+def can_build() -> bool:
+    """``native.can_build``: the kernel loaded, or buildable here (without building it)."""
+    return native.can_build()
+
+
 def unavailable_reason() -> str | None:
     return native.unavailable_reason()
 
