@@ -3,9 +3,11 @@ prompt sets the tests read (bench/data, shipped in the repository: a test that n
 it is missing, instead of checking something else)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 # Before torch starts OpenMP: idle worker threads sleep instead of spinning, which matters on 2 shared cores
@@ -76,6 +78,31 @@ def smollm2_plain_greedy(smollm2) -> callable:
     return plain
 
 
+@contextlib.contextmanager
+def gguf_read_whole() -> Iterator[None]:
+    """transformers reads a GGUF through gguf-py's ``GGUFReader``, which maps the file and slices every field out of
+    the map; a memmap's slice runs Python code, so a file's vocabulary (262k tokens in Gemma 3's) takes tens of
+    seconds a read. Inside this block the reader gets the file's bytes read into memory instead: the same bytes,
+    sliced by numpy's C code."""
+    import numpy as np
+    from gguf import gguf_reader
+
+    class WholeFile:
+        def __getattr__(self, name: str):
+            return getattr(np, name)
+
+        @staticmethod
+        def memmap(path, mode: str = "r") -> np.ndarray:
+            assert mode == "r", mode
+            return np.fromfile(path, dtype=np.uint8)
+
+    gguf_reader.np = WholeFile()
+    try:
+        yield
+    finally:
+        gguf_reader.np = np
+
+
 @pytest.fixture(scope="session")
 def smollm2_transformers(smollm2):
     """transformers' own float32 model of the SmolLM2 GGUF (``from_pretrained(dir, gguf_file=name)``: config and
@@ -83,8 +110,9 @@ def smollm2_transformers(smollm2):
     test_loading.py (tensors) and test_parity.py (logits and greedy tokens). Tests only read it."""
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
-                                                             dtype=torch.float32).eval()
+    with gguf_read_whole():
+        return transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
+                                                                 dtype=torch.float32).eval()
 
 
 def write_word_tokenizer(directory: Path, vocab_size: int) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import write_word_tokenizer
+from conftest import gguf_read_whole, write_word_tokenizer
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import ModelLoadError
 from test_parity import our_logits
@@ -224,8 +224,9 @@ def test_gemma3_270m_gguf_matches_transformers():
         path = resolve_model("gemma3-270m")
     except ModelLoadError as exc:
         pytest.skip(f"Gemma 3 270M is not installed (make models-gemma): {exc}")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    with gguf_read_whole():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
     llm = LLM(str(path), weights="float32", kv_cache_memory="128MiB")
     text = Path(__file__).read_text()[:2400]  # this file's source: ~700 tokens of code
     for ids in (llm.tokenizer.encode("The capital of France is"), llm.tokenizer.encode(text)):

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from quickdraft.models import triton_linear, triton_ops
+from quickdraft.models import triton_linear, triton_ops, triton_tuning
 from quickdraft.models.triton_linear import DEFAULT_TILES, AddNorm, Tiles
 from quickdraft.models.triton_tuning import TILE_SHAPES, choices, default_programs, tune
 from test_triton_linear import kernel_call
@@ -110,7 +110,8 @@ def test_the_tuner_keeps_the_fastest_choice_that_keeps_the_bits():
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every load tunes its step (tests/test_cuda.py)")
 def test_a_model_tuned_on_its_own_step_gives_its_tokens(tiny_dir, monkeypatch):
     """An int8 model's static step as a GPU runs it (the CPU under the interpreter, where times say nothing: each
-    trial's is given, the narrowest unsplit tiles fastest). Every group of layers tried every choice, each kept the
+    trial's is given, the narrowest unsplit tiles fastest). Every group of layers tried every choice (of the widest
+    and the narrowest tiles: every choice's bits are test_every_choice_gives_the_defaults_bits'), each kept the
     step's bits, each group took the fastest, the probes' blocks went back, and the greedy tokens after are those
     before."""
     from quickdraft import LLM, SamplingParams
@@ -121,9 +122,10 @@ def test_a_model_tuned_on_its_own_step_gives_its_tokens(tiny_dir, monkeypatch):
 
     monkeypatch.setattr(quant_backends, "default_backend", lambda device: "triton")
     monkeypatch.setattr(paged_attention, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(triton_tuning, "TILE_SHAPES", (TILE_SHAPES[0], TILE_SHAPES[-1]))  # (the interpreter is slow)
     llm = LLM(str(tiny_dir(arch="qwen2", vocab_size=64, layers=1)), dtype="float32", weights="int8",
               kv_cache_memory="16MiB", static_step="eager", max_num_seqs=4)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     prompts = [[5, 9, 13, 2, 7, 5, 9, 13], [3, 3, 8]]
     before = [o.token_ids for o in llm.generate(prompts, params)]
     runner = llm.loaded.engine.target

@@ -19,6 +19,7 @@ import pytest
 
 from quickdraft.errors import ModelLoadError
 from quickdraft.tokenizer import PRE_TOKENIZERS, StreamingDetokenizer, Tokenizer
+from conftest import gguf_read_whole
 
 # ---------------------------------------------------------------------------------------------
 # model files
@@ -99,7 +100,8 @@ def hf_reference(path: Path):
     from transformers.utils import logging
 
     logging.set_verbosity_error()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with gguf_read_whole():
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @functools.lru_cache(maxsize=None)

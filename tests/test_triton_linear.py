@@ -306,10 +306,12 @@ def test_the_backend_is_refused_where_it_cannot_run(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every quantized model runs the kernel (tests/test_cuda.py)")
-@pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_a_models_stacked_projections_give_its_tokens(tiny_dir, monkeypatch, weights):
+def test_a_models_stacked_projections_give_its_tokens(tiny_dir, monkeypatch):
     """A whole model on the kernel (the CPU running it under the interpreter, as a GPU runs it): each decoder layer's
-    q/k/v and gate/up become one call each, and the greedy tokens are those of the layers left apart."""
+    q/k/v and gate/up become one call each, and the greedy tokens are those of the layers left apart. In int8: int4's
+    stacking is test_q_k_v_stacked_into_one_call's, and an int4 model's stacked layers run in
+    test_triton_linear_norm.py (int4's tiles take the interpreter five times int8's time)."""
+    weights = "int8"
     from quickdraft import LLM, SamplingParams
     from quickdraft.loading import quant_groups, quantize
     from quickdraft.models import quant_backends
