@@ -116,6 +116,20 @@ def test_k_split_over_programs_gives_the_same_bits_as_one_program(bits, rows):
     torch.testing.assert_close(apart, reference(x, layer), **TOLERANCE)
 
 
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_tiles_past_k_are_skipped_with_the_bits_of_zeros(bits, rows):
+    """A K that leaves tiles of its last chunk empty (a chunk and 64 columns: 3.5 of the second chunk's 4 tiles)
+    skips them; the same weight and rows padded with zero columns to whole chunks run every tile: the same bits,
+    split over programs (one row) or not."""
+    g = torch.Generator().manual_seed(bits + rows)
+    k, whole = triton_linear.CHUNK_K + 64, 2 * triton_linear.CHUNK_K
+    weight, x = randn(24, k, generator=g), randn(rows, k, generator=g)
+    run, _ = kernel_call(bits, weight)
+    padded, _ = kernel_call(bits, torch.cat([weight, torch.zeros(24, whole - k)], dim=1))
+    assert torch.equal(run(x), padded(torch.cat([x, torch.zeros(rows, whole - k)], dim=1)))
+
+
 @pytest.mark.parametrize("rows", [1, 5, 17, 70])
 @pytest.mark.parametrize("out_features,in_features", [(40, 96), (72, 3 * triton_linear.CHUNK_K + 96)])
 def test_bfloat16_weights_run_the_same_tiles(rows, out_features, in_features):

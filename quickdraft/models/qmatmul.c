@@ -22,7 +22,7 @@
  * row tile it falls in and the thread count are: a row's result is bit-identical whether it is alone in
  * the call or one of many (speculative verification relies on this).
  *
- * The file is compiled in parts, side by side (native.py; a format's kernels take seconds to compile): with
+ * The file is compiled in parts, side by side (native_build.py; a format's kernels take seconds to compile): with
  * -DQD_PART=n, 1 <= n <= QD_PARTS, the kernels of the formats of FORMATS_n alone; with -DQD_PART=0, the rest (x's
  * quantization, the dispatch over formats, qd_linear).
  */
@@ -388,7 +388,7 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
     for (int r = 0; r < TILE; r++) st->dot[r] = acc[r], st->part[r] = part[r], st->tail_shift[r] = tail_shift[r];
 }
 
-/* Every format, with the name its functions take, in the parts compiled apart (about as long to compile each). */
+/* Every format, with the name its functions take, in the parts compiled apart (three formats each). */
 #define FORMATS_1(X) X(QF_INT4, int4) X(QF_INT8, int8) X(QF_Q4_0, q4_0)
 #define FORMATS_2(X) X(QF_Q4_1, q4_1) X(QF_Q5_0, q5_0) X(QF_Q5_1, q5_1)
 #define FORMATS_3(X) X(QF_Q8_0, q8_0) X(QF_Q4_K, q4_k) X(QF_Q5_K, q5_k)

@@ -303,7 +303,7 @@ def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: 
         x, qweight, scales, bias_or_any, sums, rows, n, k, x.stride(0), 1 if split else chunks, residual,
         norm_weight, x if total is None else total, 0.0 if norm is None else float(norm.eps),
         BITS=bits, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, CHUNK_TILES=CHUNK_TILES,
-        FINAL=not split, HAS_BIAS=bias is not None, DOT_BF16=x.is_cuda, GATE=-1 if split else gate_code,
+        EVEN_K=k % CHUNK_K == 0, FINAL=not split, HAS_BIAS=bias is not None, DOT_BF16=x.is_cuda, GATE=-1 if split else gate_code,
         NORM=0 if norm is None else 1, num_warps=tiles.warps, enable_fp_fusion=False)
     if split:
         _add_chunks(sums, scales, bias_or_any, out, bits, bias is not None, gate_code)

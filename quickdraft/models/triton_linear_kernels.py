@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 triton = tl = None  # optional (pip install triton): imported by kernels(), on first use
-_sums = _x_tile = _int4_tile = _dot = _finished = _gated = _chunk_total = None  # the kernels' helpers (_helpers)
+_sums = _k_tile = _x_tile = _int4_tile = _dot = _finished = _gated = _chunk_total = None  # the kernels' helpers
 
 # NORM's values (literals in the kernels, which read no module constant): 0 no norm; 1 the norm, the first column of
 # programs writing the residual sum of the rows it reads; 2 the norm alone (a gate/up kernel's second pass over K,
@@ -36,14 +36,15 @@ def kernels():
     def weight_only_matmul(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, chunks_per_program,
                            r_ptr, nw_ptr, sum_ptr, eps,
                            BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, CHUNK_TILES: tl.constexpr, FINAL: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr, GATE: tl.constexpr, NORM: tl.constexpr):
+                           BLOCK_K: tl.constexpr, CHUNK_TILES: tl.constexpr, EVEN_K: tl.constexpr,
+                           FINAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr, GATE: tl.constexpr,
+                           NORM: tl.constexpr):
         """Rows ``rm`` by columns ``rn`` of the output, summed over ``chunks_per_program`` chunks of K from the
         program's third index on: the whole of K into ``out [M, N]`` (``FINAL``: int8's row scales and the bias
         applied, rounded to out's dtype; ``GATE`` >= 0, an activation of ``ACTIVATIONS``: ``out [M, N // 2]``, the
         gated product of the weight's two halves, each rounded first), or one chunk's float32 sum into its slice of
         ``out [chunks, M, N]``. ``NORM`` (``FINAL`` only): x is ``rms_norm(x + r)`` with weight ``nw`` and
-        ``eps``, ``x + r`` written to ``sum [M, K]``."""
+        ``eps``, ``x + r`` written to ``sum [M, K]``. ``EVEN_K``: K is a multiple of ``BLOCK_K * CHUNK_TILES``."""
         # int64 offsets: a weight of more than 2^31 values (a 256k vocabulary's head) must not wrap
         rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -51,7 +52,7 @@ def kernels():
         writes = tl.program_id(0) == 0  # the first column of programs writes the residual sum of its rows' tiles
         total, squares = _sums(x_ptr, w_ptr, s_ptr, rm, rn, chunk, chunks_per_program, M, N, K, stride_xm, r_ptr,
                                nw_ptr, sum_ptr, writes, BITS, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_TILES,
-                               DOT_BF16, NORM)
+                               EVEN_K, DOT_BF16, NORM)
         width = N
         if FINAL:
             if NORM != 0:
@@ -62,7 +63,7 @@ def kernels():
                 width = N // 2
                 up, _ = _sums(x_ptr, w_ptr, s_ptr, rm, rn + width, chunk, chunks_per_program, M, N, K, stride_xm,
                               r_ptr, nw_ptr, sum_ptr, writes, BITS, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_TILES,
-                              DOT_BF16, 2 if NORM != 0 else 0)
+                              EVEN_K, DOT_BF16, 2 if NORM != 0 else 0)
                 if NORM != 0:
                     up = up * inverse[:, None]
                 up = _finished(up, s_ptr, b_ptr, rn[None, :] + width, N, BITS, HAS_BIAS)
@@ -109,7 +110,8 @@ def _helpers() -> None:
     @triton.jit
     def _sums(x_ptr, w_ptr, s_ptr, rm, rn, chunk, chunks, M, N, K, stride_xm, r_ptr, nw_ptr, sum_ptr, writes,
               BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, CHUNK_TILES: tl.constexpr, DOT_BF16: tl.constexpr, NORM: tl.constexpr):
+              BLOCK_K: tl.constexpr, CHUNK_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_BF16: tl.constexpr,
+              NORM: tl.constexpr):
         """The float32 sums of rows ``rm`` by weight rows ``rn`` over ``chunks`` chunks of K from ``chunk`` on,
         each chunk summed from zero and added in order; and (``NORM``) the rows' sums of squares of ``x + r`` over
         the same columns, in the same order."""
@@ -122,18 +124,16 @@ def _helpers() -> None:
             chunk_squares = tl.zeros((BLOCK_M, BLOCK_K if BITS >= 8 else BLOCK_K // 2), dtype=tl.float32)
             for tile in tl.static_range(CHUNK_TILES):
                 k0 = (chunk + done) * CHUNK_TILES * BLOCK_K + tile * BLOCK_K
-                if BITS >= 8:  # int8, or bfloat16 (BITS 16): a tile of the weight as it is stored
-                    rk = k0 + tl.arange(0, BLOCK_K)
-                    x, tile_squares = _x_tile(x_ptr, r_ptr, nw_ptr, sum_ptr, writes, rm, rk, M, K, stride_xm, NORM)
-                    w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=(rk[:, None] < K) & (rn[None, :] < N),
-                                other=0)  # the tile [BLOCK_K, BLOCK_N], transposed
-                    acc = _dot(x, w.to(tl.float32), acc, DOT_BF16)
-                else:
-                    acc, tile_squares = _int4_tile(x_ptr, w_ptr, s_ptr, acc, rm, rn, k0, M, N, K, stride_xm, r_ptr,
-                                                   nw_ptr, sum_ptr, writes, GROUP, BLOCK_N, BLOCK_K,
-                                                   DOT_BF16, NORM)
-                if NORM != 0:
-                    chunk_squares += tile_squares
+                # EVEN_K: every chunk is whole. Otherwise the tiles past K of the last chunk (SmolLM2's 576 columns
+                # leave 3.5 of its second chunk's 4 tiles empty) would add only masked zeros: skipped, the same sums
+                if EVEN_K:
+                    acc, chunk_squares = _k_tile(x_ptr, w_ptr, s_ptr, acc, chunk_squares, rm, rn, k0, M, N, K,
+                                                 stride_xm, r_ptr, nw_ptr, sum_ptr, writes, BITS, GROUP, BLOCK_N,
+                                                 BLOCK_K, DOT_BF16, NORM)
+                elif k0 < K:
+                    acc, chunk_squares = _k_tile(x_ptr, w_ptr, s_ptr, acc, chunk_squares, rm, rn, k0, M, N, K,
+                                                 stride_xm, r_ptr, nw_ptr, sum_ptr, writes, BITS, GROUP, BLOCK_N,
+                                                 BLOCK_K, DOT_BF16, NORM)
             total += acc
             if NORM != 0:
                 squares += tl.sum(chunk_squares, axis=1)
@@ -176,7 +176,26 @@ def _helpers() -> None:
 def _tile_helpers() -> None:
     """The helpers that read a tile of the matmul's input and of its weight (module globals, as ``_helpers``'; Triton
     imported by it)."""
-    global _x_tile, _int4_tile, _dot
+    global _k_tile, _x_tile, _int4_tile, _dot
+
+    @triton.jit
+    def _k_tile(x_ptr, w_ptr, s_ptr, acc, chunk_squares, rm, rn, k0, M, N, K, stride_xm, r_ptr, nw_ptr, sum_ptr,
+                writes, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_BF16: tl.constexpr, NORM: tl.constexpr):
+        """``acc`` plus the products of the tile of K from ``k0``, and (``NORM``) ``chunk_squares`` plus its input's
+        squares."""
+        if BITS >= 8:  # int8, or bfloat16 (BITS 16): a tile of the weight as it is stored
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x, tile_squares = _x_tile(x_ptr, r_ptr, nw_ptr, sum_ptr, writes, rm, rk, M, K, stride_xm, NORM)
+            w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=(rk[:, None] < K) & (rn[None, :] < N),
+                        other=0)  # the tile [BLOCK_K, BLOCK_N], transposed
+            acc = _dot(x, w.to(tl.float32), acc, DOT_BF16)
+        else:
+            acc, tile_squares = _int4_tile(x_ptr, w_ptr, s_ptr, acc, rm, rn, k0, M, N, K, stride_xm, r_ptr, nw_ptr,
+                                           sum_ptr, writes, GROUP, BLOCK_N, BLOCK_K, DOT_BF16, NORM)
+        if NORM != 0:
+            chunk_squares += tile_squares
+        return acc, chunk_squares
 
     @triton.jit
     def _x_tile(x_ptr, r_ptr, nw_ptr, sum_ptr, writes, rm, rk, M, K, stride_xm, NORM: tl.constexpr):
