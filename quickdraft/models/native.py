@@ -100,12 +100,9 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if _lib is not None or _error is not None:
             return _lib
-        if os.environ.get(DISABLE_ENV, "1") == "0":
-            _error = f"turned off by {DISABLE_ENV}=0"
-            return None
         compiler = native_build.find_compiler()
-        if platform.machine().lower() not in ("x86_64", "amd64") or compiler is None:
-            _error = "needs an x86-64 CPU and a C compiler"
+        _error = _not_here(compiler)
+        if _error is not None:
             return None
         try:
             _lib = _build_and_open(compiler)
@@ -129,8 +126,16 @@ def can_build() -> bool:
     build that fails then leaves torch's operations."""
     if _lib is not None or _error is not None:
         return _lib is not None
-    return (os.environ.get(DISABLE_ENV, "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
-            and native_build.find_compiler() is not None and {"avx2", "fma", "f16c"} <= cpu_flags())
+    return _not_here(native_build.find_compiler()) is None and {"avx2", "fma", "f16c"} <= cpu_flags()
+
+
+def _not_here(compiler: str | None) -> str | None:
+    """Why the library is not built here, whatever the sources say, or None."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return f"turned off by {DISABLE_ENV}=0"
+    if platform.machine().lower() not in ("x86_64", "amd64") or compiler is None:
+        return "needs an x86-64 CPU and a C compiler"
+    return None
 
 
 def unavailable_reason() -> str | None:
