@@ -50,13 +50,14 @@ def slots_of(table: list[int], start: int, end: int) -> torch.Tensor:
     return torch.tensor(table)[positions // BS] * BS + positions % BS
 
 
-def run(pool: KVPool, batch: list[tuple[Seq, int, int]], chunks: list[int] | None = None) -> list[torch.Tensor]:
+def run(pool: KVPool, batch: list[tuple[Seq, int, int]], chunks: list[int] | None = None,
+        exact_below: int = 0) -> list[torch.Tensor]:
     """Cache each sequence's first ``start`` tokens, then attend its next ``length``; its output rows, one by one."""
     for seq, start, _ in batch:
         slots = slots_of(seq.table, 0, start)
         pool.k[0, slots], pool.v[0, slots] = seq.k[:start], seq.v[:start]
     attn = AttentionBatch(pool, [s.table for s, _, _ in batch], [start for _, start, _ in batch],
-                          [n for _, _, n in batch], chunks)
+                          [n for _, _, n in batch], chunks, exact_below)
     q, k, v = (torch.cat([getattr(s, name)[start:start + n] for s, start, n in batch]) for name in "qkv")
     out = attn.attend(0, q, k, v)
     return list(out.split([n for _, _, n in batch]))
@@ -119,6 +120,25 @@ def test_a_prompt_chunked_at_cell_boundaries_matches_one_chunk_bitwise(head_dim)
     pool = make_pool(head_dim, torch.bfloat16)
     parts = [run(pool, [(seq, start, n)])[0] for start, n in ((0, 64), (64, 64), (128, 22))]
     assert torch.equal(whole, torch.cat(parts))
+
+
+@PATHS
+def test_below_exact_below_a_prompt_started_anywhere_gets_the_bits_of_one_chunk(head_dim):
+    """What lets a cached prefix end at any block there: a prompt token below ``exact_below`` attends alone, so a
+    prompt resumed mid-cell (after a cached prefix, or a decoded answer) gets the bits of the prompt in one chunk;
+    past it the pieces start on cells as before."""
+    seq = make_seq(5, list(range(10)), head_dim, torch.bfloat16)
+    exact = 2 * PREFILL_CELL
+    whole = run(make_pool(head_dim, torch.bfloat16), [(seq, 0, 150)], exact_below=exact)[0]
+    pool = make_pool(head_dim, torch.bfloat16)
+    parts = [run(pool, [(seq, start, n)], exact_below=exact)[0] for start, n in ((0, 16), (16, 1), (17, 80), (97, 53))]
+    assert torch.equal(whole, torch.cat(parts))
+    assert (whole.double() - reference(seq, 0, 150)).abs().max() < 3e-2
+    attn = AttentionBatch(make_pool(head_dim), [seq.table], [17], [200], exact_below=exact)
+    assert [(first, end) for first, end, _, _ in attn.pieces] == [(exact - 17, exact + PREFILL_CELL - 17),
+                                                                 (exact + PREFILL_CELL - 17, 200)]
+    with pytest.raises(ValueError, match="exact_below must be a multiple of 64, got 100"):
+        AttentionBatch(make_pool(head_dim), [seq.table], [0], [8], exact_below=100)
 
 
 def test_chunk_pieces_cut_a_chunk_at_cell_boundaries():

@@ -153,6 +153,18 @@ def test_match_prefix_starts_at_a_cell_boundary():
     assert alloc.ref_counts[owner.block_table[2]] == 1  # the third one went back
 
 
+def test_match_prefix_below_exact_below_starts_at_any_block():
+    """Below ``exact_below`` a token attends alone whatever its chunk: the hit keeps every cached block there; past
+    it the computation starts at a cell boundary again."""
+    _, alloc = make_pool()
+    tokens = list(range(1, 5 * BS + 2))  # five full blocks, two and a half cells
+    published(tokens, alloc)
+    assert SequenceKV().match_prefix(tokens, alloc, BS, exact_below=4 * PREFILL_CELL) == 5 * BS
+    assert SequenceKV().match_prefix(tokens, alloc, BS, exact_below=2 * PREFILL_CELL) == 2 * PREFILL_CELL
+    assert SequenceKV().match_prefix(tokens[:3 * BS + 1], alloc, BS, exact_below=2 * PREFILL_CELL) == 3 * BS
+    assert SequenceKV().match_prefix(tokens[:3 * BS + 1], alloc, BS, exact_below=PREFILL_CELL) == PREFILL_CELL
+
+
 def test_make_writable_copies_shared_blocks_and_leaves_the_owner_intact():
     pool, alloc = make_pool()
     parent = filled(BS + 5, alloc)

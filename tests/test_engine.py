@@ -8,6 +8,8 @@ import torch
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import InvalidParameterError, PromptTooLongError
+from quickdraft.kv import SequenceKV
+from quickdraft.kv.attention import exact_positions
 
 
 def prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
@@ -79,6 +81,27 @@ def test_prefix_cache_reuses_blocks_and_keeps_output(target):
     assert llm.engine.prefix_cache_hits >= (len(shared) // 8) * 8 - 8
     fresh = LLM(str(target), dtype="float32", block_size=8, kv_cache_memory=TINY_KV).generate([shared + [9]], GREEDY)[0]
     assert llm.generate([shared + [9]], GREEDY)[0].token_ids == fresh.token_ids
+    assert llm.target.allocator.num_used == 0
+
+
+def test_a_follow_up_resumed_mid_cell_from_the_prefix_cache_gets_a_cold_runs_bits(target):
+    """Where quickdraft's CPU attention kernel runs, a token below ``attention.EXACT_POSITIONS`` attends alone in a
+    prompt too, so a cached prefix may end at any block there, not only at a 64-token cell: a follow-up holding the
+    earlier answer reuses the answer's blocks as well, and its tokens and logprobs are a cold run's, bit for bit."""
+    llm = LLM(str(target), dtype="float32", block_size=8, kv_cache_memory=TINY_KV)
+    if not exact_positions(llm.target.pool, llm.target.dtype):
+        pytest.skip("quickdraft's CPU attention kernel does not run here")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    first_prompt = prompts(64, 1, seed=7)[0][:37]
+    answer = llm.generate([first_prompt], params)[0].token_ids
+    follow_up = first_prompt + answer + [5, 9, 11]  # 64 tokens: under one cell, nothing was reused before
+    probe = SequenceKV()
+    assert llm.target.match_prefix(probe, follow_up) >= 48  # full blocks of the prompt and the answer
+    llm.target.free(probe)
+    warm = llm.generate([follow_up], params)[0]
+    llm.reset_prefix_cache()
+    cold = llm.generate([follow_up], params)[0]
+    assert warm.token_ids == cold.token_ids and warm.outputs[0].logprobs == cold.outputs[0].logprobs
     assert llm.target.allocator.num_used == 0
 
 

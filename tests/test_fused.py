@@ -10,7 +10,7 @@ import torch
 
 from quickdraft import LLM
 from quickdraft.config import ModelConfig
-from quickdraft.kv import ForwardItem, SequenceKV
+from quickdraft.kv import ForwardItem, SequenceKV, attention
 from quickdraft.kv.pool import KVPool
 from quickdraft.loading.pack_float import pack_float_linears
 from quickdraft.loading.quant_convert import quantizable_linears, set_module
@@ -85,9 +85,13 @@ def test_float32_weights_keep_the_module_path(smollm2, monkeypatch):
     assert fused_calls == 0
 
 
-def test_decode_token_beside_a_prompt_chunk_equals_it_alone(smollm2, monkeypatch):
-    """A step with a prompt chunk runs every layer on the module path; a decode token in it gets the logits it
-    gets alone on the fused path."""
+@pytest.mark.parametrize("pieces", [True, False], ids=["chunk in pieces", "chunk token by token"])
+def test_decode_token_beside_a_prompt_chunk_equals_it_alone(smollm2, monkeypatch, pieces):
+    """A step whose prompt chunk attends in pieces (past ``attention.EXACT_POSITIONS``, here moved to 0) runs every
+    layer on the module path, one whose chunk attends token by token (below it) on the fused path; a decode token in
+    either gets the logits it gets alone on the fused path."""
+    if pieces:
+        monkeypatch.setattr(attention, "EXACT_POSITIONS", 0)
     llm = LLM(str(smollm2), weights="int4", kv_cache_memory=KV)
     runner, calls = llm.target, []
     _count_fused_layers(monkeypatch, calls)
@@ -100,7 +104,8 @@ def test_decode_token_beside_a_prompt_chunk_equals_it_alone(smollm2, monkeypatch
     (alone,) = runner.forward([ForwardItem(kv_a, [29], 1)])
     assert len(calls) == llm.model.config.num_layers
     beside = runner.forward([ForwardItem(kv_long, chunk, 1), ForwardItem(kv_b, [29], 1)])[1]
-    assert len(calls) == llm.model.config.num_layers  # the mixed step ran the module path
+    # the mixed step ran the module path, or the fused one again
+    assert len(calls) == llm.model.config.num_layers * (1 if pieces else 2)
     assert torch.equal(alone, beside)
 
 

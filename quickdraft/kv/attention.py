@@ -30,6 +30,25 @@ if TYPE_CHECKING:  # for annotations only: blocks.py imports PREFILL_CELL from h
 PREFILL_CELL = 64
 ROWWISE_MAX_QUERIES = 16
 KEY_BUCKET = 64
+# Where quickdraft's CPU kernel attends, every prompt token at a position below EXACT_POSITIONS attends alone too (no
+# pieces there), so a token's bits there depend on its position and context only: a cached prefix may then end at
+# any block below it, not only at a cell boundary (a chat's shared system prompt, a multi-turn conversation's
+# earlier answers). Above it long pieces stay on torch's causal call, which is faster over long contexts
+# (docs/MEASUREMENTS.md, "Prefix cache"). A multiple of PREFILL_CELL, so the pieces past it start on cells.
+EXACT_POSITIONS = 1024
+
+
+def native_attention(pool: KVPool) -> bool:
+    """Whether single tokens attend on quickdraft's CPU kernel (``models/attention.c``) over this pool (where a
+    layer's queries are not of a layout it takes, they go to torch's attention per key bucket)."""
+    return native.available() and pool.k.device.type == "cpu" and pool.dtype in native.KV_FORMATS
+
+
+def exact_positions(pool: KVPool, activations: torch.dtype) -> int:
+    """The ``exact_below`` of a forward over ``pool`` with queries of ``activations``: EXACT_POSITIONS where
+    quickdraft's CPU kernel takes every single token, else 0 (every long piece in torch's causal call)."""
+    runs = native_attention(pool) and native.attends(pool.k.shape[-1], pool.dtype, activations)
+    return EXACT_POSITIONS if runs else 0
 
 
 def chunk_pieces(start: int, chunk: int) -> list[tuple[int, int]]:
@@ -70,14 +89,18 @@ class AttentionBatch:
     kernel (``models/attention.c``) takes the single tokens instead: each attends to exactly its own
     context, read in place through the slot table in the cache's format, with a fixed order of
     operations; a sequence's consecutive single tokens (a verify pass) are one group that reads the
-    context once. Long prompt pieces attend in one causal call over exactly their own context.
+    context once; it takes every prompt token below EXACT_POSITIONS too. Long prompt pieces past it (all of them
+    where the kernel does not run) attend in one causal call over exactly their own context.
     Plain, speculative and batched runs therefore compute every token the same way.
     """
 
     def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int],
-                 chunks: list[int] | None = None) -> None:
+                 chunks: list[int] | None = None, exact_below: int = 0) -> None:
         """``chunks[b]``: how many leading new tokens of sequence b are a prompt chunk; the rest (drafts being
-        verified) attend as single tokens. Default: all of them."""
+        verified) attend as single tokens. Default: all of them. ``exact_below`` (``exact_positions``, a multiple
+        of PREFILL_CELL): prompt tokens at positions below it attend as single tokens too."""
+        if exact_below % PREFILL_CELL:
+            raise ValueError(f"exact_below must be a multiple of {PREFILL_CELL}, got {exact_below}")
         self.pool = pool
         device = pool.k.device
         bs = pool.block_size
@@ -105,16 +128,16 @@ class AttentionBatch:
                 continue  # every piece is short: all its tokens attend alone
             row = int(first_row[b]) - starts[b]  # row of absolute position 0 of this sequence
             for a, e in chunk_pieces(starts[b], chunk):
-                if e - a > ROWWISE_MAX_QUERIES:
+                if e - a > ROWWISE_MAX_QUERIES and a >= exact_below:
                     mask = torch.arange(e)[None, :] <= torch.arange(a, e)[:, None]
                     self.pieces.append((row + a, row + e, slots[b, :e], mask))
                     lone[row + a:row + e] = False
         rows = lone.nonzero().squeeze(1)
         keys = positions[rows] + 1
+        self.native = native_attention(pool)
         # single tokens: quickdraft's CPU attention kernel when it runs here (each token over exactly its own
         # context, read in place from the pool; a sequence's consecutive tokens, a verify pass, read it once),
         # else torch's attention per key bucket (see attend)
-        self.native = native.available() and device.type == "cpu" and pool.dtype in native.KV_FORMATS
         seq_of_single = seq_of_row[rows]
         starts_of_groups = (seq_of_single[1:] != seq_of_single[:-1]).nonzero().squeeze(1) + 1
         group_first = torch.cat([torch.zeros(1, dtype=torch.long), starts_of_groups,

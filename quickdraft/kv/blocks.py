@@ -197,8 +197,10 @@ class SequenceKV:
         return SequenceKV(table, length, self.hashes[: length // block_size],
                           None if self.tokens is None else self.tokens[:length])
 
-    def match_prefix(self, tokens: list[int], allocator: BlockAllocator, block_size: int) -> int:
-        """Take cached full blocks that hold a prefix of ``tokens``; at least one token is left to compute."""
+    def match_prefix(self, tokens: list[int], allocator: BlockAllocator, block_size: int, exact_below: int = 0) -> int:
+        """Take cached full blocks that hold a prefix of ``tokens``; at least one token is left to compute.
+        ``exact_below``: positions below which a token's bits depend on its position and context alone
+        (``attention.exact_positions``): the computation may start at any block there, past it only at a cell."""
         if self.block_table:
             return 0
         parent = b""
@@ -212,8 +214,10 @@ class SequenceKV:
             self.block_table.append(allocator.share(block))
             self.hashes.append(digest)
             parent = digest
-        # start computing at a cell boundary, as a run without the cache would have (see PREFILL_CELL)
-        while PREFILL_CELL % block_size == 0 and len(self.block_table) * block_size % PREFILL_CELL:
+        # past exact_below, start computing at a cell boundary, as a run without the cache would have (see
+        # PREFILL_CELL); below it a token attends alone whatever its chunk
+        while (PREFILL_CELL % block_size == 0 and len(self.block_table) * block_size > exact_below
+               and len(self.block_table) * block_size % PREFILL_CELL):
             allocator.release(self.block_table.pop())
             self.hashes.pop()
         self.num_cached = len(self.block_table) * block_size

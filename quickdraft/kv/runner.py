@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from quickdraft.kv.attention import AttentionBatch
+from quickdraft.kv.attention import AttentionBatch, exact_positions
 from quickdraft.kv.blocks import BlockAllocator, ForwardItem, SequenceKV
 from quickdraft.kv.paged_attention import kernel_possible
 from quickdraft.kv.pool import KVPool
@@ -133,7 +133,12 @@ class ModelRunner:
         self.logit_columns = column
 
     def match_prefix(self, kv: SequenceKV, tokens: list[int]) -> int:
-        return kv.match_prefix(tokens, self.allocator, self.block_size)
+        return kv.match_prefix(tokens, self.allocator, self.block_size, self._exact_below())
+
+    def _exact_below(self) -> int:
+        """Where prompts attend on the dynamic path (no static step), positions below which a token attends alone
+        whatever its chunk (``attention.exact_positions``): a cached prefix may end at any block there."""
+        return exact_positions(self.pool, self.dtype) if self.static is None else 0
 
     def publish(self, kv: SequenceKV, tokens: list[int]) -> None:
         kv.publish(tokens, self.allocator, self.block_size)
@@ -262,7 +267,7 @@ class ModelRunner:
         # every logits row after the first is a drafted token under verification, not part of a prompt chunk
         chunks = [len(it.tokens) - max(0, it.num_logits - 1) for it in items]
         attn = AttentionBatch(self.pool, [it.kv.block_table for it in items], [it.kv.num_cached for it in items],
-                              [len(it.tokens) for it in items], chunks)
+                              [len(it.tokens) for it in items], chunks, self._exact_below())
         tokens = torch.tensor([t for it in items for t in it.tokens], dtype=torch.long, device=self.device)
         hidden = model(tokens, attn, num_layers=self.num_layers)
         rows, offset = [], 0

@@ -275,14 +275,20 @@ class AttnItems:
                               len(self.group_first) - 1)
 
 
+def attends(head_dim: int, cache: torch.dtype, queries: torch.dtype) -> bool:
+    """Whether the attention kernel takes heads of ``head_dim`` with queries of ``queries`` (float32 or bfloat16)
+    over a cache of ``cache`` (the queries' own dtype, or int8)."""
+    return (queries in (torch.float32, torch.bfloat16) and cache in (queries, torch.int8) and head_dim % 8 == 0
+            and head_dim <= MAX_HEAD_DIM and (cache != torch.int8 or head_dim % KV_SCALE_GROUP == 0))
+
+
 def runs_attend(q: torch.Tensor, cache: CacheLayer) -> bool:
-    """q ``[T, H, D]`` (float32 or bfloat16 on CPU) and a cache the kernel reads: q's own dtype, or int8."""
+    """q ``[T, H, D]`` on CPU, laid out as the kernel reads it, and a cache it takes (``attends``)."""
     t, heads, d = q.shape
     kv_heads = cache.k.shape[1]
-    fmt = cache.k.dtype
-    return (_float_kind(q) and (fmt == q.dtype or fmt == torch.int8) and cache.k.device.type == "cpu"
-            and q.stride(2) == 1 and q.stride(1) == d and heads % kv_heads == 0 and d % 8 == 0 and d <= MAX_HEAD_DIM
-            and (fmt != torch.int8 or d % KV_SCALE_GROUP == 0) and cache.k.is_contiguous() and available())
+    return (_float_kind(q) and attends(d, cache.k.dtype, q.dtype) and cache.k.device.type == "cpu"
+            and q.stride(2) == 1 and q.stride(1) == d and heads % kv_heads == 0 and cache.k.is_contiguous()
+            and available())
 
 
 def attend(q: torch.Tensor, cache: CacheLayer, items: AttnItems, out: torch.Tensor, scale: float, window: int,
