@@ -107,6 +107,36 @@ def test_bf16_linear_matches_torch_and_rows_are_independent():
         assert torch.equal(part, y[rows - 1:rows - 1 + rows])
 
 
+@pytest.mark.parametrize("out_features", [8, 37, 1000])
+def test_weight_streaming_kernels_compute_every_column_once_whatever_the_thread_count(out_features):
+    """The threads share a call's column tasks by claiming them (models/tasks.h): with fewer tasks than threads,
+    a task count no thread count divides, and more threads than cores, every column is computed, by one thread, to
+    the bits one thread gives (an output left unwritten would hold what torch.empty left there)."""
+    torch.manual_seed(5)
+    k = 576
+    q = Int4Linear.from_float(torch.randn(out_features, k), torch.randn(out_features))
+    v = Int8Linear.from_float(torch.randn(out_features, k))
+    group = QuantGroup([q, v])
+    w_bf16 = torch.randn(out_features, k).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    results: dict[int, list[torch.Tensor]] = {}
+    try:
+        for threads in (1, 2, 3, 8):
+            torch.set_num_threads(threads)
+            for rows in (1, 5):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+                results.setdefault(threads, []).extend([group(x), native.linear_bf16(x, w_bf16)])
+    finally:
+        torch.set_num_threads(before)
+    for threads, outs in results.items():
+        for got, alone in zip(outs, results[1]):
+            assert torch.equal(got, alone), f"{threads} threads differ from one"
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ref = F.linear(x.float(), w_bf16.float())
+    assert torch.allclose(results[1][3].float(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+    assert torch.equal(results[1][2], torch.cat([q(x), v(x)], dim=-1))
+
+
 # ---- the build cache: damaged libraries, the temporary build path, a compiler that hangs -------------------------
 @pytest.fixture
 def fresh_loader(tmp_path, monkeypatch) -> tuple[Path, Path]:

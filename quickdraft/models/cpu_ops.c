@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #include "floats.h"
+#include "tasks.h"
 
 /* 8 floats from float32 or bfloat16 memory */
 static inline __m256 ld8(const void *p, int bf16, size_t i) {
@@ -209,44 +210,51 @@ int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int 
     for (int m = 0; m < M; m++)
         for (int k = 0; k < ldx; k++) x[(size_t)m * ldx + k] = k < K ? ld(x_bf16, 1, (size_t)m * K + k) : 0.f;
 #endif
-#pragma omp parallel for schedule(static)
-    for (int task = 0; task < ntasks; task++) {
-        const int n0 = task * BF16_COLS_PER_TASK;
-        const int n1 = n0 + BF16_COLS_PER_TASK < N ? n0 + BF16_COLS_PER_TASK : N;
-        for (int m0 = 0; m0 < M; m0 += BF16_ROW_TILE) {
-            const int rows = M - m0 < BF16_ROW_TILE ? M - m0 : BF16_ROW_TILE;
-            const int step = BF16_COLS_FOR(rows);
-            for (int n = n0; n < n1; n += step) {
-                const int cols = n1 - n < step ? n1 - n : step;
-                float out[BF16_COLS][BF16_ROW_TILE] = {{0}};
-                const uint16_t *wrow = w + (size_t)n * K;
-#define BF16_CASE(T, C) case T: bf16_tile(T, C, x, ldx, K, m0, wrow, out); break;
-#define BF16_ROWS(C) switch (rows) { BF16_CASE(6, C) BF16_CASE(5, C) BF16_CASE(4, C) BF16_CASE(3, C) BF16_CASE(2, C) \
-                                     default: BF16_CASE(1, C) }
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-                switch (cols) {
-                    case 4: BF16_ROWS(4) break;
-                    case 3: BF16_ROWS(3) break;
-                    case 2: BF16_ROWS(2) break;
-                    default: BF16_ROWS(1) break;
-                }
-#else
-                if (rows == 1) {
+    task_front fronts[MAX_TASK_THREADS];
+    const int threads = task_fronts_reset(fronts);
+#pragma omp parallel num_threads(threads)
+    {
+        task_cursor cursor = task_cursor_start(fronts, ntasks);
+        int t0, t1;
+        while (task_claim(&cursor, &t0, &t1))
+        for (int task = t0; task < t1; task++) {
+            const int n0 = task * BF16_COLS_PER_TASK;
+            const int n1 = n0 + BF16_COLS_PER_TASK < N ? n0 + BF16_COLS_PER_TASK : N;
+            for (int m0 = 0; m0 < M; m0 += BF16_ROW_TILE) {
+                const int rows = M - m0 < BF16_ROW_TILE ? M - m0 : BF16_ROW_TILE;
+                const int step = BF16_COLS_FOR(rows);
+                for (int n = n0; n < n1; n += step) {
+                    const int cols = n1 - n < step ? n1 - n : step;
+                    float out[BF16_COLS][BF16_ROW_TILE] = {{0}};
+                    const uint16_t *wrow = w + (size_t)n * K;
+    #define BF16_CASE(T, C) case T: bf16_tile(T, C, x, ldx, K, m0, wrow, out); break;
+    #define BF16_ROWS(C) switch (rows) { BF16_CASE(6, C) BF16_CASE(5, C) BF16_CASE(4, C) BF16_CASE(3, C) BF16_CASE(2, C) \
+                                         default: BF16_CASE(1, C) }
+    #if defined(__AVX512BF16__) && defined(__AVX512BW__)
                     switch (cols) {
-                        case 4: bf16_tile(1, 4, x, ldx, K, m0, wrow, out); break;
-                        case 3: bf16_tile(1, 3, x, ldx, K, m0, wrow, out); break;
-                        case 2: bf16_tile(1, 2, x, ldx, K, m0, wrow, out); break;
-                        default: bf16_tile(1, 1, x, ldx, K, m0, wrow, out); break;
+                        case 4: BF16_ROWS(4) break;
+                        case 3: BF16_ROWS(3) break;
+                        case 2: BF16_ROWS(2) break;
+                        default: BF16_ROWS(1) break;
                     }
-                } else if (cols == 2) {
-                    BF16_ROWS(2)
-                } else {
-                    BF16_ROWS(1)
-                }
-#endif
-                for (int c = 0; c < cols; c++) {
-                    const float b = bias ? bias[n + c] : 0.f;
-                    for (int r = 0; r < rows; r++) st(y, 1, (size_t)(m0 + r) * N + n + c, out[c][r] + b);
+    #else
+                    if (rows == 1) {
+                        switch (cols) {
+                            case 4: bf16_tile(1, 4, x, ldx, K, m0, wrow, out); break;
+                            case 3: bf16_tile(1, 3, x, ldx, K, m0, wrow, out); break;
+                            case 2: bf16_tile(1, 2, x, ldx, K, m0, wrow, out); break;
+                            default: bf16_tile(1, 1, x, ldx, K, m0, wrow, out); break;
+                        }
+                    } else if (cols == 2) {
+                        BF16_ROWS(2)
+                    } else {
+                        BF16_ROWS(1)
+                    }
+    #endif
+                    for (int c = 0; c < cols; c++) {
+                        const float b = bias ? bias[n + c] : 0.f;
+                        for (int r = 0; r < rows; r++) st(y, 1, (size_t)(m0 + r) * N + n + c, out[c][r] + b);
+                    }
                 }
             }
         }

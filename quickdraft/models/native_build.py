@@ -23,7 +23,7 @@ from pathlib import Path
 from quickdraft.paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "cpu_ops.c", "attention.c", "layer.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("floats.h", "kv.h", "qformats.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("floats.h", "kv.h", "qformats.h", "tasks.h"))
 # -ffp-contract=off: an auto-vectorized loop and its scalar prologue (whose length depends on the address) then
 # round alike, so a row's result never depends on where its buffer lies
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")

@@ -33,6 +33,7 @@
 
 #include "floats.h"
 #include "qformats.h"
+#include "tasks.h"
 
 #define QD_PARTS 5
 #if !defined(QD_PART) || QD_PART < 0 || QD_PART > QD_PARTS
@@ -501,61 +502,68 @@ int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, con
     for (int m = 0; m < M; m++)
         quantize_row(x, x_bf16, (size_t)m * K, K, Kpad, X.xq + (size_t)m * xrow, X.xs + (size_t)m * ngroups,
                      X.xsum + (size_t)m * ngroups, X.xhalf + (size_t)m * ngroups * 2);
-#pragma omp parallel for schedule(static)
-    for (int task = 0; task < first_task[nparts]; task++) {
-        int p = 0;
-        while (task >= first_task[p + 1]) p++;
-        const int n0 = (task - first_task[p]) * ROWS_PER_TASK;
-        const int n1 = n0 + ROWS_PER_TASK < N[p] ? n0 + ROWS_PER_TASK : N[p];
-        if (M == 1) { /* a decode step: each column's total straight from its tile's registers */
-            const int full = Kpad / BLOCK;
-            float total[2][ROWS_PER_TASK];
-            for (int part = p; part < p + 1 + swiglu; part++) {
-                const int f = fmt[part];
-                columns_for(f)(w[part], qf_padded(f) ? scales_zeros[part] : NULL, qf_row_bytes(f, K, Kpad), full,
-                               qf_padded(f) ? full : K / BLOCK, qf_padded(f) ? 0 : (K % BLOCK) / GROUP, &X, n0, n1,
-                               total[part - p]);
-            }
-            for (int n = n0; n < n1; n++) {
-                float v = total[0][n - n0] + (bias[p] ? bias[p][n] : 0.f);
-                if (swiglu) {
-                    const float up = total[1][n - n0] + (bias[1] ? bias[1][n] : 0.f);
-                    v = v / (1.f + expf(-v)) * up;
+    task_front fronts[MAX_TASK_THREADS];
+    const int threads = task_fronts_reset(fronts);
+#pragma omp parallel num_threads(threads)
+    {
+        task_cursor cursor = task_cursor_start(fronts, first_task[nparts]);
+        int t0, t1;
+        while (task_claim(&cursor, &t0, &t1))
+        for (int task = t0; task < t1; task++) {
+            int p = 0;
+            while (task >= first_task[p + 1]) p++;
+            const int n0 = (task - first_task[p]) * ROWS_PER_TASK;
+            const int n1 = n0 + ROWS_PER_TASK < N[p] ? n0 + ROWS_PER_TASK : N[p];
+            if (M == 1) { /* a decode step: each column's total straight from its tile's registers */
+                const int full = Kpad / BLOCK;
+                float total[2][ROWS_PER_TASK];
+                for (int part = p; part < p + 1 + swiglu; part++) {
+                    const int f = fmt[part];
+                    columns_for(f)(w[part], qf_padded(f) ? scales_zeros[part] : NULL, qf_row_bytes(f, K, Kpad), full,
+                                   qf_padded(f) ? full : K / BLOCK, qf_padded(f) ? 0 : (K % BLOCK) / GROUP, &X, n0, n1,
+                                   total[part - p]);
                 }
-                st(y, y_bf16, (size_t)offset[p] + n, v);
-            }
-            continue;
-        }
-        for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
-            const int rows = M - m0 < ROW_TILE ? M - m0 : ROW_TILE;
-            tile_sums sums[2][ROWS_PER_TASK]; /* set by the first chunk (b0 = 0) */
-            /* a tile whose x rows are large: blocks in chunks, so the chunk of x rows stays in L1 while every output
-             * column of the task reads it; otherwise each weight row streamed whole (what the prefetcher likes). The
-             * sums are carried exactly between chunks: the chunking never changes a result. */
-            const int full = Kpad / BLOCK;
-            const int chunk = rows <= STREAM_ROWS || (size_t)rows * Kpad <= STREAM_X_BYTES ? full : K_CHUNK;
-            for (int b0 = 0; b0 < full; b0 += chunk) {
                 for (int n = n0; n < n1; n++) {
-                    for (int part = p; part < p + 1 + swiglu; part++) {
-                        const int f = fmt[part];
-                        const int nblk = qf_padded(f) ? full : K / BLOCK; /* the tail records follow block nblk */
-                        const int b1 = b0 + chunk < nblk ? b0 + chunk : nblk;
-                        if (!(b0 < b1 || (b0 == 0 && nblk == 0))) continue; /* a row of tail records alone: once */
-                        const uint8_t *wrow = w[part] + (size_t)n * qf_row_bytes(f, K, Kpad);
-                        const uint16_t *szrow = qf_padded(f) ? scales_zeros[part] + (size_t)n * full * 16 : NULL;
-                        tiles_for(f)(rows, wrow, szrow, b0, b1, nblk, qf_padded(f) ? 0 : (K % BLOCK) / GROUP, &X, m0,
-                                     &sums[part - p][n - n0]);
-                    }
-                }
-            }
-            for (int n = n0; n < n1; n++) {
-                for (int r = 0; r < rows; r++) {
-                    float v = tile_total(&sums[0][n - n0], r) + (bias[p] ? bias[p][n] : 0.f);
+                    float v = total[0][n - n0] + (bias[p] ? bias[p][n] : 0.f);
                     if (swiglu) {
-                        const float up = tile_total(&sums[1][n - n0], r) + (bias[1] ? bias[1][n] : 0.f);
+                        const float up = total[1][n - n0] + (bias[1] ? bias[1][n] : 0.f);
                         v = v / (1.f + expf(-v)) * up;
                     }
-                    st(y, y_bf16, (size_t)(m0 + r) * ldy + offset[p] + n, v);
+                    st(y, y_bf16, (size_t)offset[p] + n, v);
+                }
+                continue;
+            }
+            for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
+                const int rows = M - m0 < ROW_TILE ? M - m0 : ROW_TILE;
+                tile_sums sums[2][ROWS_PER_TASK]; /* set by the first chunk (b0 = 0) */
+                /* a tile whose x rows are large: blocks in chunks, so the chunk of x rows stays in L1 while every output
+                 * column of the task reads it; otherwise each weight row streamed whole (what the prefetcher likes). The
+                 * sums are carried exactly between chunks: the chunking never changes a result. */
+                const int full = Kpad / BLOCK;
+                const int chunk = rows <= STREAM_ROWS || (size_t)rows * Kpad <= STREAM_X_BYTES ? full : K_CHUNK;
+                for (int b0 = 0; b0 < full; b0 += chunk) {
+                    for (int n = n0; n < n1; n++) {
+                        for (int part = p; part < p + 1 + swiglu; part++) {
+                            const int f = fmt[part];
+                            const int nblk = qf_padded(f) ? full : K / BLOCK; /* the tail records follow block nblk */
+                            const int b1 = b0 + chunk < nblk ? b0 + chunk : nblk;
+                            if (!(b0 < b1 || (b0 == 0 && nblk == 0))) continue; /* a row of tail records alone: once */
+                            const uint8_t *wrow = w[part] + (size_t)n * qf_row_bytes(f, K, Kpad);
+                            const uint16_t *szrow = qf_padded(f) ? scales_zeros[part] + (size_t)n * full * 16 : NULL;
+                            tiles_for(f)(rows, wrow, szrow, b0, b1, nblk, qf_padded(f) ? 0 : (K % BLOCK) / GROUP, &X, m0,
+                                         &sums[part - p][n - n0]);
+                        }
+                    }
+                }
+                for (int n = n0; n < n1; n++) {
+                    for (int r = 0; r < rows; r++) {
+                        float v = tile_total(&sums[0][n - n0], r) + (bias[p] ? bias[p][n] : 0.f);
+                        if (swiglu) {
+                            const float up = tile_total(&sums[1][n - n0], r) + (bias[1] ? bias[1][n] : 0.f);
+                            v = v / (1.f + expf(-v)) * up;
+                        }
+                        st(y, y_bf16, (size_t)(m0 + r) * ldy + offset[p] + n, v);
+                    }
                 }
             }
         }
