@@ -38,10 +38,10 @@ def layers_for(n: int, k: int) -> dict[str, torch.nn.Module]:
             continue
         raw = torch.randint(0, 256, (n * fmt.file_row_bytes(k),), generator=g, dtype=torch.uint8)
         blocks = raw.view(-1, fmt.block_bytes)
-        fp16 = {"Q6_K": 208}.get(name, 0)
+        fp16 = {"Q6_K": 208, "Q2_K": 80, "Q3_K": 108}.get(name, 0)
         blocks[:, fp16:fp16 + 2] = (torch.rand(blocks.shape[0], generator=g) * 0.01).half().view(torch.uint8).view(-1, 2)
-        if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
-            blocks[:, 2:4] = blocks[:, 0:2]
+        if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K"):  # the second fp16 (m, dmin) right after the first
+            blocks[:, fp16 + 2:fp16 + 4] = blocks[:, fp16:fp16 + 2]
         if name == "MXFP4":  # an exponent byte, not an fp16: scales 2^-8 .. 2^-5, as a model's weights have them
             blocks[:, 0] = torch.randint(120, 124, (blocks.shape[0],), generator=g, dtype=torch.uint8)
         out[name] = BlockLinear(bf.repack(name, raw, n, k), name, k)

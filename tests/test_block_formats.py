@@ -1,8 +1,8 @@
-"""Every GGML block format the qmatmul kernel reads at the file's own size (Q4_0 .. Q8_0, the K-quants, IQ4_NL,
-IQ4_XS, Q1_0, Q2_0): the repacked layout, the kernel against the file's float32 weights, rows of every width the
-format allows (tail groups included), mixed formats in one call, and tiny models written in each format that load,
-run on their own kernels, read the file's bytes per step, compute the dequantized file's math and keep greedy
-speculative output equal to plain."""
+"""Every GGML block format the qmatmul kernel reads at the file's own size (Q4_0 .. Q8_0, the K-quants Q2_K .. Q6_K,
+IQ4_NL, IQ4_XS, Q1_0, Q2_0, MXFP4): the repacked layout, the kernel against the file's float32 weights, rows of every
+width the format allows (tail groups included), mixed formats in one call, and tiny models written in each format
+that load, run on their own kernels, read the file's bytes per step, compute the dequantized file's math and keep
+greedy speculative output equal to plain."""
 from __future__ import annotations
 
 import math
@@ -36,7 +36,8 @@ pytestmark = pytest.mark.skipif(not qmatmul.available(), reason="the qmatmul ker
 
 FORMATS = list(bf.FORMATS)
 FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-           "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q1_0": (0,), "Q2_0": (0,), "MXFP4": ()}
+           "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q1_0": (0,), "Q2_0": (0,), "MXFP4": (),
+           "Q2_K": (80, 82), "Q3_K": (108,)}
 # widths with and without tail groups: 256 (one block), 64 / 128 (tail only), 576 (SmolLM2: 2 blocks + 2 groups),
 # 896 (Qwen2.5 0.5B: 3 blocks + 4 groups), 1536
 WIDTHS = (256, 64, 128, 576, 896, 1536)
@@ -163,7 +164,7 @@ def test_layer_refuses_what_its_format_cannot_hold():
     with pytest.raises(ValueError, match=r"Q4_K weight must be uint8 \[N, 148\]"):
         BlockLinear(packed[:, :100], "Q4_K", 256)
     with pytest.raises(ValueError, match="format must be one of"):
-        BlockLinear(packed, "Q3_K", 256)
+        BlockLinear(packed, "IQ2_XXS", 256)
 
 
 # ---- tiny models written in each format ---------------------------------------------------------------------------

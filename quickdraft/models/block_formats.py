@@ -69,6 +69,8 @@ FORMATS = {f.name: f for f in (
     BlockFormat("Q1_0", 30, 128, 18, 36, 128, 18),
     BlockFormat("Q2_0", 31, 64, 18, 72, 64, 18),
     BlockFormat("MXFP4", 32, 32, 17, 136, 32, 17),
+    BlockFormat("Q2_K", 33, 256, 84, 84, 0, 0),
+    BlockFormat("Q3_K", 34, 256, 110, 110, 0, 0),
 )}
 
 
@@ -76,8 +78,9 @@ FORMATS = {f.name: f for f in (
 
 @dataclass
 class Decoded:
-    """A tensor's rows as integers: ``low`` the 4-bit part of each value (or all of it), ``bit`` a fifth bit (Q5_*) or
-    Q1_0's bit, ``two`` two bits (Q6_K's top bits, Q2_0's value), ``byte`` an 8-bit value (Q8_0: q + 128), each
+    """A tensor's rows as integers: ``low`` the 4-bit part of each value (or all of it), ``bit`` a fifth bit (Q5_*),
+    Q1_0's bit or Q3_K's third, ``two`` two bits (Q6_K's top bits, Q2_0's and Q2_K's value, Q3_K's low bits),
+    ``byte`` an 8-bit value (Q8_0: q + 128), each
     ``[N, K]`` uint8 in element order; the fp16 numbers as raw bits ``[N, ...]`` int16 (``d``, ``m`` per block of
     the file; ``dmin``; MXFP4's ``d``: its exponent bytes, uint8); ``sc``/``mn`` small per-sub-block integers."""
 
@@ -121,6 +124,15 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat((a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)), dim=-1)
     mn = torch.cat((b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)), dim=-1)
     return sc, mn
+
+
+def _q3_k_scales(s: torch.Tensor) -> torch.Tensor:
+    """The 12 bytes of Q3_K's 6-bit scales -> [n, 16] uint8 (0..63; the weight's scale is d (sc - 32)): scale i has
+    its low 4 bits in byte i % 8 (low nibble for i < 8), its top 2 in bits 2 (i // 4 % 2) .. of byte 8 + i % 4."""
+    i = torch.arange(16)
+    low = (s[:, i % 8] >> (4 * (i // 8)).to(torch.uint8)) & 0x0F
+    top = (s[:, 8 + i % 4] >> (2 * (i // 4)).to(torch.uint8)) & 3
+    return low | (top << 4)
 
 
 def decode(name: str, data: torch.Tensor, n: int, k: int) -> Decoded:
@@ -168,6 +180,18 @@ def decode(name: str, data: torch.Tensor, n: int, k: int) -> Decoded:
         low = (b[:, 4:8].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)).reshape(nb, 8) & 0x0F
         out.sc = rows((low.to(torch.int32) | (high << 4)) - 32).to(torch.int8)
         out.low = rows(_nibbles(b[:, 8:], 16))
+    elif name in ("Q2_K", "Q3_K"):  # element 128 h + 32 j + l: bits 2 j of quant byte 32 h + l (Q3_K: bit 4 h + j
+        # of mask byte l the third bit)
+        qs = b[:, 16:80] if name == "Q2_K" else b[:, 32:96]
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+        out.two = rows((qs.reshape(nb, 2, 1, 32) >> shifts) & 3)
+        if name == "Q2_K":  # per 16: the scale in the low nibble, the min in the high one
+            out.sc, out.mn = rows(b[:, :16] & 0x0F), rows(b[:, :16] >> 4)
+            out.d, out.dmin = rows(_fp16_bits(b[:, 80:82])), rows(_fp16_bits(b[:, 82:84]))
+        else:
+            out.bit = rows((b[:, :32].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1)
+            out.sc = rows(_q3_k_scales(b[:, 96:108]))
+            out.d = rows(_fp16_bits(b[:, 108:110]))
     elif name == "Q1_0":
         out.d, out.bit = rows(_fp16_bits(b[:, :2])), rows(_bits_le(b[:, 2:]))
     else:  # Q2_0
@@ -247,10 +271,10 @@ def _blocks(name: str, dec: Decoded, n: int, nb: int) -> torch.Tensor:
     low, bit, two, byte = block(dec.low), block(dec.bit), block(dec.two), block(dec.byte)
     if low is not None:
         parts.append(_nib(low))
-    if bit is not None:
-        parts.append(_bits1(bit))
     if two is not None:
         parts.append(_bits2(two))
+    if bit is not None:
+        parts.append(_bits1(bit))
     if byte is not None:
         parts.append(_stored(byte).reshape(n, nb, BLOCK))
     if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"):
@@ -264,6 +288,16 @@ def _blocks(name: str, dec: Decoded, n: int, nb: int) -> torch.Tensor:
         sc = dec.sc.reshape(n, nb, 8, 2)
         parts += [sc[..., 0].contiguous().view(torch.uint8), sc[..., 1].contiguous().view(torch.uint8),
                   _per_group(dec.d, n, nb, 1)]
+    elif name == "Q2_K":  # per 16, as Q6_K's: each group's first halves, then its second halves; mn in high nibbles
+        nibbles = (dec.sc | (dec.mn << 4)).reshape(n, nb, 8, 2)
+        parts += [nibbles[..., 0], nibbles[..., 1], _per_group(dec.d, n, nb, 1), _per_group(dec.dmin, n, nb, 1)]
+    elif name == "Q3_K":  # 6-bit scales per 16: low nibbles (first halves low, second halves high), then the top
+        # bits, bits 2 i of a 32-bit word for first half i, 16 + 2 i for second half i
+        sc = dec.sc.reshape(n, nb, 8, 2).to(torch.int32)
+        low = ((sc[..., 0] & 0x0F) | ((sc[..., 1] & 0x0F) << 4)).to(torch.uint8)
+        shifts = 2 * torch.arange(8, dtype=torch.int32)
+        top = ((sc[..., 0] >> 4) << shifts).sum(-1) | ((sc[..., 1] >> 4) << (shifts + 16)).sum(-1)
+        parts += [low, top.to(torch.int32).unsqueeze(-1).view(torch.uint8), _per_group(dec.d, n, nb, 1)]
     elif name == "IQ4_XS":
         parts += [_per_group(dec.d, n, nb, 1), _per_group(dec.sc, n, nb, 8)]
     elif name == "Q1_0":
@@ -341,6 +375,12 @@ def dequantize(name: str, data: torch.Tensor, n: int, k: int) -> torch.Tensor:
         return torch.tensor(MXFP4_VALUES, dtype=torch.float32)[dec.low.long()] * per(e8m0_half(dec.d), 32)
     if name == "IQ4_XS":
         return table[dec.low.long()] * per(per(_f16(dec.d), 8) * dec.sc.float(), 32)
+    if name == "Q2_K":
+        d, dmin = per(_f16(dec.d), 16), per(_f16(dec.dmin), 16)
+        return dec.two.float() * per(d * dec.sc.float(), 16) - per(dmin * dec.mn.float(), 16)
+    if name == "Q3_K":
+        q = dec.two.float() + 4 * dec.bit.float()
+        return (q - 4) * per(per(_f16(dec.d), 16) * (dec.sc.float() - 32), 16)
     if name == "Q1_0":
         return (2 * dec.bit.float() - 1) * per(_f16(dec.d), 128)
     return (dec.two.float() - 1) * per(_f16(dec.d), 64)  # Q2_0

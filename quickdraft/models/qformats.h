@@ -34,6 +34,11 @@
  *   Q2_0   bits2 (values 0..3), d[4] (one per 64)     d (q - 1)          72 (72)
  *   MXFP4  nib (index into MXFP4_VALUES), e[8] u8     2^(e-128) MXFP4_VALUES[q]   136 (136; gpt-oss's experts:
  *          e2m1 values doubled, the e8m0 exponent as ggml's e8m0_to_fp32_half reads it)
+ *   Q2_K   bits2 (values 0..3), per 16: sc | mn << 4 [16] (8 first halves, then 8 second halves), d, dmin
+ *                                                      d sc q - dmin mn, per 16   84 (84)
+ *   Q3_K   bits2 (low 2 bits), bits1 (value 4), per 16 6-bit scales as low nibbles [8] (first half i low, second
+ *          half i high) and a 32-bit word of top bits (2 i: first half i, 16 + 2 i: second half i), d
+ *                                                      d (sc - 32) (q - 4), per 16   110 (110)
  * A row of K columns is K / 256 blocks, then the columns past the last whole block (K % 256) as tail records in
  * element order, each as the file stores it but for the value order below: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
  * IQ4_NL one group (nibbles: element i in the low nibble of byte i, element i + 16 in its high one; Q5 high bits:
@@ -52,7 +57,7 @@
 enum {
     QF_INT4 = 4, QF_INT8 = 8,
     QF_Q4_0 = 20, QF_Q4_1, QF_Q5_0, QF_Q5_1, QF_Q8_0, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_IQ4_NL, QF_IQ4_XS, QF_Q1_0,
-    QF_Q2_0, QF_MXFP4,
+    QF_Q2_0, QF_MXFP4, QF_Q2_K, QF_Q3_K,
 };
 
 #define QF_BLOCK 256
@@ -73,7 +78,7 @@ static inline const uint8_t *qf_values(int F) { return F == QF_MXFP4 ? MXFP4_VAL
 static inline const uint8_t *qf_low_nibbles(int F) { return F == QF_MXFP4 ? MXFP4_LOW_NIBBLES : IQ4_LOW_NIBBLES; }
 static inline const uint8_t *qf_high_nibbles(int F) { return F == QF_MXFP4 ? MXFP4_HIGH_NIBBLES : IQ4_HIGH_NIBBLES; }
 
-static inline int qf_known(int f) { return f == QF_INT4 || f == QF_INT8 || (f >= QF_Q4_0 && f <= QF_MXFP4); }
+static inline int qf_known(int f) { return f == QF_INT4 || f == QF_INT8 || (f >= QF_Q4_0 && f <= QF_Q3_K); }
 static inline int qf_padded(int f) { return f == QF_INT4 || f == QF_INT8; }
 
 static inline int qf_block_bytes(int f) {
@@ -92,6 +97,8 @@ static inline int qf_block_bytes(int f) {
     case QF_IQ4_XS: return 138;
     case QF_Q1_0: return 36;
     case QF_Q2_0: return 72;
+    case QF_Q2_K: return 84;
+    case QF_Q3_K: return 110;
     default: return 0;
     }
 }
@@ -192,6 +199,40 @@ static inline __attribute__((always_inline)) block_scales qf_scales(int F, const
         s.shift_hi = _mm256_mul_ps(neg32, s.scale_hi);
         break;
     }
+    case QF_Q2_K: { /* the scale in each byte's low nibble, the min in its high one */
+        int32_t both;
+        __builtin_memcpy(&both, blk + 80, 4);
+        const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(both));
+        const __m256 d = _mm256_broadcastss_ps(d_dmin), neg_dmin = _mm256_broadcastss_ps(_mm_sub_ss(_mm_setzero_ps(),
+                                                                                        _mm_movehdup_ps(d_dmin)));
+        const __m256i low4 = _mm256_set1_epi32(0x0F);
+        for (int h = 0; h < 2; h++) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 64 + 8 * h)));
+            const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b, low4)));
+            const __m256 shift = _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)));
+            if (h) s.scale_hi = scale, s.shift_hi = shift;
+            else s.scale = scale, s.shift = shift;
+        }
+        break;
+    }
+    case QF_Q3_K: { /* sc = low nibble | top 2 bits << 4, weight scale d (sc - 32), shift -4 scale */
+        const __m256 d = f16_bcast(blk + 108), neg4 = _mm256_set1_ps(-4.f);
+        const __m256i nib = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 96)));
+        int32_t top_bits;
+        __builtin_memcpy(&top_bits, blk + 104, 4);
+        const __m256i top = _mm256_set1_epi32(top_bits), three = _mm256_set1_epi32(3),
+                      low4 = _mm256_set1_epi32(0x0F), at = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(nib, low4),
+                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(top, at), three), 4));
+        const __m256i hi = _mm256_or_si256(_mm256_srli_epi32(nib, 4),
+                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(
+                                               top, _mm256_add_epi32(at, _mm256_set1_epi32(16))), three), 4));
+        s.scale = _mm256_mul_ps(d, _mm256_add_ps(_mm256_cvtepi32_ps(lo), neg32));
+        s.scale_hi = _mm256_mul_ps(d, _mm256_add_ps(_mm256_cvtepi32_ps(hi), neg32));
+        s.shift = _mm256_mul_ps(neg4, s.scale);
+        s.shift_hi = _mm256_mul_ps(neg4, s.scale_hi);
+        break;
+    }
     case QF_IQ4_XS:
         s.scale = _mm256_mul_ps(f16_bcast(blk + 128), s8x8(blk + 130));
         s.shift = _mm256_mul_ps(neg128, s.scale);
@@ -221,6 +262,9 @@ static inline int qf_has_nibbles(int F) {
            F == QF_Q5_K || F == QF_Q6_K || F == QF_IQ4_NL || F == QF_IQ4_XS || F == QF_MXFP4;
 }
 static inline int qf_fifth_bit(int F) { return F == QF_Q5_0 || F == QF_Q5_1 || F == QF_Q5_K; }
+static inline int qf_two_bits(int F) { return F == QF_Q2_0 || F == QF_Q2_K || F == QF_Q3_K; } /* bits2 first */
+/* scales per 16 columns: a group's first 16 (stored positions 0..3) and last 16 (4..7) apart */
+static inline int qf_per16(int F) { return F == QF_Q6_K || F == QF_Q2_K || F == QF_Q3_K; }
 static inline int qf_lookup(int F) { return F == QF_IQ4_NL || F == QF_IQ4_XS || F == QF_MXFP4; }
 static inline int qf_bytes(int F) { return F == QF_INT8 || F == QF_Q8_0; }
 /* the largest value v takes: 15, 31, 63 or 255 (what the AVX2 dot products must not saturate on) */
@@ -288,11 +332,18 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
         const __m256i one = _mm256_set1_epi8(1), plane = _mm256_loadu_si256((const __m256i *)blk);
         for (int p = 0; p < 8; p++) w[p] = _mm256_and_si256(_mm256_srli_epi16(plane, p), one);
     }
-    if (F == QF_Q2_0) {
+    if (qf_two_bits(F)) {
         const __m256i three = _mm256_set1_epi8(3);
         for (int p = 0; p < 8; p++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * (p & 1)));
             w[p] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (p >> 1)), three);
+        }
+    }
+    if (F == QF_Q3_K) { /* bit p of each plane byte -> bit 2 of the value (16-bit shifts keep each byte's bits) */
+        const __m256i four = _mm256_set1_epi8(4), plane = _mm256_loadu_si256((const __m256i *)(blk + 64));
+        for (int p = 0; p < 8; p++) {
+            const __m256i hi = p < 2 ? _mm256_slli_epi16(plane, 2 - p) : _mm256_srli_epi16(plane, p - 2);
+            w[p] = _mm256_or_si256(w[p], _mm256_and_si256(hi, four));
         }
     }
 }
@@ -341,9 +392,13 @@ static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_
         const __m512i one = _mm512_set1_epi8(1), plane = bits1_plane(blk);
         for (int u = 0; u < 4; u++) w[u] = _mm512_maskz_mov_epi8(bits1_mask(plane, u), one);
     }
-    if (F == QF_Q2_0) {
+    if (qf_two_bits(F)) {
         const __m512i three = _mm512_set1_epi8(3), v = _mm512_loadu_si512((const void *)blk);
         for (int u = 0; u < 4; u++) w[u] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * u), three);
+    }
+    if (F == QF_Q3_K) {
+        const __m512i four = _mm512_set1_epi8(4), plane = bits1_plane(blk + 64);
+        for (int u = 0; u < 4; u++) w[u] = _mm512_mask_add_epi8(w[u], bits1_mask(plane, u), w[u], four);
     }
 }
 #endif

@@ -35,7 +35,7 @@
 #include "qformats.h"
 #include "tasks.h"
 
-#define QD_PARTS 5
+#define QD_PARTS 6
 #if !defined(QD_PART) || QD_PART < 0 || QD_PART > QD_PARTS
 #error "qmatmul.c is compiled in parts: -DQD_PART=0 .. QD_PARTS"
 #endif
@@ -75,7 +75,8 @@
 
 /* The quantized x rows: xq row m at m * xrow (the block layout over Kpad columns, then, when K % 256 != 0, the last
  * groups again in element order for the tail records); per group g: xs (scale), xsum, and xhalf (per block: the 8
- * groups' sums over their first 16 columns, then over their last 16, times xs: Q6_K's scales are per 16). */
+ * groups' sums over their first 16 columns, then over their last 16, times xs: the scales of Q6_K, Q2_K and Q3_K are
+ * per 16). */
 typedef struct {
     int8_t *xq;
     float *xs, *xsum, *xhalf;
@@ -201,13 +202,14 @@ static inline __attribute__((always_inline)) __m256i dot32(int F, __m256i w, __m
 
 #ifndef WIDE
 /* Lane j = the int32 dot product of group j of one block: w[0..7] (by stored position, u8) with the quantized x
- * chunks at xb (s8, 32 bytes each); for Q6_K, *hi gets the groups' last 16 columns and the result their first 16
+ * chunks at xb (s8, 32 bytes each); for the formats with scales per 16 (Q6_K, Q2_K, Q3_K), *hi gets the groups'
+ * last 16 columns and the result their first 16
  * (stored positions 0..3 hold elements 0..15 of each group, 4..7 elements 16..31). */
 static inline __attribute__((always_inline)) __m256i dot8(int F, const __m256i w[8], const int8_t *xb, __m256i *hi) {
     __m256i x[8];
     for (int c = 0; c < 8; c++) x[c] = _mm256_load_si256((const __m256i *)(xb + 32 * c));
 #ifdef DPBUSD256
-    if (F == QF_Q6_K) {
+    if (qf_per16(F)) {
         __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) a = DPBUSD256(a, w[c], x[c]), b = DPBUSD256(b, w[c + 4], x[c + 4]);
         *hi = b;
@@ -236,14 +238,19 @@ static inline __attribute__((always_inline)) __m256i dot8(int F, const __m256i w
         }
         return _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_slli_epi32(_mm256_madd_epi16(hi8, ones), 4));
     }
-    const int run = vmax == 15 ? 8 : vmax == 31 ? 4 : 2; /* chunks summed in 16 bits */
+    /* chunks summed in 16 bits; formats with scales per 16 keep chunks 0..3 and 4..7 apart */
+    const int run = vmax == 15 && !qf_per16(F) ? 8 : vmax <= 31 ? 4 : 2;
     __m256i part[4], sum32 = _mm256_setzero_si256();
     for (int c0 = 0; c0 < 8; c0 += run) {
         __m256i s16 = _mm256_maddubs_epi16(w[c0], x[c0]);
         for (int c = c0 + 1; c < c0 + run; c++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], x[c]));
         part[c0 / 2] = _mm256_madd_epi16(s16, ones);
     }
-    if (F == QF_Q6_K) {
+    if (qf_per16(F)) {
+        if (run == 4) {
+            *hi = part[2];
+            return part[0];
+        }
         *hi = _mm256_add_epi32(part[2], part[3]);
         return _mm256_add_epi32(part[0], part[1]);
     }
@@ -310,7 +317,7 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
             const __m512i x0 = _mm512_load_si512((const void *)xb), x1 = _mm512_load_si512((const void *)(xb + 64)),
                           x2 = _mm512_load_si512((const void *)(xb + 128)), x3 = _mm512_load_si512((const void *)(xb + 192));
             const __m256 xs8 = _mm256_load_ps(X->xs + gi);
-            if (F == QF_Q6_K) { /* w[0], w[1]: each group's first 16 columns; w[2], w[3]: its last 16 */
+            if (qf_per16(F)) { /* w[0], w[1]: each group's first 16 columns; w[2], w[3]: its last 16 */
                 const __m512i lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x0), w[1], x1);
                 const __m512i hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2], x2), w[3], x3);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold8(lo)), _mm256_mul_ps(s.scale, xs8), acc[r]);
@@ -333,7 +340,7 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
             __m256i hi;
             const __m256i dot = dot8(F, w, xb, &hi);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s.scale, xs8), acc[r]);
-            if (F == QF_Q6_K) {
+            if (qf_per16(F)) {
                 const float *half = X->xhalf + 2 * gi;
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s.scale_hi, xs8), acc[r]);
                 acc[r] = _mm256_fmadd_ps(s.shift, _mm256_load_ps(half), acc[r]);
@@ -395,7 +402,8 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
 #define FORMATS_3(X) X(QF_Q8_0, q8_0) X(QF_Q4_K, q4_k) X(QF_Q5_K, q5_k)
 #define FORMATS_4(X) X(QF_Q6_K, q6_k) X(QF_IQ4_NL, iq4_nl) X(QF_IQ4_XS, iq4_xs)
 #define FORMATS_5(X) X(QF_Q1_0, q1_0) X(QF_Q2_0, q2_0) X(QF_MXFP4, mxfp4)
-#define FORMATS(X) FORMATS_1(X) FORMATS_2(X) FORMATS_3(X) FORMATS_4(X) FORMATS_5(X)
+#define FORMATS_6(X) X(QF_Q2_K, q2_k) X(QF_Q3_K, q3_k)
+#define FORMATS(X) FORMATS_1(X) FORMATS_2(X) FORMATS_3(X) FORMATS_4(X) FORMATS_5(X) FORMATS_6(X)
 
 /* A format's kernels are called from part 0 through the dispatch below: visible across the library's objects, not
  * outside it. */
