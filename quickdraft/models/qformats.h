@@ -262,7 +262,8 @@ static inline int qf_has_nibbles(int F) {
            F == QF_Q5_K || F == QF_Q6_K || F == QF_IQ4_NL || F == QF_IQ4_XS || F == QF_MXFP4;
 }
 static inline int qf_fifth_bit(int F) { return F == QF_Q5_0 || F == QF_Q5_1 || F == QF_Q5_K; }
-static inline int qf_two_bits(int F) { return F == QF_Q2_0 || F == QF_Q2_K || F == QF_Q3_K; } /* bits2 first */
+/* a bits2 plane at the block's start holds the value (Q3_K: its low two bits) */
+static inline int qf_two_bits(int F) { return F == QF_Q2_0 || F == QF_Q2_K || F == QF_Q3_K; }
 /* scales per 16 columns: a group's first 16 (stored positions 0..3) and last 16 (4..7) apart */
 static inline int qf_per16(int F) { return F == QF_Q6_K || F == QF_Q2_K || F == QF_Q3_K; }
 static inline int qf_lookup(int F) { return F == QF_IQ4_NL || F == QF_IQ4_XS || F == QF_MXFP4; }
