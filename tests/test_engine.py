@@ -249,3 +249,30 @@ def test_spec_metrics_add_every_counter():
     total.add(one)
     total.add(one)
     assert total == SpecMetrics(**{f.name: 2 * (i + 1) for i, f in enumerate(dataclasses.fields(SpecMetrics))})
+
+
+def test_min_tokens_holds_back_the_end_and_stop_strings(smollm2):
+    """vLLM's min_tokens: no EOS may be sampled and no stop string end the output before min_tokens tokens; under
+    speculation the tokens are plain decoding's."""
+    llm = LLM(str(smollm2), weights="int4", kv_cache_memory="64MiB")
+    chat = [{"role": "user", "content": "Say hi."}]
+    short = llm.chat(chat, SamplingParams(max_tokens=64, temperature=0.0))[0]
+    assert short.finish_reason == "stop" and short.token_ids[-1] in llm.tokenizer.eos_token_ids
+    need = len(short.token_ids) + 6
+    held = llm.chat(chat, SamplingParams(max_tokens=64, min_tokens=need, temperature=0.0))[0]
+    assert len(held.token_ids) >= need and not set(held.token_ids[:need]) & set(llm.tokenizer.eos_token_ids)
+    assert held.token_ids[:len(short.token_ids) - 1] == short.token_ids[:-1]
+    spec = LLM(str(smollm2), weights="int4", kv_cache_memory="64MiB", speculative="ngram", num_speculative_tokens=3)
+    assert spec.chat(chat, SamplingParams(max_tokens=64, min_tokens=need, temperature=0.0))[0].token_ids == \
+        held.token_ids
+    prompt, greedy = "def add(a, b):\n", dict(max_tokens=24, temperature=0.0)
+    base = llm.generate([prompt], SamplingParams(**greedy))[0]
+    before_last = len(llm.generate([prompt], SamplingParams(**{**greedy, "max_tokens": 23}))[0].text)
+    stop = base.text[5:9]
+    assert base.text.index(stop) + len(stop) <= before_last  # it first ends before the 24th token
+    cut = llm.generate([prompt], SamplingParams(**greedy, min_tokens=24, stop=[stop]))[0]
+    late = [i for i in range(len(base.text)) if base.text.startswith(stop, i) and i + len(stop) > before_last]
+    if late:  # it also ends in the last token's text: there, and only there, it ends the output
+        assert cut.finish_reason == "stop" and cut.text == base.text[:late[0]]
+    else:
+        assert cut.finish_reason == "length" and cut.text == base.text

@@ -55,12 +55,16 @@ PARAMS = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
 def test_greedy_sampled_and_every_ending_equal_the_usual_steps(target, mixed):
     """Seeded sampling draws its uniforms in the same order; sequences end at different steps (length, stop token)
     while the rest run ahead. ``mixed``: sequences that launch-ahead cannot take (penalties, logprobs) share the
-    batch, which takes the usual step until they finish."""
-    params = list(PARAMS if mixed else PARAMS[:6])
+    batch, which takes the usual step until they finish; a greedy one holding its stop token back (min_tokens) is
+    taken ahead once it may end."""
+    params = list(PARAMS if mixed else PARAMS[:6]) + ([None] if mixed else [])
     prompts = tiny_prompts(64, len(params))
     off, on = make(target, "off"), make(target, "on")
     unstopped = tokens_of(off, [prompts[4]], PARAMS[0])[0][0]
     params[4] = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[unstopped[9]])
+    if mixed:
+        free = tokens_of(off, [prompts[-1]], PARAMS[0])[0][0]
+        params[-1] = SamplingParams(max_tokens=30, temperature=0.0, min_tokens=6, stop_token_ids=[free[2]])
     expected = tokens_of(off, prompts, params)
     assert tokens_of(on, prompts, params) == expected
     assert on.loaded.engine.ahead.launches > 0 and off.loaded.engine.ahead.launches == 0

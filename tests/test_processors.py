@@ -344,3 +344,22 @@ def test_matches_naive_reference_on_random_cases():
         assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), (case, kw, got, ref)
         fin = torch.isfinite(ref)
         assert torch.allclose(got[fin], ref[fin], atol=1e-4, rtol=1e-4), (case, kw)
+
+
+# ------------------------------------------------------------------ min_tokens
+def test_min_tokens_holds_the_ends_back_row_by_row():
+    """Row i of a verify pass is output position len(output) + i: the EOS ids and stop_token_ids are -inf until
+    min_tokens tokens exist, then free again; with ignore_eos only the stop ids are held."""
+    x = T(*[[0.0, 5.0, 1.0, 2.0, 3.0, 4.0, 0.5, 9.0]] * 4)  # id 7 the most likely
+    lp = LogitsProcessor(SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5]), [1], 8, eos_ids=[7])
+    lp.accept([2])
+    out = lp.process(x, drafted=[4, 4, 4])  # rows at output positions 1, 2, 3, 4
+    assert torch.isneginf(out[:2, [5, 7]]).all() and torch.isfinite(out[2:]).all()
+    assert list(greedy(out)) == [1, 1, 7, 7]
+    assert not lp.greedy_on_raw_logits
+    assert torch.equal(lp.process(x[1:], drafted=[4, 4, 4], offset=1), out[1:])  # a drafter's row by row
+    lp.accept([3, 3])
+    assert torch.equal(lp.process(x), x) and lp.greedy_on_raw_logits  # min_tokens reached: nothing held
+    kept_eos = LogitsProcessor(SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=[5]), [], 8, eos_ids=[7])
+    assert kept(kept_eos.process(x[0])) == set(range(8)) - {5}
+    assert torch.equal(x, T(*[[0.0, 5.0, 1.0, 2.0, 3.0, 4.0, 0.5, 9.0]] * 4))  # the input untouched

@@ -19,6 +19,8 @@ INVALID = [
     ("top_p", 0.0), ("top_p", -0.1), ("top_p", 1.0001), ("top_p", NAN), ("top_p", False), ("top_p", None),
     ("top_k", -2), ("top_k", 1.5), ("top_k", True), ("top_k", "5"), ("top_k", None),
     ("min_p", -0.01), ("min_p", 1.01), ("min_p", NAN), ("min_p", INF), ("min_p", True),
+    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 10 ** 30), ("min_tokens", 1.5), ("min_tokens", True),
+    ("min_tokens", "3"), ("min_tokens", None),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", NAN),
     ("repetition_penalty", INF), ("repetition_penalty", True), ("repetition_penalty", 1e-300),
     ("repetition_penalty", 9.9e-4), ("repetition_penalty", 1e38),

@@ -369,6 +369,8 @@ BAD_REQUESTS = [
     ({"prompt": "t1", "temperature": -0.5}, 400, "temperature", "0 (greedy) or a number in"),
     ({"prompt": "t1", "n": 0}, 400, "n", "n must be an int in [1, 128], got 0"),
     ({"prompt": "t1", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ({"prompt": "t1", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", "[0, max_tokens] (max_tokens is 4)"),
+    ({"prompt": "t1", "min_tokens": -1}, 400, "min_tokens", "min_tokens must be an int in [0, max_tokens]"),
     ({"prompt": "t1", "logprobs": 50}, 400, "logprobs", "[0, 20]"),
     ({"prompt": "t1", "stop": 7}, 400, "stop", "stop must be"),
     ({"prompt": []}, 400, "prompt", "prompt must be"),

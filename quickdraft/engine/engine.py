@@ -130,7 +130,8 @@ class LLMEngine:
             seq = Sequence(request_id=request_id, index=index, prompt=prompt, prompt_ids=list(prompt_ids),
                            params=params, tokenizer=self.tokenizer,
                            processor=LogitsProcessor(params, prompt_ids, self.vocab_size,
-                                                     grammar=grammar.fork() if grammar and index else grammar),
+                                                     grammar=grammar.fork() if grammar and index else grammar,
+                                                     eos_ids=self.tokenizer.eos_token_ids),
                            generator=make_generator(seed, "cpu"), max_model_len=self.config.max_model_len)
             if seed is not None:
                 seq.draft_nonce = seed % 2**64

@@ -94,6 +94,9 @@ class Sequence:
         # stop_strings_after_token the first ends at the first special token (an output with none, as a grammar's
         # JSON, is searched whole)
         self._stop_spans: list[list[int | None]] = [[0, None]]
+        # with min_tokens, a stop string must end past this many characters: in the text of the min_tokens-th token or
+        # later (vLLM's rule), never earlier
+        self._stop_floor = 0
 
     def draft_room(self) -> int:
         """The most tokens a round may draft for this sequence: what fits its context and max_tokens, within its
@@ -116,12 +119,14 @@ class Sequence:
         self.processor.accept(output_ids)
         if self.params.logprobs is not None:
             self.logprobs.extend({} for _ in output_ids)  # placeholders; only the new tokens are returned
-        for token in output_ids:
+        for n_out, token in enumerate(output_ids, 1):
             before = len(self.text)
             self.text += self.detokenizer.add(token)
             self._text_ends.append(len(self.text))
             if self._stop_strings and self.params.stop_strings_after_token is not None:
                 self._mark_stop_span(token, before)
+            if n_out == self.params.min_tokens:
+                self._stop_floor = before
         chars = len(self.text) if delivered_chars is None else max(0, min(delivered_chars, len(self.text)))
         self._base_tokens = self._emitted_tokens = self._spanned = len(output_ids)
         self._base_chars = self._emitted_chars = chars
@@ -169,7 +174,9 @@ class Sequence:
             self._text_ends.append(len(self.text))
             if self._stop_strings and params.stop_strings_after_token is not None:
                 self._mark_stop_span(token, before)
-            if self._stop_strings and self._check_stop_strings():
+            if n_out == params.min_tokens:
+                self._stop_floor = before
+            if self._stop_strings and n_out >= params.min_tokens and self._check_stop_strings():
                 return
             if self.processor.grammar_finished:  # only the end of the sequence could follow: end it now
                 self.finish("stop")
@@ -187,11 +194,18 @@ class Sequence:
         if token == self.params.stop_strings_after_token:
             self._stop_spans.append([len(self.text), None])
 
+    def _find_stop(self, stop: str, start: int, end: int) -> int:
+        """The first place in text[start:end] where ``stop`` ends past the floor (min_tokens), or -1."""
+        pos = self.text.find(stop, start, end)
+        while pos >= 0 and pos + len(stop) <= self._stop_floor:
+            pos = self.text.find(stop, pos + 1, end)
+        return pos
+
     def _check_stop_strings(self) -> bool:
         window_start = max(0, self._emitted_chars - self._holdback - 8)
         while self._stop_spans and self._stop_spans[0][1] is not None and self._stop_spans[0][1] <= window_start:
             self._stop_spans.pop(0)  # spans end before the window: searched already
-        hits = [(self.text.find(s, max(start, window_start), len(self.text) if end is None else end), s)
+        hits = [(self._find_stop(s, max(start, window_start), len(self.text) if end is None else end), s)
                 for start, end in self._stop_spans for s in self._stop_strings]
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if not hits:

@@ -97,6 +97,9 @@ class SamplingParams:
     # what the output must match (a JSON schema, any JSON object, a regex, a choice, a grammar), as vLLM's field:
     # a dict such as {"json": schema} or a StructuredOutputs; the engine compiles it once per distinct constraint
     structured_outputs: StructuredOutputs | dict[str, Any] | None = None
+    # as vLLM's: no end of sequence (EOS unless ignore_eos, stop_token_ids) can be sampled, nor a stop string end the
+    # output, before this many tokens
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,6 +116,12 @@ class SamplingParams:
         if mt < 1:
             raise _fail("max_tokens", "an int >= 1", self.max_tokens)
         self.max_tokens = mt
+
+        allowed = f"an int in [0, max_tokens] (max_tokens is {mt})"
+        mn = _as_int("min_tokens", self.min_tokens, allowed)
+        if not 0 <= mn <= mt:
+            raise _fail("min_tokens", allowed, self.min_tokens)
+        self.min_tokens = mn
 
         allowed = f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
         t = _as_float("temperature", self.temperature, allowed)

@@ -6,9 +6,9 @@ there, i.e. conditioned on the committed output *plus the drafted tokens before
 position i*. :class:`LogitsProcessor` does that: row ``i`` of ``process`` sees
 ``committed outputs + drafted[:offset + i]``.
 
-Order of transforms (as vLLM): the grammar's mask (structured outputs), logit_bias, repetition penalty (prompt + output
-tokens), frequency and presence penalties (output tokens only), then for
-temperature > 0: temperature, top-k, top-p, min-p (masked entries become -inf).
+Order of transforms (as vLLM): the ends of the sequence masked before ``min_tokens``, the grammar's mask (structured
+outputs), logit_bias, repetition penalty (prompt + output tokens), frequency and presence penalties (output tokens
+only), then for temperature > 0: temperature, top-k, top-p, min-p (masked entries become -inf).
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ class LogitsProcessor:
 
     ``vocab_size`` is the number of ids the tokenizer knows. Logits may be wider (checkpoints pad their
     embedding rows, e.g. to a multiple of 64): those columns are masked out of every distribution, so a padding
-    row is never sampled, drafted or verified. Token ids beyond the logits width are ignored.
+    row is never sampled, drafted or verified. Token ids beyond the logits width are ignored. ``eos_ids``: the
+    tokenizer's end-of-sequence ids, which ``min_tokens`` holds back (with ``stop_token_ids``) unless ``ignore_eos``.
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class LogitsProcessor:
         vocab_size: int,
         device: str | torch.device = "cpu",
         grammar: GrammarState | None = None,
+        eos_ids: Sequence[int] = (),
     ) -> None:
         self.params = params
         self.grammar = grammar  # the request's structured-output constraint, followed token by token
@@ -75,6 +77,10 @@ class LogitsProcessor:
         self._use_rep = params.repetition_penalty != 1.0
         self._use_counts = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         self._use_bias = bool(params.logit_bias)
+        # the ids no row may pick while the output is shorter than min_tokens (vLLM's min_tokens)
+        ends = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else {int(t) for t in eos_ids})
+        self._held_ends = sorted(ends) if params.min_tokens > 0 else []
+        self._held: tuple[int, Tensor] | None = None  # (width, the held ids below it) on the logits' device
         # Lazily built caches. _hist = (cols, in_prompt, counts): the sorted distinct token ids of
         # prompt + committed output, whether each is in the prompt, and its output count. Penalties
         # touch only these columns, never a whole 150k-wide row. Tensors in it are never modified
@@ -93,7 +99,12 @@ class LogitsProcessor:
         """Greedy with nothing that changes the logits (no grammar, bias or penalty): the choice is the argmax of
         the rows as the model gave them (the runner masks padding columns), so a batch's choices can be taken in one
         call on the device."""
-        return self.params.greedy and self.grammar is None and not (self._use_bias or self._use_rep or self._use_counts)
+        return (self.params.greedy and self.grammar is None and not (self._use_bias or self._use_rep or self._use_counts)
+                and not self._holds_ends(0))
+
+    def _holds_ends(self, first: int) -> int:
+        """How many rows from output position len(output) + first on have the ends of the sequence masked."""
+        return max(0, self.params.min_tokens - len(self._output_ids) - first) if self._held_ends else 0
 
     @property
     def grammar_finished(self) -> bool:
@@ -189,6 +200,9 @@ class LogitsProcessor:
             if x.data_ptr() == logits.data_ptr():  # float() made no copy: the caller's logits stay as they are
                 x = x.clone()
             x[:, self.vocab_size:] = float("-inf")
+        held = min(n, self._holds_ends(offset if start is None else start))
+        if held:
+            x = self._mask_ends(x, held, width)
         if self.grammar is not None:
             allowed = self.grammar.allowed(_ids(drafted), offset if start is None else start, n, width)
             x = x.masked_fill(~to_device(allowed, x.device), float("-inf"))
@@ -207,6 +221,17 @@ class LogitsProcessor:
         if p.has_truncation:
             x = self._apply_truncation(x)
         return x.squeeze(0) if squeeze else x
+
+    def _mask_ends(self, x: Tensor, rows: int, width: int) -> Tensor:
+        """The first ``rows`` rows of x with the held ends at -inf (a new tensor: x may be the caller's logits)."""
+        if self._held is None or self._held[0] != width or self._held[1].device != x.device:
+            ids = torch.tensor([t for t in self._held_ends if t < width], dtype=torch.long)
+            self._held = (width, to_device(ids, x.device))
+        ids = self._held[1]
+        if not ids.numel():
+            return x
+        masked = x[:rows].index_fill(1, ids, float("-inf"))
+        return masked if rows == x.shape[0] else torch.cat([masked, x[rows:]])
 
     def probs(
         self, logits: Tensor, drafted: Sequence[int] | Tensor = (), offset: int = 0, *, start: int | None = None

@@ -46,6 +46,7 @@ class _SamplingFields(BaseModel):
     # extensions (vLLM names)
     top_k: StrictInt | None = None
     min_p: StrictFloat | None = None
+    min_tokens: StrictInt | None = None
     repetition_penalty: StrictFloat | None = None
     priority: StrictInt | None = None
     deadline_s: StrictFloat | None = None
@@ -225,8 +226,8 @@ class ModelNotFoundError(InvalidParameterError):
 
 _PARAM = re.compile(r"^([a-z_]+)\b")
 KNOWN_PARAMS = {
-    "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+    "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
     "include_stop_str_in_output", "skip_special_tokens", "priority", "deadline_s", "prompt", "messages",
     "top_logprobs", "max_completion_tokens", "model", "speculative", "structured_outputs", "response_format",
     "tools", "tool_choice", "reasoning_effort", "chat_template_kwargs",

@@ -263,7 +263,7 @@ def _sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, 
             "context_length_exceeded")
     fields = dict(
         n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+        min_tokens=req.min_tokens, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias, seed=req.seed, stop=req.stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, priority=req.priority,
         deadline_s=req.deadline_s, include_stop_str_in_output=req.include_stop_str_in_output,
