@@ -99,8 +99,8 @@ class LogitsProcessor:
         """Greedy with nothing that changes the logits (no grammar, bias or penalty): the choice is the argmax of
         the rows as the model gave them (the runner masks padding columns), so a batch's choices can be taken in one
         call on the device."""
-        return (self.params.greedy and self.grammar is None and not (self._use_bias or self._use_rep or self._use_counts)
-                and not self._holds_ends(0))
+        return (self.params.greedy and self.grammar is None
+                and not (self._use_bias or self._use_rep or self._use_counts or self._holds_ends(0)))
 
     def _holds_ends(self, first: int) -> int:
         """How many rows from output position len(output) + first on have the ends of the sequence masked."""
