@@ -363,3 +363,13 @@ def test_min_tokens_holds_the_ends_back_row_by_row():
     kept_eos = LogitsProcessor(SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=[5]), [], 8, eos_ids=[7])
     assert kept(kept_eos.process(x[0])) == set(range(8)) - {5}
     assert torch.equal(x, T(*[[0.0, 5.0, 1.0, 2.0, 3.0, 4.0, 0.5, 9.0]] * 4))  # the input untouched
+
+
+def test_min_tokens_never_empties_a_row():
+    """Where nothing but an end is allowed (all else -inf: a finished grammar) the row keeps it: an empty
+    distribution could not be sampled."""
+    x = T([NEG_INF, NEG_INF, 1.0, NEG_INF], [0.5, NEG_INF, 1.0, NEG_INF])
+    lp = LogitsProcessor(SamplingParams(min_tokens=4), [], 4, eos_ids=[2])
+    out = lp.process(x, drafted=[0])
+    assert torch.equal(out[0], x[0]) and kept(out[1]) == {0}
+    assert torch.isfinite(lp.probs(x, drafted=[0])).all()

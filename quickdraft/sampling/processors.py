@@ -6,8 +6,8 @@ there, i.e. conditioned on the committed output *plus the drafted tokens before
 position i*. :class:`LogitsProcessor` does that: row ``i`` of ``process`` sees
 ``committed outputs + drafted[:offset + i]``.
 
-Order of transforms (as vLLM): the ends of the sequence masked before ``min_tokens``, the grammar's mask (structured
-outputs), logit_bias, repetition penalty (prompt + output tokens), frequency and presence penalties (output tokens
+Order of transforms (as vLLM): the grammar's mask (structured outputs), the ends of the sequence masked before
+``min_tokens`` (where anything else is allowed), logit_bias, repetition penalty (prompt + output tokens), frequency and presence penalties (output tokens
 only), then for temperature > 0: temperature, top-k, top-p, min-p (masked entries become -inf).
 """
 from __future__ import annotations
@@ -200,12 +200,12 @@ class LogitsProcessor:
             if x.data_ptr() == logits.data_ptr():  # float() made no copy: the caller's logits stay as they are
                 x = x.clone()
             x[:, self.vocab_size:] = float("-inf")
-        held = min(n, self._holds_ends(offset if start is None else start))
-        if held:
-            x = self._mask_ends(x, held, width)
         if self.grammar is not None:
             allowed = self.grammar.allowed(_ids(drafted), offset if start is None else start, n, width)
             x = x.masked_fill(~to_device(allowed, x.device), float("-inf"))
+        held = min(n, self._holds_ends(offset if start is None else start))
+        if held:
+            x = self._mask_ends(x, held, width)
 
         if self._use_bias or self._use_rep or self._use_counts:
             if self._use_bias:
@@ -231,6 +231,8 @@ class LogitsProcessor:
         if not ids.numel():
             return x
         masked = x[:rows].index_fill(1, ids, float("-inf"))
+        # a row that allows nothing else (a grammar's end) keeps its ends: an empty distribution cannot be sampled
+        masked = torch.where(torch.isfinite(masked).any(dim=1, keepdim=True), masked, x[:rows])
         return masked if rows == x.shape[0] else torch.cat([masked, x[rows:]])
 
     def probs(
