@@ -227,17 +227,17 @@ int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int 
                     const int cols = n1 - n < step ? n1 - n : step;
                     float out[BF16_COLS][BF16_ROW_TILE] = {{0}};
                     const uint16_t *wrow = w + (size_t)n * K;
-    #define BF16_CASE(T, C) case T: bf16_tile(T, C, x, ldx, K, m0, wrow, out); break;
-    #define BF16_ROWS(C) switch (rows) { BF16_CASE(6, C) BF16_CASE(5, C) BF16_CASE(4, C) BF16_CASE(3, C) BF16_CASE(2, C) \
-                                         default: BF16_CASE(1, C) }
-    #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_CASE(T, C) case T: bf16_tile(T, C, x, ldx, K, m0, wrow, out); break;
+#define BF16_ROWS(C) switch (rows) { BF16_CASE(6, C) BF16_CASE(5, C) BF16_CASE(4, C) BF16_CASE(3, C) BF16_CASE(2, C) \
+                                     default: BF16_CASE(1, C) }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
                     switch (cols) {
                         case 4: BF16_ROWS(4) break;
                         case 3: BF16_ROWS(3) break;
                         case 2: BF16_ROWS(2) break;
                         default: BF16_ROWS(1) break;
                     }
-    #else
+#else
                     if (rows == 1) {
                         switch (cols) {
                             case 4: bf16_tile(1, 4, x, ldx, K, m0, wrow, out); break;
@@ -250,7 +250,7 @@ int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int 
                     } else {
                         BF16_ROWS(1)
                     }
-    #endif
+#endif
                     for (int c = 0; c < cols; c++) {
                         const float b = bias ? bias[n + c] : 0.f;
                         for (int r = 0; r < rows; r++) st(y, 1, (size_t)(m0 + r) * N + n + c, out[c][r] + b);
