@@ -117,6 +117,18 @@ def _bits_le(b: torch.Tensor) -> torch.Tensor:
     return ((b.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(b.shape[0], -1)
 
 
+def _bit_planes(mask: torch.Tensor) -> torch.Tensor:
+    """[nb, 32] bytes -> [nb, 256] bits: element 32 j + l is bit j of byte l (Q5_K's fifth bits, Q3_K's third)."""
+    return ((mask.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1).reshape(mask.shape[0], -1)
+
+
+def _two_bit_planes(q: torch.Tensor) -> torch.Tensor:
+    """[nb, 64] bytes -> [nb, 256] two-bit values: element 128 h + 32 j + l is bits 2 j of byte 32 h + l (Q6_K's
+    top bits, Q2_K's and Q3_K's values)."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    return ((q.reshape(q.shape[0], 2, 1, 32) >> shifts) & 3).reshape(q.shape[0], -1)
+
+
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 12 bytes of Q4_K / Q5_K 6-bit scales and mins -> two [n, 8] uint8."""
     s = s.reshape(s.shape[0], 3, 4)
@@ -165,12 +177,10 @@ def decode(name: str, data: torch.Tensor, n: int, k: int) -> Decoded:
         out.sc, out.mn = rows(sc), rows(mn)
         out.low = rows(_nibbles(b[:, 16 if name == "Q4_K" else 48:], 32))
         if name == "Q5_K":  # sub-block j takes bit j of each of the 32 qh bytes
-            qh = b[:, 16:48]
-            out.bit = rows(((qh.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1))
+            out.bit = rows(_bit_planes(b[:, 16:48]))
     elif name == "Q6_K":
         out.low = rows(_nibbles(b[:, :128], 64))
-        qh = b[:, 128:192].reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
-        out.two = rows(qh & 3)
+        out.two = rows(_two_bit_planes(b[:, 128:192]))
         out.sc = rows(b[:, 192:208].contiguous().view(torch.int8))
         out.d = rows(_fp16_bits(b[:, 208:210]))
     elif name == "IQ4_XS":
@@ -180,16 +190,13 @@ def decode(name: str, data: torch.Tensor, n: int, k: int) -> Decoded:
         low = (b[:, 4:8].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)).reshape(nb, 8) & 0x0F
         out.sc = rows((low.to(torch.int32) | (high << 4)) - 32).to(torch.int8)
         out.low = rows(_nibbles(b[:, 8:], 16))
-    elif name in ("Q2_K", "Q3_K"):  # element 128 h + 32 j + l: bits 2 j of quant byte 32 h + l (Q3_K: bit 4 h + j
-        # of mask byte l the third bit)
-        qs = b[:, 16:80] if name == "Q2_K" else b[:, 32:96]
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
-        out.two = rows((qs.reshape(nb, 2, 1, 32) >> shifts) & 3)
+    elif name in ("Q2_K", "Q3_K"):
+        out.two = rows(_two_bit_planes(b[:, 16:80] if name == "Q2_K" else b[:, 32:96]))
         if name == "Q2_K":  # per 16: the scale in the low nibble, the min in the high one
             out.sc, out.mn = rows(b[:, :16] & 0x0F), rows(b[:, :16] >> 4)
             out.d, out.dmin = rows(_fp16_bits(b[:, 80:82])), rows(_fp16_bits(b[:, 82:84]))
         else:
-            out.bit = rows((b[:, :32].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1)
+            out.bit = rows(_bit_planes(b[:, :32]))
             out.sc = rows(_q3_k_scales(b[:, 96:108]))
             out.d = rows(_fp16_bits(b[:, 108:110]))
     elif name == "Q1_0":

@@ -265,6 +265,10 @@ static inline int qf_fifth_bit(int F) { return F == QF_Q5_0 || F == QF_Q5_1 || F
 /* a bits2 plane at the block's start holds the value (Q3_K: its low two bits) */
 static inline int qf_two_bits(int F) { return F == QF_Q2_0 || F == QF_Q2_K || F == QF_Q3_K; }
 /* scales per 16 columns: a group's first 16 (stored positions 0..3) and last 16 (4..7) apart */
+/* a bits1 plane whose set bits add a value to the one decoded before: Q5's fifth bit (16, after the nibbles, the
+ * plane at byte 128) and Q3_K's third (4, after the bits2 plane, at byte 64); 0 for the other formats */
+static inline int qf_extra_bit(int F) { return qf_fifth_bit(F) ? 16 : F == QF_Q3_K ? 4 : 0; }
+static inline int qf_extra_bit_at(int F) { return F == QF_Q3_K ? 64 : 128; }
 static inline int qf_per16(int F) { return F == QF_Q6_K || F == QF_Q2_K || F == QF_Q3_K; }
 static inline int qf_lookup(int F) { return F == QF_IQ4_NL || F == QF_IQ4_XS || F == QF_MXFP4; }
 static inline int qf_bytes(int F) { return F == QF_INT8 || F == QF_Q8_0; }
@@ -304,13 +308,6 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
             w[QF_CHUNK_AT[2 * s + 1]] = _mm256_and_si256(_mm256_srli_epi16(l, 4), low);
         }
     }
-    if (qf_fifth_bit(F)) { /* bit p of each plane byte -> bit 4 of the value (16-bit shifts keep each byte's bits) */
-        const __m256i sixteen = _mm256_set1_epi8(16), plane = _mm256_loadu_si256((const __m256i *)(blk + 128));
-        for (int p = 0; p < 8; p++) {
-            const __m256i hi = p < 4 ? _mm256_slli_epi16(plane, 4 - p) : _mm256_srli_epi16(plane, p - 4);
-            w[p] = _mm256_or_si256(w[p], _mm256_and_si256(hi, sixteen));
-        }
-    }
     if (F == QF_Q6_K) { /* bits 2 u of bits2 -> bits 4, 5 of the value (16-bit shifts keep each byte's bits) */
         const __m256i top = _mm256_set1_epi8(0x30);
         for (int p = 0; p < 8; p++) {
@@ -340,11 +337,13 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
             w[p] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (p >> 1)), three);
         }
     }
-    if (F == QF_Q3_K) { /* bit p of each plane byte -> bit 2 of the value (16-bit shifts keep each byte's bits) */
-        const __m256i four = _mm256_set1_epi8(4), plane = _mm256_loadu_si256((const __m256i *)(blk + 64));
+    if (qf_extra_bit(F)) { /* bit p of each plane byte -> the value's bit b (16-bit shifts keep each byte's bits) */
+        const int b = qf_extra_bit(F) == 16 ? 4 : 2;
+        const __m256i value = _mm256_set1_epi8((char)qf_extra_bit(F)),
+                      plane = _mm256_loadu_si256((const __m256i *)(blk + qf_extra_bit_at(F)));
         for (int p = 0; p < 8; p++) {
-            const __m256i hi = p < 2 ? _mm256_slli_epi16(plane, 2 - p) : _mm256_srli_epi16(plane, p - 2);
-            w[p] = _mm256_or_si256(w[p], _mm256_and_si256(hi, four));
+            const __m256i hi = p < b ? _mm256_slli_epi16(plane, b - p) : _mm256_srli_epi16(plane, p - b);
+            w[p] = _mm256_or_si256(w[p], _mm256_and_si256(hi, value));
         }
     }
 }
@@ -372,10 +371,6 @@ static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_
             w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(l, 4), low);
         }
     }
-    if (qf_fifth_bit(F)) {
-        const __m512i sixteen = _mm512_set1_epi8(16), plane = bits1_plane(blk + 128);
-        for (int u = 0; u < 4; u++) w[u] = _mm512_mask_add_epi8(w[u], bits1_mask(plane, u), w[u], sixteen);
-    }
     if (F == QF_Q6_K) {
         const __m512i top = _mm512_set1_epi8(0x30), v = _mm512_loadu_si512((const void *)(blk + 128));
         w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(v, 4), top));
@@ -397,9 +392,9 @@ static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_
         const __m512i three = _mm512_set1_epi8(3), v = _mm512_loadu_si512((const void *)blk);
         for (int u = 0; u < 4; u++) w[u] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * u), three);
     }
-    if (F == QF_Q3_K) {
-        const __m512i four = _mm512_set1_epi8(4), plane = bits1_plane(blk + 64);
-        for (int u = 0; u < 4; u++) w[u] = _mm512_mask_add_epi8(w[u], bits1_mask(plane, u), w[u], four);
+    if (qf_extra_bit(F)) {
+        const __m512i value = _mm512_set1_epi8((char)qf_extra_bit(F)), plane = bits1_plane(blk + qf_extra_bit_at(F));
+        for (int u = 0; u < 4; u++) w[u] = _mm512_mask_add_epi8(w[u], bits1_mask(plane, u), w[u], value);
     }
 }
 #endif
