@@ -30,7 +30,6 @@ from quickdraft.paths import cache_root
 # llama.h LLAMA_FTYPE_MOSTLY_*
 FTYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_0": 8, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30, "Q1_0": 40,
           "Q2_0": 41}
-QUANTIZE_TOOL: Path | None = None  # llama.cpp's llama-quantize, where llama-cpp-python is not installed
 BONSAI = dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=6144, vocab=151936)
 
 
@@ -40,14 +39,15 @@ def folder() -> Path:
     return path
 
 
-def quantize(src: Path, dst: Path, ftype: str) -> Path:
-    """``dst``: ``src`` written in ``ftype`` by llama.cpp's quantizer (its own choice of types per tensor)."""
+def quantize(src: Path, dst: Path, ftype: str, tool: Path | None = None) -> Path:
+    """``dst``: ``src`` written in ``ftype`` by llama.cpp's quantizer (its own choice of types per tensor): the
+    ``llama-quantize`` tool at ``tool``, else llama-cpp-python's binding."""
     if dst.is_file():
         return dst
     tmp = dst.with_suffix(".tmp")
     t0 = time.perf_counter()
-    if QUANTIZE_TOOL is not None:
-        proc = subprocess.run([str(QUANTIZE_TOOL), "--allow-requantize", str(src), str(tmp), ftype, "2"],
+    if tool is not None:
+        proc = subprocess.run([str(tool), "--allow-requantize", str(src), str(tmp), ftype, "2"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"llama-quantize {src} -> {ftype} failed: {proc.stderr[-1000:]}")
@@ -140,7 +140,7 @@ def bonsai_f16(path: Path) -> Path:
     return path
 
 
-def files(only: set[str] | None = None) -> dict[str, Path]:
+def files(only: set[str] | None = None, tool: Path | None = None) -> dict[str, Path]:
     """Every benchmark file by name, written where missing (``only``: just these names)."""
     out: dict[str, Path] = {}
     root = folder()
@@ -148,15 +148,16 @@ def files(only: set[str] | None = None) -> dict[str, Path]:
     for ftype in ("Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K"):
         if wanted(f"qwen1.5b-{ftype}"):
             out[f"qwen1.5b-{ftype}"] = quantize(resolve_model("qwen2.5-coder-1.5b"), root / f"qwen1.5b-{ftype}.gguf",
-                                                ftype)
+                                                ftype, tool)
     for ftype in ("Q5_0", "IQ4_XS"):
         if wanted(f"smollm2-{ftype}"):
-            out[f"smollm2-{ftype}"] = quantize(resolve_model("smollm2-135m"), root / f"smollm2-{ftype}.gguf", ftype)
+            out[f"smollm2-{ftype}"] = quantize(resolve_model("smollm2-135m"), root / f"smollm2-{ftype}.gguf", ftype,
+                                               tool)
     if any(wanted(f"bonsai-{t}") for t in ("Q1_0", "Q2_0")):
         f16 = bonsai_f16(root / "bonsai1.7b-F16.gguf")
         for ftype in ("Q1_0", "Q2_0"):
             if wanted(f"bonsai-{ftype}"):
-                out[f"bonsai-{ftype}"] = quantize(f16, root / f"bonsai1.7b-{ftype}.gguf", ftype)
+                out[f"bonsai-{ftype}"] = quantize(f16, root / f"bonsai1.7b-{ftype}.gguf", ftype, tool)
     return out
 
 
@@ -165,9 +166,8 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated names (qwen1.5b-Q5_K_M, smollm2-IQ4_XS, bonsai-Q1_0..)")
     ap.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize tool (else llama-cpp-python)")
     args = ap.parse_args()
-    global QUANTIZE_TOOL
-    QUANTIZE_TOOL = Path(args.llama_quantize) if args.llama_quantize else None
-    for name, path in files(set(args.only.split(",")) if args.only else None).items():
+    tool = Path(args.llama_quantize) if args.llama_quantize else None
+    for name, path in files(set(args.only.split(",")) if args.only else None, tool).items():
         print(f"{name}: {path}")
 
 
