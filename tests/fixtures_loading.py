@@ -21,12 +21,14 @@ TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"tok{i}" for i in r
 F16_FIELDS = {
     QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,),
     QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.Q2_K: (80, 82), QT.Q3_K: (108,),
-    QT.IQ4_NL: (0,), QT.IQ4_XS: (0,),
+    QT.IQ4_NL: (0,), QT.IQ4_XS: (0,), QT.IQ2_XXS: (0,), QT.IQ2_XS: (0,), QT.IQ2_S: (0,), QT.IQ3_XXS: (0,),
+    QT.IQ3_S: (0,), QT.IQ1_S: (0,),
 }
+GRID_TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)
 # the supported types gguf-py can dequantize (our reference); Q1_0 and Q2_0, which it cannot, are checked against
 # llama.cpp's reference formulas in tests/test_block_formats.py
 ALL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K,
-             QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4)
+             QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4, *GRID_TYPES)
 
 
 def smollm_gguf() -> Path:
@@ -45,6 +47,10 @@ def random_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator) -> np.ndar
     raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
     for off in F16_FIELDS.get(qtype, ()):
         raw[:, off : off + 2] = (rng.standard_normal((n_blocks, 1)) * 0.05).astype(np.float16).view(np.uint8)
+    if qtype == QT.IQ1_M:  # its fp16 d is spread over the top nibbles of the block's last 4 16-bit words
+        d = (rng.standard_normal(n_blocks) * 0.05).astype(np.float16).view(np.uint16)
+        for i in range(4):
+            raw[:, 49 + 2 * i] = (raw[:, 49 + 2 * i] & 0x0F) | (((d >> (4 * i)) & 0xF) << 4).astype(np.uint8)
     if qtype == QT.MXFP4:  # every exponent quickdraft reads (up to 2^120), the subnormal scales (e < 2) included
         raw[:, 0] = rng.integers(0, 249, size=n_blocks, dtype=np.uint8)
     if qtype == QT.F32:
@@ -59,12 +65,12 @@ def random_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator) -> np.ndar
 
 def encode(w: np.ndarray, qtype: QT, rng: np.random.Generator) -> np.ndarray:
     """File bytes for a float32 [rows, cols] matrix in ``qtype`` (random blocks for the
-    K-quants and IQ4 types, which gguf-py cannot quantize) as uint8 [rows, row_bytes], or typed for F32/F16."""
+    K-quants, IQ4 and lattice types, which gguf-py cannot quantize) as uint8 [rows, row_bytes], or typed for F32/F16."""
     if qtype == QT.F32:
         return w.astype(np.float32)
     if qtype == QT.F16:
         return w.astype(np.float16)
-    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K, QT.Q3_K, QT.IQ2_XXS, QT.IQ3_S, QT.IQ4_NL, QT.IQ4_XS):
+    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS, *GRID_TYPES):
         block, type_size = GGML_QUANT_SIZES[qtype]
         n_blocks = w.size // block
         return random_blocks(qtype, n_blocks, rng).reshape(w.shape[0], -1)

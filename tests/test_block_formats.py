@@ -1,8 +1,8 @@
 """Every GGML block format the qmatmul kernel reads at the file's own size (Q4_0 .. Q8_0, the K-quants Q2_K .. Q6_K,
-IQ4_NL, IQ4_XS, Q1_0, Q2_0, MXFP4): the repacked layout, the kernel against the file's float32 weights, rows of every
-width the format allows (tail groups included), mixed formats in one call, and tiny models written in each format
-that load, run on their own kernels, read the file's bytes per step, compute the dequantized file's math and keep
-greedy speculative output equal to plain."""
+IQ4_NL, IQ4_XS, the lattice IQ2_XXS .. IQ1_M, Q1_0, Q2_0, MXFP4): the repacked layout, the kernel against the file's
+float32 weights, rows of every width the format allows (tail groups included), mixed formats in one call, and tiny
+models written in each format that load, run on their own kernels, read the file's bytes per step, compute the
+dequantized file's math and keep greedy speculative output equal to plain."""
 from __future__ import annotations
 
 import math
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(not qmatmul.available(), reason="the qmatmul ker
 FORMATS = list(bf.FORMATS)
 FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
            "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q1_0": (0,), "Q2_0": (0,), "MXFP4": (),
-           "Q2_K": (80, 82), "Q3_K": (108,)}
+           "Q2_K": (80, 82), "Q3_K": (108,), **{name: (0,) for name in bf.GRID_FORMATS if name != "IQ1_M"}, "IQ1_M": ()}
 # widths with and without tail groups: 256 (one block), 64 / 128 (tail only), 576 (SmolLM2: 2 blocks + 2 groups),
 # 896 (Qwen2.5 0.5B: 3 blocks + 4 groups), 1536
 WIDTHS = (256, 64, 128, 576, 896, 1536)
@@ -52,6 +52,11 @@ def random_rows(name: str, n: int, k: int, seed: int, scale: float = 0.01) -> to
     for at in FP16_AT[name]:
         values = (torch.randn(blocks.shape[0], generator=g) * scale).half()
         blocks[:, at:at + 2] = values.view(torch.uint8).reshape(-1, 2)
+    if name == "IQ1_M":  # its fp16 d is spread over the top nibbles of the block's last 4 16-bit words
+        d = (torch.randn(blocks.shape[0], generator=g) * scale).half().view(torch.int16).to(torch.int32) & 0xFFFF
+        for i in range(4):
+            top = ((d >> (4 * i)) & 0xF).to(torch.uint8) << 4
+            blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | top
     if name == "MXFP4":  # its scale is an exponent byte, 2^(e - 128): values of about ``scale`` (at most 12 steps)
         top = 128 + math.floor(math.log2(scale)) - 2
         blocks[:, 0] = torch.randint(top - 4, top + 1, (blocks.shape[0],), generator=g, dtype=torch.uint8)
@@ -164,7 +169,7 @@ def test_layer_refuses_what_its_format_cannot_hold():
     with pytest.raises(ValueError, match=r"Q4_K weight must be uint8 \[N, 148\]"):
         BlockLinear(packed[:, :100], "Q4_K", 256)
     with pytest.raises(ValueError, match="format must be one of"):
-        BlockLinear(packed, "IQ2_XXS", 256)
+        BlockLinear(packed, "TQ1_0", 256)
 
 
 # ---- tiny models written in each format ---------------------------------------------------------------------------
@@ -318,12 +323,12 @@ def test_tiny_model_runs_its_own_format(model_files, name, cache_dir):
 
 def test_unsupported_types_are_named(tmp_path, cache_dir):
     """A type the kernel and the loader do not read is refused by name, with the supported list."""
-    path = tmp_path / "iq2.gguf"
+    path = tmp_path / "tq1.gguf"
     write_model(path, "Q4_0", 256, 512)
     data = path.read_bytes()
-    _patch_tensor_types(path, {"blk.0.ffn_up.weight"}, int(QT.IQ2_XXS), 1.0)  # IQ2_XXS: 66 bytes per 256, not 144
+    _patch_tensor_types(path, {"blk.0.ffn_up.weight"}, int(QT.TQ1_0), 1.0)  # TQ1_0: 54 bytes per 256, not 144
     assert path.read_bytes() != data
-    with pytest.raises(ModelLoadError, match=r"unsupported GGUF quantization type IQ2_XXS .*supported: .*Q2_0"):
+    with pytest.raises(ModelLoadError, match=r"unsupported GGUF quantization type TQ1_0 .*supported: .*IQ3_S"):
         load_checkpoint(path)
 
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK = 256  # the kernel's block of input columns (8 groups of 32)
-GROUP = 32
-CHUNK_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # stored position of chunk t, its own inverse (qmatmul.c)
+from quickdraft.models import grid_formats
+from quickdraft.models.grid_formats import GRID_FORMATS
+from quickdraft.models.qmatmul import BLOCK, CHUNK_ORDER, GROUP
+
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled (ggml's kvalues_mxfp4)
 # MXFP4 exponent bytes above this scale weights past 2^120 (no model's): the kernel's shift, -128 scale, would overflow
@@ -71,6 +72,8 @@ FORMATS = {f.name: f for f in (
     BlockFormat("MXFP4", 32, 32, 17, 136, 32, 17),
     BlockFormat("Q2_K", 33, 256, 84, 84, 0, 0),
     BlockFormat("Q3_K", 34, 256, 110, 110, 0, 0),
+    *(BlockFormat(name, code, 256, size, size, 0, 0)  # codes 35 .. in qformats.h's order
+      for code, (name, size) in enumerate(grid_formats.BLOCK_BYTES.items(), start=35)),
 )}
 
 
@@ -347,6 +350,8 @@ def _tail(name: str, dec: Decoded, n: int, full: int, rest: int) -> torch.Tensor
 
 def repack(name: str, data: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The file's blocks of ``n`` rows of ``k`` columns (uint8 bytes) -> ``[n, row_bytes]`` in the kernel's layout."""
+    if name in GRID_FORMATS:
+        return grid_formats.repack(name, data, n, k)
     return pack(name, decode(name, data, n, k), n, k)
 
 
@@ -358,6 +363,8 @@ def _f16(bits: torch.Tensor) -> torch.Tensor:
 
 def dequantize(name: str, data: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """``[n, k]`` float32 weights of the file's blocks (what the kernel multiplies with), from ``decode``."""
+    if name in GRID_FORMATS:
+        return grid_formats.dequantize(name, data, n, k)
     dec = decode(name, data, n, k)
     per = lambda t, size: t.float().repeat_interleave(size, dim=1)  # noqa: E731
     if name in ("Q4_0", "Q5_0"):

@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from quickdraft.models import iq_grids
 from quickdraft.paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "cpu_ops.c", "attention.c", "layer.c"))
@@ -29,6 +30,7 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("floats.h", "kv.h", 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ISA_ENV = "QUICKDRAFT_KERNEL_ISA"  # =avx2: no AVX-512 or AVX-VNNI, the code CPUs without them run (measured here)
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
+GENERATED_HEADER = "iq_grids.h"  # qformats.h's grid tables (iq_grids.c_header), written into the build directory
 COMPILE_TIMEOUT_S = 300.0  # a compiler that hangs must not hang the first model load with it
 
 
@@ -99,7 +101,7 @@ def _compile_commands(compiler: str, build_dir: Path, out: Path) -> tuple[list[l
     """The commands that compile the objects (each source whole, or once per part where it defines ``QD_PARTS``)
     and the command that links them into ``out``; ``-z defs``: a kernel missing from every object fails the link,
     not the load."""
-    flags = build_flags()
+    flags = (*build_flags(), "-I", str(build_dir))  # the grid tables' header, written beside the objects
     objects, compiles = [], []
     for source in SOURCES:
         parts = re.search(r"^#define QD_PARTS (\d+)$", source.read_text(), re.MULTILINE)
@@ -124,8 +126,8 @@ def library_path(compiler: str) -> Path:
     version = run([compiler, "--version"])
     if version.returncode != 0:
         raise RuntimeError(f"{compiler} --version failed: {version.stderr.strip()[-400:]}")
-    key = "\n".join([*(s.read_text() for s in SOURCES + HEADERS), compiler, version.stdout, " ".join(build_flags()),
-                     _cpu_identity()])
+    key = "\n".join([*(s.read_text() for s in SOURCES + HEADERS), iq_grids.c_header(), compiler, version.stdout,
+                     " ".join(build_flags()), _cpu_identity()])
     return cache_root() / "kernels" / f"quickdraft-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
@@ -145,6 +147,7 @@ def compile_library(compiler: str, target: Path) -> None:
     build_dir = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
         out = build_dir / target.name
+        (build_dir / GENERATED_HEADER).write_text(iq_grids.c_header())
         compiles, link = _compile_commands(compiler, build_dir, out)
         proc = run_all(compiles) or run(link)  # (the first failed compile's result, or the link's)
         if proc.returncode != 0:

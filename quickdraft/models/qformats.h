@@ -39,6 +39,26 @@
  *   Q3_K   bits2 (low 2 bits), bits1 (value 4), per 16 6-bit scales as low nibbles [8] (first half i low, second
  *          half i high) and a 32-bit word of top bits (2 i: first half i, 16 + 2 i: second half i), d
  *                                                      d (sc - 32) (q - 4), per 16   110 (110)
+ * The lattice formats (IQ2_*, IQ3_*): each entry of 8 weights (IQ3: 4) is a grid entry (iq_grids.py) named by an
+ * index, with a sign bit per weight; v = OFF + sign * grid value (OFF: the grid's largest value), shift -OFF scale.
+ * Entry k of a block: for 8-weight entries k = 8 e + j (entry e of group j), for 4-weight ones k = 8 p + j (the
+ * chunk at stored position p of group j); sign bytes, one per 8 weights, always in the first order (bits 0..3 sign
+ * chunk 2 e, bits 4..7 chunk 2 e + 1).
+ *   IQ2_XXS idx[32], sgn[32] (7 sign bits, the eighth makes their count even; bit 7 of entry e's byte: bit e of its
+ *          group's 4-bit scale sc), d                   d (sc + 1/2) / 4 sign grid              66 (66)
+ *   IQ2_XS  16 bits an entry: 9-bit idx | 7 sign bits << 9 [32], per 16 sc [8] (low nibble: first 16), d
+ *                                                      d (sc + 1/2) / 4 sign grid, per 16      74 (74)
+ *   IQ2_S   idx low bytes [32], sgn[32] (8 bits), a 64-bit word of the idx's 2 high bits (2 k: entry k), sc [8]
+ *          per 16 as IQ2_XS, d                         d (sc + 1/2) / 4 sign grid, per 16      82 (82)
+ *   IQ3_XXS idx[64] (4-weight entries), sgn[32] as IQ2_XXS's, d   d (sc + 1/2) / 2 sign grid    98 (98)
+ *   IQ3_S   idx low bytes [64], a 64-bit word of their 9th bits (bit k: entry k), sgn[32] (8 bits), sc [4] (group j
+ *          in nibble j % 2 of byte j / 2), d                d (2 sc + 1) sign grid            110 (110)
+ *   IQ1_S   idx low bytes [32], per group 16 bits: entry e's 3 high idx bits at 3 e, a 3-bit sc at 12, the shift's
+ *          sign at 15; d                               d (2 sc + 1) (grid -+ 1/8)           50 (50)
+ *   IQ1_M   idx low bytes [32], a nibble an entry (3 high idx bits, the shift's sign; entry 16 v + i in byte 8 v + i
+ *          % 8, the low nibble for i < 8), 4 16-bit words of 3-bit sc per 16 (sc 4 i + m at bits 3 m of word i) whose
+ *          top nibbles are d's (word i: bits 4 i ..)      d (2 sc + 1) (grid -+ 1/8), per 16   56 (56)
+ * IQ1's v = 8 grid + 9 -+ 1 (0 .. 18) with scale d (2 sc + 1) / 8: the same products, exactly.
  * A row of K columns is K / 256 blocks, then the columns past the last whole block (K % 256) as tail records in
  * element order, each as the file stores it but for the value order below: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
  * IQ4_NL one group (nibbles: element i in the low nibble of byte i, element i + 16 in its high one; Q5 high bits:
@@ -53,11 +73,13 @@
 #include <stddef.h>
 
 #include "floats.h"
+#include "iq_grids.h" /* written into the build directory by native_build.py (iq_grids.py: c_header) */
 
 enum {
     QF_INT4 = 4, QF_INT8 = 8,
     QF_Q4_0 = 20, QF_Q4_1, QF_Q5_0, QF_Q5_1, QF_Q8_0, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_IQ4_NL, QF_IQ4_XS, QF_Q1_0,
-    QF_Q2_0, QF_MXFP4, QF_Q2_K, QF_Q3_K,
+    QF_Q2_0, QF_MXFP4, QF_Q2_K, QF_Q3_K, QF_IQ2_XXS, QF_IQ2_XS, QF_IQ2_S, QF_IQ3_XXS, QF_IQ3_S, QF_IQ1_S,
+    QF_IQ1_M,
 };
 
 #define QF_BLOCK 256
@@ -78,8 +100,31 @@ static inline const uint8_t *qf_values(int F) { return F == QF_MXFP4 ? MXFP4_VAL
 static inline const uint8_t *qf_low_nibbles(int F) { return F == QF_MXFP4 ? MXFP4_LOW_NIBBLES : IQ4_LOW_NIBBLES; }
 static inline const uint8_t *qf_high_nibbles(int F) { return F == QF_MXFP4 ? MXFP4_HIGH_NIBBLES : IQ4_HIGH_NIBBLES; }
 
-static inline int qf_known(int f) { return f == QF_INT4 || f == QF_INT8 || (f >= QF_Q4_0 && f <= QF_Q3_K); }
+static inline int qf_known(int f) { return f == QF_INT4 || f == QF_INT8 || (f >= QF_Q4_0 && f <= QF_IQ1_M); }
 static inline int qf_padded(int f) { return f == QF_INT4 || f == QF_INT8; }
+static inline int qf_grid(int F) { return F >= QF_IQ2_XXS && F <= QF_IQ1_M; }
+/* IQ1: grid values -1, 0, 1 (the table holds 8 (v + 1)) and a shift of 1/8 either way an entry, no sign bits */
+static inline int qf_iq1(int F) { return F == QF_IQ1_S || F == QF_IQ1_M; }
+/* a lattice format's grid entries hold 4 weights (IQ3) or 8 (IQ2) */
+static inline int qf_grid4(int F) { return F == QF_IQ3_XXS || F == QF_IQ3_S; }
+/* the largest grid value: v = OFF + sign * value is 0 .. 2 OFF */
+static inline int qf_grid_offset(int F) {
+    return F == QF_IQ3_S ? 15 : F == QF_IQ3_XXS ? 62 : qf_iq1(F) ? 9 : 43; /* IQ1: v = 8 value + 9 -+ 1 */
+}
+/* the 7 sign bits of the XXS formats' entries, the eighth derived, and their scales in the sign bytes' bit 7 */
+static inline int qf_seven_signs(int F) { return F == QF_IQ2_XXS || F == QF_IQ3_XXS || F == QF_IQ2_XS; }
+static inline const uint32_t *qf_grid_table(int F) {
+    switch (F) {
+    case QF_IQ2_XXS: return QF_GRID_IQ2_XXS;
+    case QF_IQ2_XS: return QF_GRID_IQ2_XS;
+    case QF_IQ2_S: return QF_GRID_IQ2_S;
+    case QF_IQ3_XXS: return QF_GRID_IQ3_XXS;
+    case QF_IQ3_S: return QF_GRID_IQ3_S;
+    default: return QF_GRID_IQ1_S; /* IQ1_S and IQ1_M */
+    }
+}
+static inline int qf_lookup(int F) { return F == QF_IQ4_NL || F == QF_IQ4_XS || F == QF_MXFP4; }
+static inline int qf_bytes(int F) { return F == QF_INT8 || F == QF_Q8_0; }
 
 static inline int qf_block_bytes(int f) {
     switch (f) {
@@ -98,7 +143,13 @@ static inline int qf_block_bytes(int f) {
     case QF_Q1_0: return 36;
     case QF_Q2_0: return 72;
     case QF_Q2_K: return 84;
-    case QF_Q3_K: return 110;
+    case QF_Q3_K: case QF_IQ3_S: return 110;
+    case QF_IQ2_XXS: return 66;
+    case QF_IQ2_XS: return 74;
+    case QF_IQ2_S: return 82;
+    case QF_IQ3_XXS: return 98;
+    case QF_IQ1_S: return 50;
+    case QF_IQ1_M: return 56;
     default: return 0;
     }
 }
@@ -135,6 +186,12 @@ static inline size_t qf_row_bytes(int f, int K, int Kpad) {
 }
 
 /* ---- per-group scales and shifts of a block ---------------------------------------------------------------- */
+
+static inline uint32_t ld32(const uint8_t *p) {
+    uint32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return v;
+}
 
 typedef struct {
     __m256 scale, shift;       /* per group; Q6_K: of each group's first 16 columns */
@@ -233,6 +290,66 @@ static inline __attribute__((always_inline)) block_scales qf_scales(int F, const
         s.shift_hi = _mm256_mul_ps(neg4, s.scale_hi);
         break;
     }
+    case QF_IQ2_XXS: case QF_IQ3_XXS: { /* sc: bit 7 of the sign bytes of the group's 4 entries (8 e + j) */
+        const uint8_t *sgn = blk + (F == QF_IQ2_XXS ? 32 : 64);
+        const uint32_t top = (uint32_t)_mm256_movemask_epi8(_mm256_loadu_si256((const __m256i *)sgn));
+        const __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)top),
+                                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                              _mm256_set1_epi32(0x01010101));
+        /* bytes b0..b3 -> b0 + 2 b1 + 4 b2 + 8 b3 in the top byte */
+        const __m256i sc = _mm256_srli_epi32(_mm256_mullo_epi32(bits, _mm256_set1_epi32(0x01020408)), 24);
+        const __m256 d = _mm256_mul_ps(f16_bcast(sgn + 32), _mm256_set1_ps(F == QF_IQ2_XXS ? 0.25f : 0.5f));
+        s.scale = _mm256_mul_ps(d, _mm256_add_ps(_mm256_cvtepi32_ps(sc), _mm256_set1_ps(0.5f)));
+        s.shift = _mm256_mul_ps(_mm256_set1_ps((float)-qf_grid_offset(F)), s.scale);
+        break;
+    }
+    case QF_IQ2_XS: case QF_IQ2_S: { /* per 16: the low nibble of byte j for group j's first 16, the high one */
+        const uint8_t *sc = blk + (F == QF_IQ2_XS ? 64 : 72);
+        const __m256 d = _mm256_mul_ps(f16_bcast(sc + 8), _mm256_set1_ps(0.25f)), half = _mm256_set1_ps(0.5f),
+                     neg = _mm256_set1_ps((float)-qf_grid_offset(F));
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+        s.scale = _mm256_mul_ps(d, _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F))), half));
+        s.scale_hi = _mm256_mul_ps(d, _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), half));
+        s.shift = _mm256_mul_ps(neg, s.scale);
+        s.shift_hi = _mm256_mul_ps(neg, s.scale_hi);
+        break;
+    }
+    case QF_IQ1_S: { /* sc at bits 12..14 of group j's word; d (2 sc + 1) / 8 */
+        const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 32)));
+        const __m256i sc = _mm256_and_si256(_mm256_srli_epi32(words, 12), _mm256_set1_epi32(7));
+        const __m256i odd = _mm256_add_epi32(_mm256_add_epi32(sc, sc), _mm256_set1_epi32(1));
+        s.scale = _mm256_mul_ps(_mm256_mul_ps(f16_bcast(blk + 48), _mm256_set1_ps(0.125f)), _mm256_cvtepi32_ps(odd));
+        s.shift = _mm256_mul_ps(_mm256_set1_ps(-9.f), s.scale);
+        break;
+    }
+    case QF_IQ1_M: { /* group j's scales per 16: sc 2 j and 2 j + 1, in word j / 2; d from the words' top nibbles */
+        uint16_t wd[4];
+        __builtin_memcpy(wd, blk + 48, 8);
+        const uint16_t d_bits = (uint16_t)((wd[0] >> 12) | ((wd[1] >> 12) << 4) | ((wd[2] >> 12) << 8) |
+                                           ((wd[3] >> 12) << 12));
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(d_bits) * 0.125f), neg = _mm256_set1_ps(-9.f);
+        const __m256i words = _mm256_permutevar8x32_epi32(
+            _mm256_castsi128_si256(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(blk + 48)))),
+            _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+        const __m256i at = _mm256_setr_epi32(0, 6, 0, 6, 0, 6, 0, 6), seven = _mm256_set1_epi32(7),
+                      one = _mm256_set1_epi32(1);
+        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(words, at), seven);
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(words, _mm256_add_epi32(at, _mm256_set1_epi32(3))), seven);
+        s.scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(lo, lo), one)));
+        s.scale_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(hi, hi), one)));
+        s.shift = _mm256_mul_ps(neg, s.scale);
+        s.shift_hi = _mm256_mul_ps(neg, s.scale_hi);
+        break;
+    }
+    case QF_IQ3_S: { /* group j's sc in nibble j % 2 of byte j / 2; d (2 sc + 1) */
+        const __m256i sc = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)ld32(blk + 104)),
+                                                              _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                            _mm256_set1_epi32(0x0F));
+        const __m256i odd = _mm256_add_epi32(_mm256_add_epi32(sc, sc), _mm256_set1_epi32(1));
+        s.scale = _mm256_mul_ps(f16_bcast(blk + 108), _mm256_cvtepi32_ps(odd));
+        s.shift = _mm256_mul_ps(_mm256_set1_ps(-15.f), s.scale);
+        break;
+    }
     case QF_IQ4_XS:
         s.scale = _mm256_mul_ps(f16_bcast(blk + 128), s8x8(blk + 130));
         s.shift = _mm256_mul_ps(neg128, s.scale);
@@ -269,12 +386,13 @@ static inline int qf_two_bits(int F) { return F == QF_Q2_0 || F == QF_Q2_K || F 
  * plane at byte 128) and Q3_K's third (4, after the bits2 plane, at byte 64); 0 for the other formats */
 static inline int qf_extra_bit(int F) { return qf_fifth_bit(F) ? 16 : F == QF_Q3_K ? 4 : 0; }
 static inline int qf_extra_bit_at(int F) { return F == QF_Q3_K ? 64 : 128; }
-static inline int qf_per16(int F) { return F == QF_Q6_K || F == QF_Q2_K || F == QF_Q3_K; }
-static inline int qf_lookup(int F) { return F == QF_IQ4_NL || F == QF_IQ4_XS || F == QF_MXFP4; }
-static inline int qf_bytes(int F) { return F == QF_INT8 || F == QF_Q8_0; }
-/* the largest value v takes: 15, 31, 63 or 255 (what the AVX2 dot products must not saturate on) */
+static inline int qf_per16(int F) {
+    return F == QF_Q6_K || F == QF_Q2_K || F == QF_Q3_K || F == QF_IQ2_XS || F == QF_IQ2_S || F == QF_IQ1_M;
+}
+/* the largest value v takes: 15, 31, 63, 127 or 255 (what the AVX2 dot products must not saturate on) */
 static inline int qf_max_value(int F) {
     if (qf_bytes(F) || qf_lookup(F)) return 255;
+    if (qf_grid(F)) return 2 * qf_grid_offset(F) <= 31 ? 31 : 127;
     if (F == QF_Q6_K) return 63;
     if (qf_fifth_bit(F)) return 31;
     return 15;
@@ -289,11 +407,65 @@ static inline __m256i bits_to_bytes(uint32_t word) {
     return _mm256_cmpeq_epi8(b, bit);
 }
 
-static inline uint32_t ld32(const uint8_t *p) {
-    uint32_t v;
-    __builtin_memcpy(&v, p, 4);
+/* ---- the lattice formats' entries: grid indices, sign bytes --------------------------------------------------- */
+
+static inline uint64_t ld64(const uint8_t *p) {
+    uint64_t v;
+    __builtin_memcpy(&v, p, 8);
     return v;
 }
+/* where a lattice format's sign bytes start (IQ2_XS keeps its sign bits in its 16-bit entries) */
+static inline int qf_signs_at(int F) { return F == QF_IQ3_XXS ? 64 : F == QF_IQ3_S ? 72 : 32; }
+
+/* 7 sign bits in each 32-bit lane -> 8, the eighth set where the seven hold an odd count (ggml's ksigns) */
+static inline __m256i eighth_sign8(__m256i s) {
+    __m256i p = _mm256_xor_si256(s, _mm256_srli_epi32(s, 4));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
+    return _mm256_or_si256(s, _mm256_slli_epi32(_mm256_and_si256(p, _mm256_set1_epi32(1)), 7));
+}
+
+/* IQ1's nibble of entries 8 e .. 8 e + 7, one a 32-bit lane: 3 high index bits, the shift's sign at bit 3. */
+static inline __m256i iq1_nibbles8(int F, const uint8_t *blk, int e) {
+    if (F == QF_IQ1_S) { /* in group j's word: bits 3 e .., the sign at 15 */
+        const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 32)));
+        const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(words, _mm256_set1_epi32(3 * e)), _mm256_set1_epi32(7));
+        return _mm256_or_si256(high, _mm256_slli_epi32(_mm256_srli_epi32(words, 15), 3));
+    }
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * (e >> 1))));
+    return _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_set1_epi32(4 * (e & 1))), _mm256_set1_epi32(0x0F));
+}
+
+/* The grid indices of entries k .. k + 7, one a 32-bit lane. */
+static inline __m256i grid_index8(int F, const uint8_t *blk, int k) {
+    if (F == QF_IQ2_XS)
+        return _mm256_and_si256(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 * k))),
+                                _mm256_set1_epi32(511));
+    const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + k)));
+    if (F == QF_IQ2_S || F == QF_IQ3_S) { /* 2 high bits an entry (at 2 k), or 1 (at k), in a 64-bit word */
+        const int bits = F == QF_IQ2_S ? 2 : 1;
+        const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+        const __m256i word = _mm256_set1_epi32((int)(uint32_t)(ld64(blk + 64) >> (bits * k)));
+        const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(word, at), _mm256_set1_epi32(bits == 2 ? 3 : 1));
+        return _mm256_or_si256(low, _mm256_slli_epi32(high, 8));
+    }
+    if (qf_iq1(F))
+        return _mm256_or_si256(low, _mm256_slli_epi32(_mm256_and_si256(iq1_nibbles8(F, blk, k >> 3), _mm256_set1_epi32(7)), 8));
+    return low;
+}
+
+/* The sign bytes of entries k .. k + 7, each repeated in the 4 bytes of its 32-bit lane. */
+static inline __m256i grid_signs8(int F, const uint8_t *blk, int k) {
+    __m256i s = F == QF_IQ2_XS ? _mm256_srli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 * k))), 9)
+                               : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + qf_signs_at(F) + k)));
+    if (qf_seven_signs(F)) s = eighth_sign8(_mm256_and_si256(s, _mm256_set1_epi32(0x7F)));
+    const __m256i repeat = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    return _mm256_shuffle_epi8(s, repeat);
+}
+
+/* the bits of a repeated sign byte that sign byte i of a 32-bit lane: bits 0..3 (chunk 2 e), or 4..7 (2 e + 1) */
+static inline int32_t sign_bits_of_half(int h) { return h ? (int32_t)0x80402010 : 0x08040201; }
 
 /* ---- a block's values, 256-bit: w[p] = stored bytes 32 p .. 32 p + 31 ------------------------------------ */
 
@@ -337,6 +509,26 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
             w[p] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (p >> 1)), three);
         }
     }
+    if (qf_grid(F)) { /* stored position p: chunk t = 2 e + h, half h of the sign bytes of entries 8 e .. */
+        const uint32_t *table = qf_grid_table(F);
+        const __m256i off = _mm256_set1_epi8((char)qf_grid_offset(F));
+        for (int p = 0; p < 8; p++) {
+            const int t = QF_CHUNK_AT[p], e = t >> 1, h = t & 1;
+            const __m256i idx = qf_grid4(F) ? grid_index8(F, blk, 8 * p)
+                                            : _mm256_add_epi32(_mm256_slli_epi32(grid_index8(F, blk, 8 * e), 1),
+                                                               _mm256_set1_epi32(h));
+            const __m256i g = _mm256_i32gather_epi32((const int *)table, idx, 4);
+            if (qf_iq1(F)) { /* + 2 where the entry's shift is +1/8 (its sign bit clear) */
+                const __m256i minus = _mm256_srli_epi32(iq1_nibbles8(F, blk, e), 3);
+                w[p] = _mm256_add_epi8(g, _mm256_and_si256(_mm256_sub_epi32(minus, _mm256_set1_epi32(1)),
+                                                           _mm256_set1_epi32(0x02020202)));
+                continue;
+            }
+            const __m256i bits = _mm256_set1_epi32(sign_bits_of_half(h));
+            const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(grid_signs8(F, blk, 8 * e), bits), bits);
+            w[p] = _mm256_add_epi8(off, _mm256_sub_epi8(_mm256_xor_si256(g, neg), neg));
+        }
+    }
     if (qf_extra_bit(F)) { /* bit p of each plane byte -> the value's bit b (16-bit shifts keep each byte's bits) */
         const int b = qf_extra_bit(F) == 16 ? 4 : 2;
         const __m256i value = _mm256_set1_epi8((char)qf_extra_bit(F)),
@@ -362,6 +554,54 @@ static inline __mmask64 bits1_mask(__m512i plane, int u) {
                                            _mm256_set1_epi8((char)(1 << (2 * u + 1))), 1);
     return _mm512_test_epi8_mask(plane, bit);
 }
+/* IQ1's nibble of entries 16 v .. 16 v + 15, one a 32-bit lane (see iq1_nibbles8). */
+static inline __m512i iq1_nibbles16(int F, const uint8_t *blk, int v) {
+    if (F == QF_IQ1_S) {
+        const __m256i w8 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 32)));
+        const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(w8), w8, 1);
+        const __m512i at = _mm512_inserti64x4(_mm512_set1_epi32(6 * v), _mm256_set1_epi32(6 * v + 3), 1);
+        const __m512i high = _mm512_and_si512(_mm512_srlv_epi32(words, at), _mm512_set1_epi32(7));
+        return _mm512_or_si512(high, _mm512_slli_epi32(_mm512_srli_epi32(words, 15), 3));
+    }
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * v)));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi32(0x0F))),
+                              _mm256_srli_epi32(b, 4), 1);
+}
+
+/* The grid indices of entries k .. k + 15, one a 32-bit lane. */
+static inline __m512i grid_index16(int F, const uint8_t *blk, int k) {
+    if (F == QF_IQ2_XS)
+        return _mm512_and_si512(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 2 * k))),
+                                _mm512_set1_epi32(511));
+    const __m512i low = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + k)));
+    if (F == QF_IQ2_S || F == QF_IQ3_S) {
+        const int bits = F == QF_IQ2_S ? 2 : 1;
+        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(bits));
+        const __m512i word = _mm512_set1_epi32((int)(uint32_t)(ld64(blk + 64) >> (bits * k)));
+        const __m512i high = _mm512_and_si512(_mm512_srlv_epi32(word, at), _mm512_set1_epi32(bits == 2 ? 3 : 1));
+        return _mm512_or_si512(low, _mm512_slli_epi32(high, 8));
+    }
+    if (qf_iq1(F))
+        return _mm512_or_si512(low, _mm512_slli_epi32(_mm512_and_si512(iq1_nibbles16(F, blk, k >> 4), _mm512_set1_epi32(7)), 8));
+    return low;
+}
+
+/* The sign bytes of entries k .. k + 15, each repeated in the 4 bytes of its 32-bit lane. */
+static inline __m512i grid_signs16(int F, const uint8_t *blk, int k) {
+    __m512i s = F == QF_IQ2_XS
+                    ? _mm512_srli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 2 * k))), 9)
+                    : _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + qf_signs_at(F) + k)));
+    if (qf_seven_signs(F)) {
+        s = _mm512_and_si512(s, _mm512_set1_epi32(0x7F));
+        __m512i p = _mm512_xor_si512(s, _mm512_srli_epi32(s, 4));
+        p = _mm512_xor_si512(p, _mm512_srli_epi32(p, 2));
+        p = _mm512_xor_si512(p, _mm512_srli_epi32(p, 1));
+        s = _mm512_or_si512(s, _mm512_slli_epi32(_mm512_and_si512(p, _mm512_set1_epi32(1)), 7));
+    }
+    return _mm512_shuffle_epi8(s, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12)));
+}
+
 static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_t *blk, __m512i w[4]) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     if (qf_has_nibbles(F)) {
@@ -391,6 +631,26 @@ static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_
     if (qf_two_bits(F)) {
         const __m512i three = _mm512_set1_epi8(3), v = _mm512_loadu_si512((const void *)blk);
         for (int u = 0; u < 4; u++) w[u] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * u), three);
+    }
+    if (qf_grid(F)) { /* register u: stored positions 2 u, 2 u + 1, the sign bytes of entries 16 (u / 2) .., half u % 2 */
+        const uint32_t *table = qf_grid_table(F);
+        const __m512i off = _mm512_set1_epi8((char)qf_grid_offset(F));
+        for (int u = 0; u < 4; u++) {
+            const int v = u >> 1, h = u & 1;
+            const __m512i idx = qf_grid4(F) ? grid_index16(F, blk, 16 * u)
+                                            : _mm512_add_epi32(_mm512_slli_epi32(grid_index16(F, blk, 16 * v), 1),
+                                                               _mm512_set1_epi32(h));
+            const __m512i g = _mm512_i32gather_epi32(idx, (const void *)table, 4);
+            if (qf_iq1(F)) {
+                const __m512i minus = _mm512_srli_epi32(iq1_nibbles16(F, blk, v), 3);
+                w[u] = _mm512_add_epi8(g, _mm512_and_si512(_mm512_sub_epi32(minus, _mm512_set1_epi32(1)),
+                                                           _mm512_set1_epi32(0x02020202)));
+                continue;
+            }
+            const __mmask64 neg = _mm512_test_epi8_mask(grid_signs16(F, blk, 16 * v),
+                                                        _mm512_set1_epi32(sign_bits_of_half(h)));
+            w[u] = _mm512_mask_sub_epi8(_mm512_add_epi8(g, off), neg, off, g);
+        }
     }
     if (qf_extra_bit(F)) {
         const __m512i value = _mm512_set1_epi8((char)qf_extra_bit(F)), plane = bits1_plane(blk + qf_extra_bit_at(F));

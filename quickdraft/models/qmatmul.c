@@ -35,7 +35,7 @@
 #include "qformats.h"
 #include "tasks.h"
 
-#define QD_PARTS 6
+#define QD_PARTS 8
 #if !defined(QD_PART) || QD_PART < 0 || QD_PART > QD_PARTS
 #error "qmatmul.c is compiled in parts: -DQD_PART=0 .. QD_PARTS"
 #endif
@@ -221,7 +221,7 @@ static inline __attribute__((always_inline)) __m256i dot8(int F, const __m256i w
 #else
     /* vpmaddubsw sums two u8 x s8 products in 16 bits with saturation, which must never happen: 16-bit lane i of
      * chunk c holds 2 products of at most max_value * 127, so values <= 15 add 8 chunks (30480 < 32767), <= 31 four
-     * chunks, <= 63 two chunks before vpmaddwd adds the lane pairs into int32 lane j = group j; 8-bit values are
+     * chunks, <= 63 two chunks, <= 127 one chunk (32258) before vpmaddwd adds the lane pairs into int32 lane j = group j; 8-bit values are
      * split into nibbles (v = 16 hi + lo). */
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
     const int vmax = qf_max_value(F);
@@ -238,23 +238,22 @@ static inline __attribute__((always_inline)) __m256i dot8(int F, const __m256i w
         }
         return _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_slli_epi32(_mm256_madd_epi16(hi8, ones), 4));
     }
-    /* chunks summed in 16 bits; formats with scales per 16 keep chunks 0..3 and 4..7 apart */
-    const int run = vmax == 15 && !qf_per16(F) ? 8 : vmax <= 31 ? 4 : 2;
-    __m256i part[4], sum32 = _mm256_setzero_si256();
+    /* runs of chunks summed in 16 bits; formats with scales per 16 keep chunks 0..3 and 4..7 apart */
+    const int run = vmax == 15 && !qf_per16(F) ? 8 : vmax <= 31 ? 4 : vmax <= 63 ? 2 : 1, nruns = 8 / run;
+    __m256i part[8];
     for (int c0 = 0; c0 < 8; c0 += run) {
         __m256i s16 = _mm256_maddubs_epi16(w[c0], x[c0]);
         for (int c = c0 + 1; c < c0 + run; c++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], x[c]));
-        part[c0 / 2] = _mm256_madd_epi16(s16, ones);
+        part[c0 / run] = _mm256_madd_epi16(s16, ones);
     }
+    const int first_half = qf_per16(F) ? nruns / 2 : nruns;
+    __m256i sum32 = part[0];
+    for (int i = 1; i < first_half; i++) sum32 = _mm256_add_epi32(sum32, part[i]);
     if (qf_per16(F)) {
-        if (run == 4) {
-            *hi = part[2];
-            return part[0];
-        }
-        *hi = _mm256_add_epi32(part[2], part[3]);
-        return _mm256_add_epi32(part[0], part[1]);
+        __m256i sum_hi = part[first_half];
+        for (int i = first_half + 1; i < nruns; i++) sum_hi = _mm256_add_epi32(sum_hi, part[i]);
+        *hi = sum_hi;
     }
-    for (int c0 = 0; c0 < 8; c0 += run) sum32 = _mm256_add_epi32(sum32, part[c0 / 2]);
     return sum32;
 #endif
 }
@@ -402,8 +401,10 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
 #define FORMATS_3(X) X(QF_Q8_0, q8_0) X(QF_Q4_K, q4_k) X(QF_Q5_K, q5_k)
 #define FORMATS_4(X) X(QF_Q6_K, q6_k) X(QF_IQ4_NL, iq4_nl) X(QF_IQ4_XS, iq4_xs)
 #define FORMATS_5(X) X(QF_Q1_0, q1_0) X(QF_Q2_0, q2_0) X(QF_MXFP4, mxfp4)
-#define FORMATS_6(X) X(QF_Q2_K, q2_k) X(QF_Q3_K, q3_k)
-#define FORMATS(X) FORMATS_1(X) FORMATS_2(X) FORMATS_3(X) FORMATS_4(X) FORMATS_5(X) FORMATS_6(X)
+#define FORMATS_6(X) X(QF_Q2_K, q2_k) X(QF_Q3_K, q3_k) X(QF_IQ3_S, iq3_s)
+#define FORMATS_7(X) X(QF_IQ2_XXS, iq2_xxs) X(QF_IQ2_XS, iq2_xs) X(QF_IQ2_S, iq2_s)
+#define FORMATS_8(X) X(QF_IQ3_XXS, iq3_xxs) X(QF_IQ1_S, iq1_s) X(QF_IQ1_M, iq1_m)
+#define FORMATS(X) FORMATS_1(X) FORMATS_2(X) FORMATS_3(X) FORMATS_4(X) FORMATS_5(X) FORMATS_6(X) FORMATS_7(X) FORMATS_8(X)
 
 /* A format's kernels are called from part 0 through the dispatch below: visible across the library's objects, not
  * outside it. */
