@@ -22,7 +22,7 @@ from quickdraft.errors import ModelLoadError
 from quickdraft.loading import load_checkpoint
 from quickdraft.loading.dequant import dequantize
 from quickdraft.loading.ggml_types import BY_NAME, ggml_type
-from quickdraft.models import block_formats as bf
+from quickdraft.models import block_formats as bf, iq_grids
 from quickdraft.models import qmatmul, step_weight_bytes
 from quickdraft.models.block_linear import BlockLinear
 from quickdraft.models.quant_group import QuantGroup
@@ -139,6 +139,61 @@ def test_kernel_computes_the_files_weights(name):
             assert torch.equal(layer(x[:m]), y[:m])
         assert torch.equal(layer(x[5:6])[0], y[5])
         assert torch.equal(layer(x.bfloat16()).float(), layer(x.bfloat16().float()).bfloat16().float())
+
+
+def with_every_grid_index(name: str, raw: torch.Tensor) -> torch.Tensor:
+    """``raw``'s blocks with their grid indices set to 0, 1, 2, .. in file order (wrapping at the grid's size), each
+    field where the file keeps it (ggml's block structs)."""
+    b = raw.reshape(-1, bf.FORMATS[name].block_bytes).clone()
+    nb = b.shape[0]
+    per = 8 if name.startswith("IQ3") else 4  # entries a group of 32
+    entries = iq_grids.values(name).shape[0]
+    idx = (torch.arange(nb * 8 * per) % entries).reshape(nb, 8, per)
+    low = (idx & 0xFF).to(torch.uint8)
+    if name in ("IQ2_XXS",):
+        b[:, 2:66].view(nb, 8, 8)[:, :, :4] = low
+    elif name == "IQ2_XS":  # 16 bits an entry: the index in the low 9, sign bits above
+        words = b[:, 2:66].contiguous().view(torch.int16).to(torch.int32).reshape(nb, 8, 4) & ~511
+        b[:, 2:66] = (words | idx).to(torch.int16).reshape(nb, 32).view(torch.uint8)
+    elif name == "IQ2_S":
+        b[:, 2:34] = low.reshape(nb, 32)
+        b[:, 66:74] = ((idx >> 8) << (2 * torch.arange(4))).sum(-1).to(torch.uint8)
+    elif name == "IQ3_XXS":
+        b[:, 2:66] = low.reshape(nb, 64)
+    elif name == "IQ3_S":
+        b[:, 2:66] = low.reshape(nb, 64)
+        b[:, 66:74] = ((idx >> 8) << torch.arange(8)).sum(-1).to(torch.uint8)
+    elif name == "IQ1_S":  # 3 high bits an entry in the group's 16-bit word, scale and sign above
+        b[:, 2:34] = low.reshape(nb, 32)
+        words = b[:, 34:50].contiguous().view(torch.int16).to(torch.int32) & 0xF000
+        b[:, 34:50] = (words | ((idx >> 8) << (3 * torch.arange(4))).sum(-1)).to(torch.int16).view(torch.uint8)
+    else:  # IQ1_M: 3 high bits in the low 3 of the entry's nibble
+        b[:, :32] = low.reshape(nb, 32)
+        nib = ((b[:, 32:48].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 0xF).reshape(nb, 32)
+        nib = (nib & 8) | (idx.reshape(nb, 32) >> 8).to(torch.uint8)
+        b[:, 32:48] = nib[:, 0::2] | (nib[:, 1::2] << 4)
+    return b.reshape(-1)
+
+
+@pytest.mark.parametrize("name", bf.GRID_FORMATS)
+def test_every_grid_entry_is_ggmls(name):
+    """A lattice format's grid (iq_grids.py) is ggml's entry for entry (gguf-py's copy), and the kernel's gathers read
+    the same table: rows whose blocks name every index in turn give the file's weights."""
+    import gguf.quants
+    grid = getattr(gguf.quants, iq_grids.SHARED.get(name, name))
+    grid.init_grid()
+    assert np.array_equal(iq_grids.values(name).numpy(), grid.grid.reshape(grid.grid_shape))
+    entries = iq_grids.values(name).shape[0]
+    k = 1024
+    n = max(2, entries * (8 if name.startswith("IQ3") else 4) // 256)  # each index at least once
+    raw = with_every_grid_index(name, random_rows(name, n, k, seed=5))
+    w = bf.dequantize(name, raw, n, k)
+    ref = gguf.quants.dequantize(raw.numpy().reshape(n, -1), QT[name])
+    assert np.array_equal(w.numpy(), ref)
+    # one-hot rows: the int8 activations are exact, y holds W's columns up to the float sums' rounding (a wrong entry
+    # moves a weight by a grid step, 1/6 of the largest value at least)
+    y = BlockLinear(bf.repack(name, raw, n, k), name, k)(3.0 * torch.eye(k))
+    torch.testing.assert_close(y, 3.0 * w.T, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
 
 
 def test_one_call_mixes_formats_and_swiglu():
