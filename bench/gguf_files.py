@@ -5,6 +5,10 @@ of ``pip install llama-cpp-python``, or with ``--llama-quantize PATH`` its ``lla
 * the packaged models in other formats, requantized from their own files (``allow_requantize``: the speed of a
   format does not depend on where its values came from): Qwen2.5-Coder-1.5B as Q5_K_M, Q6_K, Q3_K_M and Q2_K,
   SmolLM2-135M as Q5_0 and IQ4_XS;
+* Qwen2.5-Coder-1.5B in the lattice i-quants, as llama.cpp's quantizer mixes them: IQ3_M (mostly IQ3_S), IQ3_XXS,
+  IQ2_M (mostly IQ2_S), IQ2_XS, IQ2_XXS, IQ1_M and IQ1_S, all with an importance matrix (which llama-quantize asks
+  for below 3 bits) that llama.cpp's ``llama-imatrix``, found beside ``--llama-quantize``, computes over the
+  repository's public prompt sets (``bench/data``; 16 chunks of 512 tokens);
 * a model of the Bonsai 1.7B shape (Qwen3: hidden 2048, 28 layers, 16 heads, 8 KV heads of 128, intermediate 6144,
   vocabulary 151936, tied embeddings; random weights of standard deviation 0.02, the Qwen2.5 tokenizer) written as
   F16, then as Q1_0 and Q2_0, the 1-bit and ternary formats of the Bonsai models.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import subprocess
 import sys
 import time
@@ -30,6 +35,8 @@ from quickdraft.paths import cache_root
 # llama.h LLAMA_FTYPE_MOSTLY_*
 FTYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_0": 8, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30, "Q1_0": 40,
           "Q2_0": 41}
+I_QUANTS = ("IQ3_M", "IQ3_XXS", "IQ2_M", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
+CALIBRATION = Path(__file__).parent / "data"  # the public prompt sets, the importance matrix's text
 BONSAI = dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=6144, vocab=151936)
 
 
@@ -39,15 +46,36 @@ def folder() -> Path:
     return path
 
 
-def quantize(src: Path, dst: Path, ftype: str, tool: Path | None = None) -> Path:
+def importance_matrix(src: Path, tool: Path) -> Path:
+    """llama.cpp's importance matrix of ``src`` over the prompt sets' text, by the ``llama-imatrix`` beside ``tool``
+    (llama-quantize)."""
+    out = folder() / f"{src.stem}.imatrix.gguf"
+    if out.is_file():
+        return out
+    imatrix = tool.with_name("llama-imatrix")
+    if not imatrix.is_file():
+        raise RuntimeError(f"the i-quants need llama.cpp's llama-imatrix beside {tool}")
+    text = folder() / "calibration.txt"
+    prompts = [json.loads(line) for f in sorted(CALIBRATION.glob("*.jsonl")) for line in f.read_text().splitlines()]
+    text.write_text("\n\n".join(t for p in prompts for v in p.values() for t in ([v] if isinstance(v, str) else v)
+                                  if isinstance(t, str)))
+    proc = subprocess.run([str(imatrix), "-m", str(src), "-f", str(text), "-c", "512", "--chunks", "16", "-t", "2",
+                           "-o", str(out)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-imatrix {src} failed: {proc.stderr[-1000:]}")
+    return out
+
+
+def quantize(src: Path, dst: Path, ftype: str, tool: Path | None = None, imatrix: Path | None = None) -> Path:
     """``dst``: ``src`` written in ``ftype`` by llama.cpp's quantizer (its own choice of types per tensor): the
-    ``llama-quantize`` tool at ``tool``, else llama-cpp-python's binding."""
+    ``llama-quantize`` tool at ``tool`` (with the importance matrix ``imatrix``), else llama-cpp-python's binding."""
     if dst.is_file():
         return dst
     tmp = dst.with_suffix(".tmp")
     t0 = time.perf_counter()
     if tool is not None:
-        proc = subprocess.run([str(tool), "--allow-requantize", str(src), str(tmp), ftype, "2"],
+        weighting = ["--imatrix", str(imatrix)] if imatrix else []
+        proc = subprocess.run([str(tool), "--allow-requantize", *weighting, str(src), str(tmp), ftype, "2"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"llama-quantize {src} -> {ftype} failed: {proc.stderr[-1000:]}")
@@ -149,6 +177,17 @@ def files(only: set[str] | None = None, tool: Path | None = None) -> dict[str, P
         if wanted(f"qwen1.5b-{ftype}"):
             out[f"qwen1.5b-{ftype}"] = quantize(resolve_model("qwen2.5-coder-1.5b"), root / f"qwen1.5b-{ftype}.gguf",
                                                 ftype, tool)
+    lattice = [ftype for ftype in I_QUANTS if wanted(f"qwen1.5b-{ftype}")]
+    if lattice and tool is None:
+        if only is not None:
+            raise SystemExit("the i-quant files need --llama-quantize (and llama-imatrix beside it)")
+        print("  (the i-quant files are skipped: they need --llama-quantize and llama-imatrix beside it)")
+        lattice = []
+    if lattice:
+        src = resolve_model("qwen2.5-coder-1.5b")
+        weights = importance_matrix(src, tool)
+        for ftype in lattice:
+            out[f"qwen1.5b-{ftype}"] = quantize(src, root / f"qwen1.5b-{ftype}.gguf", ftype, tool, weights)
     for ftype in ("Q5_0", "IQ4_XS"):
         if wanted(f"smollm2-{ftype}"):
             out[f"smollm2-{ftype}"] = quantize(resolve_model("smollm2-135m"), root / f"smollm2-{ftype}.gguf", ftype,

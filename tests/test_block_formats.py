@@ -401,15 +401,19 @@ def test_llama_rows_are_unpermuted_in_the_files_blocks(tmp_path, cache_dir, name
         assert (ours - theirs).abs().max() <= LOGIT_BOUND * theirs.abs().max()
 
 
-def test_the_avx2_kernels_compute_the_same_math():
-    """On an AVX-512 machine the AVX2 code (what a CPU without AVX-512 runs) is otherwise never run: the kernel tests
-    again in a process whose kernels are built without AVX-512 (QUICKDRAFT_KERNEL_ISA=avx2)."""
+@pytest.mark.parametrize("isa", ["avx2", "avx512-novbmi"])
+def test_the_other_isas_kernels_compute_the_same_math(isa):
+    """On an AVX-512 machine the AVX2 code (what a CPU without AVX-512 runs), and on one with AVX512-VBMI the AVX-512
+    code without it (Cascade Lake's), are otherwise never run: the kernel tests again in a process whose kernels are
+    built without them (QUICKDRAFT_KERNEL_ISA)."""
     from quickdraft.models import native
     if not native.wide_int8_dot_products():
         pytest.skip("this CPU runs the AVX2 code in every other test already")
-    env = {**os.environ, native.ISA_ENV: "avx2"}
+    if isa == "avx512-novbmi" and "avx512vbmi" not in native.cpu_flags():
+        pytest.skip("this CPU runs the AVX-512 code without VBMI in every other test already")
+    env = {**os.environ, native.ISA_ENV: isa}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "kernel_computes_the_files_weights or one_call_mixes_formats"],
+                           "kernel_computes_the_files_weights or one_call_mixes_formats or every_grid_entry"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]

@@ -247,4 +247,7 @@ def c_header() -> str:
         words = (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)).tolist()
         body = ",".join(f"0x{w:08x}" for w in words)
         lines.append(f"static const uint32_t QF_GRID_{name}[{len(words)}] = {{{body}}};")
+    # ggml's ksigns: 7 sign bits and the eighth that makes their count even (the XXS formats store the seven)
+    ksigns = ",".join(str(i | (bin(i).count("1") % 2) << 7) for i in range(128))
+    lines.append(f"static const uint8_t QF_KSIGNS[128] = {{{ksigns}}};")
     return "\n".join(lines) + "\n"

@@ -28,8 +28,10 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("floats.h", "kv.h", 
 # -ffp-contract=off: an auto-vectorized loop and its scalar prologue (whose length depends on the address) then
 # round alike, so a row's result never depends on where its buffer lies
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-ISA_ENV = "QUICKDRAFT_KERNEL_ISA"  # =avx2: no AVX-512 or AVX-VNNI, the code CPUs without them run (measured here)
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
+# =avx2: no AVX-512 or AVX-VNNI, the code CPUs without them run (measured here); =avx512-novbmi: AVX-512 without its
+# byte permutations (AVX512-VBMI), as on the CPUs with VNNI but not VBMI (Cascade Lake)
+ISA_ENV = "QUICKDRAFT_KERNEL_ISA"
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "avx512-novbmi": ("-mno-avx512vbmi",)}
 GENERATED_HEADER = "iq_grids.h"  # qformats.h's grid tables (iq_grids.c_header), written into the build directory
 COMPILE_TIMEOUT_S = 300.0  # a compiler that hangs must not hang the first model load with it
 
@@ -114,7 +116,7 @@ def _compile_commands(compiler: str, build_dir: Path, out: Path) -> tuple[list[l
 
 
 def build_flags() -> tuple[str, ...]:
-    """``FLAGS`` and those of ``QUICKDRAFT_KERNEL_ISA`` (``native``, the default, or ``avx2``)."""
+    """``FLAGS`` and those of ``QUICKDRAFT_KERNEL_ISA`` (``native``, the default, ``avx2`` or ``avx512-novbmi``)."""
     isa = os.environ.get(ISA_ENV, "native")
     if isa not in ISA_FLAGS:
         raise ValueError(f"{ISA_ENV}={isa!r}: must be one of {', '.join(ISA_FLAGS)}")

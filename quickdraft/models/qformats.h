@@ -407,6 +407,8 @@ static inline __m256i bits_to_bytes(uint32_t word) {
     return _mm256_cmpeq_epi8(b, bit);
 }
 
+static const int QF_CHUNK_AT[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* stored position of chunk t (its own inverse) */
+
 /* ---- the lattice formats' entries: grid indices, sign bytes --------------------------------------------------- */
 
 static inline uint64_t ld64(const uint8_t *p) {
@@ -454,6 +456,25 @@ static inline __m256i grid_index8(int F, const uint8_t *blk, int k) {
     return low;
 }
 
+/* The grid values of a block's 8 stored positions (before signs). An entry of 8 values comes whole from one 64-bit
+ * gather (half the loads of two 32-bit ones): its halves are chunks 2 e and 2 e + 1, the even and odd 32-bit words. */
+static inline __attribute__((always_inline)) void grid_values8(int F, const uint8_t *blk, __m256i g[8]) {
+    const uint32_t *table = qf_grid_table(F);
+    if (qf_grid4(F)) {
+        for (int p = 0; p < 8; p++) g[p] = _mm256_i32gather_epi32((const int *)table, grid_index8(F, blk, 8 * p), 4);
+        return;
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m256i idx = grid_index8(F, blk, 8 * e);
+        const __m256 a = _mm256_castsi256_ps(_mm256_i32gather_epi64((const long long *)table, _mm256_castsi256_si128(idx), 8));
+        const __m256 b = _mm256_castsi256_ps(_mm256_i32gather_epi64((const long long *)table,
+                                                                     _mm256_extracti128_si256(idx, 1), 8));
+        /* [lo0 hi0 lo1 hi1 | lo2 hi2 lo3 hi3] and the same of 4..7 -> lo0 .. lo7 and hi0 .. hi7 */
+        g[QF_CHUNK_AT[2 * e]] = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a, b, 0x88)), 0xD8);
+        g[QF_CHUNK_AT[2 * e + 1]] = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8);
+    }
+}
+
 /* The sign bytes of entries k .. k + 7, each repeated in the 4 bytes of its 32-bit lane. */
 static inline __m256i grid_signs8(int F, const uint8_t *blk, int k) {
     __m256i s = F == QF_IQ2_XS ? _mm256_srli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 * k))), 9)
@@ -469,7 +490,6 @@ static inline int32_t sign_bits_of_half(int h) { return h ? (int32_t)0x80402010 
 
 /* ---- a block's values, 256-bit: w[p] = stored bytes 32 p .. 32 p + 31 ------------------------------------ */
 
-static const int QF_CHUNK_AT[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* stored position of chunk t (its own inverse) */
 
 static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_t *blk, __m256i w[8]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -510,14 +530,12 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
         }
     }
     if (qf_grid(F)) { /* stored position p: chunk t = 2 e + h, half h of the sign bytes of entries 8 e .. */
-        const uint32_t *table = qf_grid_table(F);
         const __m256i off = _mm256_set1_epi8((char)qf_grid_offset(F));
+        __m256i values[8];
+        grid_values8(F, blk, values);
         for (int p = 0; p < 8; p++) {
             const int t = QF_CHUNK_AT[p], e = t >> 1, h = t & 1;
-            const __m256i idx = qf_grid4(F) ? grid_index8(F, blk, 8 * p)
-                                            : _mm256_add_epi32(_mm256_slli_epi32(grid_index8(F, blk, 8 * e), 1),
-                                                               _mm256_set1_epi32(h));
-            const __m256i g = _mm256_i32gather_epi32((const int *)table, idx, 4);
+            const __m256i g = values[p];
             if (qf_iq1(F)) { /* + 2 where the entry's shift is +1/8 (its sign bit clear) */
                 const __m256i minus = _mm256_srli_epi32(iq1_nibbles8(F, blk, e), 3);
                 w[p] = _mm256_add_epi8(g, _mm256_and_si256(_mm256_sub_epi32(minus, _mm256_set1_epi32(1)),
@@ -587,8 +605,44 @@ static inline __m512i grid_index16(int F, const uint8_t *blk, int k) {
     return low;
 }
 
+/* The grid values of a block's 4 registers (before signs), 8-value entries by 64-bit gathers as grid_values8. */
+static inline __attribute__((always_inline)) void grid_values4(int F, const uint8_t *blk, __m512i g[4]) {
+    const uint32_t *table = qf_grid_table(F);
+    if (qf_grid4(F)) {
+        for (int u = 0; u < 4; u++) g[u] = _mm512_i32gather_epi32(grid_index16(F, blk, 16 * u), (const void *)table, 4);
+        return;
+    }
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    for (int v = 0; v < 2; v++) {
+        const __m512i idx = grid_index16(F, blk, 16 * v);
+        const __m512i a = _mm512_i32gather_epi64(_mm512_castsi512_si256(idx), (const void *)table, 8);
+        const __m512i b = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1), (const void *)table, 8);
+        g[2 * v] = _mm512_permutex2var_epi32(a, even, b);
+        g[2 * v + 1] = _mm512_permutex2var_epi32(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+    }
+}
+
 /* The sign bytes of entries k .. k + 15, each repeated in the 4 bytes of its 32-bit lane. */
 static inline __m512i grid_signs16(int F, const uint8_t *blk, int k) {
+#ifdef __AVX512VBMI__
+    /* one byte permutation repeats each entry's sign byte 4 times; 7 sign bits become 8 through ggml's ksigns table
+     * (its 128 bytes in two registers, one more permutation). IQ2_XS's are the top 7 bits of its 16-bit entries. */
+    static const uint8_t entry_of_byte[64] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5,
+                                              6, 6, 6, 6, 7, 7, 7, 7, 8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11,
+                                              11, 11, 12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15};
+    const __m512i entry = _mm512_loadu_si512((const void *)entry_of_byte);
+    __m512i s;
+    if (F == QF_IQ2_XS) /* byte 2 k + 1 of the entries, shifted right once: its 7 sign bits (bit 7 is not an index's) */
+        s = _mm512_permutexvar_epi8(_mm512_add_epi8(_mm512_add_epi8(entry, entry), _mm512_set1_epi8((char)(2 * k + 1))),
+                                    _mm512_srli_epi16(_mm512_loadu_si512((const void *)blk), 1));
+    else
+        s = _mm512_permutexvar_epi8(_mm512_add_epi8(entry, _mm512_set1_epi8((char)k)),
+                                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + qf_signs_at(F)))));
+    if (qf_seven_signs(F))
+        s = _mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)QF_KSIGNS), s,
+                                     _mm512_loadu_si512((const void *)(QF_KSIGNS + 64)));
+    return s;
+#else
     __m512i s = F == QF_IQ2_XS
                     ? _mm512_srli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 2 * k))), 9)
                     : _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + qf_signs_at(F) + k)));
@@ -600,6 +654,7 @@ static inline __m512i grid_signs16(int F, const uint8_t *blk, int k) {
         s = _mm512_or_si512(s, _mm512_slli_epi32(_mm512_and_si512(p, _mm512_set1_epi32(1)), 7));
     }
     return _mm512_shuffle_epi8(s, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12)));
+#endif
 }
 
 static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_t *blk, __m512i w[4]) {
@@ -633,14 +688,12 @@ static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_
         for (int u = 0; u < 4; u++) w[u] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * u), three);
     }
     if (qf_grid(F)) { /* register u: stored positions 2 u, 2 u + 1, the sign bytes of entries 16 (u / 2) .., half u % 2 */
-        const uint32_t *table = qf_grid_table(F);
         const __m512i off = _mm512_set1_epi8((char)qf_grid_offset(F));
+        __m512i values[4];
+        grid_values4(F, blk, values);
         for (int u = 0; u < 4; u++) {
             const int v = u >> 1, h = u & 1;
-            const __m512i idx = qf_grid4(F) ? grid_index16(F, blk, 16 * u)
-                                            : _mm512_add_epi32(_mm512_slli_epi32(grid_index16(F, blk, 16 * v), 1),
-                                                               _mm512_set1_epi32(h));
-            const __m512i g = _mm512_i32gather_epi32(idx, (const void *)table, 4);
+            const __m512i g = values[u];
             if (qf_iq1(F)) {
                 const __m512i minus = _mm512_srli_epi32(iq1_nibbles16(F, blk, v), 3);
                 w[u] = _mm512_add_epi8(g, _mm512_and_si512(_mm512_sub_epi32(minus, _mm512_set1_epi32(1)),
