@@ -102,7 +102,9 @@ def main() -> None:
     print(f"read bandwidth {bandwidth:.1f} GB/s; quickdraft's peak RSS {peak_mib:.0f} MiB; {machine()['cpu']}")
     for r in rows:
         print(f"{r['file']} ({r['types']})\n  quickdraft: {r['answer_quickdraft']!r}\n  llama.cpp:  {r['answer_llamacpp']!r}")
-    print(f"wrote {save(args.out, {'machine': machine(), 'bandwidth_gbs': bandwidth, 'peak_rss_mib': peak_mib, 'threads': args.threads, 'tokens': args.tokens, 'rows': rows})}")
+    path = save(args.out, {"machine": machine(), "bandwidth_gbs": bandwidth, "peak_rss_mib": peak_mib,
+                           "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds, "rows": rows})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,13 @@ F16_FIELDS = {
     QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,),
     QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.Q2_K: (80, 82), QT.Q3_K: (108,),
     QT.IQ4_NL: (0,), QT.IQ4_XS: (0,), QT.IQ2_XXS: (0,), QT.IQ2_XS: (0,), QT.IQ2_S: (0,), QT.IQ3_XXS: (0,),
-    QT.IQ3_S: (0,), QT.IQ1_S: (0,),
+    QT.IQ3_S: (0,), QT.IQ1_S: (0,), QT.TQ2_0: (64,), QT.TQ1_0: (52,),
 }
 GRID_TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)
 # the supported types gguf-py can dequantize (our reference); Q1_0 and Q2_0, which it cannot, are checked against
 # llama.cpp's reference formulas in tests/test_block_formats.py
 ALL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K,
-             QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4, *GRID_TYPES)
+             QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4, QT.TQ1_0, QT.TQ2_0, *GRID_TYPES)
 
 
 def smollm_gguf() -> Path:
@@ -70,7 +70,7 @@ def encode(w: np.ndarray, qtype: QT, rng: np.random.Generator) -> np.ndarray:
         return w.astype(np.float32)
     if qtype == QT.F16:
         return w.astype(np.float16)
-    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS, *GRID_TYPES):
+    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS, QT.Q8_K, *GRID_TYPES):
         block, type_size = GGML_QUANT_SIZES[qtype]
         n_blocks = w.size // block
         return random_blocks(qtype, n_blocks, rng).reshape(w.shape[0], -1)

@@ -136,7 +136,7 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 def _kernel_format(name: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """A type the kernel reads whose float32 weights ``block_formats.dequantize`` gives (IQ4_NL, IQ4_XS, Q1_0, Q2_0,
-    MXFP4, Q2_K, Q3_K, the lattice formats IQ2_XXS .. IQ1_M:
+    MXFP4, Q2_K, Q3_K, TQ1_0, TQ2_0, the lattice formats IQ2_XXS .. IQ1_M:
     the same products as gguf-py's and llama.cpp's reference code, one rounding each)."""
     def func(blocks: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(block_formats.dequantize(name, blocks.reshape(-1), 1, out.numel()).reshape(out.shape))
@@ -154,7 +154,7 @@ _BLOCK_FUNCS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
     **{name: _kernel_format(name) for name in ("IQ4_NL", "IQ4_XS", "Q1_0", "Q2_0", "MXFP4", "Q2_K", "Q3_K",
-                                               *block_formats.GRID_FORMATS)},
+                                               "TQ1_0", "TQ2_0", *block_formats.GRID_FORMATS)},
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", *_BLOCK_FUNCS)

@@ -4,8 +4,9 @@
 (``Checkpoint.tensor_types``, kept with the checkpoint, so nothing is read again):
 
 * any stored in a type the qmatmul kernel reads (``block_formats.FORMATS``: Q4_0 .. Q8_0, the K-quants Q2_K .. Q6_K,
-  IQ4_NL, IQ4_XS, the lattice IQ2_XXS .. IQ1_M, Q1_0, Q2_0, MXFP4) -> ``'gguf'``: every tensor runs in its own type,
-  lm_head included, so a decode step reads the file's bytes (a tensor stored in a float type runs int8);
+  IQ4_NL, IQ4_XS, the lattice IQ2_XXS .. IQ1_M, TQ1_0, TQ2_0, Q1_0, Q2_0, MXFP4) -> ``'gguf'``: every tensor runs
+  in its own type, lm_head included, so a decode step reads the file's bytes (a tensor stored in a float type runs
+  int8);
 * without the kernel (no compiler, not x86-64): Q4_0 / Q4_1 / Q4_K -> ``'int4'`` (those blocks map exactly onto
   torch's int4 kernel, wider layers int8), any other quantized type -> ``'int8'``;
 * else (F32 / F16 / BF16 GGUFs, HF directories) -> float weights in the model dtype.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.models import grid_formats
+from quickdraft.models.format_table import FORMATS
 from quickdraft.models.grid_formats import GRID_FORMATS
 from quickdraft.models.qmatmul import BLOCK, CHUNK_ORDER, GROUP
 
@@ -20,61 +21,6 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled (ggml's kvalues_mxfp4)
 # MXFP4 exponent bytes above this scale weights past 2^120 (no model's): the kernel's shift, -128 scale, would overflow
 MXFP4_MAX_EXPONENT = 248
-
-
-@dataclass(frozen=True)
-class BlockFormat:
-    """One GGML type as the kernel reads it: ``code`` (qformats.h), the file's block (``block`` weights in
-    ``block_bytes``), the kernel's block of 256 columns (``kernel_bytes``) and tail record (``tail_cols`` columns in
-    ``tail_bytes``; 0: K must be a multiple of 256)."""
-
-    name: str
-    code: int
-    block: int
-    block_bytes: int
-    kernel_bytes: int
-    tail_cols: int
-    tail_bytes: int
-
-    @property
-    def bits_per_weight(self) -> float:
-        return 8 * self.block_bytes / self.block
-
-    def takes(self, in_features: int) -> bool:
-        """True when a row of ``in_features`` columns fits this format (the file's blocks and the kernel's)."""
-        rest = in_features % BLOCK
-        return in_features % self.block == 0 and (rest == 0 or (self.tail_cols and rest % self.tail_cols == 0))
-
-    def row_bytes(self, in_features: int) -> int:
-        """Bytes of one row in the kernel's layout."""
-        if not self.takes(in_features):
-            raise ValueError(f"{self.name} rows cannot have {in_features} columns")
-        rest = in_features % BLOCK
-        return in_features // BLOCK * self.kernel_bytes + (rest // self.tail_cols * self.tail_bytes if rest else 0)
-
-    def file_row_bytes(self, in_features: int) -> int:
-        return in_features // self.block * self.block_bytes
-
-
-FORMATS = {f.name: f for f in (
-    BlockFormat("Q4_0", 20, 32, 18, 144, 32, 18),
-    BlockFormat("Q4_1", 21, 32, 20, 160, 32, 20),
-    BlockFormat("Q5_0", 22, 32, 22, 176, 32, 22),
-    BlockFormat("Q5_1", 23, 32, 24, 192, 32, 24),
-    BlockFormat("Q8_0", 24, 32, 34, 272, 32, 34),
-    BlockFormat("Q4_K", 25, 256, 144, 148, 0, 0),
-    BlockFormat("Q5_K", 26, 256, 176, 180, 0, 0),
-    BlockFormat("Q6_K", 27, 256, 210, 210, 0, 0),
-    BlockFormat("IQ4_NL", 28, 32, 18, 144, 32, 18),
-    BlockFormat("IQ4_XS", 29, 256, 136, 138, 0, 0),
-    BlockFormat("Q1_0", 30, 128, 18, 36, 128, 18),
-    BlockFormat("Q2_0", 31, 64, 18, 72, 64, 18),
-    BlockFormat("MXFP4", 32, 32, 17, 136, 32, 17),
-    BlockFormat("Q2_K", 33, 256, 84, 84, 0, 0),
-    BlockFormat("Q3_K", 34, 256, 110, 110, 0, 0),
-    *(BlockFormat(name, code, 256, size, size, 0, 0)  # codes 35 .. in qformats.h's order
-      for code, (name, size) in enumerate(grid_formats.BLOCK_BYTES.items(), start=35)),
-)}
 
 
 # ---- the file's blocks -> per-element integers and per-group numbers ---------------------------------------------
@@ -150,6 +96,19 @@ def _q3_k_scales(s: torch.Tensor) -> torch.Tensor:
     return low | (top << 4)
 
 
+def _base3_trits(b: torch.Tensor) -> torch.Tensor:
+    """TQ1_0's 48 bytes of 5 base-3 digits and 4 of 4 -> [nb, 256] values 0..2: digit i of byte x is
+    ((x 3^i mod 256) 3) >> 8 (ggml's reading); bytes 0..31 give elements 32 i + m, bytes 32..47 160 + 16 i + m, the
+    last 4 240 + 4 i + j."""
+    def digits(x: torch.Tensor, count: int) -> torch.Tensor:  # [nb, c] -> [nb, count, c]
+        powers = torch.tensor([3 ** i for i in range(count)], dtype=torch.int32).reshape(1, count, 1)
+        return ((x.to(torch.int32).unsqueeze(1) * powers & 0xFF) * 3 >> 8).to(torch.uint8)
+
+    nb = b.shape[0]
+    return torch.cat([digits(b[:, :32], 5).reshape(nb, -1), digits(b[:, 32:48], 5).reshape(nb, -1),
+                      digits(b[:, 48:52], 4).reshape(nb, -1)], dim=1)
+
+
 def decode(name: str, data: torch.Tensor, n: int, k: int) -> Decoded:
     """The file's blocks of ``n`` rows of ``k`` columns (``data``: their bytes, uint8) as integers (``Decoded``)."""
     fmt = FORMATS[name]
@@ -202,6 +161,10 @@ def decode(name: str, data: torch.Tensor, n: int, k: int) -> Decoded:
             out.bit = rows(_bit_planes(b[:, :32]))
             out.sc = rows(_q3_k_scales(b[:, 96:108]))
             out.d = rows(_fp16_bits(b[:, 108:110]))
+    elif name == "TQ2_0":  # values 0..3 standing for q - 1, as Q2_K's planes; one d per 256
+        out.two, out.d = rows(_two_bit_planes(b[:, :64])), rows(_fp16_bits(b[:, 64:66]))
+    elif name == "TQ1_0":
+        out.two, out.d = rows(_base3_trits(b[:, :52])), rows(_fp16_bits(b[:, 52:54]))
     elif name == "Q1_0":
         out.d, out.bit = rows(_fp16_bits(b[:, :2])), rows(_bits_le(b[:, 2:]))
     else:  # Q2_0
@@ -310,6 +273,8 @@ def _blocks(name: str, dec: Decoded, n: int, nb: int) -> torch.Tensor:
         parts += [low, top.to(torch.int32).unsqueeze(-1).view(torch.uint8), _per_group(dec.d, n, nb, 1)]
     elif name == "IQ4_XS":
         parts += [_per_group(dec.d, n, nb, 1), _per_group(dec.sc, n, nb, 8)]
+    elif name in ("TQ1_0", "TQ2_0"):
+        parts.append(_per_group(dec.d, n, nb, 1))
     elif name == "Q1_0":
         parts.append(_per_group(dec.d, n, nb, 2))
     else:  # Q2_0
@@ -397,4 +362,6 @@ def dequantize(name: str, data: torch.Tensor, n: int, k: int) -> torch.Tensor:
         return (q - 4) * per(per(_f16(dec.d), 16) * (dec.sc.float() - 32), 16)
     if name == "Q1_0":
         return (2 * dec.bit.float() - 1) * per(_f16(dec.d), 128)
+    if name in ("TQ1_0", "TQ2_0"):
+        return (dec.two.float() - 1) * per(_f16(dec.d), 256)
     return (dec.two.float() - 1) * per(_f16(dec.d), 64)  # Q2_0

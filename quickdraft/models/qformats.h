@@ -59,6 +59,8 @@
  *          % 8, the low nibble for i < 8), 4 16-bit words of 3-bit sc per 16 (sc 4 i + m at bits 3 m of word i) whose
  *          top nibbles are d's (word i: bits 4 i ..)      d (2 sc + 1) (grid -+ 1/8), per 16   56 (56)
  * IQ1's v = 8 grid + 9 -+ 1 (0 .. 18) with scale d (2 sc + 1) / 8: the same products, exactly.
+ *   TQ2_0   bits2 (values 0..3), d (one per 256)        d (q - 1)          66 (66; TQ1_0's base-3 digits, 54 in the
+ *          file, are repacked into these blocks)
  * A row of K columns is K / 256 blocks, then the columns past the last whole block (K % 256) as tail records in
  * element order, each as the file stores it but for the value order below: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
  * IQ4_NL one group (nibbles: element i in the low nibble of byte i, element i + 16 in its high one; Q5 high bits:
@@ -79,7 +81,7 @@ enum {
     QF_INT4 = 4, QF_INT8 = 8,
     QF_Q4_0 = 20, QF_Q4_1, QF_Q5_0, QF_Q5_1, QF_Q8_0, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_IQ4_NL, QF_IQ4_XS, QF_Q1_0,
     QF_Q2_0, QF_MXFP4, QF_Q2_K, QF_Q3_K, QF_IQ2_XXS, QF_IQ2_XS, QF_IQ2_S, QF_IQ3_XXS, QF_IQ3_S, QF_IQ1_S,
-    QF_IQ1_M,
+    QF_IQ1_M, QF_TQ2_0,
 };
 
 #define QF_BLOCK 256
@@ -100,7 +102,7 @@ static inline const uint8_t *qf_values(int F) { return F == QF_MXFP4 ? MXFP4_VAL
 static inline const uint8_t *qf_low_nibbles(int F) { return F == QF_MXFP4 ? MXFP4_LOW_NIBBLES : IQ4_LOW_NIBBLES; }
 static inline const uint8_t *qf_high_nibbles(int F) { return F == QF_MXFP4 ? MXFP4_HIGH_NIBBLES : IQ4_HIGH_NIBBLES; }
 
-static inline int qf_known(int f) { return f == QF_INT4 || f == QF_INT8 || (f >= QF_Q4_0 && f <= QF_IQ1_M); }
+static inline int qf_known(int f) { return f == QF_INT4 || f == QF_INT8 || (f >= QF_Q4_0 && f <= QF_TQ2_0); }
 static inline int qf_padded(int f) { return f == QF_INT4 || f == QF_INT8; }
 static inline int qf_grid(int F) { return F >= QF_IQ2_XXS && F <= QF_IQ1_M; }
 /* IQ1: grid values -1, 0, 1 (the table holds 8 (v + 1)) and a shift of 1/8 either way an entry, no sign bits */
@@ -144,7 +146,7 @@ static inline int qf_block_bytes(int f) {
     case QF_Q2_0: return 72;
     case QF_Q2_K: return 84;
     case QF_Q3_K: case QF_IQ3_S: return 110;
-    case QF_IQ2_XXS: return 66;
+    case QF_IQ2_XXS: case QF_TQ2_0: return 66;
     case QF_IQ2_XS: return 74;
     case QF_IQ2_S: return 82;
     case QF_IQ3_XXS: return 98;
@@ -350,6 +352,7 @@ static inline __attribute__((always_inline)) block_scales qf_scales(int F, const
         s.shift = _mm256_mul_ps(_mm256_set1_ps(-15.f), s.scale);
         break;
     }
+    case QF_TQ2_0: s.scale = f16_bcast(blk + 64), s.shift = _mm256_sub_ps(_mm256_setzero_ps(), s.scale); break;
     case QF_IQ4_XS:
         s.scale = _mm256_mul_ps(f16_bcast(blk + 128), s8x8(blk + 130));
         s.shift = _mm256_mul_ps(neg128, s.scale);
@@ -380,7 +383,7 @@ static inline int qf_has_nibbles(int F) {
 }
 static inline int qf_fifth_bit(int F) { return F == QF_Q5_0 || F == QF_Q5_1 || F == QF_Q5_K; }
 /* a bits2 plane at the block's start holds the value (Q3_K: its low two bits) */
-static inline int qf_two_bits(int F) { return F == QF_Q2_0 || F == QF_Q2_K || F == QF_Q3_K; }
+static inline int qf_two_bits(int F) { return F == QF_Q2_0 || F == QF_Q2_K || F == QF_Q3_K || F == QF_TQ2_0; }
 /* scales per 16 columns: a group's first 16 (stored positions 0..3) and last 16 (4..7) apart */
 /* a bits1 plane whose set bits add a value to the one decoded before: Q5's fifth bit (16, after the nibbles, the
  * plane at byte 128) and Q3_K's third (4, after the bits2 plane, at byte 64); 0 for the other formats */

@@ -395,7 +395,7 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
     for (int r = 0; r < TILE; r++) st->dot[r] = acc[r], st->part[r] = part[r], st->tail_shift[r] = tail_shift[r];
 }
 
-/* Every format, with the name its functions take, in the parts compiled apart (three formats each). */
+/* Every format, with the name its functions take, in the parts compiled apart (three or four formats each). */
 #define FORMATS_1(X) X(QF_INT4, int4) X(QF_INT8, int8) X(QF_Q4_0, q4_0)
 #define FORMATS_2(X) X(QF_Q4_1, q4_1) X(QF_Q5_0, q5_0) X(QF_Q5_1, q5_1)
 #define FORMATS_3(X) X(QF_Q8_0, q8_0) X(QF_Q4_K, q4_k) X(QF_Q5_K, q5_k)
@@ -403,7 +403,7 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
 #define FORMATS_5(X) X(QF_Q1_0, q1_0) X(QF_Q2_0, q2_0) X(QF_MXFP4, mxfp4)
 #define FORMATS_6(X) X(QF_Q2_K, q2_k) X(QF_Q3_K, q3_k) X(QF_IQ3_S, iq3_s)
 #define FORMATS_7(X) X(QF_IQ2_XXS, iq2_xxs) X(QF_IQ2_XS, iq2_xs) X(QF_IQ2_S, iq2_s)
-#define FORMATS_8(X) X(QF_IQ3_XXS, iq3_xxs) X(QF_IQ1_S, iq1_s) X(QF_IQ1_M, iq1_m)
+#define FORMATS_8(X) X(QF_IQ3_XXS, iq3_xxs) X(QF_IQ1_S, iq1_s) X(QF_IQ1_M, iq1_m) X(QF_TQ2_0, tq2_0)
 #define FORMATS(X) FORMATS_1(X) FORMATS_2(X) FORMATS_3(X) FORMATS_4(X) FORMATS_5(X) FORMATS_6(X) FORMATS_7(X) FORMATS_8(X)
 
 /* A format's kernels are called from part 0 through the dispatch below: visible across the library's objects, not
