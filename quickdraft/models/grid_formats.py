@@ -1,6 +1,6 @@
 """GGML's lattice formats (the i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) for the qmatmul
 kernel: a file's blocks read into their fields (``fields``), rearranged into the kernel's blocks at the file's size
-(``pack``; qformats.h describes them) and the float32 weights they stand for (``dequantize``).
+(``repack``; qformats.h describes them) and the float32 weights they stand for (``dequantize``).
 
 Each entry of 8 weights (IQ3: 4) is an entry of the format's grid (``iq_grids.py``) named by an index, each weight
 with a sign bit (IQ1: the grid's -1, 0, 1 shifted by 1/8 either way an entry instead), times a scale per 32 (or 16)
@@ -136,8 +136,7 @@ def _pack(name: str, f: GridFields) -> torch.Tensor:
                  | (((d_bits.unsqueeze(-1) >> (4 * torch.arange(4))) & 0xF) << 12))
         parts = [(_by_entry(f.idx) & 0xFF).to(torch.uint8), (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(nb, 16)
                  .to(torch.uint8), _bytes_of(words, 2)]
-        return torch.cat(parts, dim=1)
-    return torch.cat([*parts, d], dim=1)
+    return torch.cat([*parts, d] if name != "IQ1_M" else parts, dim=1)
 
 
 GRID_SCALE = {  # the weight scale of scale code s, as (a + b s) c times d

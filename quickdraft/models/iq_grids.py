@@ -229,8 +229,10 @@ def _codes(name: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple((w >> (bits * i)) & ((1 << bits) - 1) for i in range(per)) for w in words)
 
 
+@functools.cache
 def values(name: str) -> torch.Tensor:
-    """``[entries, values per entry]`` int32: the grid's weights (before a block's scale and signs)."""
+    """``[entries, values per entry]`` int32: the grid's weights (before a block's scale and signs; one tensor per
+    grid, not to be written to)."""
     name = SHARED.get(name, name)
     levels = torch.tensor(LEVELS[GRIDS[name][0]], dtype=torch.int32)
     return levels[torch.tensor(_codes(name), dtype=torch.long)]
