@@ -40,7 +40,8 @@ QUANT_CACHE_VERSION = "7"
 # The files that define how the qmatmul kernel's weights are stored: the repacking, the quantizers, and the C
 # header that reads them. Any change to them makes earlier cache files unusable (a file written in another layout
 # would be read as garbage), so their digest is part of every qmatmul cache key.
-LAYOUT_SOURCES = ("models/block_formats.py", "models/quant_formats.py", "models/qformats.h")
+LAYOUT_SOURCES = ("models/block_formats.py", "models/grid_formats.py", "models/format_table.py",
+                  "models/quant_formats.py", "models/qformats.h")
 
 
 @functools.cache

@@ -488,7 +488,7 @@ static inline __m256i grid_signs8(int F, const uint8_t *blk, int k) {
     return _mm256_shuffle_epi8(s, repeat);
 }
 
-/* the bits of a repeated sign byte that sign byte i of a 32-bit lane: bits 0..3 (chunk 2 e), or 4..7 (2 e + 1) */
+/* the bit that byte i of a 32-bit lane tests in its repeated sign byte: bit i (chunk 2 e) or bit 4 + i (2 e + 1) */
 static inline int32_t sign_bits_of_half(int h) { return h ? (int32_t)0x80402010 : 0x08040201; }
 
 /* ---- a block's values, 256-bit: w[p] = stored bytes 32 p .. 32 p + 31 ------------------------------------ */
