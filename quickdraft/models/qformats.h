@@ -422,12 +422,27 @@ static inline uint64_t ld64(const uint8_t *p) {
 /* where a lattice format's sign bytes start (IQ2_XS keeps its sign bits in its 16-bit entries) */
 static inline int qf_signs_at(int F) { return F == QF_IQ3_XXS ? 64 : F == QF_IQ3_S ? 72 : 32; }
 
-/* 7 sign bits in each 32-bit lane -> 8, the eighth set where the seven hold an odd count (ggml's ksigns) */
-static inline __m256i eighth_sign8(__m256i s) {
-    __m256i p = _mm256_xor_si256(s, _mm256_srli_epi32(s, 4));
-    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
-    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
-    return _mm256_or_si256(s, _mm256_slli_epi32(_mm256_and_si256(p, _mm256_set1_epi32(1)), 7));
+/* A block's 32 sign bytes, entry k = 8 e + j at byte k, each with its eighth bit: the XXS formats store seven, the
+ * eighth set where they hold an odd count (ggml's ksigns), found by a lookup of each nibble's parity. */
+static inline __m256i grid_sign_bytes(int F, const uint8_t *blk) {
+    __m256i s;
+    if (F == QF_IQ2_XS) { /* the top 7 bits of its 16-bit entries */
+        const __m256i a = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)blk), 9);
+        const __m256i b = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32)), 9);
+        s = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8);
+    } else {
+        s = _mm256_loadu_si256((const __m256i *)(blk + qf_signs_at(F)));
+    }
+    if (qf_seven_signs(F)) {
+        const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0,
+                                                                      -128, 0, -128, -128, 0));
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        s = _mm256_and_si256(s, _mm256_set1_epi8(0x7F));
+        const __m256i parity = _mm256_xor_si256(_mm256_shuffle_epi8(odd, _mm256_and_si256(s, low)),
+                                                _mm256_shuffle_epi8(odd, _mm256_and_si256(_mm256_srli_epi16(s, 4), low)));
+        s = _mm256_or_si256(s, parity);
+    }
+    return s;
 }
 
 /* IQ1's nibble of entries 8 e .. 8 e + 7, one a 32-bit lane: 3 high index bits, the shift's sign at bit 3. */
@@ -478,14 +493,14 @@ static inline __attribute__((always_inline)) void grid_values8(int F, const uint
     }
 }
 
-/* The sign bytes of entries k .. k + 7, each repeated in the 4 bytes of its 32-bit lane. */
-static inline __m256i grid_signs8(int F, const uint8_t *blk, int k) {
-    __m256i s = F == QF_IQ2_XS ? _mm256_srli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 * k))), 9)
-                               : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + qf_signs_at(F) + k)));
-    if (qf_seven_signs(F)) s = eighth_sign8(_mm256_and_si256(s, _mm256_set1_epi32(0x7F)));
+/* The sign bytes of entries 8 e .. 8 e + 7 (of a block's, grid_sign_bytes), each repeated in the 4 bytes of its
+ * 32-bit lane. */
+static inline __m256i grid_signs8(__m256i signs, int e) {
+    __m128i half = e < 2 ? _mm256_castsi256_si128(signs) : _mm256_extracti128_si256(signs, 1);
+    if (e & 1) half = _mm_srli_si128(half, 8);
     const __m256i repeat = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
                                             0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-    return _mm256_shuffle_epi8(s, repeat);
+    return _mm256_shuffle_epi8(_mm256_cvtepu8_epi32(half), repeat);
 }
 
 /* the bit that byte i of a 32-bit lane tests in its repeated sign byte: bit i (chunk 2 e) or bit 4 + i (2 e + 1) */
@@ -536,6 +551,7 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
         const __m256i off = _mm256_set1_epi8((char)qf_grid_offset(F));
         __m256i values[8];
         grid_values8(F, blk, values);
+        const __m256i signs = qf_iq1(F) ? _mm256_setzero_si256() : grid_sign_bytes(F, blk);
         for (int p = 0; p < 8; p++) {
             const int t = QF_CHUNK_AT[p], e = t >> 1, h = t & 1;
             const __m256i g = values[p];
@@ -546,7 +562,7 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
                 continue;
             }
             const __m256i bits = _mm256_set1_epi32(sign_bits_of_half(h));
-            const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(grid_signs8(F, blk, 8 * e), bits), bits);
+            const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(grid_signs8(signs, e), bits), bits);
             w[p] = _mm256_add_epi8(off, _mm256_sub_epi8(_mm256_xor_si256(g, neg), neg));
         }
     }
@@ -646,17 +662,10 @@ static inline __m512i grid_signs16(int F, const uint8_t *blk, int k) {
                                      _mm512_loadu_si512((const void *)(QF_KSIGNS + 64)));
     return s;
 #else
-    __m512i s = F == QF_IQ2_XS
-                    ? _mm512_srli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 2 * k))), 9)
-                    : _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + qf_signs_at(F) + k)));
-    if (qf_seven_signs(F)) {
-        s = _mm512_and_si512(s, _mm512_set1_epi32(0x7F));
-        __m512i p = _mm512_xor_si512(s, _mm512_srli_epi32(s, 4));
-        p = _mm512_xor_si512(p, _mm512_srli_epi32(p, 2));
-        p = _mm512_xor_si512(p, _mm512_srli_epi32(p, 1));
-        s = _mm512_or_si512(s, _mm512_slli_epi32(_mm512_and_si512(p, _mm512_set1_epi32(1)), 7));
-    }
-    return _mm512_shuffle_epi8(s, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12)));
+    const __m128i bytes = k ? _mm256_extracti128_si256(grid_sign_bytes(F, blk), 1)
+                            : _mm256_castsi256_si128(grid_sign_bytes(F, blk));
+    return _mm512_shuffle_epi8(_mm512_cvtepu8_epi32(bytes),
+                               _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12)));
 #endif
 }
 
