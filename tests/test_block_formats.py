@@ -154,7 +154,7 @@ def with_every_grid_index(name: str, raw: torch.Tensor) -> torch.Tensor:
     entries = iq_grids.values(name).shape[0]
     idx = (torch.arange(nb * 8 * per) % entries).reshape(nb, 8, per)
     low = (idx & 0xFF).to(torch.uint8)
-    if name in ("IQ2_XXS",):
+    if name == "IQ2_XXS":
         b[:, 2:66].view(nb, 8, 8)[:, :, :4] = low
     elif name == "IQ2_XS":  # 16 bits an entry: the index in the low 9, sign bits above
         words = b[:, 2:66].contiguous().view(torch.int16).to(torch.int32).reshape(nb, 8, 4) & ~511
