@@ -209,6 +209,20 @@ def _bits2(v: torch.Tensor) -> torch.Tensor:
     return s[:, :, 0] | (s[:, :, 1] << 2) | (s[:, :, 2] << 4) | (s[:, :, 3] << 6)
 
 
+def _base3(v: torch.Tensor) -> torch.Tensor:
+    """Values 0..2 [n, nb, 256] -> [n, nb, 52] TQ1_0 bytes in the kernel's lanes (qformats.h): byte 13 L + i holds,
+    from its most significant digit, stored bytes 64 u + 16 L + i (u = 0..3) and, for i < 12, 64 (i // 3) + 16 L +
+    13 + i % 3; written as ggml writes a byte, ceil(256 q / 243), whose digits read back exactly."""
+    n, nb = v.shape[:2]
+    s = _stored(v).reshape(n, nb, 4, 4, 16).transpose(2, 3).to(torch.int32)  # [n, nb, L, u, lane byte]
+    i = torch.arange(12)
+    fifth = torch.zeros(n, nb, 4, 13, dtype=torch.int32)
+    fifth[..., :12] = s[..., i // 3, 13 + i % 3]  # [n, nb, L, i]
+    digits = torch.cat((s[..., :13].transpose(3, 4), fifth.unsqueeze(-1)), dim=-1)  # [n, nb, L, i, 5]
+    q = (digits * torch.tensor([81, 27, 9, 3, 1], dtype=torch.int32)).sum(-1)
+    return ((q * 256 + 242) // 243).to(torch.uint8).reshape(n, nb, 52)
+
+
 def _per_group(t: torch.Tensor, n: int, nb: int, per_block: int) -> torch.Tensor:
     """[n, groups...] numbers of the first nb kernel blocks as [n, nb, per_block * itemsize] bytes."""
     return t[:, :nb * per_block].contiguous().reshape(n, nb, per_block).view(torch.uint8).reshape(n, nb, -1)
@@ -245,7 +259,7 @@ def _blocks(name: str, dec: Decoded, n: int, nb: int) -> torch.Tensor:
     if low is not None:
         parts.append(_nib(low))
     if two is not None:
-        parts.append(_bits2(two))
+        parts.append(_base3(two) if name == "TQ1_0" else _bits2(two))
     if bit is not None:
         parts.append(_bits1(bit))
     if byte is not None:

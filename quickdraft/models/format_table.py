@@ -59,8 +59,7 @@ FORMATS = {f.name: f for f in (
     BlockFormat("Q2_K", 33, 256, 84, 84, 0, 0),
     BlockFormat("Q3_K", 34, 256, 110, 110, 0, 0),
     BlockFormat("TQ2_0", 42, 256, 66, 66, 0, 0),
-    # TQ1_0's base-3 bytes (5 weights a byte) become TQ2_0's kernel blocks (2 bits a weight): 66 bytes, not 54
-    BlockFormat("TQ1_0", 42, 256, 54, 66, 0, 0),
+    BlockFormat("TQ1_0", 43, 256, 54, 54, 0, 0),
     *(BlockFormat(name, code, 256, size, size, 0, 0)  # codes 35 .. in qformats.h's order
       for code, (name, size) in enumerate(grid_formats.BLOCK_BYTES.items(), start=35)),
 )}

@@ -59,8 +59,12 @@
  *          % 8, the low nibble for i < 8), 4 16-bit words of 3-bit sc per 16 (sc 4 i + m at bits 3 m of word i) whose
  *          top nibbles are d's (word i: bits 4 i ..)      d (2 sc + 1) (grid -+ 1/8), per 16   56 (56)
  * IQ1's v = 8 grid + 9 -+ 1 (0 .. 18) with scale d (2 sc + 1) / 8: the same products, exactly.
- *   TQ2_0   bits2 (values 0..3), d (one per 256)        d (q - 1)          66 (66; TQ1_0's base-3 digits, 54 in the
- *          file, are repacked into these blocks)
+ *   TQ2_0   bits2 (values 0..3), d (one per 256)        d (q - 1)          66 (66)
+ *   TQ1_0   base-3 bytes of 5 values 0..2 (ggml's encoding: byte = ceil(256 sum_n q_n 3^(4 - n) / 243), digit n
+ *          = ((3^n byte mod 256) 3) >> 8), d                d (q - 1)          54 (54)
+ *          The 52 bytes are 4 lanes of 13 (bytes 13 L ..), lane L of a 512-bit register u (stored bytes 64 u + 16 L
+ *          + i): for i < 13 digit u of byte 13 L + i, for i = 13, 14, 15 digit 4 of byte 13 L + 3 u + i - 13 (byte
+ *          13 L + 12 holds 4 values; each lane is a 128-bit lane of the registers, so no value crosses one).
  * A row of K columns is K / 256 blocks, then the columns past the last whole block (K % 256) as tail records in
  * element order, each as the file stores it but for the value order below: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
  * IQ4_NL one group (nibbles: element i in the low nibble of byte i, element i + 16 in its high one; Q5 high bits:
@@ -81,7 +85,7 @@ enum {
     QF_INT4 = 4, QF_INT8 = 8,
     QF_Q4_0 = 20, QF_Q4_1, QF_Q5_0, QF_Q5_1, QF_Q8_0, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_IQ4_NL, QF_IQ4_XS, QF_Q1_0,
     QF_Q2_0, QF_MXFP4, QF_Q2_K, QF_Q3_K, QF_IQ2_XXS, QF_IQ2_XS, QF_IQ2_S, QF_IQ3_XXS, QF_IQ3_S, QF_IQ1_S,
-    QF_IQ1_M, QF_TQ2_0,
+    QF_IQ1_M, QF_TQ2_0, QF_TQ1_0,
 };
 
 #define QF_BLOCK 256
@@ -102,7 +106,7 @@ static inline const uint8_t *qf_values(int F) { return F == QF_MXFP4 ? MXFP4_VAL
 static inline const uint8_t *qf_low_nibbles(int F) { return F == QF_MXFP4 ? MXFP4_LOW_NIBBLES : IQ4_LOW_NIBBLES; }
 static inline const uint8_t *qf_high_nibbles(int F) { return F == QF_MXFP4 ? MXFP4_HIGH_NIBBLES : IQ4_HIGH_NIBBLES; }
 
-static inline int qf_known(int f) { return f == QF_INT4 || f == QF_INT8 || (f >= QF_Q4_0 && f <= QF_TQ2_0); }
+static inline int qf_known(int f) { return f == QF_INT4 || f == QF_INT8 || (f >= QF_Q4_0 && f <= QF_TQ1_0); }
 static inline int qf_padded(int f) { return f == QF_INT4 || f == QF_INT8; }
 static inline int qf_grid(int F) { return F >= QF_IQ2_XXS && F <= QF_IQ1_M; }
 /* IQ1: grid values -1, 0, 1 (the table holds 8 (v + 1)) and a shift of 1/8 either way an entry, no sign bits */
@@ -152,6 +156,7 @@ static inline int qf_block_bytes(int f) {
     case QF_IQ3_XXS: return 98;
     case QF_IQ1_S: return 50;
     case QF_IQ1_M: return 56;
+    case QF_TQ1_0: return 54;
     default: return 0;
     }
 }
@@ -352,7 +357,9 @@ static inline __attribute__((always_inline)) block_scales qf_scales(int F, const
         s.shift = _mm256_mul_ps(_mm256_set1_ps(-15.f), s.scale);
         break;
     }
-    case QF_TQ2_0: s.scale = f16_bcast(blk + 64), s.shift = _mm256_sub_ps(_mm256_setzero_ps(), s.scale); break;
+    case QF_TQ2_0: case QF_TQ1_0:
+        s.scale = f16_bcast(blk + (F == QF_TQ2_0 ? 64 : 52)), s.shift = _mm256_sub_ps(_mm256_setzero_ps(), s.scale);
+        break;
     case QF_IQ4_XS:
         s.scale = _mm256_mul_ps(f16_bcast(blk + 128), s8x8(blk + 130));
         s.shift = _mm256_mul_ps(neg128, s.scale);
@@ -506,6 +513,30 @@ static inline __m256i grid_signs8(__m256i signs, int e) {
 /* the bit that byte i of a 32-bit lane tests in its repeated sign byte: bit i (chunk 2 e) or bit 4 + i (2 e + 1) */
 static inline int32_t sign_bits_of_half(int h) { return h ? (int32_t)0x80402010 : 0x08040201; }
 
+/* ---- TQ1_0's base-3 bytes ----------------------------------------------------------------------------------- */
+
+/* Lanes 2 h and 2 h + 1 of a TQ1_0 block: bytes 13 L .. 13 L + 12 at the start of 128-bit lane L (the last lane is
+ * read from one byte early and shifted, so no load passes the block's 54 bytes). */
+static inline __m256i tq1_lanes(const uint8_t *blk, int h) {
+    const __m128i first = _mm_loadu_si128((const __m128i *)(blk + 26 * h));
+    const __m128i second = h ? _mm_srli_si128(_mm_loadu_si128((const __m128i *)(blk + 38)), 1)
+                             : _mm_loadu_si128((const __m128i *)(blk + 13));
+    return _mm256_set_m128i(second, first);
+}
+/* the shuffle that puts digit 4 of lane bytes 3 u .. 3 u + 2 at lane bytes 13 .. 15 (bytes 0 .. 12 are kept) */
+static inline __m128i tq1_spill_index(int u) {
+    return _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, (char)(3 * u), (char)(3 * u + 1), (char)(3 * u + 2));
+}
+/* a byte's digit n from its n-th multiple by 3 (mod 256, byte additions), q: floor(3 q / 256) = (q > 85) + (q > 170),
+ * compared as signed bytes after flipping the top bit */
+static inline __m256i times3_bytes(__m256i q) { return _mm256_add_epi8(q, _mm256_add_epi8(q, q)); }
+static inline __m256i base3_digit(__m256i q) {
+    const __m256i s = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
+    const __m256i above1 = _mm256_cmpgt_epi8(s, _mm256_set1_epi8((char)(85 ^ 0x80)));
+    const __m256i above2 = _mm256_cmpgt_epi8(s, _mm256_set1_epi8((char)(170 ^ 0x80)));
+    return _mm256_sub_epi8(_mm256_setzero_si256(), _mm256_add_epi8(above1, above2));
+}
+
 /* ---- a block's values, 256-bit: w[p] = stored bytes 32 p .. 32 p + 31 ------------------------------------ */
 
 
@@ -545,6 +576,18 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
         for (int p = 0; p < 8; p++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * (p & 1)));
             w[p] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (p >> 1)), three);
+        }
+    }
+    if (F == QF_TQ1_0) { /* w[2 u + h]: lanes 2 h, 2 h + 1 of register u (see the layout above) */
+        const __m256i spill = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1));
+        for (int h = 0; h < 2; h++) {
+            __m256i times[5];
+            times[0] = tq1_lanes(blk, h);
+            for (int n = 1; n < 5; n++) times[n] = times3_bytes(times[n - 1]);
+            for (int u = 0; u < 4; u++) {
+                const __m256i fifth = _mm256_shuffle_epi8(times[4], _mm256_broadcastsi128_si256(tq1_spill_index(u)));
+                w[2 * u + h] = base3_digit(_mm256_blendv_epi8(times[u], fifth, spill));
+            }
         }
     }
     if (qf_grid(F)) { /* stored position p: chunk t = 2 e + h, half h of the sign bytes of entries 8 e .. */
@@ -698,6 +741,19 @@ static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_
     if (qf_two_bits(F)) {
         const __m512i three = _mm512_set1_epi8(3), v = _mm512_loadu_si512((const void *)blk);
         for (int u = 0; u < 4; u++) w[u] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * u), three);
+    }
+    if (F == QF_TQ1_0) { /* register u: digit u of lane bytes 0 .. 12, digit 4 of 3 u .. 3 u + 2 at 13 .. 15 */
+        const __m512i one = _mm512_set1_epi8(1), two = _mm512_set1_epi8(2);
+        const __m512i a85 = _mm512_set1_epi8((char)85), a170 = _mm512_set1_epi8((char)170);
+        __m512i times[5];
+        times[0] = _mm512_inserti64x4(_mm512_castsi256_si512(tq1_lanes(blk, 0)), tq1_lanes(blk, 1), 1);
+        for (int n = 1; n < 5; n++) times[n] = _mm512_add_epi8(times[n - 1], _mm512_add_epi8(times[n - 1], times[n - 1]));
+        for (int u = 0; u < 4; u++) {
+            const __m512i q = _mm512_mask_shuffle_epi8(times[u], (__mmask64)0xE000E000E000E000ULL, times[4],
+                                                       _mm512_broadcast_i32x4(tq1_spill_index(u)));
+            w[u] = _mm512_mask_blend_epi8(_mm512_cmpgt_epu8_mask(q, a170),
+                                          _mm512_maskz_mov_epi8(_mm512_cmpgt_epu8_mask(q, a85), one), two);
+        }
     }
     if (qf_grid(F)) { /* register u: stored positions 2 u, 2 u + 1, the sign bytes of entries 16 (u / 2) .., half u % 2 */
         const __m512i off = _mm512_set1_epi8((char)qf_grid_offset(F));

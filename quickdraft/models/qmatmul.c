@@ -2,7 +2,8 @@
  *
  * W is one of the formats of qformats.h: quickdraft's own int4/int8 (affine per group of 32 input columns, bfloat16
  * scales and zeros), or a GGML block format read at the file's own size (Q4_0 .. Q8_0, the K-quants, IQ4_NL /
- * IQ4_XS, Q1_0 / Q2_0, MXFP4), each repacked so that a group's dot product is one int32 lane. Every format is
+ * IQ4_XS, the lattice i-quants, TQ1_0 / TQ2_0, Q1_0 / Q2_0, MXFP4), each repacked so that a group's dot product is
+ * one int32 lane. Every format is
  * w = scale * v + shift per group with v an unsigned byte. x is quantized per row and per group of 32 to int8
  * (absmax / 127, round to nearest even), so each group's dot product is an exact int32 sum computed with vpdpbusd
  * (u8 x s8), or on AVX2 without VNNI with vpmaddubsw + vpmaddwd, exact too (the sums never saturate, see dot8), so
@@ -400,7 +401,7 @@ static inline __attribute__((always_inline)) void tile(int TILE, int F, const ui
 #define FORMATS_2(X) X(QF_Q4_1, q4_1) X(QF_Q5_0, q5_0) X(QF_Q5_1, q5_1)
 #define FORMATS_3(X) X(QF_Q8_0, q8_0) X(QF_Q4_K, q4_k) X(QF_Q5_K, q5_k)
 #define FORMATS_4(X) X(QF_Q6_K, q6_k) X(QF_IQ4_NL, iq4_nl) X(QF_IQ4_XS, iq4_xs)
-#define FORMATS_5(X) X(QF_Q1_0, q1_0) X(QF_Q2_0, q2_0) X(QF_MXFP4, mxfp4)
+#define FORMATS_5(X) X(QF_Q1_0, q1_0) X(QF_Q2_0, q2_0) X(QF_MXFP4, mxfp4) X(QF_TQ1_0, tq1_0)
 #define FORMATS_6(X) X(QF_Q2_K, q2_k) X(QF_Q3_K, q3_k) X(QF_IQ3_S, iq3_s)
 #define FORMATS_7(X) X(QF_IQ2_XXS, iq2_xxs) X(QF_IQ2_XS, iq2_xs) X(QF_IQ2_S, iq2_s)
 #define FORMATS_8(X) X(QF_IQ3_XXS, iq3_xxs) X(QF_IQ1_S, iq1_s) X(QF_IQ1_M, iq1_m) X(QF_TQ2_0, tq2_0)
