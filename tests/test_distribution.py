@@ -29,7 +29,7 @@ from scipy.stats import chisquare
 import quickdraft.engine.verify_step as verify_step
 from quickdraft import LLM, SamplingParams
 from quickdraft.kv import ForwardItem, SequenceKV
-from quickdraft.sampling import LogitsProcessor
+from quickdraft.sampling import LogitsProcessor, sequence_breakers
 from quickdraft.sampling.sampler import draw
 from quickdraft.speculative.verify import verify_with_uniforms
 
@@ -42,6 +42,10 @@ TRANSFORMS = {
     "penalties": {"presence_penalty": 0.6, "frequency_penalty": 0.4, "repetition_penalty": 1.3},
     # token 3, the prompt's most repeated (what n-gram lookup drafts), ends the output but is held back for 2 tokens
     "min_tokens": {"min_tokens": 2, "stop_token_ids": [3]},
+    # llama.cpp's samplers: XTC is a coin each step, the target its mixture; DRY penalizes the prompt's repeats,
+    # which are what n-gram lookup drafts
+    "llama_samplers": {"typical_p": 0.9, "top_n_sigma": 2.0, "xtc_probability": 0.5, "xtc_threshold": 0.1},
+    "dry": {"dry_multiplier": 0.8, "dry_allowed_length": 2},
 }
 
 
@@ -52,7 +56,8 @@ def exact_distribution(llm: LLM, params: SamplingParams, length: int = 3) -> dic
         ids = PROMPT + list(outputs)
         (logits,) = llm.target.forward([ForwardItem(kv, ids, 1)])
         llm.target.free(kv)
-        proc = LogitsProcessor(params, PROMPT, VOCAB)
+        breakers = sequence_breakers(llm.tokenizer, params.dry_sequence_breakers) if params.uses_dry else None
+        proc = LogitsProcessor(params, PROMPT, VOCAB, breakers=breakers)
         proc.accept(list(outputs))
         return proc.probs(logits)[0].double()
 
@@ -129,7 +134,8 @@ FULL = [(d, t, x) for d in ("ngram", "suffix", "self", "draft-poor", "draft-same
 # CI runs a subset that still covers every drafter, temperature and transform; QUICKDRAFT_FULL_DIST=1 runs all 60.
 CI_SUBSET = [("draft-poor", 1.0, "plain"), ("draft-poor", 0.7, "topk_topp"), ("draft-poor", 1.5, "penalties"),
              ("ngram", 1.0, "penalties"), ("self", 0.7, "plain"), ("draft-same", 1.5, "topk_topp"),
-             ("suffix", 1.0, "plain"), ("ngram", 1.0, "min_tokens"), ("draft-poor", 0.7, "min_tokens")]
+             ("suffix", 1.0, "plain"), ("ngram", 1.0, "min_tokens"), ("draft-poor", 0.7, "min_tokens"),
+             ("ngram", 1.0, "dry"), ("draft-poor", 1.0, "llama_samplers"), ("self", 1.5, "dry")]
 CASES = FULL if os.environ.get("QUICKDRAFT_FULL_DIST") else CI_SUBSET
 # quantized weights: the reference is the quantized target's own distribution
 CASES = [(*c, "float32") for c in CASES] + [("draft-poor", 1.0, "topk_topp", "int8"), ("ngram", 0.7, "penalties", "int4"),

@@ -239,6 +239,22 @@ def test_echo_and_extensions(plain):
     assert biased.choices[0].text.split() == ["t42"] * 5
 
 
+def test_llama_cpp_samplers_and_allowed_token_ids(plain, spec):
+    prompt = words(random.Random(5), 24)
+    greedy = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+    dry = {"ignore_eos": True, "dry_multiplier": 1.0, "dry_allowed_length": 1}
+    damped = plain.client().completions.create(**greedy, extra_body=dry).choices[0].text
+    assert spec.client().completions.create(**{**greedy, "model": "tiny-spec"}, extra_body=dry).choices[0].text == damped
+    assert plain.client().completions.create(**greedy, extra_body={"ignore_eos": True}).choices[0].text != damped
+    only = plain.client().completions.create(**greedy, extra_body={"ignore_eos": True, "allowed_token_ids": [42]})
+    assert only.choices[0].text.split() == ["t42"] * 16
+    sampled = spec.client().chat.completions.create(
+        model="tiny-spec", messages=[{"role": "user", "content": prompt}], max_tokens=8, seed=3,
+        extra_body={"ignore_eos": True, "typical_p": 0.9, "top_n_sigma": 1.5, "xtc_probability": 0.5,
+                    "xtc_threshold": 0.05, "dry_multiplier": 0.8, "dry_sequence_breakers": ["t5"]})
+    assert sampled.usage.completion_tokens == 8
+
+
 def test_models_health_metrics(plain):
     client = plain.client()
     assert [m.id for m in client.models.list().data] == ["tiny"]
@@ -382,6 +398,11 @@ BAD_REQUESTS = [
      'speculative must be true, false or {"max_draft_tokens"'),
     ({"prompt": "t1", "speculative": {"max_draft_tokens": [0] * 100_000}}, 400, "speculative", "an int in [0, 32]"),
     ({"prompt": "t1", "speculative": {"max_draft_tokens": True}}, 400, "speculative", "an int in [0, 32]"),
+    ({"prompt": "t1", "dry_multiplier": -1}, 400, "dry_multiplier", "dry_multiplier must be >= 0"),
+    ({"prompt": "t1", "dry_sequence_breakers": ["x"] * 100}, 400, "dry_sequence_breakers", "at most 16"),
+    ({"prompt": "t1", "xtc_probability": "high"}, 400, "xtc_probability", "a number in [0, 1]"),
+    ({"prompt": "t1", "typical_p": 1e38}, 400, "typical_p", "(0, 1]"),
+    ({"prompt": "t1", "allowed_token_ids": [64]}, 400, "allowed_token_ids", "a token id in [0, 64), got 64"),
 ]
 
 

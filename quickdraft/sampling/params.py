@@ -29,6 +29,10 @@ PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-3, 1e3
 MAX_DRAFT_TOKENS = 32  # the engine's own most (num_speculative_tokens)
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # more than any vocabulary holds
+MAX_DRY_BREAKERS = 16
+MAX_DRY_BREAKER_CHARS = 40  # llama.cpp's own limit: each breaker's overlaps with every token are looked up once
+DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's defaults
 
 
 def _fail(name: str, allowed: str, value: Any, *, raw: bool = False) -> InvalidParameterError:
@@ -100,6 +104,25 @@ class SamplingParams:
     # as vLLM's: no end of sequence (EOS unless ignore_eos, stop_token_ids) can be sampled, nor a stop string end the
     # output, before this many tokens
     min_tokens: int = 0
+    # as vLLM's: only these ids may be sampled (None: any)
+    allowed_token_ids: list[int] | None = None
+    # llama.cpp's samplers (its names and defaults; each off by default). Locally typical sampling keeps the tokens
+    # whose surprise is nearest the entropy, up to typical_p of the mass; top_n_sigma keeps the logits within n
+    # standard deviations of the largest (<= 0: off).
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    # XTC: with probability xtc_probability a step removes every token of probability >= xtc_threshold but the
+    # least likely of them (where at least two are); the target distribution is that mixture, so speculation stays exact
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    # DRY: a token that would extend a repeat of dry_allowed_length or more tokens of the context (prompt and
+    # output, the last dry_penalty_last_n: -1 all, 0 off) loses dry_multiplier * dry_base^(length - allowed) of its
+    # logit; a repeat never reaches back across a sequence breaker
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -158,6 +181,9 @@ class SamplingParams:
             setattr(self, name, v)
 
         self.logit_bias = self._check_logit_bias(self.logit_bias)
+        self.allowed_token_ids = self._check_token_ids("allowed_token_ids", self.allowed_token_ids,
+                                                       MAX_ALLOWED_TOKEN_IDS, empty=False)
+        self._check_llama_samplers()
 
         if self.seed is not None:
             self.seed = _as_int("seed", self.seed, "an int or None")
@@ -252,29 +278,68 @@ class SamplingParams:
 
     @staticmethod
     def _check_stop_token_ids(ids: Any) -> list[int]:
+        return SamplingParams._check_token_ids("stop_token_ids", ids, MAX_STOP_TOKEN_IDS) or []
+
+    @staticmethod
+    def _check_token_ids(name: str, ids: Any, most: int, empty: bool = True) -> list[int] | None:
         if ids is None:
-            return []
+            return None
+        allowed = f"a list of {'' if empty else 'at least one and '}at most {most} token ids (ints >= 0)"
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
-            raise _fail("stop_token_ids", "a list of token ids (ints >= 0)", ids)
-        if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise _fail("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids", f"{len(ids)} ids",
-                        raw=True)
+            raise _fail(name, allowed, reprlib.repr(ids), raw=True)
+        if len(ids) > most or not (empty or ids):
+            raise _fail(name, allowed, f"{len(ids)} ids", raw=True)
         out = []
         for t in ids:
-            v = _as_int("stop_token_ids entry", t, "a token id (an int >= 0)")
+            v = _as_int(f"{name} entry", t, "a token id (an int >= 0)")
             if v < 0:
-                raise _fail("stop_token_ids entry", "a token id >= 0", t)
+                raise _fail(f"{name} entry", "a token id >= 0", t)
             out.append(v)
         return out
+
+    def _check_llama_samplers(self) -> None:
+        def number(name: str, allowed: str, ok) -> float:
+            v = _as_float(name, getattr(self, name), "a number " + allowed)
+            if not ok(v):
+                raise _fail(name, allowed, getattr(self, name))
+            setattr(self, name, v)
+            return v
+
+        def integer(name: str, allowed: str, ok) -> int:
+            v = _as_int(name, getattr(self, name), "an int " + allowed)
+            if not ok(v):
+                raise _fail(name, allowed, getattr(self, name))
+            setattr(self, name, v)
+            return v
+
+        number("typical_p", "in (0, 1] (1 disables)", lambda v: 0 < v <= 1)
+        number("top_n_sigma", "> 0 (standard deviations), or <= 0 to disable", lambda v: True)
+        number("xtc_probability", "in [0, 1] (0 disables)", lambda v: 0 <= v <= 1)
+        number("xtc_threshold", "in [0, 1] (above 0.5 nothing is ever removed)", lambda v: 0 <= v <= 1)
+        number("dry_multiplier", ">= 0 (0 disables)", lambda v: v >= 0)
+        number("dry_base", ">= 1", lambda v: v >= 1)
+        integer("dry_allowed_length", ">= 1", lambda v: v >= 1)
+        integer("dry_penalty_last_n", ">= -1 (-1: the whole context, 0 disables)", lambda v: v >= -1)
+        breakers = DRY_SEQUENCE_BREAKERS if self.dry_sequence_breakers is None else self.dry_sequence_breakers
+        allowed = (f"a list of at most {MAX_DRY_BREAKERS} non-empty strings of at most {MAX_DRY_BREAKER_CHARS} "
+                   "characters")
+        if isinstance(breakers, str) or not isinstance(breakers, (list, tuple)) or len(breakers) > MAX_DRY_BREAKERS:
+            raise _fail("dry_sequence_breakers", allowed, reprlib.repr(breakers), raw=True)
+        for b in breakers:
+            if not isinstance(b, str) or not b or len(b) > MAX_DRY_BREAKER_CHARS:
+                raise _fail("dry_sequence_breakers", allowed, reprlib.repr(b), raw=True)
+            require_unicode("dry_sequence_breakers", b)
+        self.dry_sequence_breakers = list(breakers)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise if a logit_bias key or stop_token_id is outside [0, vocab_size)."""
         for tok in self.logit_bias or {}:
             if not 0 <= tok < vocab_size:
                 raise _fail("logit_bias key", f"a token id in [0, {vocab_size})", tok)
-        for tok in self.stop_token_ids or []:
-            if not 0 <= tok < vocab_size:
-                raise _fail("stop_token_ids entry", f"a token id in [0, {vocab_size})", tok)
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for tok in getattr(self, name) or []:
+                if not 0 <= tok < vocab_size:
+                    raise _fail(f"{name} entry", f"a token id in [0, {vocab_size})", tok)
 
     # -------------------------------------------------------------- properties
     @property
@@ -301,5 +366,11 @@ class SamplingParams:
 
     @property
     def has_truncation(self) -> bool:
-        """top-k, top-p or min-p would mask part of the vocabulary."""
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+        """A sampler after the temperature would change the distribution: top-k, top-p, min-p, typical_p,
+        top_n_sigma or XTC."""
+        return (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.typical_p < 1.0
+                or self.top_n_sigma > 0 or (self.xtc_probability > 0 and self.xtc_threshold <= 0.5))
+
+    @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0

@@ -6,29 +6,31 @@ there, i.e. conditioned on the committed output *plus the drafted tokens before
 position i*. :class:`LogitsProcessor` does that: row ``i`` of ``process`` sees
 ``committed outputs + drafted[:offset + i]``.
 
-Order of transforms (as vLLM): the grammar's mask (structured outputs), the ends of the sequence masked before
-``min_tokens`` (where anything else is allowed), logit_bias, repetition penalty (prompt + output tokens), frequency and presence penalties (output tokens
-only), then for temperature > 0: temperature, top-k, top-p, min-p (masked entries become -inf).
+Order of transforms (as vLLM): the grammar's mask (structured outputs) and ``allowed_token_ids``, the ends of the
+sequence masked before ``min_tokens`` (where anything else is allowed), logit_bias, repetition penalty (prompt +
+output tokens), frequency and presence penalties (output tokens only), DRY (``dry.py``), then for temperature > 0:
+the temperature and the samplers that keep part of the vocabulary (``truncation.py``).
 """
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+import numpy as np
+
+from quickdraft.sampling.dry import SequenceBreakers, dry_penalties
 from quickdraft.sampling.grammar import GrammarState
 from quickdraft.sampling.params import SamplingParams
 from quickdraft.sampling.sampler import to_device
+from quickdraft.sampling.truncation import truncate
 
 # Below this temperature the logits are shifted by their row max before the division, so a large logit over a
 # small temperature cannot overflow to inf (softmax is shift invariant). SamplingParams bounds the temperature.
 _SMALL_TEMPERATURE = 1e-3
-# top-p first looks for its cut among this many most probable tokens (full sort if not found).
-_TOP_P_CANDIDATES = 1024
 
 
 def _merge(cols: Tensor, in_prompt: Tensor, counts: Tensor, new: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -57,6 +59,7 @@ class LogitsProcessor:
     embedding rows, e.g. to a multiple of 64): those columns are masked out of every distribution, so a padding
     row is never sampled, drafted or verified. Token ids beyond the logits width are ignored. ``eos_ids``: the
     tokenizer's end-of-sequence ids, which ``min_tokens`` holds back (with ``stop_token_ids``) unless ``ignore_eos``.
+    ``breakers``: DRY's sequence breakers in this vocabulary (``dry.sequence_breakers``; none if not given).
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class LogitsProcessor:
         device: str | torch.device = "cpu",
         grammar: GrammarState | None = None,
         eos_ids: Sequence[int] = (),
+        breakers: SequenceBreakers | None = None,
     ) -> None:
         self.params = params
         self.grammar = grammar  # the request's structured-output constraint, followed token by token
@@ -77,6 +81,9 @@ class LogitsProcessor:
         self._use_rep = params.repetition_penalty != 1.0
         self._use_counts = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         self._use_bias = bool(params.logit_bias)
+        self._breakers = (breakers or SequenceBreakers.none()) if params.uses_dry else None
+        self._context: np.ndarray | None = None  # prompt + committed output, for DRY (built when first needed)
+        self._allowed: tuple[int, Tensor] | None = None  # (width, the allowed_token_ids mask) on the logits' device
         # the ids no row may pick while the output is shorter than min_tokens (vLLM's min_tokens)
         ends = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else {int(t) for t in eos_ids})
         self._held_ends = sorted(ends) if params.min_tokens > 0 else []
@@ -99,7 +106,8 @@ class LogitsProcessor:
         """Greedy with nothing that changes the logits (no grammar, bias or penalty): the choice is the argmax of
         the rows as the model gave them (the runner masks padding columns), so a batch's choices can be taken in one
         call on the device."""
-        return (self.params.greedy and self.grammar is None
+        return (self.params.greedy and self.grammar is None and self._breakers is None
+                and self.params.allowed_token_ids is None
                 and not (self._use_bias or self._use_rep or self._use_counts or self._holds_ends(0)))
 
     def _holds_ends(self, first: int) -> int:
@@ -127,6 +135,8 @@ class LogitsProcessor:
         if self.grammar is not None:
             self.grammar.accept(ids)
         self._output_ids.extend(ids)
+        if self._context is not None:
+            self._context = np.concatenate((self._context, np.asarray(ids, dtype=np.int64)))
         if self._hist is not None:
             cols, in_prompt, counts = self._hist
             new = torch.tensor(ids, dtype=torch.long, device=cols.device)
@@ -139,7 +149,7 @@ class LogitsProcessor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._output_ids = _ids(state["output_ids"])
-        self._hist = None  # rebuilt lazily from the history
+        self._hist = self._context = None  # rebuilt lazily from the history
         if self.grammar is not None:
             self.grammar.reset()
             self.grammar.accept(self._output_ids)
@@ -203,6 +213,8 @@ class LogitsProcessor:
         if self.grammar is not None:
             allowed = self.grammar.allowed(_ids(drafted), offset if start is None else start, n, width)
             x = x.masked_fill(~to_device(allowed, x.device), float("-inf"))
+        if p.allowed_token_ids is not None:
+            x = self._mask_allowed(x, width)
         held = min(n, self._holds_ends(offset if start is None else start))
         if held:
             x = self._mask_ends(x, held, width)
@@ -213,13 +225,15 @@ class LogitsProcessor:
                 x = x.index_add(1, idx, val.unsqueeze(0).expand(n, -1))
             if self._use_rep or self._use_counts:
                 x = self._apply_penalties(x, _ids(drafted), offset if start is None else start)
+        if self._breakers is not None:
+            x = self._apply_dry(x, _ids(drafted), offset if start is None else start)
 
         if p.greedy:
             return x.squeeze(0) if squeeze else x
 
         x = self._apply_temperature(x, p.temperature)
         if p.has_truncation:
-            x = self._apply_truncation(x)
+            x = truncate(x, p)
         return x.squeeze(0) if squeeze else x
 
     def _mask_ends(self, x: Tensor, rows: int, width: int) -> Tensor:
@@ -234,6 +248,39 @@ class LogitsProcessor:
         # a row that allows nothing else (a grammar's end) keeps its ends: an empty distribution cannot be sampled
         masked = torch.where(torch.isfinite(masked).any(dim=1, keepdim=True), masked, x[:rows])
         return masked if rows == x.shape[0] else torch.cat([masked, x[rows:]])
+
+    def _mask_allowed(self, x: Tensor, width: int) -> Tensor:
+        """x with every id outside allowed_token_ids at -inf; a row where none of them is left (the grammar allows
+        none: its end) keeps what it had."""
+        if self._allowed is None or self._allowed[0] != width or self._allowed[1].device != x.device:
+            keep = torch.zeros(width, dtype=torch.bool)
+            keep[[t for t in self.params.allowed_token_ids or () if t < width]] = True
+            self._allowed = (width, to_device(keep, x.device))
+        masked = x.masked_fill(~self._allowed[1], float("-inf"))
+        return torch.where(torch.isfinite(masked).any(dim=1, keepdim=True), masked, x)
+
+    def _apply_dry(self, x: Tensor, drafted: list[int], offset: int) -> Tensor:
+        """x less DRY's penalties, row i after the context and drafted[:offset + i] (computed on the host)."""
+        n, width = x.shape
+        if offset < 0 or offset + n - 1 > len(drafted):
+            raise ValueError(f"{n} logits rows from offset={offset} need at least {offset + n - 1} drafted tokens, "
+                             f"got {len(drafted)}")
+        if self._context is None:
+            self._context = np.asarray(self._prompt_ids + self._output_ids, dtype=np.int64)
+        rows, cols, values = [], [], []
+        for i in range(n):
+            extra = drafted[:offset + i]
+            context = np.concatenate((self._context, np.asarray(extra, dtype=np.int64))) if extra else self._context
+            ids, penalties = dry_penalties(context, self.params, self._breakers)
+            inside = ids < width
+            rows.append(np.full(int(inside.sum()), i))
+            cols.append(ids[inside])
+            values.append(penalties[inside])
+        if not sum(len(c) for c in cols):
+            return x
+        index = (torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(cols)))
+        delta = torch.from_numpy(-np.concatenate(values)).to(torch.float32)
+        return x.index_put(tuple(to_device(t, x.device) for t in index), to_device(delta, x.device), accumulate=True)
 
     def probs(
         self, logits: Tensor, drafted: Sequence[int] | Tensor = (), offset: int = 0, *, start: int | None = None
@@ -296,37 +343,3 @@ class LogitsProcessor:
             # Shift first so huge ratios cannot overflow to inf (softmax is shift invariant).
             return (x - x.amax(dim=-1, keepdim=True)) / t
         return x / t
-
-    def _apply_truncation(self, x: Tensor) -> Tensor:
-        p = self.params
-        neg_inf = float("-inf")
-        width = x.shape[-1]
-        if 0 < p.top_k < width:
-            # Ties with the k-th value are kept (deterministic, as vLLM).
-            kth = torch.topk(x, p.top_k, dim=-1).values[:, -1:]
-            x = x.masked_fill(x < kth, neg_inf)
-        if p.top_p < 1.0:
-            probs = torch.softmax(x, dim=-1)
-            sorted_probs, cum = None, None
-            candidates = min(_TOP_P_CANDIDATES, p.top_k) if p.top_k > 0 else _TOP_P_CANDIDATES
-            if width > candidates and x.device.type == "cpu":  # elsewhere the check would wait for the device
-                # Usually the top few hundred tokens (or the top-k) already hold top_p of the
-                # mass: avoid sorting the whole row; fall back to it when they do not.
-                sorted_probs = torch.topk(probs, candidates, dim=-1).values
-                cum = torch.cumsum(sorted_probs, dim=-1)
-                if bool((cum[:, -1] < p.top_p).any()):
-                    sorted_probs = None
-            if sorted_probs is None:
-                sorted_probs = torch.sort(probs, dim=-1, descending=True).values
-                cum = torch.cumsum(sorted_probs, dim=-1)
-            before = cum - sorted_probs  # mass strictly before each sorted position
-            # Keep the smallest top set whose mass reaches top_p (at least one token);
-            # ties with the last kept probability are kept too.
-            num_keep = (before < p.top_p).sum(dim=-1, keepdim=True).clamp(min=1)
-            threshold = sorted_probs.gather(-1, num_keep - 1)
-            x = x.masked_fill(probs < threshold, neg_inf)
-        if p.min_p > 0.0:
-            # prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p)
-            top = x.amax(dim=-1, keepdim=True)
-            x = x.masked_fill(x < top + math.log(p.min_p), neg_inf)
-        return x

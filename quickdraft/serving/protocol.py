@@ -9,7 +9,7 @@ plain words. Unknown fields are ignored, as vLLM does. Ranges are checked by
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
@@ -56,6 +56,21 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool | None = None
     speculative: Any = None  # false, true or {"max_draft_tokens": n}: checked (and shown bounded) by SamplingParams
     structured_outputs: Any = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}: StructuredOutputs
+    allowed_token_ids: Any = None
+    # llama.cpp's samplers, by its names: checked by SamplingParams
+    typical_p: Any = None
+    top_n_sigma: Any = None
+    xtc_probability: Any = None
+    xtc_threshold: Any = None
+    dry_multiplier: Any = None
+    dry_base: Any = None
+    dry_allowed_length: Any = None
+    dry_penalty_last_n: Any = None
+    dry_sequence_breakers: Any = None
+
+    LLAMA_SAMPLERS: ClassVar[tuple[str, ...]] = (
+        "allowed_token_ids", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier",
+        "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 
     @field_validator("stop")
     @classmethod
@@ -230,7 +245,7 @@ KNOWN_PARAMS = {
     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
     "include_stop_str_in_output", "skip_special_tokens", "priority", "deadline_s", "prompt", "messages",
     "top_logprobs", "max_completion_tokens", "model", "speculative", "structured_outputs", "response_format",
-    "tools", "tool_choice", "reasoning_effort", "chat_template_kwargs",
+    "tools", "tool_choice", "reasoning_effort", "chat_template_kwargs", *_SamplingFields.LLAMA_SAMPLERS,
 }
 
 

@@ -268,7 +268,7 @@ def _sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, 
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, priority=req.priority,
         deadline_s=req.deadline_s, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, speculative=req.speculative,
-        structured_outputs=constraint,
+        structured_outputs=constraint, **{name: getattr(req, name) for name in req.LLAMA_SAMPLERS},
         max_tokens=limit - prompt_len if max_tokens is None else max_tokens)
     params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
     if prompt_len + params.max_tokens > limit:

@@ -1,0 +1,105 @@
+"""The samplers that keep part of the vocabulary, applied after the temperature, row by row: top_n_sigma, top-k,
+typical_p, top-p, min-p (masked entries become -inf), then XTC.
+
+llama.cpp's order of these (top-n-sigma, top-k, typical, top-p, min-p, XTC), with the temperature first as vLLM
+applies it. Each row's result depends on that row alone, so plain sampling and every row of a verification see the
+same distribution. XTC is random in llama.cpp (a coin each step): here a row becomes the mixture it samples from,
+so a draft is verified against the distribution plain sampling draws from.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from quickdraft.sampling.params import SamplingParams
+
+NEG_INF = float("-inf")
+# top-p first looks for its cut among this many most probable tokens (full sort if not found).
+_TOP_P_CANDIDATES = 1024
+
+
+def truncate(x: Tensor, p: SamplingParams) -> Tensor:
+    """``x`` [n, V] logits after the temperature -> the same with the truncations of ``p`` applied."""
+    width = x.shape[-1]
+    if p.top_n_sigma > 0:
+        x = top_n_sigma(x, p.top_n_sigma)
+    if 0 < p.top_k < width:
+        # Ties with the k-th value are kept (deterministic, as vLLM).
+        kth = torch.topk(x, p.top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, NEG_INF)
+    if p.typical_p < 1.0:
+        x = typical(x, p.typical_p)
+    if p.top_p < 1.0:
+        x = top_p(x, p.top_p, p.top_k)
+    if p.min_p > 0.0:
+        # prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p)
+        top = x.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(x < top + math.log(p.min_p), NEG_INF)
+    if p.xtc_probability > 0 and p.xtc_threshold <= 0.5:
+        x = xtc_mixture(x, p.xtc_probability, p.xtc_threshold)
+    return x
+
+
+def top_n_sigma(x: Tensor, n: float) -> Tensor:
+    """Keep the logits within ``n`` standard deviations of the row's largest (mean and deviation over the row's
+    finite logits, as llama.cpp's over the candidates it holds)."""
+    finite = torch.isfinite(x)
+    count = finite.sum(-1, keepdim=True).clamp(min=1)
+    values = torch.where(finite, x, 0.0)
+    mean = values.sum(-1, keepdim=True) / count
+    std = (torch.where(finite, x - mean, 0.0).square().sum(-1, keepdim=True) / count).sqrt()
+    return x.masked_fill(x < x.amax(-1, keepdim=True) - n * std, NEG_INF)
+
+
+def _keep_sorted_mass(scores: Tensor, probs: Tensor, mass: float, descending: bool) -> Tensor:
+    """The mask of the tokens kept when they are taken in order of ``scores`` until ``mass`` of probability is
+    reached (at least one; ties with the last taken score are kept too)."""
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=descending)
+    sorted_probs = probs.gather(-1, order)
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly before each sorted position
+    num_keep = (before < mass).sum(dim=-1, keepdim=True).clamp(min=1)
+    last = sorted_scores.gather(-1, num_keep - 1)
+    return scores >= last if descending else scores <= last
+
+
+def top_p(x: Tensor, mass: float, top_k: int) -> Tensor:
+    """The smallest set of most probable tokens holding ``mass`` of the probability (ties with the last kept)."""
+    probs = torch.softmax(x, dim=-1)
+    width = x.shape[-1]
+    candidates = min(_TOP_P_CANDIDATES, top_k) if top_k > 0 else _TOP_P_CANDIDATES
+    if width > candidates and x.device.type == "cpu":  # elsewhere the check would wait for the device
+        # Usually the top few hundred tokens (or the top-k) already hold the mass: avoid sorting the whole row.
+        sorted_probs = torch.topk(probs, candidates, dim=-1).values
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        if not bool((cum[:, -1] < mass).any()):
+            before = cum - sorted_probs
+            num_keep = (before < mass).sum(dim=-1, keepdim=True).clamp(min=1)
+            return x.masked_fill(probs < sorted_probs.gather(-1, num_keep - 1), NEG_INF)
+    return x.masked_fill(~_keep_sorted_mass(probs, probs, mass, descending=True), NEG_INF)
+
+
+def typical(x: Tensor, mass: float) -> Tensor:
+    """Locally typical sampling: the tokens whose surprise, -log p, is nearest the row's entropy, taken until they
+    hold ``mass`` of the probability."""
+    logp = torch.log_softmax(x, dim=-1)
+    probs = logp.exp()
+    entropy = -torch.where(probs > 0, probs * logp, 0.0).sum(-1, keepdim=True)
+    distance = torch.where(probs > 0, (-logp - entropy).abs(), math.inf)
+    return x.masked_fill(~_keep_sorted_mass(distance, probs, mass, descending=False) | (probs == 0), NEG_INF)
+
+
+def xtc_mixture(x: Tensor, probability: float, threshold: float) -> Tensor:
+    """XTC ("exclude top choices") as the distribution it samples from: with ``probability`` every token of
+    probability >= ``threshold`` but the least likely of them is removed (rows where fewer than two reach it stay
+    as they are), so the row becomes log((1 - probability) p + probability p_excluded). Tokens tied at the least
+    likely probability above the threshold all stay."""
+    probs = torch.softmax(x, dim=-1)
+    above = (probs >= threshold) & (probs > 0)
+    least = torch.where(above, probs, math.inf).amin(-1, keepdim=True)
+    removed = above & (probs > least)
+    applies = above.sum(-1, keepdim=True) >= 2
+    excluded = torch.softmax(x.masked_fill(removed, NEG_INF), dim=-1)
+    mixture = torch.log((1 - probability) * probs + probability * excluded)
+    return torch.where(applies, mixture, x)
