@@ -15,12 +15,20 @@ from quickdraft.paths import cache_root
 GREEN, RESET = "\033[32m", "\033[0m"
 
 
+# the other samplers, each as SamplingParams names it (a llama.cpp user's --repeat-penalty is --repetition-penalty)
+LLAMA_SAMPLER_ARGS = {"min_p": float, "repetition_penalty": float, "typical_p": float, "top_n_sigma": float,
+                      "xtc_probability": float, "xtc_threshold": float, "dry_multiplier": float, "dry_base": float,
+                      "dry_allowed_length": int, "dry_penalty_last_n": int}
+
+
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, max_tokens_help: str | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=max_tokens, help=max_tokens_help)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
+    for name, kind in LLAMA_SAMPLER_ARGS.items():  # llama.cpp's samplers, off unless given
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     parser.add_argument("--max-draft-tokens", type=int, default=None,
                         help="cap each round's draft for these requests (0: no speculation); the output is the same")
     parser.add_argument("--json-schema", default=None, metavar="FILE",
@@ -44,6 +52,7 @@ def request_params(args: argparse.Namespace):
     cap = args.max_draft_tokens
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed,
+                          **{k: getattr(args, k) for k in LLAMA_SAMPLER_ARGS if getattr(args, k) is not None},
                           speculative=True if cap is None else {"max_draft_tokens": cap},
                           structured_outputs=_json_schema(args.json_schema))
 

@@ -102,6 +102,12 @@ def test_generate_with_suffix_decoding_and_a_per_request_cap(tiny_dir, tmp_path)
     assert "suffix: acceptance" in suffix.stderr and "suffix: acceptance 0%, mean accepted 0.00" in off.stderr
     bad = _run(common + ["--max-draft-tokens", "99"], cache)
     assert bad.returncode == 2 and "speculative.max_draft_tokens must be an int in [0, 32], got 99" in bad.stderr
+    # llama.cpp's DRY: greedy output changes, and stays the same with and without drafts
+    dry = ["--dry-multiplier", "1.0", "--dry-allowed-length", "1"]
+    damped, damped_suffix = _run(common + dry, cache), _run(common + dry + ["--speculative", "suffix", "--k", "3"], cache)
+    assert damped.returncode == damped_suffix.returncode == 0 and damped.stdout == damped_suffix.stdout != plain.stdout
+    bad = _run(common + ["--dry-base", "0.5"], cache)
+    assert bad.returncode == 2 and "dry_base must be >= 1, got 0.5" in bad.stderr
 
 
 def test_generate_with_a_draft_of_another_family():

@@ -87,7 +87,23 @@ def typical(x: Tensor, mass: float) -> Tensor:
     probs = logp.exp()
     entropy = -torch.where(probs > 0, probs * logp, 0.0).sum(-1, keepdim=True)
     distance = torch.where(probs > 0, (-logp - entropy).abs(), math.inf)
-    return x.masked_fill(~_keep_sorted_mass(distance, probs, mass, descending=False) | (probs == 0), NEG_INF)
+    if x.shape[-1] > _TOP_P_CANDIDATES and x.device.type == "cpu":  # elsewhere the check would wait for the device
+        # The cut is usually among the most probable tokens: every other token is at least as surprising as the
+        # last of them, so where that is farther from the entropy than the cut, sorting them alone decides it.
+        top_logp, top = torch.topk(logp, _TOP_P_CANDIDATES, dim=-1)
+        last = _last_kept(distance.gather(-1, top), probs.gather(-1, top), mass)
+        if bool((last < -top_logp[:, -1:] - entropy).all()):
+            return x.masked_fill((distance > last) | (probs == 0), NEG_INF)
+    last = _last_kept(distance, probs, mass)
+    return x.masked_fill((distance > last) | (probs == 0), NEG_INF)
+
+
+def _last_kept(distance: Tensor, probs: Tensor, mass: float) -> Tensor:
+    """The distance of the last token kept when tokens are taken nearest first until ``mass`` is reached."""
+    sorted_distance, order = torch.sort(distance, dim=-1)
+    sorted_probs = probs.gather(-1, order)
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    return sorted_distance.gather(-1, (before < mass).sum(dim=-1, keepdim=True).clamp(min=1) - 1)
 
 
 def xtc_mixture(x: Tensor, probability: float, threshold: float) -> Tensor:
