@@ -298,28 +298,21 @@ class SamplingParams:
         return out
 
     def _check_llama_samplers(self) -> None:
-        def number(name: str, allowed: str, ok) -> float:
-            v = _as_float(name, getattr(self, name), "a number " + allowed)
+        def check(name: str, allowed: str, ok, integral: bool = False) -> None:
+            given = getattr(self, name)
+            v = _as_int(name, given, "an int " + allowed) if integral else _as_float(name, given, "a number " + allowed)
             if not ok(v):
-                raise _fail(name, allowed, getattr(self, name))
+                raise _fail(name, allowed, given)
             setattr(self, name, v)
-            return v
 
-        def integer(name: str, allowed: str, ok) -> int:
-            v = _as_int(name, getattr(self, name), "an int " + allowed)
-            if not ok(v):
-                raise _fail(name, allowed, getattr(self, name))
-            setattr(self, name, v)
-            return v
-
-        number("typical_p", "in (0, 1] (1 disables)", lambda v: 0 < v <= 1)
-        number("top_n_sigma", "> 0 (standard deviations), or <= 0 to disable", lambda v: True)
-        number("xtc_probability", "in [0, 1] (0 disables)", lambda v: 0 <= v <= 1)
-        number("xtc_threshold", "in [0, 1] (above 0.5 nothing is ever removed)", lambda v: 0 <= v <= 1)
-        number("dry_multiplier", ">= 0 (0 disables)", lambda v: v >= 0)
-        number("dry_base", ">= 1", lambda v: v >= 1)
-        integer("dry_allowed_length", ">= 1", lambda v: v >= 1)
-        integer("dry_penalty_last_n", ">= -1 (-1: the whole context, 0 disables)", lambda v: v >= -1)
+        check("typical_p", "in (0, 1] (1 disables)", lambda v: 0 < v <= 1)
+        check("top_n_sigma", "> 0 (standard deviations), or <= 0 to disable", lambda v: True)
+        check("xtc_probability", "in [0, 1] (0 disables)", lambda v: 0 <= v <= 1)
+        check("xtc_threshold", "in [0, 1] (above 0.5 nothing is ever removed)", lambda v: 0 <= v <= 1)
+        check("dry_multiplier", ">= 0 (0 disables)", lambda v: v >= 0)
+        check("dry_base", ">= 1", lambda v: v >= 1)
+        check("dry_allowed_length", ">= 1", lambda v: v >= 1, integral=True)
+        check("dry_penalty_last_n", ">= -1 (-1: the whole context, 0 disables)", lambda v: v >= -1, integral=True)
         breakers = DRY_SEQUENCE_BREAKERS if self.dry_sequence_breakers is None else self.dry_sequence_breakers
         allowed = (f"a list of at most {MAX_DRY_BREAKERS} non-empty strings of at most {MAX_DRY_BREAKER_CHARS} "
                    "characters")
@@ -332,7 +325,7 @@ class SamplingParams:
         self.dry_sequence_breakers = list(breakers)
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise if a logit_bias key or stop_token_id is outside [0, vocab_size)."""
+        """Raise if a logit_bias key, stop_token_id or allowed_token_id is outside [0, vocab_size)."""
         for tok in self.logit_bias or {}:
             if not 0 <= tok < vocab_size:
                 raise _fail("logit_bias key", f"a token id in [0, {vocab_size})", tok)
