@@ -403,6 +403,7 @@ BAD_REQUESTS = [
     ({"prompt": "t1", "xtc_probability": "high"}, 400, "xtc_probability", "a number in [0, 1]"),
     ({"prompt": "t1", "typical_p": 1e38}, 400, "typical_p", "(0, 1]"),
     ({"prompt": "t1", "allowed_token_ids": [64]}, 400, "allowed_token_ids", "a token id in [0, 64), got 64"),
+    ({"prompt": "t1", "mirostat": 2}, 400, "mirostat", "mirostat is not supported (0 only)"),
 ]
 
 

@@ -68,6 +68,8 @@ class _SamplingFields(BaseModel):
     dry_penalty_last_n: Any = None
     dry_sequence_breakers: Any = None
 
+    mirostat: Any = None  # refused unless 0 (below)
+
     LLAMA_SAMPLERS: ClassVar[tuple[str, ...]] = (
         "allowed_token_ids", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier",
         "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
@@ -80,6 +82,15 @@ class _SamplingFields(BaseModel):
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
         raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("mirostat")
+    @classmethod
+    def _mirostat(cls, value: Any) -> Any:
+        if value is None or (value == 0 and not isinstance(value, bool)):
+            return value
+        raise ValueError("mirostat is not supported (0 only): its target surprise moves with every sampled token, "
+                         "so a draft could not be verified against it; typical_p, top_n_sigma or min_p bound the "
+                         "surprise instead")
 
     @field_validator("logit_bias")
     @classmethod
