@@ -88,9 +88,8 @@ class _SamplingFields(BaseModel):
     def _mirostat(cls, value: Any) -> Any:
         if value is None or (value == 0 and not isinstance(value, bool)):
             return value
-        raise ValueError("mirostat is not supported (0 only): its target surprise moves with every sampled token, "
-                         "so a draft could not be verified against it; typical_p, top_n_sigma or min_p bound the "
-                         "surprise instead")
+        raise ValueError("mirostat is not supported (0 only): quickdraft has no sampler whose state follows every "
+                         "sampled token; typical_p, top_n_sigma or min_p bound the surprise instead")
 
     @field_validator("logit_bias")
     @classmethod
