@@ -17,10 +17,9 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
-
-import numpy as np
 
 from quickdraft.sampling.dry import SequenceBreakers, dry_penalties
 from quickdraft.sampling.grammar import GrammarState
