@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from quickdraft.errors import QuickdraftError
+from quickdraft.errors import InvalidParameterError, QuickdraftError
 from quickdraft.paths import cache_root
 
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -18,7 +18,7 @@ GREEN, RESET = "\033[32m", "\033[0m"
 # the other samplers, each as SamplingParams names it (a llama.cpp user's --repeat-penalty is --repetition-penalty)
 LLAMA_SAMPLER_ARGS = {"min_p": float, "repetition_penalty": float, "typical_p": float, "top_n_sigma": float,
                       "xtc_probability": float, "xtc_threshold": float, "dry_multiplier": float, "dry_base": float,
-                      "dry_allowed_length": int, "dry_penalty_last_n": int}
+                      "dry_allowed_length": int, "dry_penalty_last_n": int, "dry_sequence_breakers": str}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, max_tokens_help: str | None = None) -> None:
@@ -28,7 +28,9 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, max_toke
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     for name, kind in LLAMA_SAMPLER_ARGS.items():  # llama.cpp's samplers, off unless given
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+        repeated = name == "dry_sequence_breakers"  # as llama.cpp's --dry-sequence-breaker, once a string
+        parser.add_argument("--" + name.replace("_", "-").removesuffix("s" if repeated else ""), dest=name,
+                            type=kind, action="append" if repeated else "store")
     parser.add_argument("--max-draft-tokens", type=int, default=None,
                         help="cap each round's draft for these requests (0: no speculation); the output is the same")
     parser.add_argument("--json-schema", default=None, metavar="FILE",
@@ -39,7 +41,6 @@ def _json_schema(path: str | None) -> dict | None:
     """The --json-schema file's constraint; a file that cannot be read or parsed is named in the error."""
     if path is None:
         return None
-    from quickdraft.errors import InvalidParameterError
     try:
         return {"json": json.loads(Path(path).read_text(encoding="utf-8"))}
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -50,9 +51,12 @@ def request_params(args: argparse.Namespace):
     """The sampling parameters the sampling arguments ask for."""
     from quickdraft.sampling import SamplingParams
     cap = args.max_draft_tokens
+    given = {k: getattr(args, k) for k in LLAMA_SAMPLER_ARGS if getattr(args, k) is not None}
+    if args.temperature == 0 and {"min_p", "typical_p", "top_n_sigma", "xtc_probability"} & set(given):
+        raise InvalidParameterError("--min-p, --typical-p, --top-n-sigma and --xtc-* choose among sampled tokens: "
+                                    "give --temperature > 0 (the CLI decodes greedily by default)")
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed,
-                          **{k: getattr(args, k) for k in LLAMA_SAMPLER_ARGS if getattr(args, k) is not None},
+                          top_k=args.top_k, seed=args.seed, **given,
                           speculative=True if cap is None else {"max_draft_tokens": cap},
                           structured_outputs=_json_schema(args.json_schema))
 
@@ -219,8 +223,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive chat: user lines from stdin, replies streamed to stdout, the session saved after every turn."""
-    from pathlib import Path
-
     params = request_params(args)
     llm = llm_from_args(args)
     path = Path(args.session) if args.session else None

@@ -1,8 +1,8 @@
 """Every GGML block format the qmatmul kernel reads at the file's own size (Q4_0 .. Q8_0, the K-quants Q2_K .. Q6_K,
-IQ4_NL, IQ4_XS, the lattice IQ2_XXS .. IQ1_M, TQ1_0, TQ2_0, Q1_0, Q2_0, MXFP4): the repacked layout, the kernel against the file's
-float32 weights, rows of every width the format allows (tail groups included), mixed formats in one call, and tiny
-models written in each format that load, run on their own kernels, read the file's bytes per step, compute the
-dequantized file's math and keep greedy speculative output equal to plain."""
+IQ4_NL, IQ4_XS, the lattice IQ2_XXS .. IQ1_M, TQ1_0, TQ2_0, Q1_0, Q2_0, MXFP4): the repacked layout, the kernel
+against the file's float32 weights, rows of every width the format allows (tail groups included), mixed formats in
+one call, and tiny models written in each format that load, run on their own kernels, read the file's bytes per step,
+compute the dequantized file's math and keep greedy speculative output equal to plain."""
 from __future__ import annotations
 
 import math

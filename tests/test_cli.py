@@ -104,10 +104,13 @@ def test_generate_with_suffix_decoding_and_a_per_request_cap(tiny_dir, tmp_path)
     assert bad.returncode == 2 and "speculative.max_draft_tokens must be an int in [0, 32], got 99" in bad.stderr
     # llama.cpp's DRY: greedy output changes, and stays the same with and without drafts
     dry = ["--dry-multiplier", "1.0", "--dry-allowed-length", "1"]
-    damped, damped_suffix = _run(common + dry, cache), _run(common + dry + ["--speculative", "suffix", "--k", "3"], cache)
+    damped = _run(common + dry, cache)
+    damped_suffix = _run(common + dry + ["--speculative", "suffix", "--k", "3"], cache)
     assert damped.returncode == damped_suffix.returncode == 0 and damped.stdout == damped_suffix.stdout != plain.stdout
     bad = _run(common + ["--dry-base", "0.5"], cache)
     assert bad.returncode == 2 and "dry_base must be >= 1, got 0.5" in bad.stderr
+    greedy_typical = _run(common + ["--typical-p", "0.9"], cache)
+    assert greedy_typical.returncode == 2 and "give --temperature > 0" in greedy_typical.stderr
 
 
 def test_generate_with_a_draft_of_another_family():

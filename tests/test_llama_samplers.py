@@ -86,13 +86,21 @@ def naive_dry(context: list[int], vocab: int, p: SamplingParams, breakers: list[
             for t, length in best.items()}
 
 
-def test_dry_equals_its_definition_on_random_contexts():
+@pytest.mark.parametrize("kernel", [True, False], ids=["native", "numpy"])
+def test_dry_equals_its_definition_on_random_contexts(kernel, monkeypatch):
+    """The native Z-algorithm (linear: a context of one repeated token is n steps) and the numpy fallback (matches
+    extended a token at a time) both give the definition's penalties."""
+    from quickdraft.models import native
+    if kernel and not native.available():
+        pytest.skip("no native kernels on this machine")
+    if not kernel:
+        monkeypatch.setattr(native, "dry_repeats", lambda tokens, limit: None)
     rng = random.Random(7)
     for case in range(300):
         vocab = rng.randint(2, 6)
-        context = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        context = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))] * rng.choice([1, 1, 4])
         breakers = [[rng.randrange(vocab) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(0, 2))]
-        p = SamplingParams(dry_multiplier=rng.choice([0.5, 1.0, 3.0]), dry_base=rng.choice([1.0, 1.5, 1.75, 50.0]),
+        p = SamplingParams(dry_multiplier=rng.choice([0.5, 1.0, 3.0]), dry_base=rng.choice([1.0, 1.5, 1.75, 1e30]),
                            dry_allowed_length=rng.randint(1, 4), dry_penalty_last_n=rng.choice([-1, 5, 12]))
         ids, penalties = dry_penalties(np.array(context, dtype=np.int64), p, breakers_of(vocab, breakers))
         got = dict(zip(ids.tolist(), penalties.tolist()))
@@ -206,11 +214,19 @@ def test_allowed_token_ids_mask_every_other_id_greedy_too():
     ("dry_sequence_breakers", ["\ud800"], "dry_sequence_breakers"),
     ("allowed_token_ids", [], "allowed_token_ids must be a list of at least one"),
     ("allowed_token_ids", [-1], "allowed_token_ids entry must be a token id >= 0"),
-    ("allowed_token_ids", list(range((1 << 20) + 1)), "at most 1048576"),
+    ("allowed_token_ids", list(range((1 << 18) + 1)), "at most 262144"),
+    ("typical_p", 10 ** 400, "typical_p must be a number"),  # past float's range: no OverflowError escapes
+    ("dry_base", "x" * 10 ** 6, "dry_base must be a number"),
 ])
 def test_bad_values_are_refused_by_name(field, value, message):
-    with pytest.raises(InvalidParameterError, match=message):
+    with pytest.raises(InvalidParameterError, match=message) as refused:
         SamplingParams(**{field: value})
+    assert len(str(refused.value)) < 400  # a client's megabytes are not echoed back
+
+
+def test_allowed_token_ids_beside_a_grammar_are_refused():
+    with pytest.raises(InvalidParameterError, match="allowed_token_ids cannot be combined with structured outputs"):
+        SamplingParams(allowed_token_ids=[1], structured_outputs={"choice": ["yes", "no"]})
 
 
 def test_breakers_in_a_real_vocabulary(smollm2):
@@ -225,6 +241,23 @@ def test_breakers_in_a_real_vocabulary(smollm2):
     heads = [t for t, tails in found.tails.items() if (texts[t] or b"").endswith(b"Us")]
     assert heads and all(tuple(tok.encode("er:", add_special_tokens=False)) in found.tails[t] for t in heads)
     assert sequence_breakers(tok, ["\n", ":", '"', "*", "User:"]) is found  # built once
+    # per string, as llama.cpp: a token holding "er" still ends with "Us"'s beginning of "User:"
+    assert sequence_breakers(tok, ["er", "User:"]).tails == sequence_breakers(tok, ["User:", "er"]).tails
+
+
+def test_the_breakers_cache_does_not_keep_its_tokenizers(tiny_dir):
+    import gc
+    import weakref
+    from quickdraft.tokenizer import Tokenizer
+    model = tiny_dir(arch="llama", vocab_size=64)
+    gone = []
+    for _ in range(3):
+        tokenizer = Tokenizer.from_hf_dir(model)
+        sequence_breakers(tokenizer, ["\n"])
+        gone.append(weakref.ref(tokenizer))
+        del tokenizer
+    gc.collect()
+    assert all(ref() is None for ref in gone)
 
 
 def test_dry_under_speculation_keeps_greedy_output_equal(smollm2):

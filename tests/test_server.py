@@ -244,7 +244,8 @@ def test_llama_cpp_samplers_and_allowed_token_ids(plain, spec):
     greedy = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
     dry = {"ignore_eos": True, "dry_multiplier": 1.0, "dry_allowed_length": 1}
     damped = plain.client().completions.create(**greedy, extra_body=dry).choices[0].text
-    assert spec.client().completions.create(**{**greedy, "model": "tiny-spec"}, extra_body=dry).choices[0].text == damped
+    drafted = spec.client().completions.create(**{**greedy, "model": "tiny-spec"}, extra_body=dry)
+    assert drafted.choices[0].text == damped
     assert plain.client().completions.create(**greedy, extra_body={"ignore_eos": True}).choices[0].text != damped
     only = plain.client().completions.create(**greedy, extra_body={"ignore_eos": True, "allowed_token_ids": [42]})
     assert only.choices[0].text.split() == ["t42"] * 16

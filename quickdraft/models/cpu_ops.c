@@ -301,6 +301,34 @@ int qd_argmax(const float *x, int M, int N, long ld, int64_t *out) {
     return 0;
 }
 
+/* DRY's repeats (sampling/dry.py): for each position j < n - 1 of tokens[n], the length of the longest run of tokens
+ * ending at j that equals the run ending at n - 1 (at most limit), into out[j]. The Z-algorithm over the reversed
+ * sequence: each token is compared a bounded number of times, so a context of one repeated token costs n steps, not
+ * n^2 / 2. */
+int qd_dry_repeats(const int64_t *tokens, int n, int limit, int32_t *out) {
+    if (n < 0 || limit < 0) return -2;
+    const int last = n - 1;
+    int left = 0, right = 0; /* the Z-box: reversed positions left .. right match reversed positions 0 .. */
+    for (int k = 1; k < n; k++) { /* k: distance from the end of the run ending at j = last - k */
+        int length;
+        if (k > right) {
+            length = 0;
+            while (k + length < n && tokens[last - length] == tokens[last - k - length]) length++;
+            if (length > 0) left = k, right = k + length - 1;
+        } else if (out[last - (k - left)] < right - k + 1) {
+            length = out[last - (k - left)]; /* the mirrored position's run ends inside the box */
+        } else {
+            int i = right + 1;
+            while (i < n && tokens[last - i] == tokens[last - (i - k)]) i++;
+            length = i - k;
+            left = k, right = i - 1;
+        }
+        out[last - k] = length;
+    }
+    for (int j = 0; j < last; j++) out[j] = out[j] < limit ? out[j] : limit; /* capped after: the box reads them */
+    return 0;
+}
+
 /* Lets go of the calling thread's OpenMP worker threads; they are made again by its next parallel region. A model
  * loaded by one thread and run by another (the server's engine thread) otherwise keeps the loader's workers beside
  * its own, and on a machine with as many threads as cores they slowed every step (docs/MEASUREMENTS.md). Weak: an

@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from quickdraft.models import native_build
@@ -56,7 +57,7 @@ _SIGNATURES = {
     "qd_argmax": [_P, _I, _I, _L, _P], "qd_moe": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _F, _F, _P],
     "qd_route": [_P, _I, _I, _I, _P, _P, _I, _I, _I, _P, _P],
     "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _L, _L, _P],
-    "qd_row_bytes": [_I, _I], "qd_release_threads": [],
+    "qd_row_bytes": [_I, _I], "qd_release_threads": [], "qd_dry_repeats": [_P, _I, _I, _P],
 }
 _RESTYPES = {"qd_row_bytes": ctypes.c_long}  # the others return 0 or an error code
 
@@ -228,6 +229,17 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     _check(lib().qd_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr()), "qd_argmax")
     ids = out.tolist()
     return [i if i >= 0 else int(x[r].argmax()) for r, i in enumerate(ids)]
+
+
+def dry_repeats(tokens: np.ndarray, limit: int) -> np.ndarray | None:
+    """For each position j < n - 1 of ``tokens`` (int64), the length of the longest run ending at j equal to the run
+    ending at the last token, at most ``limit`` (``qd_dry_repeats``, linear time); None without the kernels."""
+    if not available():
+        return None
+    tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+    out = np.empty(max(len(tokens), 1), dtype=np.int32)
+    _check(lib().qd_dry_repeats(tokens.ctypes.data, len(tokens), limit, out.ctypes.data), "qd_dry_repeats")
+    return out[:max(len(tokens) - 1, 0)]
 
 
 class _KVCacheDesc(ctypes.Structure):  # qd_kv_cache

@@ -579,7 +579,8 @@ static inline __attribute__((always_inline)) void qf_decode8(int F, const uint8_
         }
     }
     if (F == QF_TQ1_0) { /* w[2 u + h]: lanes 2 h, 2 h + 1 of register u (see the layout above) */
-        const __m256i spill = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1));
+        const __m256i spill = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1,
+                                                                         -1));
         for (int h = 0; h < 2; h++) {
             __m256i times[5];
             times[0] = tq1_lanes(blk, h);
@@ -747,7 +748,8 @@ static inline __attribute__((always_inline)) void qf_decode4(int F, const uint8_
         const __m512i a85 = _mm512_set1_epi8((char)85), a170 = _mm512_set1_epi8((char)170);
         __m512i times[5];
         times[0] = _mm512_inserti64x4(_mm512_castsi256_si512(tq1_lanes(blk, 0)), tq1_lanes(blk, 1), 1);
-        for (int n = 1; n < 5; n++) times[n] = _mm512_add_epi8(times[n - 1], _mm512_add_epi8(times[n - 1], times[n - 1]));
+        for (int n = 1; n < 5; n++)
+            times[n] = _mm512_add_epi8(times[n - 1], _mm512_add_epi8(times[n - 1], times[n - 1]));
         for (int u = 0; u < 4; u++) {
             const __m512i q = _mm512_mask_shuffle_epi8(times[u], (__mmask64)0xE000E000E000E000ULL, times[4],
                                                        _mm512_broadcast_i32x4(tq1_spill_index(u)));

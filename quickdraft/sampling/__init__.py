@@ -5,5 +5,5 @@ from quickdraft.sampling.processors import LogitsProcessor
 from quickdraft.sampling.structured import StructuredOutputs
 from quickdraft.sampling.sampler import greedy, make_generator, sample, top_logprobs
 
-__all__ = ["SamplingParams", "StructuredOutputs", "LogitsProcessor", "greedy", "make_generator", "sample", "top_logprobs",
-           "sequence_breakers"]
+__all__ = ["SamplingParams", "StructuredOutputs", "LogitsProcessor", "greedy", "make_generator", "sample",
+           "top_logprobs", "sequence_breakers"]

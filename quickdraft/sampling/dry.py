@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quickdraft.models import native
 from quickdraft.sampling.params import SamplingParams
 from quickdraft.tokenizer import Tokenizer
 
@@ -43,37 +44,67 @@ class SequenceBreakers:
 
 
 class _TokenTexts:
-    """A tokenizer's token bytes and, per last byte, the tokens ending with it (built once per tokenizer)."""
+    """A vocabulary's token bytes arranged for finding breakers, built once per tokenizer: all of them joined (where
+    bytes.find finds every token holding a string) and each one's last bytes right-aligned in a matrix, its tokens
+    grouped by their last byte (where the tokens ending with a string are compared at once)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.texts = [b or b"" for b in tokenizer.token_bytes()]
-        self.by_last: dict[int, list[int]] = defaultdict(list)
-        for tid, text in enumerate(self.texts):
-            if text:
-                self.by_last[text[-1]].append(tid)
+    ENDING = 16  # last bytes kept per token; a longer ending is compared on the candidates' own bytes
+
+    def __init__(self, texts: list[bytes]) -> None:
+        self.texts = texts
+        self.lengths = np.array([len(t) for t in texts], dtype=np.int64)
+        self.starts = np.concatenate(([0], np.cumsum(self.lengths + 1)[:-1])).astype(np.int64)
+        self.blob = b"\0".join(texts)  # a match across the separator is dropped (it ends past its token)
+        joined = np.frombuffer(self.blob, dtype=np.uint8)
+        at = self.starts[:, None] + self.lengths[:, None] - self.ENDING + np.arange(self.ENDING)
+        self.ending = np.where(at >= self.starts[:, None], joined[np.clip(at, 0, None)], 0).astype(np.uint8)
+        last = np.where(self.lengths > 0, self.ending[:, -1].astype(np.int64), -1)
+        order = np.argsort(last, kind="stable")
+        bounds = np.searchsorted(last[order], np.arange(257))
+        self.by_last = {b: order[bounds[b]:bounds[b + 1]] for b in range(256)}
         self.sets: OrderedDict[tuple[str, ...], SequenceBreakers] = OrderedDict()
 
-    def breakers(self, strings: tuple[str, ...]) -> SequenceBreakers:
+    def holding(self, b: bytes) -> np.ndarray:
+        """The ids of the tokens whose bytes hold ``b``."""
+        at, i = [], self.blob.find(b)
+        while i >= 0:
+            at.append(i)
+            i = self.blob.find(b, i + 1)
+        found = np.array(at, dtype=np.int64)
+        if not found.size:
+            return found
+        ids = np.searchsorted(self.starts, found, side="right") - 1
+        return np.unique(ids[found + len(b) <= self.starts[ids] + self.lengths[ids]])
+
+    def ending_with(self, b: bytes) -> np.ndarray:
+        """The ids of the tokens whose bytes end with ``b`` (not empty)."""
+        ids = self.by_last[b[-1]]
+        tail = np.frombuffer(b[-self.ENDING:], dtype=np.uint8)
+        ids = ids[(self.lengths[ids] >= len(b)) & (self.ending[ids, self.ENDING - len(tail):] == tail).all(axis=1)]
+        if len(b) > self.ENDING:
+            ids = np.array([t for t in ids.tolist() if self.texts[t].endswith(b)], dtype=np.int64)
+        return ids
+
+    def breakers(self, tokenizer: Tokenizer, strings: tuple[str, ...]) -> SequenceBreakers:
         found = self.sets.get(strings)
         if found is None:
-            found = self.sets[strings] = self._build(strings)
+            found = self.sets[strings] = self._build(tokenizer, strings)
             if len(self.sets) > _CACHED_SETS:
                 self.sets.popitem(last=False)
         return found
 
-    def _build(self, strings: tuple[str, ...]) -> SequenceBreakers:
-        size = len(self.texts)
-        whole = np.zeros(size, dtype=bool)
+    def _build(self, tokenizer: Tokenizer, strings: tuple[str, ...]) -> SequenceBreakers:
+        """As llama.cpp: per string, a token holding it is a whole breaker, a token ending with its first characters
+        (cut at a character) a head whose tail is the rest's tokens."""
+        whole = np.zeros(len(self.texts), dtype=bool)
         tails: dict[int, set[tuple[int, ...]]] = defaultdict(set)
         for s in strings:
-            b = s.encode()
-            whole[[tid for tid, text in enumerate(self.texts) if b in text]] = True
-            for cut in range(1, len(s)):  # a token ending with s[:cut]: the rest s[cut:] must follow
-                prefix = s[:cut].encode()
-                tail = tuple(self.tokenizer.encode(s[cut:], add_special_tokens=False)[:MAX_TAIL_TOKENS])
-                for tid in self.by_last.get(prefix[-1], ()):
-                    if not whole[tid] and self.texts[tid].endswith(prefix) and tail:
+            holding = self.holding(s.encode())
+            whole[holding] = True
+            for cut in range(1, len(s)):
+                tail = tuple(tokenizer.encode(s[cut:], add_special_tokens=False)[:MAX_TAIL_TOKENS])
+                if tail:
+                    for tid in np.setdiff1d(self.ending_with(s[:cut].encode()), holding).tolist():
                         tails[tid].add(tail)
         heads = whole.copy()
         heads[list(tails)] = True
@@ -84,20 +115,28 @@ _TEXTS: "weakref.WeakKeyDictionary[Tokenizer, _TokenTexts]" = weakref.WeakKeyDic
 
 
 def sequence_breakers(tokenizer: Tokenizer, strings: list[str] | tuple[str, ...]) -> SequenceBreakers:
-    """The breakers of ``strings`` in ``tokenizer``'s vocabulary (cached)."""
+    """The breakers of ``strings`` in ``tokenizer``'s vocabulary (cached per tokenizer, which it does not keep)."""
     texts = _TEXTS.get(tokenizer)
     if texts is None:
-        texts = _TEXTS.setdefault(tokenizer, _TokenTexts(tokenizer))
-    return texts.breakers(tuple(strings))
+        texts = _TEXTS.setdefault(tokenizer, _TokenTexts([b or b"" for b in tokenizer.token_bytes()]))
+    return texts.breakers(tokenizer, tuple(strings))
 
 
-def _repeat_limit(window: np.ndarray, breakers: SequenceBreakers) -> int:
-    """How many of the window's last tokens a repeat may span: those after its last breaker."""
+def _repeat_limit(window: np.ndarray, breakers: SequenceBreakers, cap: int) -> int:
+    """How many of the window's last tokens a repeat may span: those after its last breaker (a breaker more than
+    ``cap`` tokens back, where longer repeats cost no more, is not looked for)."""
     n = len(window)
-    known = window < len(breakers.heads)
-    at = np.flatnonzero(known & breakers.heads[np.where(known, window, 0)]) if breakers.heads.size else ()
-    for pos in reversed(at):
-        back = n - 1 - int(pos)  # tokens after the head
+    if not breakers.heads.size:
+        return n
+    first = max(0, n - 1 - cap - MAX_TAIL_TOKENS)
+    recent = window[first:]
+    known = recent < len(breakers.heads)
+    index = np.where(known, recent, 0)
+    wholes = np.flatnonzero(known & breakers.whole[index])
+    after = int(wholes[-1]) if wholes.size else -1  # a whole breaker ends the search there
+    at = np.flatnonzero(known & breakers.heads[index])
+    for pos in reversed((first + at[at >= after]).tolist()):
+        back = n - 1 - pos  # tokens after the head
         token = int(window[pos])
         longest = 0 if breakers.whole[token] else -1
         for tail in breakers.tails.get(token, ()):
@@ -110,7 +149,11 @@ def _repeat_limit(window: np.ndarray, breakers: SequenceBreakers) -> int:
 
 def repeat_lengths(window: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
     """(positions j, L): each earlier position whose tokens end as the window ends, over L tokens (at most
-    ``limit``)."""
+    ``limit``): the native kernel's linear-time Z-algorithm, or (without it) matches extended a token at a time."""
+    lengths = native.dry_repeats(window, limit)
+    if lengths is not None:
+        ends = np.flatnonzero(lengths)
+        return ends, lengths[ends].astype(np.int64)
     n = len(window)
     ends = np.flatnonzero(window[:-1] == window[-1])
     lengths = np.zeros(len(ends), dtype=np.int64)
@@ -133,10 +176,13 @@ def dry_penalties(context: np.ndarray, p: SamplingParams, breakers: SequenceBrea
     allowed = p.dry_allowed_length
     if len(window) <= allowed:
         return empty
-    limit = _repeat_limit(window, breakers)
+    # llama.cpp's bound on the exponent (a float32 power stays finite): a repeat longer than allowed + it costs the same
+    most = 0 if p.dry_base == 1 else math.floor(_LOG_FLOAT_MAX / math.log(p.dry_base))
+    cap = min(len(window), allowed + most)
+    limit = _repeat_limit(window, breakers, cap)
     if limit < allowed:
         return empty
-    ends, lengths = repeat_lengths(window, limit)
+    ends, lengths = repeat_lengths(window, min(limit, cap))
     repeating = lengths >= allowed
     if not repeating.any():
         return empty
@@ -152,7 +198,5 @@ def dry_penalties(context: np.ndarray, p: SamplingParams, breakers: SequenceBrea
     first = np.ones(len(tokens), dtype=bool)
     first[1:] = tokens[1:] != tokens[:-1]
     tokens, exponent = tokens[first], (lengths[first] - allowed).astype(np.float64)
-    if p.dry_base > 1.000001:
-        exponent = np.minimum(exponent, math.floor(_LOG_FLOAT_MAX / math.log(p.dry_base)))
     penalties = np.minimum(p.dry_multiplier * np.power(p.dry_base, exponent), PENALTY_CAP)
     return tokens, penalties

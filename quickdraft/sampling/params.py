@@ -29,14 +29,14 @@ PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-3, 1e3
 MAX_DRAFT_TOKENS = 32  # the engine's own most (num_speculative_tokens)
-MAX_ALLOWED_TOKEN_IDS = 1 << 20  # more than any vocabulary holds
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # as many as the largest vocabularies hold (Gemma 3: 262,144)
 MAX_DRY_BREAKERS = 16
 MAX_DRY_BREAKER_CHARS = 40  # llama.cpp's own limit: each breaker's overlaps with every token are looked up once
 DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's defaults
 
 
 def _fail(name: str, allowed: str, value: Any, *, raw: bool = False) -> InvalidParameterError:
-    got = value if raw else repr(value)
+    got = value if raw else reprlib.repr(value)  # bounded: a client's value may be megabytes
     return InvalidParameterError(f"{name} must be {allowed}, got {got}")
 
 
@@ -51,7 +51,10 @@ def _as_float(name: str, value: Any, allowed: str) -> float:
     """A finite real number (ints accepted); bools, strings, NaN and inf are rejected."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _fail(name, allowed, value)
-    out = float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an int of hundreds of digits
+        raise _fail(name, allowed, value) from None
     if not math.isfinite(out):
         raise _fail(name, allowed, value)
     return out
@@ -212,6 +215,10 @@ class SamplingParams:
         self.speculative = self._check_speculative(self.speculative)
 
         self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
+        if self.structured_outputs is not None and self.allowed_token_ids is not None:
+            raise InvalidParameterError("allowed_token_ids cannot be combined with structured outputs (a constraint, "
+                                        "response_format or a forced tool call): the grammar may need a token outside "
+                                        "them")
 
         if self.deadline_s is not None:
             d = _as_float("deadline_s", self.deadline_s, "a finite number of seconds > 0 or None")
@@ -225,11 +232,10 @@ class SamplingParams:
         if isinstance(value, bool):
             return value
         if not isinstance(value, Mapping) or set(value) != {"max_draft_tokens"}:
-            raise _fail("speculative", allowed, reprlib.repr(value), raw=True)  # bounded: a client's value
+            raise _fail("speculative", allowed, value)
         cap = value["max_draft_tokens"]
         if isinstance(cap, bool) or not isinstance(cap, numbers.Integral) or not 0 <= cap <= MAX_DRAFT_TOKENS:
-            raise _fail("speculative.max_draft_tokens", f"an int in [0, {MAX_DRAFT_TOKENS}]", reprlib.repr(cap),
-                        raw=True)
+            raise _fail("speculative.max_draft_tokens", f"an int in [0, {MAX_DRAFT_TOKENS}]", cap)
         return {"max_draft_tokens": int(cap)}
 
     @staticmethod
@@ -286,9 +292,11 @@ class SamplingParams:
             return None
         allowed = f"a list of {'' if empty else 'at least one and '}at most {most} token ids (ints >= 0)"
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
-            raise _fail(name, allowed, reprlib.repr(ids), raw=True)
+            raise _fail(name, allowed, ids)
         if len(ids) > most or not (empty or ids):
             raise _fail(name, allowed, f"{len(ids)} ids", raw=True)
+        if all(type(t) is int for t in ids) and (not ids or min(ids) >= 0):  # the common case, without a loop here
+            return list(ids)
         out = []
         for t in ids:
             v = _as_int(f"{name} entry", t, "a token id (an int >= 0)")
@@ -317,10 +325,10 @@ class SamplingParams:
         allowed = (f"a list of at most {MAX_DRY_BREAKERS} non-empty strings of at most {MAX_DRY_BREAKER_CHARS} "
                    "characters")
         if isinstance(breakers, str) or not isinstance(breakers, (list, tuple)) or len(breakers) > MAX_DRY_BREAKERS:
-            raise _fail("dry_sequence_breakers", allowed, reprlib.repr(breakers), raw=True)
+            raise _fail("dry_sequence_breakers", allowed, breakers)
         for b in breakers:
             if not isinstance(b, str) or not b or len(b) > MAX_DRY_BREAKER_CHARS:
-                raise _fail("dry_sequence_breakers", allowed, reprlib.repr(b), raw=True)
+                raise _fail("dry_sequence_breakers", allowed, b)
             require_unicode("dry_sequence_breakers", b)
         self.dry_sequence_breakers = list(breakers)
 

@@ -249,11 +249,12 @@ class LogitsProcessor:
         return masked if rows == x.shape[0] else torch.cat([masked, x[rows:]])
 
     def _mask_allowed(self, x: Tensor, width: int) -> Tensor:
-        """x with every id outside allowed_token_ids at -inf; a row where none of them is left (the grammar allows
-        none: its end) keeps what it had."""
+        """x with every id outside allowed_token_ids at -inf (SamplingParams refuses them beside a grammar; a row
+        whose allowed ids all hold -inf keeps what it had, so no row is ever empty)."""
         if self._allowed is None or self._allowed[0] != width or self._allowed[1].device != x.device:
             keep = torch.zeros(width, dtype=torch.bool)
-            keep[[t for t in self.params.allowed_token_ids or () if t < width]] = True
+            ids = torch.tensor(self.params.allowed_token_ids or [], dtype=torch.long)
+            keep[ids[ids < width]] = True
             self._allowed = (width, to_device(keep, x.device))
         masked = x.masked_fill(~self._allowed[1], float("-inf"))
         return torch.where(torch.isfinite(masked).any(dim=1, keepdim=True), masked, x)

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from quickdraft.errors import require_unicode
-from quickdraft.sampling import SamplingParams, StructuredOutputs
+from quickdraft.sampling import SamplingParams, StructuredOutputs, sequence_breakers
 from quickdraft.sampling.grammar import compiler_for
 from quickdraft.sampling.params import MAX_LOGPROBS
 from quickdraft.serving.async_engine import AsyncEngine
@@ -113,6 +113,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     constraint = await _constraint(ctx, body)
     params = [_sampling_params(ctx, body, len(ids), body.max_tokens, body.logprobs, "prompt", constraint)
               for ids, _ in prompts]
+    await _dry_breakers(ctx, params[0])
     job = Job.new("cmpl", prompts, params)
     await job.start(ctx.engine)
     echo = (lambda p: job.prompt_text(p, ctx.llm.tokenizer)) if body.echo else None
@@ -152,6 +153,7 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest, top_logpro
     reasoning = reasoning_format(tokenizer.chat_template, tokenizer.decode(ids[-16:]), constraint is not None,
                                  tools is not None)
     params = _sampling_params(ctx, body, len(ids), body.requested_max_tokens, top_logprobs, "messages", constraint)
+    await _dry_breakers(ctx, params)
     if reasoning is not None and body.skip_special_tokens is None and markers_are_special(
             reasoning.style, lambda text: tokenizer.token_to_id(text) in tokenizer.special_token_ids):
         params.skip_special_tokens = False  # (harmony's always are)
@@ -249,6 +251,13 @@ async def _constraint(ctx: ServerContext, body: _SamplingFields,
         return None
     await asyncio.to_thread(compiler_for(ctx.llm.tokenizer).compile, given[0][1])
     return given[0][1]
+
+
+async def _dry_breakers(ctx: ServerContext, params: SamplingParams) -> None:
+    """DRY's sequence breakers found in the vocabulary off the event loop, as a constraint is compiled: the engine
+    then finds them cached."""
+    if params.uses_dry:
+        await asyncio.to_thread(sequence_breakers, ctx.llm.tokenizer, params.dry_sequence_breakers)
 
 
 def _sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
