@@ -3,7 +3,7 @@ plain step) and for five (a verification of four drafts), over a 151,936-token v
 of 1k, 8k and 32k tokens.
 
 The context is text-like (Zipf-distributed ids) with a 64-token passage repeated every 512 tokens, so DRY finds
-repeats to penalize; DRY's breakers are 1% of the vocabulary (about what "\\n", ":", '"', "*" mark in Qwen's).
+repeats to penalize (and, for DRY's worst case, one token repeated throughout); DRY's breakers are 1% of the vocabulary (about what "\\n", ":", '"', "*" mark in Qwen's).
 Logits shaped as a language model's (the k-th most likely token's logit -1.8 log k, plus noise of deviation 0.3,
 in a random order per row: entropy about 2.2 nats, the top token 0.5; uniform random logits would spread the mass
 over thousands of tokens as no model's do). Compare the figures with a decode step of the model that runs them (the
@@ -88,6 +88,15 @@ def main() -> None:
                                                                         args.repeats)
             rows.append(row)
             print(f"{length:>6} {name:<24} {row['ms_1_row']:7.2f} {row['ms_5_rows']:7.2f} ms", flush=True)
+        # DRY's worst case: one token repeated (every position a repeat as long as it can be)
+        row = {"context": length, "sampler": "dry 0.8, one token repeated"}
+        for count in (1, 5):
+            proc = LogitsProcessor(SamplingParams(temperature=0, dry_multiplier=0.8), [7] * (length - 20), VOCAB,
+                                   breakers=breakers)
+            proc.accept([7] * 20)
+            row[f"ms_{count}_row{'s' if count > 1 else ''}"] = timed(proc, logits[:count], [7] * (count - 1),
+                                                                    args.repeats)
+        rows.append(row)
     columns = ["context", "sampler", "ms_1_row", "ms_5_rows"]
     print(table(rows, columns))
     where = save(args.name, {"machine": machine(), "vocab": VOCAB, "threads": torch.get_num_threads(), "rows": rows})
