@@ -1,4 +1,5 @@
-"""llama.cpp's samplers (typical_p, top_n_sigma, XTC, DRY) and vLLM's allowed_token_ids: llama.cpp's own test cases
+"""llama.cpp's samplers (typical_p, top_n_sigma, XTC, DRY) and vLLM's allowed_token_ids and bad_words: llama.cpp's own
+test cases
 (tests/test-sampling.cpp) give the same numbers here, each sampler equals a naive float64 reading of its definition
 on random rows, rows after drafted tokens equal rows after committed ones (what keeps speculation exact), bad values
 are refused by name, and DRY with a real tokenizer keeps greedy speculative output equal to plain."""
@@ -114,13 +115,14 @@ def test_a_long_repeat_costs_at_most_the_cap_and_leaves_the_row_finite():
     assert torch.isfinite(row).all() and row[1] == -1e30 and row[0] == 0
 
 
-@pytest.mark.parametrize("params", [
-    dict(dry_multiplier=0.8, dry_allowed_length=1, temperature=0),
-    dict(dry_multiplier=1.5, dry_base=2.0, dry_penalty_last_n=6, temperature=0.8),
-    dict(typical_p=0.7, top_n_sigma=1.2, xtc_probability=0.5, xtc_threshold=0.15, temperature=1.3),
-    dict(allowed_token_ids=[0, 2, 3, 5], dry_multiplier=1.0, top_k=4, temperature=0.9),
+@pytest.mark.parametrize("params,bad", [
+    (dict(dry_multiplier=0.8, dry_allowed_length=1, temperature=0), ()),
+    (dict(dry_multiplier=1.5, dry_base=2.0, dry_penalty_last_n=6, temperature=0.8), ()),
+    (dict(typical_p=0.7, top_n_sigma=1.2, xtc_probability=0.5, xtc_threshold=0.15, temperature=1.3), ()),
+    (dict(allowed_token_ids=[0, 2, 3, 5], dry_multiplier=1.0, top_k=4, temperature=0.9), ()),
+    (dict(temperature=0), ((3,), (1, 2), (4, 4, 0))),  # bad words as their token sequences
 ])
-def test_rows_after_drafted_tokens_equal_rows_after_committed_ones(params):
+def test_rows_after_drafted_tokens_equal_rows_after_committed_ones(params, bad):
     """Row i of a verification (after drafted[:offset + i]) is what plain decoding sees there once those tokens
     are committed: the condition for speculative output to keep the target's distribution."""
     g = torch.Generator().manual_seed(3)
@@ -133,11 +135,11 @@ def test_rows_after_drafted_tokens_equal_rows_after_committed_ones(params):
         offset = rng.randint(0, 1)
         logits = torch.randn(3, vocab, generator=g) * 2
         brk = breakers_of(vocab, [[4], [6, 1]])
-        verifying = LogitsProcessor(SamplingParams(**params), prompt, vocab, breakers=brk)
+        verifying = LogitsProcessor(SamplingParams(**params), prompt, vocab, breakers=brk, bad_words=bad)
         verifying.accept(committed)
         rows = verifying.process(logits, drafted, offset)
         for i in range(3):
-            plain = LogitsProcessor(SamplingParams(**params), prompt, vocab, breakers=brk)
+            plain = LogitsProcessor(SamplingParams(**params), prompt, vocab, breakers=brk, bad_words=bad)
             plain.accept(committed + drafted[:offset + i])
             assert torch.equal(plain.process(logits[i]), rows[i])
 
@@ -215,6 +217,9 @@ def test_allowed_token_ids_mask_every_other_id_greedy_too():
     ("allowed_token_ids", [], "allowed_token_ids must be a list of at least one"),
     ("allowed_token_ids", [-1], "allowed_token_ids entry must be a token id >= 0"),
     ("allowed_token_ids", list(range((1 << 18) + 1)), "at most 262144"),
+    ("bad_words", "word", "bad_words must be a list"),
+    ("bad_words", [" "], "bad_words must be a list of at most 64 non-empty strings"),
+    ("bad_words", ["w"] * 65, "at most 64"),
     ("typical_p", 10 ** 400, "typical_p must be a number"),  # past float's range: no OverflowError escapes
     ("dry_base", "x" * 10 ** 6, "dry_base must be a number"),
 ])
@@ -271,3 +276,20 @@ def test_dry_under_speculation_keeps_greedy_output_equal(smollm2):
     undamped = speculative.generate([prompt], P(temperature=0, max_tokens=48, speculative=False))[0].outputs[0]
     assert drafted.token_ids == plain.token_ids
     assert plain.token_ids != undamped.token_ids  # DRY changed what greedy decoding picks
+
+
+def test_bad_words_are_never_spelled(smollm2):
+    """vLLM's bad_words: the greedy answer's word, banned, is gone from it (at the start of the text and after a
+    space), with and without n-gram drafts, which propose exactly the repeats a ban cuts."""
+    from quickdraft import SamplingParams as P
+    from quickdraft.sampling import vocabulary_inputs
+    llm = LLM(str(smollm2), speculative="ngram", num_speculative_tokens=4)
+    prompt = "The capital of France is Paris. The capital of France is Paris. The capital of France is"
+    kw = dict(temperature=0, max_tokens=12)
+    free = llm.generate([prompt], P(**kw, speculative=False))[0].outputs[0].text
+    assert "Paris" in free
+    plain = llm.generate([prompt], P(**kw, bad_words=["Paris"], speculative=False))[0].outputs[0]
+    drafted = llm.generate([prompt], P(**kw, bad_words=["Paris"]))[0].outputs[0]
+    assert "Paris" not in plain.text and drafted.token_ids == plain.token_ids
+    sequences = vocabulary_inputs(llm.tokenizer, P(bad_words=["Paris"]))["bad_words"]
+    assert tuple(llm.tokenizer.encode(" Paris", add_special_tokens=False)) in sequences

@@ -249,6 +249,9 @@ def test_llama_cpp_samplers_and_allowed_token_ids(plain, spec):
     assert plain.client().completions.create(**greedy, extra_body={"ignore_eos": True}).choices[0].text != damped
     only = plain.client().completions.create(**greedy, extra_body={"ignore_eos": True, "allowed_token_ids": [42]})
     assert only.choices[0].text.split() == ["t42"] * 16
+    banned = plain.client().completions.create(**greedy, logit_bias={"42": 100},
+                                               extra_body={"ignore_eos": True, "bad_words": ["t42"]})
+    assert banned.usage.completion_tokens == 16 and "t42" not in banned.choices[0].text.split()
     sampled = spec.client().chat.completions.create(
         model="tiny-spec", messages=[{"role": "user", "content": prompt}], max_tokens=8, seed=3,
         extra_body={"ignore_eos": True, "typical_p": 0.9, "top_n_sigma": 1.5, "xtc_probability": 0.5,

@@ -24,7 +24,7 @@ from quickdraft.engine.threads import ThreadBudget
 from quickdraft.engine.verify_step import decide
 from quickdraft.errors import InvalidParameterError, PromptTooLongError
 from quickdraft.kv import ForwardItem, ModelRunner, SequenceKV
-from quickdraft.sampling import LogitsProcessor, SamplingParams, sequence_breakers
+from quickdraft.sampling import LogitsProcessor, SamplingParams, vocabulary_inputs
 from quickdraft.sampling.grammar import GrammarViolation, compiler_for
 from quickdraft.sampling.sampler import make_generator, top_logprobs
 from quickdraft.speculative.controller import SpeculationController
@@ -124,7 +124,7 @@ class LLMEngine:
         # the constraint compiles (or comes from the cache) before anything is queued: a bad one is refused here
         grammar = compiler_for(self.tokenizer).compile(params.structured_outputs) if params.structured_outputs \
             else None
-        breakers = sequence_breakers(self.tokenizer, params.dry_sequence_breakers) if params.uses_dry else None
+        vocabulary = vocabulary_inputs(self.tokenizer, params)  # DRY's breakers, the bad words' tokens
         seqs = []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
@@ -132,7 +132,7 @@ class LLMEngine:
                            params=params, tokenizer=self.tokenizer,
                            processor=LogitsProcessor(params, prompt_ids, self.vocab_size,
                                                      grammar=grammar.fork() if grammar and index else grammar,
-                                                     eos_ids=self.tokenizer.eos_token_ids, breakers=breakers),
+                                                     eos_ids=self.tokenizer.eos_token_ids, **vocabulary),
                            generator=make_generator(seed, "cpu"), max_model_len=self.config.max_model_len)
             if seed is not None:
                 seq.draft_nonce = seed % 2**64

@@ -33,6 +33,7 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18  # as many as the largest vocabularies hold (Gem
 MAX_DRY_BREAKERS = 16
 MAX_DRY_BREAKER_CHARS = 40  # llama.cpp's own limit: each breaker's overlaps with every token are looked up once
 DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's defaults
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 64, 200  # each word is two token sequences matched against the output each row
 
 
 def _fail(name: str, allowed: str, value: Any, *, raw: bool = False) -> InvalidParameterError:
@@ -107,8 +108,9 @@ class SamplingParams:
     # as vLLM's: no end of sequence (EOS unless ignore_eos, stop_token_ids) can be sampled, nor a stop string end the
     # output, before this many tokens
     min_tokens: int = 0
-    # as vLLM's: only these ids may be sampled (None: any)
+    # as vLLM's: only these ids may be sampled (None: any); words the output never spells (bad_words.py)
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # llama.cpp's samplers (its names and defaults; each off by default). Locally typical sampling keeps the tokens
     # whose surprise is nearest the entropy, up to typical_p of the mass; top_n_sigma keeps the logits within n
     # standard deviations of the largest (<= 0: off).
@@ -331,6 +333,16 @@ class SamplingParams:
                 raise _fail("dry_sequence_breakers", allowed, b)
             require_unicode("dry_sequence_breakers", b)
         self.dry_sequence_breakers = list(breakers)
+        if self.bad_words is not None:
+            allowed = f"a list of at most {MAX_BAD_WORDS} non-empty strings of at most {MAX_BAD_WORD_CHARS} characters"
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)) \
+                    or len(self.bad_words) > MAX_BAD_WORDS:
+                raise _fail("bad_words", allowed, self.bad_words)
+            for word in self.bad_words:
+                if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+                    raise _fail("bad_words", allowed, word)
+                require_unicode("bad_words", word)
+            self.bad_words = list(self.bad_words)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise if a logit_bias key, stop_token_id or allowed_token_id is outside [0, vocab_size)."""

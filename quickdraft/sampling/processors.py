@@ -21,11 +21,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quickdraft.sampling.dry import SequenceBreakers, dry_penalties
+from quickdraft.sampling.bad_words import bad_word_ids, banned_next
+from quickdraft.sampling.dry import SequenceBreakers, dry_penalties, sequence_breakers
 from quickdraft.sampling.grammar import GrammarState
 from quickdraft.sampling.params import SamplingParams
 from quickdraft.sampling.sampler import to_device
 from quickdraft.sampling.truncation import truncate
+from quickdraft.tokenizer import Tokenizer
 
 # Below this temperature the logits are shifted by their row max before the division, so a large logit over a
 # small temperature cannot overflow to inf (softmax is shift invariant). SamplingParams bounds the temperature.
@@ -58,7 +60,8 @@ class LogitsProcessor:
     embedding rows, e.g. to a multiple of 64): those columns are masked out of every distribution, so a padding
     row is never sampled, drafted or verified. Token ids beyond the logits width are ignored. ``eos_ids``: the
     tokenizer's end-of-sequence ids, which ``min_tokens`` holds back (with ``stop_token_ids``) unless ``ignore_eos``.
-    ``breakers``: DRY's sequence breakers in this vocabulary (``dry.sequence_breakers``; none if not given).
+    ``breakers``: DRY's sequence breakers in this vocabulary (``dry.sequence_breakers``; none if not given);
+    ``bad_words``: the token sequences of ``params.bad_words`` (``vocabulary_inputs`` gives both).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class LogitsProcessor:
         grammar: GrammarState | None = None,
         eos_ids: Sequence[int] = (),
         breakers: SequenceBreakers | None = None,
+        bad_words: Sequence[tuple[int, ...]] = (),
     ) -> None:
         self.params = params
         self.grammar = grammar  # the request's structured-output constraint, followed token by token
@@ -83,6 +87,7 @@ class LogitsProcessor:
         self._breakers = (breakers or SequenceBreakers.none()) if params.uses_dry else None
         self._context: np.ndarray | None = None  # prompt + committed output, for DRY (built when first needed)
         self._allowed: tuple[int, Tensor] | None = None  # (width, the allowed_token_ids mask) on the logits' device
+        self._bad_words = tuple(bad_words)
         # the ids no row may pick while the output is shorter than min_tokens (vLLM's min_tokens)
         ends = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else {int(t) for t in eos_ids})
         self._held_ends = sorted(ends) if params.min_tokens > 0 else []
@@ -106,7 +111,7 @@ class LogitsProcessor:
         the rows as the model gave them (the runner masks padding columns), so a batch's choices can be taken in one
         call on the device."""
         return (self.params.greedy and self.grammar is None and self._breakers is None
-                and self.params.allowed_token_ids is None
+                and self.params.allowed_token_ids is None and not self._bad_words
                 and not (self._use_bias or self._use_rep or self._use_counts or self._holds_ends(0)))
 
     def _holds_ends(self, first: int) -> int:
@@ -214,6 +219,8 @@ class LogitsProcessor:
             x = x.masked_fill(~to_device(allowed, x.device), float("-inf"))
         if p.allowed_token_ids is not None:
             x = self._mask_allowed(x, width)
+        if self._bad_words:
+            x = self._mask_bad_words(x, _ids(drafted), offset if start is None else start)
         held = min(n, self._holds_ends(offset if start is None else start))
         if held:
             x = self._mask_ends(x, held, width)
@@ -257,6 +264,23 @@ class LogitsProcessor:
             keep[ids[ids < width]] = True
             self._allowed = (width, to_device(keep, x.device))
         masked = x.masked_fill(~self._allowed[1], float("-inf"))
+        return torch.where(torch.isfinite(masked).any(dim=1, keepdim=True), masked, x)
+
+    def _mask_bad_words(self, x: Tensor, drafted: list[int], offset: int) -> Tensor:
+        """x with the token that would complete a bad word at -inf, row i after drafted[:offset + i]; a row left
+        with nothing else (a grammar that allows only such a token) keeps what it had."""
+        back = max(len(s) for s in self._bad_words) - 1
+        rows, cols = [], []
+        for i in range(x.shape[0]):
+            recent = self._output_ids[max(0, len(self._output_ids) - back):] + drafted[:offset + i]
+            for token in banned_next(recent, self._bad_words):
+                if token < x.shape[1]:
+                    rows.append(i)
+                    cols.append(token)
+        if not rows:
+            return x
+        index = tuple(to_device(torch.tensor(t, dtype=torch.long), x.device) for t in (rows, cols))
+        masked = x.index_put(index, torch.tensor(float("-inf"), device=x.device))
         return torch.where(torch.isfinite(masked).any(dim=1, keepdim=True), masked, x)
 
     def _apply_dry(self, x: Tensor, drafted: list[int], offset: int) -> Tensor:
@@ -343,3 +367,10 @@ class LogitsProcessor:
             # Shift first so huge ratios cannot overflow to inf (softmax is shift invariant).
             return (x - x.amax(dim=-1, keepdim=True)) / t
         return x / t
+
+
+def vocabulary_inputs(tokenizer: Tokenizer, params: SamplingParams) -> dict[str, Any]:
+    """What a request's LogitsProcessor needs from its vocabulary: DRY's sequence breakers and the bad words' token
+    sequences (keyword arguments of LogitsProcessor)."""
+    return {"breakers": sequence_breakers(tokenizer, params.dry_sequence_breakers) if params.uses_dry else None,
+            "bad_words": bad_word_ids(tokenizer, params.bad_words) if params.bad_words else ()}

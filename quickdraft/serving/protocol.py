@@ -57,6 +57,7 @@ class _SamplingFields(BaseModel):
     speculative: Any = None  # false, true or {"max_draft_tokens": n}: checked (and shown bounded) by SamplingParams
     structured_outputs: Any = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}: StructuredOutputs
     allowed_token_ids: Any = None
+    bad_words: Any = None
     # llama.cpp's samplers, by its names: checked by SamplingParams
     typical_p: Any = None
     top_n_sigma: Any = None
@@ -71,7 +72,7 @@ class _SamplingFields(BaseModel):
     mirostat: Any = None  # refused unless 0 (below)
 
     LLAMA_SAMPLERS: ClassVar[tuple[str, ...]] = (
-        "allowed_token_ids", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier",
+        "allowed_token_ids", "bad_words", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier",
         "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 
     @field_validator("stop")
