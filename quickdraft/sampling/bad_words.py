@@ -27,4 +27,5 @@ def bad_word_ids(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int,
 
 def banned_next(output: Sequence[int], sequences: Sequence[tuple[int, ...]]) -> list[int]:
     """The tokens that would complete a bad word after ``output``."""
-    return [s[-1] for s in sequences if len(s) <= len(output) + 1 and tuple(output[len(output) - len(s) + 1:]) == s[:-1]]
+    n = len(output)
+    return [s[-1] for s in sequences if len(s) <= n + 1 and tuple(output[n - len(s) + 1:]) == s[:-1]]

@@ -122,6 +122,12 @@ def sequence_breakers(tokenizer: Tokenizer, strings: list[str] | tuple[str, ...]
     return texts.breakers(tokenizer, tuple(strings))
 
 
+def _marked(table: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """table[t] for each token t; False for ids past the table (the logits may be wider than the vocabulary)."""
+    known = tokens < len(table)
+    return known & table[np.where(known, tokens, 0)] if table.size else known
+
+
 def _repeat_limit(window: np.ndarray, breakers: SequenceBreakers, cap: int) -> int:
     """How many of the window's last tokens a repeat may span: those after its last breaker (a breaker more than
     ``cap`` tokens back, where longer repeats cost no more, is not looked for)."""
@@ -130,11 +136,9 @@ def _repeat_limit(window: np.ndarray, breakers: SequenceBreakers, cap: int) -> i
         return n
     first = max(0, n - 1 - cap - MAX_TAIL_TOKENS)
     recent = window[first:]
-    known = recent < len(breakers.heads)
-    index = np.where(known, recent, 0)
-    wholes = np.flatnonzero(known & breakers.whole[index])
+    wholes = np.flatnonzero(_marked(breakers.whole, recent))
     after = int(wholes[-1]) if wholes.size else -1  # a whole breaker ends the search there
-    at = np.flatnonzero(known & breakers.heads[index])
+    at = np.flatnonzero(_marked(breakers.heads, recent))
     for pos in reversed((first + at[at >= after]).tolist()):
         back = n - 1 - pos  # tokens after the head
         token = int(window[pos])
@@ -187,10 +191,8 @@ def dry_penalties(context: np.ndarray, p: SamplingParams, breakers: SequenceBrea
     if not repeating.any():
         return empty
     tokens, lengths = window[ends[repeating] + 1], lengths[repeating]
-    known = tokens < len(breakers.whole)
-    if breakers.whole.size:
-        keep = ~(known & breakers.whole[np.where(known, tokens, 0)])
-        tokens, lengths = tokens[keep], lengths[keep]
+    keep = ~_marked(breakers.whole, tokens)
+    tokens, lengths = tokens[keep], lengths[keep]
     if not tokens.size:
         return empty
     order = np.lexsort((-lengths, tokens))  # per token, its longest repeat first

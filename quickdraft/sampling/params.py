@@ -61,6 +61,18 @@ def _as_float(name: str, value: Any, allowed: str) -> float:
     return out
 
 
+def _check_strings(name: str, items: Any, most: int, chars: int, strip: bool = False) -> list[str]:
+    """A list of at most ``most`` non-empty (``strip``: not blank) strings of at most ``chars`` characters."""
+    allowed = f"a list of at most {most} non-empty strings of at most {chars} characters"
+    if isinstance(items, str) or not isinstance(items, (list, tuple)) or len(items) > most:
+        raise _fail(name, allowed, items)
+    for item in items:
+        if not isinstance(item, str) or not (item.strip() if strip else item) or len(item) > chars:
+            raise _fail(name, allowed, item)
+        require_unicode(name, item)
+    return list(items)
+
+
 def _as_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise _fail(name, "a bool (true or false)", value)
@@ -324,25 +336,10 @@ class SamplingParams:
         check("dry_allowed_length", ">= 1", lambda v: v >= 1, integral=True)
         check("dry_penalty_last_n", ">= -1 (-1: the whole context, 0 disables)", lambda v: v >= -1, integral=True)
         breakers = DRY_SEQUENCE_BREAKERS if self.dry_sequence_breakers is None else self.dry_sequence_breakers
-        allowed = (f"a list of at most {MAX_DRY_BREAKERS} non-empty strings of at most {MAX_DRY_BREAKER_CHARS} "
-                   "characters")
-        if isinstance(breakers, str) or not isinstance(breakers, (list, tuple)) or len(breakers) > MAX_DRY_BREAKERS:
-            raise _fail("dry_sequence_breakers", allowed, breakers)
-        for b in breakers:
-            if not isinstance(b, str) or not b or len(b) > MAX_DRY_BREAKER_CHARS:
-                raise _fail("dry_sequence_breakers", allowed, b)
-            require_unicode("dry_sequence_breakers", b)
-        self.dry_sequence_breakers = list(breakers)
-        if self.bad_words is not None:
-            allowed = f"a list of at most {MAX_BAD_WORDS} non-empty strings of at most {MAX_BAD_WORD_CHARS} characters"
-            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)) \
-                    or len(self.bad_words) > MAX_BAD_WORDS:
-                raise _fail("bad_words", allowed, self.bad_words)
-            for word in self.bad_words:
-                if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
-                    raise _fail("bad_words", allowed, word)
-                require_unicode("bad_words", word)
-            self.bad_words = list(self.bad_words)
+        self.dry_sequence_breakers = _check_strings("dry_sequence_breakers", breakers, MAX_DRY_BREAKERS,
+                                                    MAX_DRY_BREAKER_CHARS)
+        if self.bad_words is not None:  # (a word of spaces alone spells nothing)
+            self.bad_words = _check_strings("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS, strip=True)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise if a logit_bias key, stop_token_id or allowed_token_id is outside [0, vocab_size)."""

@@ -47,6 +47,18 @@ def _merge(cols: Tensor, in_prompt: Tensor, counts: Tensor, new: Tensor) -> tupl
     return merged, in_prompt2, counts2, inv[m:]
 
 
+def _check_rows(n: int, drafted: Sequence[int], offset: int) -> None:
+    """Row i of n sees drafted[:offset + i]: the transforms that read the history need that many drafted tokens."""
+    if offset < 0 or offset + n - 1 > len(drafted):
+        raise ValueError(f"{n} logits rows from offset={offset} need at least {offset + n - 1} drafted tokens, "
+                         f"got {len(drafted)}")
+
+
+def _unless_emptied(masked: Tensor, x: Tensor) -> Tensor:
+    """``masked``, but a row it left without a finite logit is x's: an empty distribution cannot be sampled."""
+    return torch.where(torch.isfinite(masked).any(dim=1, keepdim=True), masked, x)
+
+
 def _ids(tokens: Sequence[int] | Tensor) -> list[int]:
     if isinstance(tokens, Tensor):
         return [int(t) for t in tokens.reshape(-1).tolist()]
@@ -250,9 +262,8 @@ class LogitsProcessor:
         ids = self._held[1]
         if not ids.numel():
             return x
-        masked = x[:rows].index_fill(1, ids, float("-inf"))
         # a row that allows nothing else (a grammar's end) keeps its ends: an empty distribution cannot be sampled
-        masked = torch.where(torch.isfinite(masked).any(dim=1, keepdim=True), masked, x[:rows])
+        masked = _unless_emptied(x[:rows].index_fill(1, ids, float("-inf")), x[:rows])
         return masked if rows == x.shape[0] else torch.cat([masked, x[rows:]])
 
     def _mask_allowed(self, x: Tensor, width: int) -> Tensor:
@@ -263,12 +274,12 @@ class LogitsProcessor:
             ids = torch.tensor(self.params.allowed_token_ids or [], dtype=torch.long)
             keep[ids[ids < width]] = True
             self._allowed = (width, to_device(keep, x.device))
-        masked = x.masked_fill(~self._allowed[1], float("-inf"))
-        return torch.where(torch.isfinite(masked).any(dim=1, keepdim=True), masked, x)
+        return _unless_emptied(x.masked_fill(~self._allowed[1], float("-inf")), x)
 
     def _mask_bad_words(self, x: Tensor, drafted: list[int], offset: int) -> Tensor:
         """x with the token that would complete a bad word at -inf, row i after drafted[:offset + i]; a row left
         with nothing else (a grammar that allows only such a token) keeps what it had."""
+        _check_rows(x.shape[0], drafted, offset)
         back = max(len(s) for s in self._bad_words) - 1
         rows, cols = [], []
         for i in range(x.shape[0]):
@@ -280,15 +291,12 @@ class LogitsProcessor:
         if not rows:
             return x
         index = tuple(to_device(torch.tensor(t, dtype=torch.long), x.device) for t in (rows, cols))
-        masked = x.index_put(index, torch.tensor(float("-inf"), device=x.device))
-        return torch.where(torch.isfinite(masked).any(dim=1, keepdim=True), masked, x)
+        return _unless_emptied(x.index_put(index, torch.tensor(float("-inf"), device=x.device)), x)
 
     def _apply_dry(self, x: Tensor, drafted: list[int], offset: int) -> Tensor:
         """x less DRY's penalties, row i after the context and drafted[:offset + i] (computed on the host)."""
         n, width = x.shape
-        if offset < 0 or offset + n - 1 > len(drafted):
-            raise ValueError(f"{n} logits rows from offset={offset} need at least {offset + n - 1} drafted tokens, "
-                             f"got {len(drafted)}")
+        _check_rows(n, drafted, offset)
         if self._context is None:
             self._context = np.asarray(self._prompt_ids + self._output_ids, dtype=np.int64)
         rows, cols, values = [], [], []
@@ -318,11 +326,7 @@ class LogitsProcessor:
 
     def _apply_penalties(self, x: Tensor, drafted: list[int], offset: int) -> Tensor:
         n, width = x.shape
-        if offset < 0 or offset + n - 1 > len(drafted):
-            raise ValueError(
-                f"{n} logits rows from offset={offset} need at least {offset + n - 1} drafted tokens, "
-                f"got {len(drafted)}"
-            )
+        _check_rows(n, drafted, offset)
         p = self.params
         # The history's bookkeeping (merges, the width check) reads ids: it runs on the host, and only the rows'
         # columns and counts go to the device, so nothing here waits for it.

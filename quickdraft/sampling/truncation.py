@@ -53,15 +53,11 @@ def top_n_sigma(x: Tensor, n: float) -> Tensor:
     return x.masked_fill(x < x.amax(-1, keepdim=True) - n * std, NEG_INF)
 
 
-def _keep_sorted_mass(scores: Tensor, probs: Tensor, mass: float, descending: bool) -> Tensor:
-    """The mask of the tokens kept when they are taken in order of ``scores`` until ``mass`` of probability is
-    reached (at least one; ties with the last taken score are kept too)."""
-    sorted_scores, order = torch.sort(scores, dim=-1, descending=descending)
-    sorted_probs = probs.gather(-1, order)
+def _cut(sorted_scores: Tensor, sorted_probs: Tensor, mass: float) -> Tensor:
+    """The score of the last token taken when tokens are taken in their sorted order until ``mass`` of probability
+    is reached (at least one); the caller keeps the ties with it too."""
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly before each sorted position
-    num_keep = (before < mass).sum(dim=-1, keepdim=True).clamp(min=1)
-    last = sorted_scores.gather(-1, num_keep - 1)
-    return scores >= last if descending else scores <= last
+    return sorted_scores.gather(-1, (before < mass).sum(dim=-1, keepdim=True).clamp(min=1) - 1)
 
 
 def top_p(x: Tensor, mass: float, top_k: int) -> Tensor:
@@ -72,12 +68,10 @@ def top_p(x: Tensor, mass: float, top_k: int) -> Tensor:
     if width > candidates and x.device.type == "cpu":  # elsewhere the check would wait for the device
         # Usually the top few hundred tokens (or the top-k) already hold the mass: avoid sorting the whole row.
         sorted_probs = torch.topk(probs, candidates, dim=-1).values
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        if not bool((cum[:, -1] < mass).any()):
-            before = cum - sorted_probs
-            num_keep = (before < mass).sum(dim=-1, keepdim=True).clamp(min=1)
-            return x.masked_fill(probs < sorted_probs.gather(-1, num_keep - 1), NEG_INF)
-    return x.masked_fill(~_keep_sorted_mass(probs, probs, mass, descending=True), NEG_INF)
+        if not bool((torch.cumsum(sorted_probs, dim=-1)[:, -1] < mass).any()):  # (_cut's own sums)
+            return x.masked_fill(probs < _cut(sorted_probs, sorted_probs, mass), NEG_INF)
+    sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+    return x.masked_fill(probs < _cut(sorted_probs, sorted_probs, mass), NEG_INF)
 
 
 def typical(x: Tensor, mass: float) -> Tensor:
@@ -91,19 +85,17 @@ def typical(x: Tensor, mass: float) -> Tensor:
         # The cut is usually among the most probable tokens: every other token is at least as surprising as the
         # last of them, so where that is farther from the entropy than the cut, sorting them alone decides it.
         top_logp, top = torch.topk(logp, _TOP_P_CANDIDATES, dim=-1)
-        last = _last_kept(distance.gather(-1, top), probs.gather(-1, top), mass)
+        last = _nearest_cut(distance.gather(-1, top), probs.gather(-1, top), mass)
         if bool((last < -top_logp[:, -1:] - entropy).all()):
             return x.masked_fill((distance > last) | (probs == 0), NEG_INF)
-    last = _last_kept(distance, probs, mass)
+    last = _nearest_cut(distance, probs, mass)
     return x.masked_fill((distance > last) | (probs == 0), NEG_INF)
 
 
-def _last_kept(distance: Tensor, probs: Tensor, mass: float) -> Tensor:
-    """The distance of the last token kept when tokens are taken nearest first until ``mass`` is reached."""
+def _nearest_cut(distance: Tensor, probs: Tensor, mass: float) -> Tensor:
+    """The distance of the last token taken when tokens are taken nearest first until ``mass`` is reached."""
     sorted_distance, order = torch.sort(distance, dim=-1)
-    sorted_probs = probs.gather(-1, order)
-    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    return sorted_distance.gather(-1, (before < mass).sum(dim=-1, keepdim=True).clamp(min=1) - 1)
+    return _cut(sorted_distance, probs.gather(-1, order), mass)
 
 
 def xtc_mixture(x: Tensor, probability: float, threshold: float) -> Tensor:

@@ -72,8 +72,8 @@ class _SamplingFields(BaseModel):
     mirostat: Any = None  # refused unless 0 (below)
 
     LLAMA_SAMPLERS: ClassVar[tuple[str, ...]] = (
-        "allowed_token_ids", "bad_words", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier",
-        "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+        "allowed_token_ids", "bad_words", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
+        "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 
     @field_validator("stop")
     @classmethod
