@@ -5,8 +5,8 @@
  * IQ4_XS, the lattice i-quants, TQ1_0 / TQ2_0, Q1_0 / Q2_0, MXFP4), each repacked so that a group's dot product is
  * one int32 lane. Every format is w = scale * v + shift per group with v an unsigned byte. x is quantized per row
  * and per group of 32 to int8 (absmax / 127, round to nearest even), so each group's dot product is an exact int32
- * sum computed with vpdpbusd (u8 x s8), or on AVX2 without VNNI with vpmaddubsw + vpmaddwd, exact too (the sums never saturate, see dot8), so
- * every ISA gives the same integer sums:
+ * sum computed with vpdpbusd (u8 x s8), or on AVX2 without VNNI with vpmaddubsw + vpmaddwd, exact too (the sums
+ * never saturate, see dot8), so every ISA gives the same integer sums:
  *     y[m, n] = sum_g  scale * xs[m, g] * sum_k v x8  +  shift * xsum[m, g]
  * with xsum[m, g] = xs[m, g] * sum_k x8[m, k].
  *
