@@ -40,6 +40,8 @@ SETUPS = {
     "xtc 0.5 / 0.1": dict(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.1),
     "dry 0.8 (greedy)": dict(temperature=0, dry_multiplier=0.8),
     "dry 0.8 + min_p": dict(temperature=0.8, dry_multiplier=0.8, min_p=0.05),
+    "mirostat 1 (tau 5, eta 0.1)": dict(temperature=0.8, mirostat=1),
+    "mirostat 2 (tau 5, eta 0.1)": dict(temperature=0.8, mirostat=2),
 }
 
 

@@ -14,11 +14,11 @@ from quickdraft.paths import cache_root
 
 GREEN, RESET = "\033[32m", "\033[0m"
 
-
 # the other samplers, each as SamplingParams names it (a llama.cpp user's --repeat-penalty is --repetition-penalty)
 LLAMA_SAMPLER_ARGS = {"min_p": float, "repetition_penalty": float, "typical_p": float, "top_n_sigma": float,
                       "xtc_probability": float, "xtc_threshold": float, "dry_multiplier": float, "dry_base": float,
-                      "dry_allowed_length": int, "dry_penalty_last_n": int, "dry_sequence_breakers": str}
+                      "dry_allowed_length": int, "dry_penalty_last_n": int, "dry_sequence_breakers": str,
+                      "mirostat": int, "mirostat_tau": float, "mirostat_eta": float}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, max_tokens_help: str | None = None) -> None:
@@ -52,9 +52,10 @@ def request_params(args: argparse.Namespace):
     from quickdraft.sampling import SamplingParams
     cap = args.max_draft_tokens
     given = {k: getattr(args, k) for k in LLAMA_SAMPLER_ARGS if getattr(args, k) is not None}
-    if args.temperature == 0 and {"min_p", "typical_p", "top_n_sigma", "xtc_probability"} & set(given):
-        raise InvalidParameterError("--min-p, --typical-p, --top-n-sigma and --xtc-* choose among sampled tokens: "
-                                    "give --temperature > 0 (the CLI decodes greedily by default)")
+    if args.temperature == 0 and any(given.get(k) for k in ("min_p", "typical_p", "top_n_sigma", "xtc_probability",
+                                                            "mirostat")):  # (mirostat 0 is off)
+        raise InvalidParameterError("--min-p, --typical-p, --top-n-sigma, --xtc-* and --mirostat choose among sampled "
+                                    "tokens: give --temperature > 0 (the CLI decodes greedily by default)")
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, **given,
                           speculative=True if cap is None else {"max_draft_tokens": cap},
@@ -124,10 +125,9 @@ def llm_options(args: argparse.Namespace, **extra) -> dict:
     k = args.k if args.k == "auto" else int(args.k)
     return dict(draft=args.draft, speculative=args.speculative, num_speculative_tokens=k, dtype=args.dtype,
                 weights=args.weights, draft_weights=args.draft_weights, device=args.device,
-                max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads,
-                kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, max_memory=args.max_memory,
-                suffix_scope=args.suffix_scope, suffix_cache_tokens=args.suffix_cache_tokens,
-                static_step=args.static_step, launch_ahead=args.launch_ahead, gpu_linears=args.gpu_linears, **extra)
+                max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads, **extra,
+                **{name: getattr(args, name) for name in ("kv_cache_memory", "kv_cache_dtype", "max_memory",
+                   "suffix_scope", "suffix_cache_tokens", "static_step", "launch_ahead", "gpu_linears")})
 
 
 def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):

@@ -229,7 +229,7 @@ class Session:
             raise PromptTooLongError(f"the session holds {len(self.history)} tokens, the context window is "
                                      f"{self.loaded.max_model_len}; nothing more can be generated")
         carried = CarriedState(self.kv, self.spec, self.generator, output_ids=list(done),
-                               delivered_chars=turn.delivered_chars)
+                               delivered_chars=turn.delivered_chars, mirostat_mu=turn.mirostat_mu)
         rid = self.loaded.engine.add_request(self.history[:turn.start], params, carried=carried)
         self.interrupted = None
         self._active = rid
@@ -276,6 +276,7 @@ class Session:
                 self.messages.append({"role": "assistant", "content": seq.text})
         else:
             turn.delivered_chars = seq.delivered_chars
+            turn.mirostat_mu = None if seq.processor.mirostat is None else seq.processor.mirostat.mu
             self.interrupted = turn
 
     # ---- snapshots --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ FILE_MODE = 0o600  # a snapshot holds the conversation: readable by its owner on
 # the session record's fields (version 1); a snapshot with more or fewer is not one this release wrote
 FIELDS = frozenset({"format", "version", "identity", "history", "cached", "turns", "interrupted", "spec", "messages"})
 TURN_FIELDS = frozenset({"params", "start", "chat", "delivered_chars"})
+TURN_OPTIONAL = frozenset({"mirostat_mu"})  # written by releases that run mirostat
 
 
 
@@ -42,10 +44,11 @@ class Turn:
     start: int  # index in the history where the turn's output starts
     chat: bool  # a chat reply (appended to the messages when it completes)
     delivered_chars: int = 0  # characters of its text the caller already received
+    mirostat_mu: float | None = None  # where it samples with mirostat: its state, which its tokens alone do not give
 
     def to_json(self) -> dict:
         return {"params": dataclasses.asdict(self.params), "start": self.start, "chat": self.chat,
-                "delivered_chars": self.delivered_chars}
+                "delivered_chars": self.delivered_chars, "mirostat_mu": self.mirostat_mu}
 
     @classmethod
     def from_json(cls, d: Any, history_len: int, vocab_size: int) -> "Turn":
@@ -53,7 +56,7 @@ class Turn:
         if not isinstance(d, dict):
             raise ValueError(f"interrupted is {show(d)}; it must be null or an object with "
                              f"{', '.join(sorted(TURN_FIELDS))}")
-        check_keys(d, TURN_FIELDS, "interrupted")
+        check_keys(d, TURN_FIELDS, "interrupted", optional=TURN_OPTIONAL)
         params = d["params"]
         if not isinstance(params, dict):
             raise ValueError(f"interrupted.params is {show(params)}; it must be an object of sampling parameters")
@@ -67,7 +70,11 @@ class Turn:
         start = bounded_int(d["start"], "interrupted.start", 1, history_len)
         if not isinstance(d["chat"], bool):
             raise ValueError(f"interrupted.chat is {show(d['chat'])}; it must be true or false")
-        return cls(sampling, start, d["chat"], bounded_int(d["delivered_chars"], "interrupted.delivered_chars", 0, MAX_COUNT))
+        mu = d.get("mirostat_mu")
+        if mu is not None and (isinstance(mu, bool) or not isinstance(mu, (int, float)) or not math.isfinite(mu)):
+            raise ValueError(f"interrupted.mirostat_mu is {show(mu)}; it must be null or a finite number")
+        delivered = bounded_int(d["delivered_chars"], "interrupted.delivered_chars", 0, MAX_COUNT)
+        return cls(sampling, start, d["chat"], delivered, None if mu is None else float(mu))
 
 
 @dataclass

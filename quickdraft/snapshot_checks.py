@@ -73,13 +73,13 @@ def check_identity(theirs: Any, ours: dict, path: Path) -> None:
 
 
 # ---- checking a snapshot's record ---------------------------------------------------------------------------
-def check_keys(d: dict, expected: frozenset[str], what: str) -> None:
-    missing, extra = sorted(expected - set(d)), sorted(set(d) - expected)
+def check_keys(d: dict, expected: frozenset[str], what: str, optional: frozenset[str] = frozenset()) -> None:
+    missing, extra = sorted(expected - set(d)), sorted(set(d) - expected - optional)
     if missing:
         raise ValueError(f"{what} lacks {', '.join(missing)}")
     if extra:
         raise ValueError(f"{what} has unexpected {', '.join(map(short, extra))} "
-                         f"(it holds {', '.join(sorted(expected))})")
+                         f"(it holds {', '.join(sorted(expected | optional))})")
 
 
 def bounded_int(value: Any, what: str, low: int, high: int) -> int:

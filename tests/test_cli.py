@@ -111,6 +111,12 @@ def test_generate_with_suffix_decoding_and_a_per_request_cap(tiny_dir, tmp_path)
     assert bad.returncode == 2 and "dry_base must be >= 1, got 0.5" in bad.stderr
     greedy_typical = _run(common + ["--typical-p", "0.9"], cache)
     assert greedy_typical.returncode == 2 and "give --temperature > 0" in greedy_typical.stderr
+    # mirostat with tau 0 and eta 0 keeps only the most probable token: the greedy text at any temperature
+    pinned = _run(common + ["--temperature", "1.5", "--mirostat", "2", "--mirostat-tau", "0", "--mirostat-eta", "0"],
+                  cache)
+    assert pinned.returncode == 0 and pinned.stdout == plain.stdout, pinned.stderr
+    greedy_mirostat = _run(common + ["--mirostat", "1"], cache)
+    assert greedy_mirostat.returncode == 2 and "--mirostat choose among sampled" in greedy_mirostat.stderr
 
 
 def test_generate_with_a_draft_of_another_family():

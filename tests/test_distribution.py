@@ -29,7 +29,7 @@ from scipy.stats import chisquare
 import quickdraft.engine.verify_step as verify_step
 from quickdraft import LLM, SamplingParams
 from quickdraft.kv import ForwardItem, SequenceKV
-from quickdraft.sampling import LogitsProcessor, sequence_breakers
+from quickdraft.sampling import LogitsProcessor, mirostat, sequence_breakers
 from quickdraft.sampling.sampler import draw
 from quickdraft.speculative.verify import verify_with_uniforms
 
@@ -46,33 +46,36 @@ TRANSFORMS = {
     # which are what n-gram lookup drafts
     "llama_samplers": {"typical_p": 0.9, "top_n_sigma": 2.0, "xtc_probability": 0.5, "xtc_threshold": 0.1},
     "dry": {"dry_multiplier": 0.8, "dry_allowed_length": 2},
+    # mirostat's state follows each token and the row it came from: a draft's row must see the mu its drafts lead to
+    "mirostat_v1": {"mirostat": 1, "mirostat_tau": 1.5, "mirostat_eta": 1.0},
+    "mirostat_v2": {"mirostat": 2, "mirostat_tau": 1.5, "mirostat_eta": 1.0},
 }
 
 
 def exact_distribution(llm: LLM, params: SamplingParams, length: int = 3) -> dict[tuple[int, ...], float]:
-    """P(t1, ..., t_length) by enumeration with the same transforms the request asks for."""
-    def next_probs(outputs: tuple[int, ...]) -> torch.Tensor:
+    """P(t1, ..., t_length) by enumeration with the same transforms the request asks for, one token at a time (each
+    prefix's processor has committed it, as plain sampling's has)."""
+    def next_probs(outputs: tuple[int, ...], proc: LogitsProcessor) -> torch.Tensor:
         kv = SequenceKV()
-        ids = PROMPT + list(outputs)
-        (logits,) = llm.target.forward([ForwardItem(kv, ids, 1)])
+        (logits,) = llm.target.forward([ForwardItem(kv, PROMPT + list(outputs), 1)])
         llm.target.free(kv)
-        breakers = sequence_breakers(llm.tokenizer, params.dry_sequence_breakers) if params.uses_dry else None
-        proc = LogitsProcessor(params, PROMPT, VOCAB, breakers=breakers)
-        proc.accept(list(outputs))
         return proc.probs(logits)[0].double()
 
     dist = {}
 
-    def walk(prefix: tuple[int, ...], prob: float) -> None:
-        p = next_probs(prefix)
+    def walk(prefix: tuple[int, ...], prob: float, proc: LogitsProcessor) -> None:
+        p = next_probs(prefix, proc)
         for t in range(VOCAB):
             if p[t] > 0:
                 if len(prefix) + 1 == length:
                     dist[prefix + (t,)] = float(prob * p[t])
                 else:
-                    walk(prefix + (t,), prob * p[t])
+                    child = proc.fork()
+                    child.accept([t])
+                    walk(prefix + (t,), prob * p[t], child)
 
-    walk((), 1.0)
+    breakers = sequence_breakers(llm.tokenizer, params.dry_sequence_breakers) if params.uses_dry else None
+    walk((), 1.0, LogitsProcessor(params, PROMPT, VOCAB, breakers=breakers))
     return dist
 
 
@@ -131,11 +134,12 @@ def make_llm(models, drafter: str, weights: str = "float32", **options) -> LLM:
 
 
 FULL = [(d, t, x) for d in ("ngram", "suffix", "self", "draft-poor", "draft-same") for t in (0.7, 1.0, 1.5) for x in TRANSFORMS]
-# CI runs a subset that still covers every drafter, temperature and transform; QUICKDRAFT_FULL_DIST=1 runs all 60.
+# CI runs a subset that still covers every drafter, temperature and transform; QUICKDRAFT_FULL_DIST=1 runs all 120.
 CI_SUBSET = [("draft-poor", 1.0, "plain"), ("draft-poor", 0.7, "topk_topp"), ("draft-poor", 1.5, "penalties"),
              ("ngram", 1.0, "penalties"), ("self", 0.7, "plain"), ("draft-same", 1.5, "topk_topp"),
              ("suffix", 1.0, "plain"), ("ngram", 1.0, "min_tokens"), ("draft-poor", 0.7, "min_tokens"),
-             ("ngram", 1.0, "dry"), ("draft-poor", 1.0, "llama_samplers"), ("self", 1.5, "dry")]
+             ("ngram", 1.0, "dry"), ("draft-poor", 1.0, "llama_samplers"), ("self", 1.5, "dry"),
+             ("draft-poor", 1.0, "mirostat_v2"), ("ngram", 1.5, "mirostat_v1")]
 CASES = FULL if os.environ.get("QUICKDRAFT_FULL_DIST") else CI_SUBSET
 # quantized weights: the reference is the quantized target's own distribution
 CASES = [(*c, "float32") for c in CASES] + [("draft-poor", 1.0, "topk_topp", "int8"), ("ngram", 0.7, "penalties", "int4"),
@@ -168,6 +172,20 @@ def test_broken_verifier_fails_the_same_test(models, monkeypatch, drafter, tempe
     llm = make_llm(models, drafter, weights)
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True, **TRANSFORMS[transform])
     dist = exact_distribution(llm, params)
+    assert chi_square_pvalue(sample_engine(llm, params, SAMPLES), dist) < 0.001
+
+
+def mirostat_without_drafts(x, mu, drafted, offset, version, tau, eta, vocab_size):
+    """The bug mirostat invites: every row of a verify pass kept with the committed mu, as if no draft came before."""
+    return torch.stack([mirostat.keep(x[i], mu, version, vocab_size) for i in range(x.shape[0])])
+
+
+def test_mirostat_that_ignores_the_drafts_fails_the_same_test(models, monkeypatch):
+    assert ("draft-poor", 1.0, "mirostat_v2", "float32") in CASES
+    llm = make_llm(models, "draft-poor")
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, **TRANSFORMS["mirostat_v2"])
+    dist = exact_distribution(llm, params)
+    monkeypatch.setattr(mirostat, "rows", mirostat_without_drafts)
     assert chi_square_pvalue(sample_engine(llm, params, SAMPLES), dist) < 0.001
 
 

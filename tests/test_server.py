@@ -257,6 +257,13 @@ def test_llama_cpp_samplers_and_allowed_token_ids(plain, spec):
         extra_body={"ignore_eos": True, "typical_p": 0.9, "top_n_sigma": 1.5, "xtc_probability": 0.5,
                     "xtc_threshold": 0.05, "dry_multiplier": 0.8, "dry_sequence_breakers": ["t5"]})
     assert sampled.usage.completion_tokens == 8
+    # mirostat with tau 0 and eta 0 keeps only the most probable token: greedy, at any temperature, drafted or not
+    pinned = {"ignore_eos": True, "mirostat": 2, "mirostat_tau": 0, "mirostat_eta": 0}
+    expected = plain.client().completions.create(**greedy, extra_body={"ignore_eos": True}).choices[0].text
+    for server, model in ((plain, "tiny"), (spec, "tiny-spec")):
+        got = server.client().completions.create(**{**greedy, "model": model, "temperature": 1.5}, seed=4,
+                                                 extra_body=pinned)
+        assert got.choices[0].text == expected
 
 
 def test_models_health_metrics(plain):
@@ -407,7 +414,8 @@ BAD_REQUESTS = [
     ({"prompt": "t1", "xtc_probability": "high"}, 400, "xtc_probability", "a number in [0, 1]"),
     ({"prompt": "t1", "typical_p": 1e38}, 400, "typical_p", "(0, 1]"),
     ({"prompt": "t1", "allowed_token_ids": [64]}, 400, "allowed_token_ids", "a token id in [0, 64), got 64"),
-    ({"prompt": "t1", "mirostat": 2}, 400, "mirostat", "mirostat is not supported (0 only)"),
+    ({"prompt": "t1", "mirostat": 3}, 400, "mirostat", "mirostat must be 0 (off), 1 or 2"),
+    ({"prompt": "t1", "mirostat": 2, "mirostat_tau": 1e38}, 400, "mirostat_tau", "mirostat_tau must be in [0, 100]"),
 ]
 
 

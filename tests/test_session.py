@@ -26,6 +26,9 @@ from quickdraft import snapshot as snapshot_module
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True, frequency_penalty=0.4)
+# mirostat's state is not in the tokens: a resumed turn needs it from the snapshot
+MIROSTAT = SamplingParams(max_tokens=24, temperature=1.0, seed=12, ignore_eos=True, mirostat=2, mirostat_tau=2.5,
+                          mirostat_eta=0.5)
 CUTS = (1, 4, 9)
 
 
@@ -97,7 +100,7 @@ def test_interrupted_turns_resume_exactly_in_a_new_process(paths, llms, tmp_path
         llm = llms[kind]
         llm_args = {"model": str(paths["target"]), "dtype": "float32", "kv_cache_memory": "16MiB",
                     **({"draft": str(paths["draft"])} if kind == "draft" else {"speculative": "ngram"})}
-        for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        for name, params in (("greedy", GREEDY), ("sampled", SAMPLED), ("mirostat", MIROSTAT)):
             with llm.session() as s:
                 reference = s.generate(PROMPT, params).token_ids
             assert len(reference) == params.max_tokens

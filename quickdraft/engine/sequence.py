@@ -40,13 +40,14 @@ class CarriedState:
     generator: torch.Generator
     output_ids: list[int] = field(default_factory=list)  # tokens an interrupted turn already generated
     delivered_chars: int | None = None  # how much of their text the caller already has
+    mirostat_mu: float | None = None  # mirostat's state after them, where the turn samples with it
     keep_kv: bool = True
 
     def apply(self, seq: "Sequence") -> None:
         self.kv.setdefault("target", SequenceKV())
         seq.kv, seq.spec, seq.generator, seq.keep_kv = self.kv, self.spec, self.generator, self.keep_kv
         if self.output_ids:
-            seq.resume(self.output_ids, self.delivered_chars)
+            seq.resume(self.output_ids, self.delivered_chars, self.mirostat_mu)
 
 
 @dataclass(eq=False)  # identity: a sequence is found in queues by who it is, not by value
@@ -107,16 +108,20 @@ class Sequence:
         cap = self.params.max_draft_tokens
         return max(0, room if cap is None else min(room, cap))
 
-    def resume(self, output_ids: list[int], delivered_chars: int | None = None) -> None:
+    def resume(self, output_ids: list[int], delivered_chars: int | None = None,
+               mirostat_mu: float | None = None) -> None:
         """Continue an interrupted generation whose first ``output_ids`` were generated earlier (perhaps in
         another process): they count towards ``max_tokens``, feed the penalties and the detokenizer, and stop
         strings spanning the cut are still found, but they are not returned again. ``delivered_chars``: how
-        much of their text the caller already has (default all of it that was complete)."""
+        much of their text the caller already has (default all of it that was complete); ``mirostat_mu``: mirostat's
+        state after them (where the request samples with it: its tokens alone do not give it)."""
         if len(self.token_ids) != len(self.prompt_ids) or self.metrics.ttft_s is not None:
             raise RuntimeError("resume() must be called on a sequence that has not generated anything yet")
         self.token_ids.extend(output_ids)
         self._from_draft.extend([False] * len(output_ids))
         self.processor.accept(output_ids)
+        if self.processor.mirostat is not None:
+            self.processor.mirostat.restart(mirostat_mu)
         if self.params.logprobs is not None:
             self.logprobs.extend({} for _ in output_ids)  # placeholders; only the new tokens are returned
         for n_out, token in enumerate(output_ids, 1):

@@ -33,6 +33,8 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18  # as many as the largest vocabularies hold (Gem
 MAX_DRY_BREAKERS = 16
 MAX_DRY_BREAKER_CHARS = 40  # llama.cpp's own limit: each breaker's overlaps with every token are looked up once
 DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's defaults
+# a float32 probability has at most about 150 bits of surprise; beyond 100, mirostat keeps every token anyway
+MAX_MIROSTAT_TAU, MAX_MIROSTAT_ETA = 100.0, 10.0
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 64, 200  # each word is two token sequences matched against the output each row
 
 
@@ -140,6 +142,12 @@ class SamplingParams:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = -1
     dry_sequence_breakers: list[str] | None = None
+    # Mirostat (llama.cpp's, sampling/mirostat.py): version 1 or 2 steers each token's surprise (-log2 p) towards
+    # mirostat_tau, moving its bound by mirostat_eta a step, in place of top-k, top-p, min-p, typical_p, top_n_sigma
+    # and XTC (ignored while it runs, as llama.cpp ignores them); 0: off
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -335,6 +343,9 @@ class SamplingParams:
         check("dry_base", ">= 1", lambda v: v >= 1)
         check("dry_allowed_length", ">= 1", lambda v: v >= 1, integral=True)
         check("dry_penalty_last_n", ">= -1 (-1: the whole context, 0 disables)", lambda v: v >= -1, integral=True)
+        check("mirostat", "0 (off), 1 or 2 (the version)", lambda v: v in (0, 1, 2), integral=True)
+        check("mirostat_tau", f"in [0, {MAX_MIROSTAT_TAU:g}] (bits of surprise)", lambda v: 0 <= v <= MAX_MIROSTAT_TAU)
+        check("mirostat_eta", f"in [0, {MAX_MIROSTAT_ETA:g}]", lambda v: 0 <= v <= MAX_MIROSTAT_ETA)
         breakers = DRY_SEQUENCE_BREAKERS if self.dry_sequence_breakers is None else self.dry_sequence_breakers
         self.dry_sequence_breakers = _check_strings("dry_sequence_breakers", breakers, MAX_DRY_BREAKERS,
                                                     MAX_DRY_BREAKER_CHARS)
@@ -377,8 +388,8 @@ class SamplingParams:
     @property
     def has_truncation(self) -> bool:
         """A sampler after the temperature would change the distribution: top-k, top-p, min-p, typical_p,
-        top_n_sigma or XTC."""
-        return (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.typical_p < 1.0
+        top_n_sigma or XTC (none runs under mirostat)."""
+        return not self.mirostat and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.typical_p < 1.0
                 or self.top_n_sigma > 0 or (self.xtc_probability > 0 and self.xtc_threshold <= 0.5))
 
     @property

@@ -9,7 +9,8 @@ position i*. :class:`LogitsProcessor` does that: row ``i`` of ``process`` sees
 Order of transforms (as vLLM): the grammar's mask (structured outputs) and ``allowed_token_ids``, the ends of the
 sequence masked before ``min_tokens`` (where anything else is allowed), logit_bias, repetition penalty (prompt +
 output tokens), frequency and presence penalties (output tokens only), DRY (``dry.py``), then for temperature > 0:
-the temperature and the samplers that keep part of the vocabulary (``truncation.py``).
+the temperature and the samplers that keep part of the vocabulary (``truncation.py``), or mirostat in their place
+(``mirostat.py``: its state follows the committed tokens and the target's rows they were drawn from, see ``probs``).
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from torch import Tensor
 from quickdraft.sampling.bad_words import bad_word_ids, banned_next
 from quickdraft.sampling.dry import SequenceBreakers, dry_penalties, sequence_breakers
 from quickdraft.sampling.grammar import GrammarState
+from quickdraft.sampling.mirostat import Mirostat
 from quickdraft.sampling.params import SamplingParams
+from quickdraft.sampling.penalties import Penalties
 from quickdraft.sampling.sampler import to_device
 from quickdraft.sampling.truncation import truncate
 from quickdraft.tokenizer import Tokenizer
@@ -32,19 +35,6 @@ from quickdraft.tokenizer import Tokenizer
 # Below this temperature the logits are shifted by their row max before the division, so a large logit over a
 # small temperature cannot overflow to inf (softmax is shift invariant). SamplingParams bounds the temperature.
 _SMALL_TEMPERATURE = 1e-3
-
-
-def _merge(cols: Tensor, in_prompt: Tensor, counts: Tensor, new: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Add ids ``new`` to the sorted distinct ``cols``; returns new tensors and the positions of ``new``."""
-    merged, inv = torch.unique(torch.cat([cols, new]), sorted=True, return_inverse=True)
-    m = cols.numel()
-    if merged.numel() == m:  # nothing new: keep the tensors
-        return cols, in_prompt, counts, inv[m:]
-    in_prompt2 = torch.zeros(merged.numel(), dtype=torch.bool, device=cols.device)
-    in_prompt2[inv[:m]] = in_prompt
-    counts2 = torch.zeros(merged.numel(), dtype=counts.dtype, device=cols.device)
-    counts2[inv[:m]] = counts
-    return merged, in_prompt2, counts2, inv[m:]
 
 
 def _check_rows(n: int, drafted: Sequence[int], offset: int) -> None:
@@ -93,8 +83,7 @@ class LogitsProcessor:
         self.device = torch.device(device)
         self._prompt_ids = _ids(prompt_ids)
         self._output_ids: list[int] = []
-        self._use_rep = params.repetition_penalty != 1.0
-        self._use_counts = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        self._penalties = Penalties(params, self._prompt_ids) if params.has_penalties else None
         self._use_bias = bool(params.logit_bias)
         self._breakers = (breakers or SequenceBreakers.none()) if params.uses_dry else None
         self._context: np.ndarray | None = None  # prompt + committed output, for DRY (built when first needed)
@@ -104,12 +93,8 @@ class LogitsProcessor:
         ends = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else {int(t) for t in eos_ids})
         self._held_ends = sorted(ends) if params.min_tokens > 0 else []
         self._held: tuple[int, Tensor] | None = None  # (width, the held ids below it) on the logits' device
-        # Lazily built caches. _hist = (cols, in_prompt, counts): the sorted distinct token ids of
-        # prompt + committed output, whether each is in the prompt, and its output count. Penalties
-        # touch only these columns, never a whole 150k-wide row. Tensors in it are never modified
-        # in place (fork shares them).
-        self._hist: tuple[Tensor, Tensor, Tensor] | None = None
         self._bias: tuple[int, Tensor, Tensor] | None = None
+        self._mirostat = Mirostat(params, vocab_size) if params.mirostat and not params.greedy else None
 
     # ---------------------------------------------------------------- history
     @property
@@ -124,7 +109,7 @@ class LogitsProcessor:
         call on the device."""
         return (self.params.greedy and self.grammar is None and self._breakers is None
                 and self.params.allowed_token_ids is None and not self._bad_words
-                and not (self._use_bias or self._use_rep or self._use_counts or self._holds_ends(0)))
+                and not (self._use_bias or self._penalties is not None or self._holds_ends(0)))
 
     def _holds_ends(self, first: int) -> int:
         """How many rows from output position len(output) + first on have the ends of the sequence masked."""
@@ -150,22 +135,34 @@ class LogitsProcessor:
             return
         if self.grammar is not None:
             self.grammar.accept(ids)
+        if self._mirostat is not None:
+            self._mirostat.accept(ids)
         self._output_ids.extend(ids)
         if self._context is not None:
             self._context = np.concatenate((self._context, np.asarray(ids, dtype=np.int64)))
-        if self._hist is not None:
-            cols, in_prompt, counts = self._hist
-            new = torch.tensor(ids, dtype=torch.long, device=cols.device)
-            cols, in_prompt, counts, pos = _merge(cols, in_prompt, counts, new)
-            counts = counts.index_add(0, pos, torch.ones(len(ids), device=cols.device))
-            self._hist = (cols, in_prompt, counts)
+        if self._penalties is not None:
+            self._penalties.accept(ids)
+
+    @property
+    def mirostat(self) -> Mirostat | None:
+        """The request's mirostat state (None without it): its ``mu`` is what resuming the output needs beside its
+        tokens."""
+        return self._mirostat
 
     def state_dict(self) -> dict[str, Any]:
-        return {"output_ids": list(self._output_ids)}
+        state: dict[str, Any] = {"output_ids": list(self._output_ids)}
+        if self._mirostat is not None:
+            state["mirostat_mu"] = self._mirostat.mu
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The committed output (and mirostat's mu, where the state has it) of ``state_dict``."""
         self._output_ids = _ids(state["output_ids"])
-        self._hist = self._context = None  # rebuilt lazily from the history
+        if self._mirostat is not None:
+            self._mirostat.restart(state.get("mirostat_mu"))
+        self._context = None  # rebuilt lazily from the history
+        if self._penalties is not None:
+            self._penalties.restart(self._output_ids)
         if self.grammar is not None:
             self.grammar.reset()
             self.grammar.accept(self._output_ids)
@@ -175,22 +172,11 @@ class LogitsProcessor:
         other = copy.copy(self)
         other._output_ids = list(self._output_ids)
         other.grammar = None if self.grammar is None else self.grammar.fork()
+        other._mirostat = None if self._mirostat is None else self._mirostat.fork()
+        other._penalties = None if self._penalties is None else self._penalties.fork()
         return other
 
     # ------------------------------------------------------------------ caches
-    def _history(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(cols, in_prompt, counts), on the host."""
-        if self._hist is None:
-            prompt = torch.tensor(self._prompt_ids, dtype=torch.long)
-            out = torch.tensor(self._output_ids, dtype=torch.long)
-            cols, inv = torch.unique(torch.cat([prompt, out]), sorted=True, return_inverse=True)
-            in_prompt = torch.zeros(cols.numel(), dtype=torch.bool)
-            in_prompt[inv[: prompt.numel()]] = True
-            counts = torch.zeros(cols.numel(), dtype=torch.float32)
-            counts.index_add_(0, inv[prompt.numel():], torch.ones(out.numel()))
-            self._hist = (cols, in_prompt, counts)
-        return self._hist
-
     def _bias_tensors(self, device: torch.device, width: int) -> tuple[Tensor, Tensor]:
         """The bias's ids below ``width`` (the logits' width: ids beyond it are ignored) and its values."""
         if self._bias is None or self._bias[0] != width or self._bias[1].device != device:
@@ -237,12 +223,13 @@ class LogitsProcessor:
         if held:
             x = self._mask_ends(x, held, width)
 
-        if self._use_bias or self._use_rep or self._use_counts:
-            if self._use_bias:
-                idx, val = self._bias_tensors(x.device, width)
-                x = x.index_add(1, idx, val.unsqueeze(0).expand(n, -1))
-            if self._use_rep or self._use_counts:
-                x = self._apply_penalties(x, _ids(drafted), offset if start is None else start)
+        if self._use_bias:
+            idx, val = self._bias_tensors(x.device, width)
+            x = x.index_add(1, idx, val.unsqueeze(0).expand(n, -1))
+        if self._penalties is not None:
+            first = offset if start is None else start
+            _check_rows(n, _ids(drafted), first)
+            x = self._penalties.apply(x, _ids(drafted), first)
         if self._breakers is not None:
             x = self._apply_dry(x, _ids(drafted), offset if start is None else start)
 
@@ -250,7 +237,11 @@ class LogitsProcessor:
             return x.squeeze(0) if squeeze else x
 
         x = self._apply_temperature(x, p.temperature)
-        if p.has_truncation:
+        if self._mirostat is not None:
+            first = offset if start is None else start
+            _check_rows(n, _ids(drafted), first)
+            x = self._mirostat.rows(x, _ids(drafted), first)
+        elif p.has_truncation:
             x = truncate(x, p)
         return x.squeeze(0) if squeeze else x
 
@@ -317,51 +308,17 @@ class LogitsProcessor:
     def probs(
         self, logits: Tensor, drafted: Sequence[int] | Tensor = (), offset: int = 0, *, start: int | None = None
     ) -> Tensor:
-        """softmax(process(...)); for greedy params a one-hot of the argmax."""
+        """softmax(process(...)); for greedy params a one-hot of the argmax.
+
+        The target's distribution, row i after drafted[:i] (a drafter calls ``process``): under mirostat its rows
+        are kept until the tokens drawn from them are committed (``accept``), which advance mu from them."""
         x = self.process(logits, drafted, offset, start=start)
         if self.params.greedy:
             out = torch.zeros_like(x)
             return out.scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+        if self._mirostat is not None and (offset if start is None else start) == 0:
+            self._mirostat.drawn_from(x if x.dim() == 2 else x.unsqueeze(0), _ids(drafted))
         return torch.softmax(x, dim=-1)
-
-    def _apply_penalties(self, x: Tensor, drafted: list[int], offset: int) -> Tensor:
-        n, width = x.shape
-        _check_rows(n, drafted, offset)
-        p = self.params
-        # The history's bookkeeping (merges, the width check) reads ids: it runs on the host, and only the rows'
-        # columns and counts go to the device, so nothing here waits for it.
-        device = torch.device("cpu")
-        cols, in_prompt, counts = self._history()
-        extra = drafted[: offset + n - 1]
-        if extra:
-            # Row i also counts drafted[:offset + i].
-            d = torch.tensor(extra, dtype=torch.long, device=device)
-            cols, in_prompt, counts, pos = _merge(cols, in_prompt, counts, d)
-            rows_seen = (torch.arange(len(extra), device=device).unsqueeze(0)
-                         < (offset + torch.arange(n, device=device)).unsqueeze(1))  # [n, D]
-            row_idx = torch.arange(n, device=device).unsqueeze(1).expand(n, len(extra))[rows_seen]
-            col_idx = pos.unsqueeze(0).expand(n, len(extra))[rows_seen]
-            counts = counts.unsqueeze(0).expand(n, -1).clone()
-            counts.index_put_((row_idx, col_idx), torch.ones(row_idx.numel(), device=device), accumulate=True)
-        else:
-            counts = counts.unsqueeze(0).expand(n, -1)
-        if cols.numel() and int(cols[-1]) >= width:  # ids beyond the logits width are ignored
-            m = int(torch.searchsorted(cols, width))
-            cols, in_prompt, counts = cols[:m], in_prompt[:m], counts[:, :m]
-        if cols.numel() == 0:
-            return x
-        cols, in_prompt, counts = (to_device(t.contiguous(), x.device) for t in (cols, in_prompt, counts))
-        block = x.index_select(1, cols)  # [n, m]
-        seen = counts > 0
-        if self._use_rep:
-            r = p.repetition_penalty
-            mask = seen | in_prompt.unsqueeze(0)
-            block = torch.where(mask, torch.where(block > 0, block / r, block * r), block)
-        if p.frequency_penalty != 0.0:
-            block = block - p.frequency_penalty * counts
-        if p.presence_penalty != 0.0:
-            block = block - p.presence_penalty * seen.to(block.dtype)
-        return x.index_copy(1, cols, block)
 
     @staticmethod
     def _apply_temperature(x: Tensor, t: float) -> Tensor:

@@ -68,12 +68,14 @@ class _SamplingFields(BaseModel):
     dry_allowed_length: Any = None
     dry_penalty_last_n: Any = None
     dry_sequence_breakers: Any = None
-
-    mirostat: Any = None  # refused unless 0 (below)
+    mirostat: Any = None
+    mirostat_tau: Any = None
+    mirostat_eta: Any = None
 
     LLAMA_SAMPLERS: ClassVar[tuple[str, ...]] = (
         "allowed_token_ids", "bad_words", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
-        "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+        "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+        "mirostat", "mirostat_tau", "mirostat_eta")
 
     @field_validator("stop")
     @classmethod
@@ -83,14 +85,6 @@ class _SamplingFields(BaseModel):
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
         raise ValueError("stop must be a string or a list of strings")
-
-    @field_validator("mirostat")
-    @classmethod
-    def _mirostat(cls, value: Any) -> Any:
-        if value is None or (value == 0 and not isinstance(value, bool)):
-            return value
-        raise ValueError("mirostat is not supported (0 only): quickdraft has no sampler whose state follows every "
-                         "sampled token; typical_p, top_n_sigma or min_p bound the surprise instead")
 
     @field_validator("logit_bias")
     @classmethod

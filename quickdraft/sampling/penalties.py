@@ -1,0 +1,105 @@
+"""The repetition, frequency and presence penalties (vLLM's): the repetition penalty divides (or multiplies) the logit
+of every id of the prompt and the output; the frequency penalty subtracts in proportion to an id's count in the
+output, the presence penalty once for an id the output holds.
+
+They touch only the columns of the ids the history holds, never a whole 150k-wide row: ``Penalties`` keeps those
+ids sorted and distinct, whether each is in the prompt and its output count, built when first needed and updated
+as tokens are committed. Row i of a verification also counts the drafts before it.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from quickdraft.sampling.params import SamplingParams
+from quickdraft.sampling.sampler import to_device
+
+
+def _merge(cols: Tensor, in_prompt: Tensor, counts: Tensor, new: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Add ids ``new`` to the sorted distinct ``cols``; returns new tensors and the positions of ``new``."""
+    merged, inv = torch.unique(torch.cat([cols, new]), sorted=True, return_inverse=True)
+    m = cols.numel()
+    if merged.numel() == m:  # nothing new: keep the tensors
+        return cols, in_prompt, counts, inv[m:]
+    in_prompt2 = torch.zeros(merged.numel(), dtype=torch.bool, device=cols.device)
+    in_prompt2[inv[:m]] = in_prompt
+    counts2 = torch.zeros(merged.numel(), dtype=counts.dtype, device=cols.device)
+    counts2[inv[:m]] = counts
+    return merged, in_prompt2, counts2, inv[m:]
+
+
+class Penalties:
+    """One output's penalties over its prompt and committed tokens. The history's tensors live on the host (its
+    bookkeeping reads ids) and are never changed in place, so a fork shares them."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int]) -> None:
+        self.params = params
+        self._prompt_ids = prompt_ids
+        self._output_ids: list[int] = []
+        self._hist: tuple[Tensor, Tensor, Tensor] | None = None  # (cols, in_prompt, counts)
+
+    def fork(self) -> "Penalties":
+        other = copy.copy(self)
+        other._output_ids = list(self._output_ids)
+        return other
+
+    def restart(self, output_ids: list[int]) -> None:
+        """Count ``output_ids`` as the whole committed output."""
+        self._output_ids, self._hist = list(output_ids), None
+
+    def accept(self, ids: list[int]) -> None:
+        self._output_ids.extend(ids)
+        if self._hist is not None:
+            cols, in_prompt, counts = self._hist
+            cols, in_prompt, counts, pos = _merge(cols, in_prompt, counts, torch.tensor(ids, dtype=torch.long))
+            self._hist = (cols, in_prompt, counts.index_add(0, pos, torch.ones(len(ids))))
+
+    def _history(self) -> tuple[Tensor, Tensor, Tensor]:
+        if self._hist is None:
+            prompt = torch.tensor(self._prompt_ids, dtype=torch.long)
+            out = torch.tensor(self._output_ids, dtype=torch.long)
+            cols, inv = torch.unique(torch.cat([prompt, out]), sorted=True, return_inverse=True)
+            in_prompt = torch.zeros(cols.numel(), dtype=torch.bool)
+            in_prompt[inv[: prompt.numel()]] = True
+            counts = torch.zeros(cols.numel(), dtype=torch.float32)
+            counts.index_add_(0, inv[prompt.numel():], torch.ones(out.numel()))
+            self._hist = (cols, in_prompt, counts)
+        return self._hist
+
+    def apply(self, x: Tensor, drafted: Sequence[int], offset: int) -> Tensor:
+        """``x`` [n, V] penalized, row i after the committed output and drafted[:offset + i] (the caller checked
+        there are enough). Only the rows' columns and counts go to x's device, so nothing here waits for it."""
+        n, width = x.shape
+        p = self.params
+        cols, in_prompt, counts = self._history()
+        extra = list(drafted[: offset + n - 1])
+        if extra:
+            # Row i also counts drafted[:offset + i].
+            cols, in_prompt, counts, pos = _merge(cols, in_prompt, counts, torch.tensor(extra, dtype=torch.long))
+            rows_seen = torch.arange(len(extra)).unsqueeze(0) < (offset + torch.arange(n)).unsqueeze(1)  # [n, D]
+            row_idx = torch.arange(n).unsqueeze(1).expand(n, len(extra))[rows_seen]
+            col_idx = pos.unsqueeze(0).expand(n, len(extra))[rows_seen]
+            counts = counts.unsqueeze(0).expand(n, -1).clone()
+            counts.index_put_((row_idx, col_idx), torch.ones(row_idx.numel()), accumulate=True)
+        else:
+            counts = counts.unsqueeze(0).expand(n, -1)
+        if cols.numel() and int(cols[-1]) >= width:  # ids beyond the logits width are ignored
+            m = int(torch.searchsorted(cols, width))
+            cols, in_prompt, counts = cols[:m], in_prompt[:m], counts[:, :m]
+        if cols.numel() == 0:
+            return x
+        cols, in_prompt, counts = (to_device(t.contiguous(), x.device) for t in (cols, in_prompt, counts))
+        block = x.index_select(1, cols)  # [n, m]
+        seen = counts > 0
+        if p.repetition_penalty != 1.0:
+            r = p.repetition_penalty
+            mask = seen | in_prompt.unsqueeze(0)
+            block = torch.where(mask, torch.where(block > 0, block / r, block * r), block)
+        if p.frequency_penalty != 0.0:
+            block = block - p.frequency_penalty * counts
+        if p.presence_penalty != 0.0:
+            block = block - p.presence_penalty * seen.to(block.dtype)
+        return x.index_copy(1, cols, block)
