@@ -154,6 +154,27 @@ def test_messages_plain_and_streamed_equal_chat_completions(qwen):
     assert final.usage.output_tokens == m.usage.output_tokens
 
 
+def test_llama_cpp_samplers_on_every_route(qwen):
+    """DRY and mirostat by llama.cpp's names are honoured by Responses and Messages as by chat completions (a greedy
+    DRY answer differs from plain greedy's), and a bad value is a 400 there too."""
+    messages = [{"role": "user", "content": "Write the word hello ten times, comma separated."}]
+    dry = {"dry_multiplier": 1.0, "dry_allowed_length": 2}
+    plain = chat_text(qwen, messages, 24).message.content
+    damped = chat_text(qwen, messages, 24, extra_body=dry).message.content
+    assert damped != plain
+    r = qwen.client().responses.create(model="qwen", input=messages[0]["content"], max_output_tokens=24,
+                                       extra_body=dry, **GREEDY)
+    m = claude(qwen).messages.create(model="qwen", max_tokens=24, messages=messages, extra_body={**GREEDY, **dry})
+    assert r.output_text == m.content[0].text == damped
+    pinned = {"temperature": 1.2, "seed": 3, "mirostat": 2, "mirostat_tau": 0, "mirostat_eta": 0}  # greedy
+    m = claude(qwen).messages.create(model="qwen", max_tokens=24, messages=messages, extra_body=pinned)
+    assert m.content[0].text == plain
+    for path, body in (("/v1/responses", {"input": "hi", "mirostat": 3}),
+                       ("/v1/messages", {"max_tokens": 5, "messages": messages, "dry_multiplier": -1})):
+        bad = httpx.post(f"{qwen.url}{path}", json={"model": "qwen", **body}, timeout=30)
+        assert bad.status_code == 400 and ("mirostat must be" in bad.text or "dry_multiplier must be" in bad.text)
+
+
 def chat_usage_prompt(server) -> int:
     r = server.client().chat.completions.create(model="qwen", max_tokens=1, messages=[
         {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Say hello in French."}])

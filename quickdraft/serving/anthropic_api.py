@@ -16,7 +16,7 @@ from quickdraft.serving.anthropic_format import MessageEvents, content_blocks, m
 from quickdraft.serving.chat_stream import chat_pieces, whole_chat
 from quickdraft.serving.jobs import ClientGone
 from quickdraft.serving.openai_format import describe_validation
-from quickdraft.serving.protocol import ChatCompletionRequest
+from quickdraft.serving.protocol import ChatCompletionRequest, LlamaSamplerFields
 from quickdraft.serving.responses_format import new_id
 from quickdraft.serving.sse import event_stream
 from quickdraft.serving.routes import chat_prompt_ids, context_of, start_chat
@@ -39,7 +39,7 @@ class CountTokensRequest(BaseModel):
     tool_choice: Any = None  # {"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}
 
 
-class MessagesRequest(CountTokensRequest):
+class MessagesRequest(CountTokensRequest, LlamaSamplerFields):
     max_tokens: StrictInt
     stop_sequences: list[StrictStr] | None = None
     temperature: StrictFloat | None = None
@@ -56,8 +56,9 @@ class MessagesRequest(CountTokensRequest):
     speculative: Any = None
     structured_outputs: Any = None  # as on chat completions: json, regex, choice or grammar
 
-    SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "priority", "speculative",
-                                           "structured_outputs")
+    SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+                                           "priority", "speculative", "structured_outputs",
+                                           *LlamaSamplerFields.LLAMA_SAMPLERS)
 
 
 def _text(content: Any, where: str) -> str:

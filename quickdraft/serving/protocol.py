@@ -25,7 +25,34 @@ class StreamOptions(BaseModel):
     include_draft_info: StrictBool | None = False
 
 
-class _SamplingFields(BaseModel):
+class LlamaSamplerFields(BaseModel):
+    """vLLM's allowed_token_ids and bad_words and llama.cpp's samplers, by their names, on every route that samples
+    (each checked by SamplingParams)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    typical_p: Any = None
+    top_n_sigma: Any = None
+    xtc_probability: Any = None
+    xtc_threshold: Any = None
+    dry_multiplier: Any = None
+    dry_base: Any = None
+    dry_allowed_length: Any = None
+    dry_penalty_last_n: Any = None
+    dry_sequence_breakers: Any = None
+    mirostat: Any = None
+    mirostat_tau: Any = None
+    mirostat_eta: Any = None
+
+    LLAMA_SAMPLERS: ClassVar[tuple[str, ...]] = (
+        "allowed_token_ids", "bad_words", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
+        "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+        "mirostat", "mirostat_tau", "mirostat_eta")
+
+
+class _SamplingFields(LlamaSamplerFields):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM-style extensions)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -56,26 +83,6 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool | None = None
     speculative: Any = None  # false, true or {"max_draft_tokens": n}: checked (and shown bounded) by SamplingParams
     structured_outputs: Any = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}: StructuredOutputs
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    # llama.cpp's samplers, by its names: checked by SamplingParams
-    typical_p: Any = None
-    top_n_sigma: Any = None
-    xtc_probability: Any = None
-    xtc_threshold: Any = None
-    dry_multiplier: Any = None
-    dry_base: Any = None
-    dry_allowed_length: Any = None
-    dry_penalty_last_n: Any = None
-    dry_sequence_breakers: Any = None
-    mirostat: Any = None
-    mirostat_tau: Any = None
-    mirostat_eta: Any = None
-
-    LLAMA_SAMPLERS: ClassVar[tuple[str, ...]] = (
-        "allowed_token_ids", "bad_words", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
-        "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
-        "mirostat", "mirostat_tau", "mirostat_eta")
 
     @field_validator("stop")
     @classmethod
@@ -250,7 +257,7 @@ KNOWN_PARAMS = {
     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
     "include_stop_str_in_output", "skip_special_tokens", "priority", "deadline_s", "prompt", "messages",
     "top_logprobs", "max_completion_tokens", "model", "speculative", "structured_outputs", "response_format",
-    "tools", "tool_choice", "reasoning_effort", "chat_template_kwargs", *_SamplingFields.LLAMA_SAMPLERS,
+    "tools", "tool_choice", "reasoning_effort", "chat_template_kwargs", *LlamaSamplerFields.LLAMA_SAMPLERS,
 }
 
 

@@ -14,13 +14,13 @@ from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from quickdraft.errors import InvalidParameterError, require_unicode
 from quickdraft.serving.chat_stream import chat_pieces, whole_chat
 from quickdraft.serving.jobs import ClientGone
 from quickdraft.serving.openai_format import ERROR_RESPONSES, Choice, describe_validation
-from quickdraft.serving.protocol import ChatCompletionRequest
+from quickdraft.serving.protocol import ChatCompletionRequest, LlamaSamplerFields
 from quickdraft.serving.responses_format import (ResponseEvents, ResponseShell, new_id, output_items, response_events,
                                                  status_of)
 from quickdraft.serving.sse import event_stream
@@ -31,7 +31,7 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 router = APIRouter()
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(LlamaSamplerFields):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
@@ -64,7 +64,7 @@ class ResponsesRequest(BaseModel):
 
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "priority", "speculative", "parallel_tool_calls", "model",
-                "structured_outputs")
+                "structured_outputs", *LlamaSamplerFields.LLAMA_SAMPLERS)
 
 
 def _text(content: Any, where: str) -> str:
