@@ -190,7 +190,10 @@ DECISION_PARAMS = [
     SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, logit_bias={7: 2.0}, ignore_eos=True),
     SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=5, ignore_eos=True),
     SamplingParams(max_tokens=24, temperature=1.1, presence_penalty=0.5, frequency_penalty=0.3, seed=6,
-                   ignore_eos=True)]
+                   ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.9, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.3, seed=7,
+                   ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.9, mirostat=1, mirostat_tau=3.0, seed=8, ignore_eos=True)]
 
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])

@@ -29,10 +29,6 @@ _LN2 = math.log(2.0)
 _ZERO_EXPONENT = 1e-6  # |s_hat - 1| below this: k's limit as the exponent tends to 1
 
 
-def initial_mu(tau: float, device: torch.device) -> Tensor:
-    return torch.tensor(2.0 * tau, dtype=torch.float32, device=device)
-
-
 def next_mu(mu: Tensor, row: Tensor, token: int, tau: float, eta: float) -> Tensor:
     """mu after ``token`` was sampled from the kept, renormalized ``row`` [V] (what ``keep`` returned)."""
     if eta == 0:
@@ -103,27 +99,27 @@ class Mirostat:
     def __init__(self, params: SamplingParams, vocab_size: int) -> None:
         self.version, self.tau, self.eta = params.mirostat, params.mirostat_tau, params.mirostat_eta
         self.vocab_size = vocab_size
-        self._mu: Tensor | None = None  # on the logits' device; None: 2 * tau
+        self._start = 2.0 * self.tau  # mu before the first token (or where a resumed output left it)
+        self._mu: Tensor | None = None  # on the logits' device; None: self._start
         self._rows: tuple[Tensor, list[int], int] | None = None  # (rows, their drafts, the next token's row)
 
     @property
     def mu(self) -> float:
         """mu after the committed tokens (a read from the device)."""
-        return 2.0 * self.tau if self._mu is None else float(self._mu)
+        return self._start if self._mu is None else float(self._mu)
 
     def restart(self, mu: float | None) -> None:
         """Continue from ``mu`` (the ``mu`` of an earlier run of the same output; None: the initial one)."""
         if mu is not None and (isinstance(mu, bool) or not isinstance(mu, (int, float)) or not math.isfinite(mu)):
             raise ValueError(f"mirostat's mu must be a finite number or None, got {mu!r}")
-        self._mu = None if mu is None else torch.tensor(float(mu), dtype=torch.float32)
-        self._rows = None
+        self._start, self._mu, self._rows = 2.0 * self.tau if mu is None else float(mu), None, None
 
     def fork(self) -> "Mirostat":
         return copy.copy(self)  # its tensors are never changed in place
 
     def _mu_on(self, device: torch.device) -> Tensor:
-        if self._mu is None:
-            self._mu = initial_mu(self.tau, device)
+        if self._mu is None:  # a fill on the device: no copy from the host to wait for
+            self._mu = torch.full((), self._start, dtype=torch.float32, device=device)
         return self._mu if self._mu.device == device else self._mu.to(device)
 
     def rows(self, x: Tensor, drafted: Sequence[int], offset: int) -> Tensor:
