@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from quickdraft.engine.sequence import SpeculationState
 from quickdraft.errors import SessionError
 from quickdraft.kv import ModelRunner
 from quickdraft.sampling import SamplingParams
+from quickdraft.sampling.mirostat import checked_mu
 from quickdraft.snapshot_checks import (GENERATOR_BYTES, MAX_COUNT, Message, bounded_int, check_keys,
                                         checked_generator, checked_messages, short, show, speculation_state)
 
@@ -71,10 +71,9 @@ class Turn:
         if not isinstance(d["chat"], bool):
             raise ValueError(f"interrupted.chat is {show(d['chat'])}; it must be true or false")
         mu = d.get("mirostat_mu")
-        if mu is not None and (isinstance(mu, bool) or not isinstance(mu, (int, float)) or not math.isfinite(mu)):
-            raise ValueError(f"interrupted.mirostat_mu is {show(mu)}; it must be null or a finite number")
+        mu = None if mu is None else checked_mu(mu, "interrupted.mirostat_mu")
         delivered = bounded_int(d["delivered_chars"], "interrupted.delivered_chars", 0, MAX_COUNT)
-        return cls(sampling, start, d["chat"], delivered, None if mu is None else float(mu))
+        return cls(sampling, start, d["chat"], delivered, mu)
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +103,8 @@ def speculation_state(d: Any) -> SpeculationState:
             ok, allowed = not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= MAX_COUNT, \
                 f"an integer in [0, {MAX_COUNT}]"
         else:
-            ok, allowed = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) \
+            # (NaN fails the comparison; a huge int compares without overflowing, where math.isfinite raises)
+            ok, allowed = not isinstance(value, bool) and isinstance(value, (int, float)) \
                 and 0 <= value <= MAX_WEIGHT, f"a number in [0, {MAX_WEIGHT:g}]"
         if not ok:
             raise ValueError(f"spec.{name} is {show(value)}; it must be {allowed}")

@@ -80,9 +80,15 @@ def test_verify_rows_are_plain_rows_and_mu_ends_where_plain_sampling_leaves_it(v
             assert torch.equal(plain.probs(rows[i]), verified[i]), (accepted, i)
             plain.accept([token])
         assert verifier.mirostat.mu == plain.mirostat.mu
-    # a drafter's row (offset > 0) starts from the committed mu: any q is exact
-    drafter = processor(version, 3.0, 0.7, vocab)
-    assert torch.equal(drafter.process(rows[2], drafted=drafts[:2], offset=2), drafter.process(rows[2]))
+    # a drafter's rows keep what mirostat keeps at its first mu, whatever the committed one (any q is exact, and one
+    # of the tokens alone is the same whenever it is drafted)
+    moved = processor(version, 3.0, 0.7, vocab)
+    moved.probs(rows[0])
+    moved.accept([drafts[0]])
+    assert moved.mirostat.mu != 6.0
+    first = processor(version, 3.0, 0.7, vocab).process(rows[2])
+    assert torch.equal(moved.process(rows[2], drafted=drafts[1:2], offset=1, draft=True), first)
+    assert not torch.equal(moved.process(rows[2]), first)
 
 
 def test_mu_steers_and_the_state_survives_fork_and_state_dict():
@@ -102,8 +108,9 @@ def test_mu_steers_and_the_state_survives_fork_and_state_dict():
     fresh.load_state_dict(state)
     assert torch.equal(fresh.probs(rows[4]), proc.probs(rows[4]))
     assert not torch.equal(processor(2, 3.0, 0.5, 100).probs(rows[4]), proc.probs(rows[4]))
-    with pytest.raises(ValueError, match="finite number"):
-        fresh.mirostat.restart(float("nan"))
+    for bad in (float("nan"), 1e31, 10**400, "6", True):
+        with pytest.raises(ValueError, match=r"mirostat's mu is .*; it must be a number in \[-1e\+30, 1e\+30\]"):
+            fresh.mirostat.restart(bad)
 
 
 def test_the_kth_largest_value_is_the_same_read_on_the_host_or_sorted_on_the_device():

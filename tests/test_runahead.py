@@ -65,9 +65,13 @@ def test_run_ahead_reuses_work(target, tiny_plain_greedy):
 
 
 @pytest.mark.parametrize("kind", ["self", "draft-same"])
-def test_seeded_sampling_same_with_and_without_run_ahead(tiny_dir, target, kind):
-    """Draft randomness is keyed by position, so keeping run-ahead drafts changes nothing for seeded requests."""
-    params = SamplingParams(max_tokens=30, temperature=0.5, top_p=0.95, seed=1234, ignore_eos=True)
+@pytest.mark.parametrize("sampler", [{"top_p": 0.95}, {"mirostat": 2, "mirostat_tau": 2.0, "mirostat_eta": 1.0},
+                                     {"mirostat": 1, "mirostat_tau": 2.0, "mirostat_eta": 1.0}], ids=str)
+def test_seeded_sampling_same_with_and_without_run_ahead(tiny_dir, target, kind, sampler):
+    """Draft randomness is keyed by position, so keeping run-ahead drafts changes nothing for seeded requests; a
+    draft's rows depend on the tokens alone (mirostat's on its first mu, not on the target's rows not yet committed
+    when run-ahead drafts)."""
+    params = SamplingParams(max_tokens=30, temperature=0.5, seed=1234, ignore_eos=True, **sampler)
     kwargs = dict(dtype="float32", kv_cache_memory=TINY_KV, num_speculative_tokens=3,
                   **drafter_kwargs(tiny_dir, target, kind))
     plain = LLM(str(target), **kwargs).generate(tiny_prompts(64, 4), params)

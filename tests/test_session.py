@@ -471,6 +471,7 @@ MALFORMED = {  # name: (rewrite of the valid snapshot's record / tensors, what t
                                                       r"\[0, 1e\+09\]"),
     "spec 1e400": (raw("spec.rejected", "1e400"), r"spec.rejected is a number \(inf\); it must be a number in"),
     "spec 1e300": (setting("spec.rejected", 1e300), r"spec.rejected is a number \(1e\+300\); it must be a number in"),
+    "spec 10^400": (setting("spec.rejected", 10**400), r"spec.rejected is an integer \(1000.*; it must be a number in"),
     "spec zero sum": (lambda r, t: r["spec"].update(accepted=0, rejected=0.0),
                       r"spec.accepted \+ spec.rejected is 0; the acceptance rate .* needs a positive sum"),
     "spec count a float": (setting("spec.rounds_off", 1.5), r"spec.rounds_off is a number \(1.5\); it must be an "
@@ -489,6 +490,10 @@ MALFORMED = {  # name: (rewrite of the valid snapshot's record / tensors, what t
                                                           r"true or false"),
     "delivered_chars negative": (setting("interrupted.delivered_chars", -5), r"interrupted.delivered_chars is an "
                                                                              r"integer \(-5\)"),
+    "mirostat_mu 1e300": (setting("interrupted.mirostat_mu", 1e300), r"interrupted.mirostat_mu is 1e\+300; it must be "
+                                                                     r"a number in \[-1e\+30, 1e\+30\]"),
+    "mirostat_mu 10^400": (setting("interrupted.mirostat_mu", 10**400), r"interrupted.mirostat_mu is 1000"),
+    "mirostat_mu a string": (setting("interrupted.mirostat_mu", "6"), r"interrupted.mirostat_mu is '6'; it must be"),
     "params a string": (setting("interrupted.params", "greedy"), r"interrupted.params is a string \(\"greedy\"\); it "
                                                                  r"must be an object of sampling parameters"),
     "params unknown name": (setting("interrupted.params.evil", 1), r"interrupted.params are invalid \(.*unexpected "

@@ -8,9 +8,10 @@ renormalized, and moves mu by ``eta`` times the gap between the sampled token's 
 Exact speculation: the distribution at a position depends on mu, and mu on every earlier token and the distribution
 it was drawn from. A verify pass computes its rows in order, row i with the mu its drafts before i lead to
 (``rows``); the mu that the committed tokens lead to is advanced from the same rows with the same function
-(``next_mu``), so a row sees the mu plain sampling would have had there. A drafter's rows start from the committed
-mu: a draft may come from any distribution. Everything is a torch op on the logits' device, mu included: nothing
-here waits for the device.
+(``next_mu``), so a row sees the mu plain sampling would have had there. A drafter's rows keep what mirostat keeps at
+its first mu, 2 * tau, whatever the committed one: a draft may come from any distribution, and one that depends on
+the tokens alone is the same whether it was drafted before the target's rows were committed (run-ahead) or after.
+Everything is a torch op on the logits' device, mu included: nothing here waits for the device.
 """
 from __future__ import annotations
 
@@ -27,6 +28,19 @@ TOP_M = 100  # llama.cpp's m: the most probable tokens whose probabilities estim
 NEG_INF = float("-inf")
 _LN2 = math.log(2.0)
 _ZERO_EXPONENT = 1e-6  # |s_hat - 1| below this: k's limit as the exponent tends to 1
+# a step moves mu by at most eta * (150 + tau) bits (a float32 probability's surprise is below 150): a real output
+# stays far inside this, and float32 arithmetic on it stays finite
+MAX_MU = 1e30
+
+
+def checked_mu(value: object, what: str) -> float:
+    """``value`` as a mu to continue from; raises ValueError naming ``what`` unless it is a number in
+    [-MAX_MU, MAX_MU]."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and -MAX_MU <= value <= MAX_MU
+    if not ok:  # (NaN fails the comparison; a huge int compares without overflowing)
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise ValueError(f"{what} is {shown}; it must be a number in [-{MAX_MU:g}, {MAX_MU:g}]")
+    return float(value)
 
 
 def next_mu(mu: Tensor, row: Tensor, token: int, tau: float, eta: float) -> Tensor:
@@ -39,7 +53,8 @@ def next_mu(mu: Tensor, row: Tensor, token: int, tau: float, eta: float) -> Tens
 
 def keep(row: Tensor, mu: Tensor, version: int, vocab_size: int) -> Tensor:
     """``row`` [V] (logits after the temperature) with what mirostat drops at -inf. The most probable token is
-    always kept (ties at the top all are)."""
+    always kept; ties are kept together (at the top, and at version 1's k-th value, as top-k here), where llama.cpp
+    keeps one or k in its sort's order."""
     probs = torch.softmax(row, dim=-1)
     top = row == row.max()
     if version == 2:
@@ -110,9 +125,8 @@ class Mirostat:
 
     def restart(self, mu: float | None) -> None:
         """Continue from ``mu`` (the ``mu`` of an earlier run of the same output; None: the initial one)."""
-        if mu is not None and (isinstance(mu, bool) or not isinstance(mu, (int, float)) or not math.isfinite(mu)):
-            raise ValueError(f"mirostat's mu must be a finite number or None, got {mu!r}")
-        self._start, self._mu, self._rows = 2.0 * self.tau if mu is None else float(mu), None, None
+        start = 2.0 * self.tau if mu is None else checked_mu(mu, "mirostat's mu")
+        self._start, self._mu, self._rows = start, None, None
 
     def fork(self) -> "Mirostat":
         return copy.copy(self)  # its tensors are never changed in place
@@ -125,6 +139,11 @@ class Mirostat:
     def rows(self, x: Tensor, drafted: Sequence[int], offset: int) -> Tensor:
         """``x`` [n, V] after the temperature, row i with what mirostat drops after drafted[:offset + i] at -inf."""
         return rows(x, self._mu_on(x.device), drafted, offset, self.version, self.tau, self.eta, self.vocab_size)
+
+    def draft_rows(self, x: Tensor) -> Tensor:
+        """A drafter's rows: ``x`` with what mirostat drops at its first mu (2 * tau) at -inf."""
+        mu = torch.full((), 2.0 * self.tau, dtype=torch.float32, device=x.device)
+        return torch.stack([keep(row, mu, self.version, self.vocab_size) for row in x])
 
     def drawn_from(self, rows: Tensor, drafted: list[int]) -> None:
         """The target's rows of this step (``rows`` above, row i after drafted[:i]): its tokens are drawn from them."""

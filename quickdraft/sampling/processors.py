@@ -188,14 +188,16 @@ class LogitsProcessor:
 
     # -------------------------------------------------------------- transform
     def process(
-        self, logits: Tensor, drafted: Sequence[int] | Tensor = (), offset: int = 0, *, start: int | None = None
+        self, logits: Tensor, drafted: Sequence[int] | Tensor = (), offset: int = 0, *, start: int | None = None,
+        draft: bool = False,
     ) -> Tensor:
         """Transform ``logits`` [n, V] (or [V]) into float32 processed logits of the same shape.
 
         Row ``i`` is conditioned on ``committed outputs + drafted[:offset + i]``: the
         target verifying k drafts passes ``k + 1`` rows with ``drafted=drafts``; a
         drafter producing draft ``j`` from one row passes ``drafted=drafts[:j], offset=j``.
-        ``start`` is an alias of ``offset``.
+        ``start`` is an alias of ``offset``. ``draft``: the rows a drafter draws from, where mirostat keeps what it
+        keeps at its first mu (``mirostat.py``).
         For greedy params the result stops after bias and penalties (take the argmax).
         The input tensor is never modified; the result may be the input itself when
         nothing applies (greedy, float32, no bias/penalties).
@@ -240,7 +242,7 @@ class LogitsProcessor:
         if self._mirostat is not None:
             first = offset if start is None else start
             _check_rows(n, _ids(drafted), first)
-            x = self._mirostat.rows(x, _ids(drafted), first)
+            x = self._mirostat.draft_rows(x) if draft else self._mirostat.rows(x, _ids(drafted), first)
         elif p.has_truncation:
             x = truncate(x, p)
         return x.squeeze(0) if squeeze else x

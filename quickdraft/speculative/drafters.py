@@ -314,7 +314,8 @@ class ModelDrafter(Drafter):
             for item, context in zip(items, contexts):
                 self.vocab.record(item.kv, context)
             logits = torch.cat([seqs[i].processor.process(self.vocab.widen(row), drafted=drafts[i],
-                                                          offset=len(drafts[i]))[:1] for i, row in zip(active, rows)])
+                                                          offset=len(drafts[i]), draft=True)[:1]
+                                for i, row in zip(active, rows)])
             uniforms = [None if seqs[i].params.greedy else
                         draft_uniform(seqs[i].draft_nonce, len(seqs[i].token_ids) + len(drafts[i])) for i in active]
             tokens, q_rows = draft_tokens(logits, uniforms)
