@@ -26,7 +26,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BENCH_DATA, machine, memory_bandwidth_gbs, save, table  # noqa: E402
-from serve_vs_llamacpp import LLAMA_SPEC_TYPES, LlamaServer, llama_server_path, quickdraft_server  # noqa: E402
+from serve_vs_llamacpp import (LLAMA_SPEC_TYPES, LlamaServer, each_server_alone, llama_server_path,  # noqa: E402
+                               quickdraft_server)
 
 from quickdraft.loading import resolve_model  # noqa: E402
 
@@ -93,23 +94,14 @@ def main() -> None:
     binary = llama_server_path(args.llama_server)
     target = resolve_model(args.target)
     work = tasks(args.tasks)
-    logs = Path(tempfile.mkdtemp(prefix="infill-vs-llamacpp-"))
     configs = [("quickdraft", m) for m in modes] + [("llama-server", m) for m in llama_modes]
-    runs: dict[tuple[str, str], list[dict]] = {}
-    walls: dict[tuple[str, str], float] = {}
-    for rep, order in enumerate((configs, configs[::-1])):
-        for engine, mode in order:
-            log = logs / f"{engine}-{mode}-{rep}.log"
-            server = (quickdraft_server if engine == "quickdraft" else
-                      lambda *a: LlamaServer(binary, *a))(target, mode, target, args.threads, 1, log)
-            try:
-                server.wait_ready(900)
-                rows, wall = run(server.url, work, args.tokens)
-            finally:
-                server.stop()
-            runs.setdefault((engine, mode), []).extend(rows)
-            walls[engine, mode] = walls.get((engine, mode), 0.0) + wall
-            print(f"  {engine:<12} {mode:<10} {sum(r['tokens'] for r in rows) / wall:7.2f} tok/s", flush=True)
+
+    def start(engine: str, mode: str, log: Path):
+        return (quickdraft_server if engine == "quickdraft" else
+                lambda *a: LlamaServer(binary, *a))(target, mode, target, args.threads, 1, log)
+
+    runs, walls = each_server_alone(configs, start, lambda url: run(url, work, args.tokens),
+                                    Path(tempfile.mkdtemp(prefix="infill-vs-llamacpp-")))
     summary = []
     for (engine, mode), rows in runs.items():
         first = rows[:len(work)]  # pass@1 and the texts of the first pass (greedy: the second gives the same)

@@ -101,6 +101,26 @@ def quickdraft_server(target: Path, mode: str, draft: Path, threads: int, slots:
                          log)
 
 
+def each_server_alone(configs: list[tuple[str, str]], start, measure, logs: Path) -> tuple[dict, dict]:
+    """Every (engine, mode) of ``configs`` in turn, then all again in reverse order, each server alone on the machine
+    (``start(engine, mode, log)``, stopped before the next starts): ``measure(url)``'s rows and wall seconds, the
+    two passes together."""
+    runs: dict[tuple[str, str], list[dict]] = {}
+    walls: dict[tuple[str, str], float] = {}
+    for rep, order in enumerate((configs, configs[::-1])):
+        for engine, mode in order:
+            server = start(engine, mode, logs / f"{engine}-{mode}-{rep}.log")
+            try:
+                server.wait_ready(900)
+                rows, wall = measure(server.url)
+            finally:
+                server.stop()
+            runs.setdefault((engine, mode), []).extend(rows)
+            walls[engine, mode] = walls.get((engine, mode), 0.0) + wall
+            print(f"  {engine:<12} {mode:<13} {sum(r['tokens'] for r in rows) / wall:7.2f} tok/s", flush=True)
+    return runs, walls
+
+
 def complete(client: httpx.Client, url: str, prompt: str, tokens: int, stream: bool) -> dict:
     """One request's answer and times; streamed, the time to its first text too (the prompt's share)."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
@@ -224,24 +244,19 @@ def main() -> None:
         prompts = [template(r["messages"]) for r in requests]
     else:
         requests, prompts = agentic_workload(args.tasks), None
-    logs = Path(tempfile.mkdtemp(prefix="serve-vs-llamacpp-"))
     configs = [("quickdraft", m) for m in modes] + [("llama-server", m) for m in llama_modes]
-    runs: dict[tuple[str, str], list[dict]] = {}
-    walls: dict[tuple[str, str], float] = {}
-    for rep, order in enumerate((configs, configs[::-1])):
-        for engine, mode in order:
-            log = logs / f"{engine}-{mode}-{rep}.log"
-            server = (quickdraft_server if engine == "quickdraft" else
-                      lambda *a: LlamaServer(binary, *a))(target, mode, draft, args.threads, args.concurrency, log)
-            try:
-                server.wait_ready(900)
-                rows, prompts, wall = run_requests(server.url, requests, prompts, template, args.tokens,
-                                                   args.concurrency, args.stream)
-            finally:
-                server.stop()
-            runs.setdefault((engine, mode), []).extend(rows)
-            walls[engine, mode] = walls.get((engine, mode), 0.0) + wall
-            print(f"  {engine:<12} {mode:<13} {sum(r['tokens'] for r in rows) / wall:7.2f} tok/s", flush=True)
+
+    def start(engine: str, mode: str, log: Path):
+        return (quickdraft_server if engine == "quickdraft" else
+                lambda *a: LlamaServer(binary, *a))(target, mode, draft, args.threads, args.concurrency, log)
+
+    def measure(url: str) -> tuple[list[dict], float]:
+        nonlocal prompts  # the first run builds the follow-ups' texts from its answers; the others send them
+        rows, prompts, wall = run_requests(url, requests, prompts, template, args.tokens, args.concurrency,
+                                           args.stream)
+        return rows, wall
+
+    runs, walls = each_server_alone(configs, start, measure, Path(tempfile.mkdtemp(prefix="serve-vs-llamacpp-")))
     reference = runs["quickdraft", "plain"]
     identical = {mode: sum(a["text"] == b["text"] for a, b in zip(reference, runs["quickdraft", mode]))
                  for mode in modes[1:]}
