@@ -8,9 +8,11 @@ import json
 
 import httpx
 import pytest
+from tokenizers import Tokenizer as BackendTokenizer
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.serving.app import create_app
+from quickdraft.tokenizer import Tokenizer
 from quickdraft.tokenizer.fim import FimTokens, Infill, infill_ids
 from test_server import ServerThread
 
@@ -48,11 +50,28 @@ def test_the_prompt_is_llama_servers(qwen):
     assert counts == [36, 50, 45]
     assert infill_ids(tok, fim, marked, 8192, 32)[0].count(fim.middle) == 1
     # cut as llama-server cuts: the prefix's last 3/4 of the budget, the suffix's first quarter less the prompt's
+    # and 2, here a budget of 1024 - 256 - 1 = 767 (a quarter of the context kept for the fill)
     long = Infill("x = 1\n" * 400, "y = 2\n" * 400, "z")
-    ids, cut = infill_ids(tok, fim, long, 1024, 0)
+    ids, cut = infill_ids(tok, fim, long, 1024, None)
     prefix, suffix = ids[ids.index(fim.prefix) + 1:ids.index(fim.suffix)], ids[ids.index(fim.suffix) + 1:-1]
-    assert cut and len(prefix) == 768 + 1 and len(suffix) == 256 - 3  # (the prompt "z" rides on the prefix)
-    assert prefix[:-1] == tok.encode_plain("x = 1\n" * 400)[-768:] and suffix == tok.encode_plain("y = 2\n" * 400)[:253]
+    assert cut and len(prefix) == 573 + 1 and len(suffix) == 191 - 3  # (the prompt "z" rides on the prefix)
+    assert prefix[:-1] == tok.encode_plain("x = 1\n" * 400)[-573:] and suffix == tok.encode_plain("y = 2\n" * 400)[:188]
+    # whatever is cut, the prompt and the fill fit the context
+    files = [("a.py", "q = 3\n" * 3000)]
+    for context, most in ((512, None), (1024, 16), (4096, None), (8192, 512), (8192, None)):
+        ids, cut = infill_ids(tok, fim, Infill("x = 1\n" * 3000, "y = 2\n" * 3000, "z", files), context, most)
+        assert cut and len(ids) + (most or min(512, context // 4)) <= context, (context, most)
+
+
+def test_marks_a_tokenizer_json_leaves_unmarked_are_found_and_stay_text_in_code(qwen):
+    """Qwen2.5-Coder's tokenizer.json marks its FIM tokens "special": false; llama.cpp makes them control tokens."""
+    data = json.loads(qwen.llm.tokenizer.backend.to_str())
+    for token in data["added_tokens"]:
+        token["special"] = token["special"] and "fim" not in token["content"]
+    tok = Tokenizer(BackendTokenizer.from_str(json.dumps(data)))
+    fim = FimTokens.of(tok)
+    assert fim is not None and fim.middle == 151660 and not tok.is_special(fim.middle)
+    assert 151660 not in tok.encode_plain("s = '<|fim_middle|>'") and 151660 in tok.encode("<|fim_middle|>")
 
 
 def test_infill_fills_streams_and_equals_plain_decoding(qwen):
@@ -64,6 +83,7 @@ def test_infill_fills_streams_and_equals_plain_decoding(qwen):
                                                            "stream": True}).text.splitlines() if line]
     assert all(not e["stop"] for e in events[:-1]) and events[-1]["stop"] and events[-1]["content"] == ""
     assert "".join(e["content"] for e in events) == whole["content"]
+    assert events[-1]["has_new_line"] and events[-1]["tokens"] == [] and events[-1]["stop_type"] == whole["stop_type"]
     # n-gram drafts from the prompt (the suffix repeats the prefix's names): the plain engine's tokens
     ids, _ = infill_ids(qwen.llm.tokenizer, FimTokens.of(qwen.llm.tokenizer), Infill(PREFIX, SUFFIX), 8192, 32)
     plain = LLM("qwen2.5-coder-0.5b", max_model_len=8192, kv_cache_memory="256MiB")
@@ -71,13 +91,38 @@ def test_infill_fills_streams_and_equals_plain_decoding(qwen):
     assert whole["tokens"] == expected[:len(whole["tokens"])] and whole["speculative"]["drafted_tokens"] > 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_editor_limits_stop_the_fill_as_llama_server(qwen, stream):
+    """n_indent: the first line indented less ends the fill where its indentation ends; t_max_predict_ms: a new line
+    after the time is up ends it."""
+    body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "temperature": 0, "n_predict": 48, "stream": stream}
+
+    def fill(**limits) -> tuple[str, str]:
+        r = post(qwen, {**body, **limits})
+        if not stream:
+            return r.json()["content"], r.json()["stop_type"]
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line]
+        return "".join(e["content"] for e in events), events[-1]["stop_type"]
+
+    full, _ = fill()
+    assert full.startswith("    a, b = 0, 1\n    for ")
+    assert fill(n_indent=8) == ("    a, b = 0, 1\n    ", "limit")
+    assert fill(n_indent=4)[0].startswith(full[:40])
+    text, stop = fill(t_max_predict_ms=1)
+    assert stop == "limit" and "\n" in text and len(text) < len(full) and full.startswith(text)
+
+
 def test_suffix_on_completions_is_the_same_fill(qwen):
     fill = post(qwen, {"input_prefix": PREFIX, "input_suffix": SUFFIX, **GREEDY}).json()["content"]
     completion = qwen.client().completions.create(model="qwen", prompt=PREFIX, suffix=SUFFIX, max_tokens=32,
                                                   temperature=0)
     assert completion.choices[0].text == fill
-    bad = post(qwen, {"model": "qwen", "prompt": [1, 2, 3], "suffix": "x"}, "/v1/completions")
-    assert bad.status_code == 400 and "suffix needs the prompt as text" in bad.text
+    for prompt in ([1, 2, 3], [PREFIX, PREFIX]):
+        bad = post(qwen, {"model": "qwen", "prompt": prompt, "suffix": "x"}, "/v1/completions")
+        assert bad.status_code == 400 and "suffix needs one prompt, as text" in bad.text
+    plain = qwen.client().completions.create(model="qwen", prompt=PREFIX, max_tokens=8, temperature=0)
+    empty = qwen.client().completions.create(model="qwen", prompt=PREFIX, suffix="", max_tokens=8, temperature=0)
+    assert empty.choices[0].text == plain.choices[0].text  # an empty suffix is none
 
 
 def test_a_model_without_the_marks_is_refused_by_name(tiny_dir):
@@ -94,10 +139,16 @@ def test_a_model_without_the_marks_is_refused_by_name(tiny_dir):
     ({"input_extra": [{"filename": "a.py", "text": "x"}] * 257}, "input_extra must be a list of at most 256"),
     ({"input_extra": [{"filename": 5, "text": "x"}]}, "input_extra[0] must be an object"),
     ({"input_extra": [7]}, "input_extra[0] must be an object"),
+    ({"input_extra": {}}, "input_extra must be a list"),
+    ({"input_extra": [{"filename": "a.py"}]}, "input_extra[0] must be an object"),
+    ({"n_predict": 0}, "n_predict must be -1 (until the end) or >= 1, got 0"),
+    ({"n_indent": -1}, "n_indent must be >= 0"),
+    ({"echo": True}, "echo is not supported on /infill"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs is not supported on /infill"),
     ({"prompt": 5}, "prompt must be a string"),
     ({"input_prefix": ["a"]}, "input_prefix"),
     ({"input_prefix": "x\ud800"}, "input_prefix must be valid Unicode text, got a lone surrogate"),
-    ({"input_extra": [{"filename": "a\udfff.py", "text": "x"}]}, "input_extra[0] must be valid Unicode text"),
+    ({"input_extra": [{"filename": "a\udfff.py", "text": "x"}]}, "input_extra[0].filename must be valid Unicode"),
     ({"n": 2}, "n must be 1 on /infill"),
     ({"temperature": -1}, "temperature must be"),
     ({"mirostat": 3}, "mirostat must be"),

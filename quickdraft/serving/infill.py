@@ -2,11 +2,13 @@
 (what editor plugins such as llama.vscode send and read).
 
 The request: ``input_prefix`` and ``input_suffix`` (the text before and after the cursor), ``prompt`` (text typed
-after the prefix), ``input_extra`` (other files, ``[{"filename", "text"}]``), ``n_predict`` (-1: until the end), and
-the sampling fields by llama-server's names, with its defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05).
-The prompt is built as llama-server builds it (``tokenizer/fim.py``). The response: ``content``, ``stop``,
-``stop_type``, ``tokens_predicted``, ``tokens_evaluated``, ``truncated``, ``timings`` and the rest of llama-server's
-fields that the engine knows; streamed, one ``data:`` event a chunk, the last with ``stop: true``.
+after the prefix), ``input_extra`` (other files, ``[{"filename", "text"}]``), ``n_predict`` (-1: until the end; it
+wins over ``max_tokens``, as in llama-server), ``n_indent`` (stop at a line indented less) and ``t_max_predict_ms``
+(stop at a new line once this time has passed), and the sampling fields by llama-server's names, with its defaults
+(temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). The prompt is built as llama-server builds it
+(``tokenizer/fim.py``). The response: ``content``, ``stop``, ``stop_type``, ``tokens_predicted``,
+``tokens_evaluated``, ``truncated``, ``timings`` and the rest of llama-server's fields that the engine knows;
+streamed, a ``data:`` event a chunk, the last with ``stop: true`` and no content.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import StrictBool, StrictInt, StrictStr, field_validator
 
 from quickdraft.engine.outputs import RequestMetrics, StreamChunk
@@ -26,7 +28,7 @@ from quickdraft.serving.jobs import ClientGone, Job
 from quickdraft.serving.openai_format import ERROR_RESPONSES, Choice
 from quickdraft.serving.protocol import CompletionRequest
 from quickdraft.serving.routes import context_of, dry_breakers, sampling_params
-from quickdraft.serving.sse import sse
+from quickdraft.serving.sse import error_event, event_stream, sse
 from quickdraft.serving.streams import merge_streams
 from quickdraft.tokenizer.fim import FimTokens, Infill, describe_missing, infill_ids
 
@@ -43,10 +45,13 @@ class InfillRequest(CompletionRequest):
     input_suffix: StrictStr = ""
     input_extra: Any = None
     n_predict: StrictInt | None = None
+    n_indent: StrictInt = 0
+    t_max_predict_ms: StrictInt = 0
     repeat_penalty: Any = None
     return_tokens: StrictBool | None = False
 
-    NAMES: ClassVar[dict[str, str]] = {"repeat_penalty": "repetition_penalty"}
+    # completions fields that have no meaning here: refused rather than ignored
+    NOT_HERE: ClassVar[tuple[str, ...]] = ("suffix", "echo", "logprobs", "best_of", "structured_outputs")
 
     @field_validator("prompt")
     @classmethod
@@ -55,106 +60,145 @@ class InfillRequest(CompletionRequest):
             raise ValueError("prompt must be a string (text typed after the prefix)")
         return value
 
-    def infill(self) -> Infill:
+    def checked(self) -> "InfillRequest":
+        """The body with llama-server's names and defaults made ours, every field llama-server checks checked."""
+        for name in self.NOT_HERE:
+            if getattr(self, name) not in (None, False):
+                raise invalid_parameter(f"{name} is not supported on /infill", name)
+        if (self.n or 1) != 1:
+            raise invalid_parameter("n must be 1 on /infill", "n")
+        if self.n_predict is not None and self.n_predict == 0 or (self.n_predict or 0) < -1:
+            raise invalid_parameter(f"n_predict must be -1 (until the end) or >= 1, got {self.n_predict}", "n_predict")
+        for name in ("n_indent", "t_max_predict_ms"):
+            if getattr(self, name) < 0:
+                raise invalid_parameter(f"{name} must be >= 0 (0: off), got {getattr(self, name)}", name)
         for name in ("input_prefix", "input_suffix", "prompt"):
             require_unicode(name, getattr(self, name))
+        update: dict[str, Any] = {k: v for k, v in LLAMA_DEFAULTS.items() if getattr(self, k) is None}
+        if self.repeat_penalty is not None:
+            update["repetition_penalty"] = self.repeat_penalty
+        if self.n_predict is not None:  # llama-server reads n_predict first
+            update["max_tokens"] = None if self.n_predict == -1 else self.n_predict
+        return self.model_copy(update=update)
+
+    def infill(self) -> Infill:
         return Infill(self.input_prefix, self.input_suffix, self.prompt, self._extra_files())
 
     def _extra_files(self) -> list[tuple[str, str]]:
-        given = self.input_extra or []
-        allowed = f'a list of at most {MAX_EXTRA_FILES} objects {{"filename": string, "text": string}}'
+        """As llama-server checks them: a list of objects, each with a string ``text``, a ``filename`` optional."""
+        given = [] if self.input_extra is None else self.input_extra
         if not isinstance(given, list) or len(given) > MAX_EXTRA_FILES:
-            raise invalid_parameter(f"input_extra must be {allowed}", "input_extra")
+            raise invalid_parameter(f'input_extra must be a list of at most {MAX_EXTRA_FILES} objects {{"filename": '
+                                    f'string, "text": string}}', "input_extra")
         files = []
         for i, chunk in enumerate(given):
-            if not isinstance(chunk, dict) or not isinstance(chunk.get("text", ""), str) \
+            if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str) \
                     or not isinstance(chunk.get("filename", "tmp"), str):
-                raise invalid_parameter(f"input_extra[{i}] must be an object {{\"filename\": string, \"text\": "
-                                        f"string}}", "input_extra")
-            files.append((chunk.get("filename", "tmp"), chunk.get("text", "")))
-            require_unicode(f"input_extra[{i}]", files[-1][0] + files[-1][1])
+                raise invalid_parameter(f'input_extra[{i}] must be an object {{"filename": string (optional), '
+                                        f'"text": string}}', "input_extra")
+            files.append((chunk.get("filename", "tmp"), chunk["text"]))
+            require_unicode(f"input_extra[{i}].filename", files[-1][0])
+            require_unicode(f"input_extra[{i}].text", files[-1][1])
         return files
-
-    def with_llama_defaults(self) -> "InfillRequest":
-        """The body with llama-server's names mapped to ours and its defaults where a field is not given."""
-        update = {ours: getattr(self, theirs) for theirs, ours in self.NAMES.items() if getattr(self, theirs) is not None}
-        update |= {k: v for k, v in LLAMA_DEFAULTS.items() if getattr(self, k) is None}
-        if self.max_tokens is None and self.n_predict is not None and self.n_predict >= 0:
-            update["max_tokens"] = self.n_predict
-        return self.model_copy(update=update)
 
 
 @router.post("/infill", responses=ERROR_RESPONSES)
 async def infill(body: InfillRequest, request: Request) -> Response:
     ctx = context_of(request)
     ctx.check_model(body.model)
-    if (body.n or 1) != 1:
-        raise invalid_parameter("n must be 1 on /infill", "n")
     fim = FimTokens.of(ctx.llm.tokenizer)
     if fim is None:
         raise invalid_parameter(describe_missing(), "input_prefix")
-    body = body.with_llama_defaults()
+    body = body.checked()
     ids, truncated = await asyncio.to_thread(infill_ids, ctx.llm.tokenizer, fim, body.infill(), ctx.llm.max_model_len,
-                                             body.max_tokens or 0)
+                                             body.max_tokens)
     params = sampling_params(ctx, body, len(ids), body.max_tokens, None, "input_prefix")
     params.stop_token_ids = sorted(set(params.stop_token_ids) | set(fim.ends))
     await dry_breakers(ctx, params)
     job = Job.new("infill", [(ids, None)], [params])
-    started = time.perf_counter()
     await job.start(ctx.engine)
-    result = _Result(ctx.model_name, len(ids), truncated, bool(body.return_tokens))
+    result = _Result(ctx.model_name, len(ids), truncated, bool(body.return_tokens), body.n_indent,
+                     body.t_max_predict_ms)
     if body.stream:
-        return StreamingResponse(_events(job, result), media_type="text/event-stream")
+        return event_stream(_events(job, result), job)
     try:
-        await _collect(job, result, request)
+        await job.wait_or_abort(_collect(job, result), request)
     except ClientGone:
         return Response(status_code=499)
-    result.wall_s = time.perf_counter() - started
     return JSONResponse(result.final())
 
 
 class _Result:
-    """What llama-server's result says, as the chunks come."""
+    """What llama-server's result says, as the chunks come; where its editor limits stop the fill early (a line
+    indented less than ``n_indent``: cut where that line's indentation ends; ``t_max_predict_ms`` passed once the
+    fill has a new line), ``add`` says so."""
 
-    def __init__(self, model: str, prompt_n: int, truncated: bool, return_tokens: bool) -> None:
+    def __init__(self, model: str, prompt_n: int, truncated: bool, return_tokens: bool, n_indent: int,
+                 t_max_ms: int) -> None:
         self.model, self.prompt_n, self.truncated, self.return_tokens = model, prompt_n, truncated, return_tokens
+        self.n_indent, self.t_max_ms = n_indent, t_max_ms
         self.choice = Choice(0)
-        self.tokens: list[int] = []
+        self.text, self.tokens = "", []
         self.metrics: RequestMetrics | None = None
-        self.wall_s = 0.0
+        self.limited = False
+        self._first_s: float | None = None
+        self._line_at = 0  # where the next line to check for its indentation may start
 
     def add(self, chunk: StreamChunk) -> dict:
-        """Note a chunk; returns its partial result."""
-        self.choice.text.append(chunk.text)
+        """Note a chunk; returns its partial result (its content cut where a limit stopped the fill)."""
+        before = len(self.text)
+        self.text += chunk.text
         self.choice.count(chunk)
         self.tokens += chunk.token_ids
         self.metrics = chunk.metrics or self.metrics
-        return {"index": 0, "content": chunk.text, "tokens": chunk.token_ids if self.return_tokens else [],
+        self._first_s = self._first_s if self._first_s is not None else time.perf_counter()
+        cut = self._limit()
+        if cut is not None:
+            self.text, self.limited = self.text[:cut], True
+        return {"index": 0, "content": self.text[before:], "tokens": chunk.token_ids if self.return_tokens else [],
                 "stop": False, "tokens_predicted": len(self.tokens), "tokens_evaluated": self.prompt_n}
 
-    def final(self, content: str | None = None) -> dict:
+    def _limit(self) -> int | None:
+        """Where llama-server's n_indent or t_max_predict_ms would end the text (None: not yet)."""
+        while self.n_indent > 0:
+            newline = self.text.find("\n", self._line_at)
+            if newline < 0:
+                break
+            start = end = newline + 1
+            while end < len(self.text) and self.text[end] in " \t":
+                end += 1
+            if end == len(self.text):  # the line's indentation may go on
+                break
+            if end - start < self.n_indent:
+                return end
+            self._line_at = start
+        elapsed_ms = 1e3 * (time.perf_counter() - self._first_s)
+        if self.t_max_ms > 0 and "\n" in self.text and elapsed_ms > self.t_max_ms:
+            return len(self.text)
+        return None
+
+    def final(self, streamed: bool = False) -> dict:
         c, m = self.choice, self.metrics or RequestMetrics()
-        text = "".join(c.text) if content is None else content
-        stop_type = {"stop": "word" if c.stop_string else "eos", "length": "limit"}.get(c.finish_reason or "", "none")
-        prompt_ms = 1e3 * (m.ttft_s or 0.0)
-        predicted_ms = 1e3 * max(0.0, m.total_s - (m.ttft_s or 0.0))
-        return {"index": 0, "content": text, "tokens": self.tokens if self.return_tokens else [], "stop": True,
+        stop_type = "limit" if self.limited else {"stop": "word" if c.stop_string else "eos",
+                                                  "length": "limit"}.get(c.finish_reason or "", "none")
+        ttft = m.ttft_s or 0.0
+        return {"index": 0, "content": "" if streamed else self.text,
+                "tokens": self.tokens if self.return_tokens and not streamed else [], "stop": True,
                 "model": self.model, "tokens_predicted": len(self.tokens), "tokens_evaluated": self.prompt_n,
-                "tokens_cached": self.choice.cached_tokens, "truncated": self.truncated, "has_new_line": "\n" in text,
+                "tokens_cached": c.cached_tokens, "truncated": self.truncated, "has_new_line": "\n" in self.text,
                 "stop_type": stop_type, "stopping_word": c.stop_string or "",
-                "timings": {"prompt_n": self.prompt_n - self.choice.cached_tokens, "prompt_ms": prompt_ms,
-                            "predicted_n": len(self.tokens), "predicted_ms": predicted_ms,
+                "timings": {"prompt_n": self.prompt_n - c.cached_tokens, "prompt_ms": 1e3 * ttft,
+                            "predicted_n": len(self.tokens), "predicted_ms": 1e3 * max(0.0, m.total_s - ttft),
                             "predicted_per_second": m.tokens_per_s},
                 "speculative": c.spec.usage()}
 
 
-async def _collect(job: Job, result: _Result, request: Request) -> None:
-    """The whole fill into ``result``; ClientGone (and the job aborted) if the client leaves first."""
-    async def read() -> None:
-        async for _, chunk in merge_streams(job.streams):
-            result.add(chunk)
-
-    await job.wait_or_abort(read(), request)
+async def _collect(job: Job, result: _Result) -> None:
+    async for _, chunk in merge_streams(job.streams):
+        result.add(chunk)
+        if result.limited:
+            job.close()  # the rest is not wanted: its KV blocks go back now
+            return
 
 
 async def _events(job: Job, result: _Result) -> AsyncIterator[str]:
@@ -162,13 +206,12 @@ async def _events(job: Job, result: _Result) -> AsyncIterator[str]:
     try:
         async for _, chunk in merge_streams(job.streams):
             event = result.add(chunk)
-            if chunk.text or chunk.token_ids:
+            if event["content"] or chunk.token_ids:
                 yield sse(event)
-            if chunk.finished:
-                yield sse(result.final(content=""))
+            if chunk.finished or result.limited:
+                yield sse(result.final(streamed=True))
+                return
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # noqa: BLE001 - reported in the stream, as llama-server does
-        yield sse({"error": {"code": 500, "message": str(exc), "type": "server_error"}})
-    finally:  # closed early (the client left): abort what is unfinished
-        job.close()
+    except Exception as exc:  # noqa: BLE001 - reported in the stream
+        yield error_event(exc)

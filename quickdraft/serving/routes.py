@@ -114,7 +114,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     constraint = await _constraint(ctx, body)
     params = [sampling_params(ctx, body, len(ids), body.max_tokens, body.logprobs, "prompt", constraint)
               for ids, _ in prompts]
-    if body.suffix is not None:  # a fill ends at the end of the sequence or at its marks that close a file
+    if body.suffix:  # a fill ends at the end of the sequence or at its marks that close a file
         for p in params:
             p.stop_token_ids = sorted(set(p.stop_token_ids) | set(FimTokens.of(ctx.llm.tokenizer).ends))
     await dry_breakers(ctx, params[0])
@@ -208,14 +208,13 @@ async def _completion_prompts(ctx: ServerContext, body: CompletionRequest) -> li
     """The request's prompts as token ids (with their text when sent as text), once its options are checked; with a
     ``suffix``, each prompt is the text before the cursor of a fill-in-the-middle prompt (``tokenizer/fim.py``)."""
     fim = None
-    if body.suffix is not None:
+    if body.suffix:  # (an empty one is no suffix, as before the field was read)
         require_unicode("suffix", body.suffix)
         fim = FimTokens.of(ctx.llm.tokenizer)
         if fim is None:
             raise invalid_parameter(f"suffix: {describe_missing()}", "suffix")
-        if not all(isinstance(p, str) for p in body.prompts()):
-            raise invalid_parameter("suffix needs the prompt as text (the code before the cursor), not token ids",
-                                    "suffix")
+        if len(body.prompts()) != 1 or not isinstance(body.prompts()[0], str):
+            raise invalid_parameter("suffix needs one prompt, as text (the code before the cursor)", "suffix")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise invalid_parameter(f"best_of is not supported (it must equal n), got {body.best_of}", "best_of")
     if body.echo and body.logprobs is not None:
@@ -231,7 +230,7 @@ async def _completion_prompts(ctx: ServerContext, body: CompletionRequest) -> li
             require_unicode("prompt", p)
             if fim is not None:
                 ids, _ = await asyncio.to_thread(infill_ids, ctx.llm.tokenizer, fim, Infill(p, body.suffix),
-                                                 ctx.llm.max_model_len, body.max_tokens or 0)
+                                                 ctx.llm.max_model_len, body.max_tokens)
             else:  # (off the event loop: a long prompt must not stall other streams)
                 ids = await asyncio.to_thread(ctx.llm.tokenizer.encode, p)
             if not ids:

@@ -54,7 +54,7 @@ async def _events(job: Job, head: dict, include_usage: bool, choice_fields: Choi
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - reported in the stream
-        yield _error_event(exc)
+        yield error_event(exc)
     finally:  # closed or cancelled early (client gone): abort what is unfinished
         job.close()
     yield sse("[DONE]")
@@ -94,7 +94,7 @@ def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _error_event(exc: BaseException) -> str:
+def error_event(exc: BaseException) -> str:
     """A failure after the 200 went out can only be told in the stream, as an OpenAI error body."""
     status, body = describe_error(exc)
     if status >= 500:

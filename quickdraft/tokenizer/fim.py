@@ -6,11 +6,14 @@ where the model has its repository and file-separator tokens::
 
     [REPO]myproject\\n [SEP]filename0\\n text 0 ... [SEP]filename\\n [BOS] [PRE] prefix prompt [SUF] suffix [MID]
 
-A model without them gets each extra file's text after a "--- snippet ---" line. Every text is tokenized as plain
-text (``Tokenizer.encode_plain``): a mark spelled in the code stays code. Cut as llama-server cuts: the prefix keeps
-its last three quarters of a 2,048-token budget (or of the context, if smaller), the suffix its first quarter less
-the prompt's tokens, the extra files the room the context has beyond the budget and twice ``max_tokens`` (their
-last tokens).
+A model without them gets each extra file's text after a "--- snippet ---" line. The code is tokenized as plain
+text (``Tokenizer.encode_plain``): a mark spelled in it stays code; ``prompt`` as llama-server reads it, special
+tokens' spellings as the tokens. Cut as llama-server cuts, within what the context holds: the prefix keeps its last
+three quarters of a 2,048-token budget, the suffix its first quarter less the prompt's tokens and 2, the extra files
+(their last tokens) what is left; the budget and the extra files fit beside the fill's room (``max_tokens``, or a
+quarter of the context up to 512 without it), so a cut prompt is never refused for its length. llama-server sizes
+the extra files by its context less the budget and twice its own ``n_predict`` and lets a longer prompt shift its
+context.
 """
 from __future__ import annotations
 
@@ -45,12 +48,14 @@ class FimTokens:
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> FimTokens | None:
-        """The vocabulary's marks (special tokens only: a plain token spelled "<PRE>" is text); None where it lacks
-        any of prefix, suffix and middle."""
+        """The vocabulary's marks: special or added tokens (a tokenizer.json may leave them unmarked; llama.cpp
+        makes them control tokens), never a merged token that happens to spell "<PRE>". None where it lacks any of
+        prefix, suffix and middle."""
+        added = set(tokenizer.backend.get_added_tokens_decoder())
         found = {}
         for role, texts in ROLE_TEXTS.items():
             ids = [tokenizer.token_to_id(t) for t in texts]
-            found[role] = next((i for i in ids if i is not None and tokenizer.is_special(i)), None)
+            found[role] = next((i for i in ids if i is not None and (tokenizer.is_special(i) or i in added)), None)
         if None in (found["prefix"], found["suffix"], found["middle"]):
             return None
         return cls(**found)
@@ -77,13 +82,17 @@ class Infill:
     extra: Sequence[tuple[str, str]] = ()
 
 
-def infill_ids(tokenizer: Tokenizer, fim: FimTokens, infill: Infill, context: int, max_tokens: int) -> tuple[
+def infill_ids(tokenizer: Tokenizer, fim: FimTokens, infill: Infill, context: int, max_tokens: int | None) -> tuple[
         list[int], bool]:
     """The prompt's token ids and whether anything was cut (see the module's docstring); ``context``: the model's
-    context window, ``max_tokens``: the most the fill may write. Tokenizes: call it off an event loop."""
-    budget = min(BUDGET, context)
+    context window, ``max_tokens``: the most the fill may write (None: as much as fits). Tokenizes: call it off an
+    event loop."""
+    head = [tokenizer.bos_token_id] if tokenizer.add_bos and tokenizer.bos_token_id is not None else []
+    fill = max_tokens if max_tokens else min(BUDGET // 4, context // 4)
+    room = max(0, context - fill - 1 - len(head))  # the budget's prompt is at most budget + 1 tokens long
+    budget = min(BUDGET, room)
     prefix, suffix = tokenizer.encode_plain(infill.prefix), tokenizer.encode_plain(infill.suffix)
-    prompt = tokenizer.encode_plain(infill.prompt) if infill.prompt else []
+    prompt = tokenizer.encode(infill.prompt, add_special_tokens=False) if infill.prompt else []
     extra: list[int] = []
     if fim.repo is not None:
         extra += [fim.repo, *tokenizer.encode_plain("myproject\n")]
@@ -93,12 +102,14 @@ def infill_ids(tokenizer: Tokenizer, fim: FimTokens, infill: Infill, context: in
         extra += tokenizer.encode_plain(text)
     if fim.sep is not None:
         extra += [fim.sep, *tokenizer.encode_plain("filename\n")]
-    prefix_take = min(len(prefix), 3 * (budget // 4))
+    typed = len(prompt)
+    prompt = prompt[:max(0, budget - 3)]  # (a prompt longer than the budget is cut too)
+    prefix_take = min(len(prefix), 3 * (budget // 4), max(0, budget - 3 - len(prompt)))
     suffix_take = min(len(suffix), max(0, budget // 4 - (2 + len(prompt))))
-    extra_take = min(len(extra), max(0, context - budget - 2 * max_tokens))
+    extra_take = min(len(extra), room - budget)
     # (the project's header alone does not count: it is cut where the context has no room beyond the budget)
-    cut = prefix_take < len(prefix) or suffix_take < len(suffix) or bool(infill.extra) and extra_take < len(extra)
-    head = [tokenizer.bos_token_id] if tokenizer.add_bos and tokenizer.bos_token_id is not None else []
+    cut = (prefix_take < len(prefix) or suffix_take < len(suffix) or len(prompt) < typed
+           or bool(infill.extra) and extra_take < len(extra))
     ids = (extra[len(extra) - extra_take:] + head + [fim.prefix, *prefix[len(prefix) - prefix_take:], *prompt]
            + [fim.suffix, *suffix[:suffix_take], fim.middle])
     return ids, cut

@@ -52,6 +52,8 @@ _CONTROL_UNLESS_DECLARED = {
     ("fim_rep",): ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>"),
     ("fim_sep",): ("<|file_sep|>",),
 }
+# every text llama.cpp reads as a control token, whatever the file says
+CONTROL_LOOKING = _ALWAYS_CONTROL + tuple(t for names in _CONTROL_UNLESS_DECLARED.values() for t in names)
 
 
 def llama_cpp_token_types(tokens: Sequence[str], token_types: Sequence[int], declared: set[str]) -> list[int]:

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import AddedToken, Tokenizer as BackendTokenizer
 
 from quickdraft.errors import ModelLoadError, require_unicode
 from quickdraft.tokenizer.chat import default_template, render_chat_template
 from quickdraft.tokenizer.gguf_vocab import build_from_gguf_metadata
+from quickdraft.tokenizer.spm_vocab import CONTROL_LOOKING
 from quickdraft.tokenizer.token_bytes import vocabulary_bytes
 
 # Tokens that end a chat turn or a document in common chat vocabularies. When one of them is a
@@ -205,17 +206,22 @@ class Tokenizer:
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids for ``text`` as plain text: a special token's spelling in it (a '<|fim_middle|>' in someone's
-        code) stays text, as llama.cpp's tokenizer without parse_special reads it; no BOS or EOS. The first call
-        copies the vocabulary (about a second for a 150k one): call it off an event loop."""
+        code) stays text, as llama.cpp's tokenizer without parse_special reads it (the tokens llama.cpp makes
+        control tokens too, where a tokenizer.json leaves them plain added tokens); no BOS or EOS. The first call
+        copies the vocabulary (about a second for a 150k one): call it off an event loop; the encoding itself lets
+        other Python threads run."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         require_unicode("text to tokenize", text)
         with self._plain_lock:
             if self._plain is None:  # a copy: the flag is the backend's, and other threads encode with this one
                 plain = BackendTokenizer.from_str(self._backend.to_str())
+                added = {t.content for t in plain.get_added_tokens_decoder().values()}
+                plain.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_LOOKING
+                                          if t in added])
                 plain.encode_special_tokens = True
                 self._plain = plain
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids  # (the batch call frees the GIL)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [self.encode(t, add_special_tokens) for t in texts]
