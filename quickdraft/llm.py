@@ -4,6 +4,7 @@ A thin facade: ``engine/build.py`` loads and wires everything, ``LLMEngine.step`
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence as Seq
 from pathlib import Path
@@ -22,6 +23,7 @@ from quickdraft.sampling import SamplingParams
 from quickdraft.session import Session
 from quickdraft.speculative.drafters import Drafter
 from quickdraft.tokenizer import Tokenizer
+from quickdraft.tokenizer.fim import FimTokens, Infill, describe_missing, infill_ids
 
 Prompt = str | list[int]
 log = logging.getLogger(__name__)
@@ -215,6 +217,21 @@ class LLM:
         repeated prompt costs what a new one does."""
         for runner in self.loaded.runners:
             runner.allocator.reset_prefix_cache()
+
+    def infill(self, prefix: str, suffix: str, params: SamplingParams | None = None, *, prompt: str = "",
+               extra: Seq[tuple[str, str]] = ()) -> RequestOutput:
+        """Fill in the middle between ``prefix`` and ``suffix`` (the code before and after the cursor; ``prompt``:
+        text typed after the prefix; ``extra``: other files as (filename, text)), with the prompt llama-server's
+        /infill builds (``tokenizer/fim.py``); the fill ends at the end of the sequence or at a mark that closes a
+        file. A model without fill-in-the-middle tokens raises InvalidParameterError."""
+        fim = FimTokens.of(self.tokenizer)
+        if fim is None:
+            raise InvalidParameterError(describe_missing())
+        params = params or SamplingParams()
+        ids, _ = infill_ids(self.tokenizer, fim, Infill(prefix, suffix, prompt, tuple(extra)), self.max_model_len,
+                            params.max_tokens)
+        ends = sorted(set(params.stop_token_ids or ()) | set(fim.ends))
+        return self.generate([ids], dataclasses.replace(params, stop_token_ids=ends))[0]
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
              ) -> list[RequestOutput]:

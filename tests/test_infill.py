@@ -11,6 +11,7 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 
 from quickdraft import LLM, SamplingParams
+from quickdraft.errors import InvalidParameterError
 from quickdraft.serving.app import create_app
 from quickdraft.tokenizer import Tokenizer
 from quickdraft.tokenizer.fim import FimTokens, Infill, infill_ids
@@ -28,6 +29,11 @@ def qwen():
     with ServerThread(create_app(llm, "qwen")) as server:
         server.llm = llm
         yield server
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM("qwen2.5-coder-0.5b", max_model_len=8192, kv_cache_memory="256MiB")
 
 
 def post(server, body: dict, path: str = "/infill") -> httpx.Response:
@@ -74,7 +80,7 @@ def test_marks_a_tokenizer_json_leaves_unmarked_are_found_and_stay_text_in_code(
     assert 151660 not in tok.encode_plain("s = '<|fim_middle|>'") and 151660 in tok.encode("<|fim_middle|>")
 
 
-def test_infill_fills_streams_and_equals_plain_decoding(qwen):
+def test_infill_fills_streams_and_equals_plain_decoding(qwen, plain):
     whole = post(qwen, {"input_prefix": PREFIX, "input_suffix": SUFFIX, **GREEDY}).json()
     assert whole["stop"] is True and whole["content"].startswith("    a, b = 0, 1") and not whole["truncated"]
     assert whole["tokens_predicted"] == len(whole["tokens"]) and whole["tokens_evaluated"] == 36
@@ -86,9 +92,11 @@ def test_infill_fills_streams_and_equals_plain_decoding(qwen):
     assert events[-1]["has_new_line"] and events[-1]["tokens"] == [] and events[-1]["stop_type"] == whole["stop_type"]
     # n-gram drafts from the prompt (the suffix repeats the prefix's names): the plain engine's tokens
     ids, _ = infill_ids(qwen.llm.tokenizer, FimTokens.of(qwen.llm.tokenizer), Infill(PREFIX, SUFFIX), 8192, 32)
-    plain = LLM("qwen2.5-coder-0.5b", max_model_len=8192, kv_cache_memory="256MiB")
     expected = plain.generate([ids], SamplingParams(max_tokens=32, temperature=0))[0].token_ids
     assert whole["tokens"] == expected[:len(whole["tokens"])] and whole["speculative"]["drafted_tokens"] > 0
+    # the Python API's fill: the same prompt, the same ends
+    assert plain.infill(PREFIX, SUFFIX, SamplingParams(max_tokens=32, temperature=0)).outputs[0].token_ids == \
+        whole["tokens"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -127,6 +135,8 @@ def test_suffix_on_completions_is_the_same_fill(qwen):
 
 def test_a_model_without_the_marks_is_refused_by_name(tiny_dir):
     llm = LLM(str(tiny_dir(arch="qwen2", vocab_size=64, layers=2)), dtype="float32", kv_cache_memory="8MiB")
+    with pytest.raises(InvalidParameterError, match="no fill-in-the-middle tokens"):
+        llm.infill("t1 t2", "t3")
     with ServerThread(create_app(llm, "tiny")) as server:
         r = post(server, {"input_prefix": "t1 t2", "input_suffix": "t3"})
         assert r.status_code == 400 and "no fill-in-the-middle tokens" in r.json()["error"]["message"]
