@@ -276,8 +276,8 @@ async def dry_breakers(ctx: ServerContext, params: SamplingParams) -> None:
 
 
 def sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
-                     logprobs: int | None, prompt_param: str,
-                     constraint: StructuredOutputs | None = None) -> SamplingParams:
+                    logprobs: int | None, prompt_param: str,
+                    constraint: StructuredOutputs | None = None) -> SamplingParams:
     """The engine's parameters for one prompt; the prompt and the completion must fit the context together."""
     limit = ctx.llm.max_model_len
     if prompt_len >= limit:
