@@ -23,7 +23,7 @@ from quickdraft.serving.metrics import ServerMetrics
 from quickdraft.serving.openai_format import TokenTexts, describe_error, describe_validation
 from quickdraft.serving.anthropic_api import router as anthropic_router
 from quickdraft.serving.extra_routes import router as extra_router
-from quickdraft.serving.infill import router as infill_router
+from quickdraft.serving.llama_api import router as llama_router
 from quickdraft.serving.response_store import ResponseStore
 from quickdraft.serving.responses_api import router as responses_router
 from quickdraft.serving.routes import ServerContext, context_of, router
@@ -54,7 +54,7 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
     app.add_exception_handler(QuickdraftError, _on_quickdraft)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(Exception, _on_bug)
-    routers = (router, responses_router, anthropic_router, extra_router, infill_router)
+    routers = (router, responses_router, anthropic_router, extra_router, llama_router)
     for routes in routers + ((web_router,) if web else ()):
         app.include_router(routes)
     app.openapi = lambda: openapi_without_422(app)

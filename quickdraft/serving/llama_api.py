@@ -1,14 +1,16 @@
-"""llama-server's ``/infill``: fill in the middle of code, the request and the response in llama-server's own shape
-(what editor plugins such as llama.vscode send and read).
+"""llama-server's own endpoints, its request and response shapes: ``/completion`` (what llama.cpp's scripts and
+chat front ends such as SillyTavern send) and ``/infill`` (fill in the middle of code: what editor plugins such as
+llama.vscode send).
 
-The request: ``input_prefix`` and ``input_suffix`` (the text before and after the cursor), ``prompt`` (text typed
-after the prefix), ``input_extra`` (other files, ``[{"filename", "text"}]``), ``n_predict`` (-1: until the end; it
-wins over ``max_tokens``, as in llama-server), ``n_indent`` (stop at a line indented less) and ``t_max_predict_ms``
-(stop at a new line once this time has passed), and the sampling fields by llama-server's names, with its defaults
-(temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). The prompt is built as llama-server builds it
-(``tokenizer/fim.py``). The response: ``content``, ``stop``, ``stop_type``, ``tokens_predicted``,
-``tokens_evaluated``, ``truncated``, ``timings`` and the rest of llama-server's fields that the engine knows;
-streamed, a ``data:`` event a chunk, the last with ``stop: true`` and no content.
+Both take ``n_predict`` (-1: until the end; it wins over ``max_tokens``, as in llama-server), ``n_indent`` (stop at a
+line indented less) and ``t_max_predict_ms`` (stop at a new line once this time has passed), ``return_tokens``,
+``stream``, and the sampling fields by llama-server's names, with its defaults (temperature 0.8, top_k 40, top_p
+0.95, min_p 0.05). ``/completion``'s ``prompt`` is a string (read with special tokens, BOS added where the model
+asks) or token ids; ``/infill``'s are ``input_prefix`` and ``input_suffix`` (the text before and after the cursor),
+``prompt`` (text typed after the prefix) and ``input_extra`` (other files, ``[{"filename", "text"}]``), built into
+the prompt llama-server builds (``tokenizer/fim.py``). The response: ``content``, ``stop``, ``stop_type``,
+``tokens_predicted``, ``tokens_evaluated``, ``truncated``, ``timings`` and the rest of llama-server's fields that the
+engine knows; streamed, a ``data:`` event a chunk, the last with ``stop: true`` and no content.
 """
 from __future__ import annotations
 
@@ -37,21 +39,52 @@ MAX_EXTRA_FILES = 256
 LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}  # llama-server's
 
 
-class InfillRequest(CompletionRequest):
-    """llama-server's /infill body; the completions fields (``max_tokens``, ``stop``, llama.cpp's samplers) too."""
+class LlamaRequest(CompletionRequest):
+    """llama-server's native body; the completions fields (``max_tokens``, ``stop``, llama.cpp's samplers) too."""
 
-    prompt: Any = ""
-    input_prefix: StrictStr = ""
-    input_suffix: StrictStr = ""
-    input_extra: Any = None
     n_predict: StrictInt | None = None
     n_indent: StrictInt = 0
     t_max_predict_ms: StrictInt = 0
     repeat_penalty: Any = None
     return_tokens: StrictBool | None = False
+    n_probs: StrictInt = 0
 
     # completions fields that have no meaning here: refused rather than ignored
     NOT_HERE: ClassVar[tuple[str, ...]] = ("suffix", "echo", "logprobs", "best_of", "structured_outputs")
+    ROUTE: ClassVar[str] = "/completion"
+
+    def checked(self) -> "LlamaRequest":
+        """The body with llama-server's names and defaults made ours, every field llama-server checks checked."""
+        for name in self.NOT_HERE:
+            if getattr(self, name) not in (None, False):
+                raise invalid_parameter(f"{name} is not supported on {self.ROUTE}", name)
+        if self.n_probs:
+            raise invalid_parameter(f"n_probs is not supported on {self.ROUTE} (the OpenAI routes take logprobs)",
+                                    "n_probs")
+        if (self.n or 1) != 1:
+            raise invalid_parameter(f"n must be 1 on {self.ROUTE}", "n")
+        if self.n_predict is not None and self.n_predict == 0 or (self.n_predict or 0) < -1:
+            raise invalid_parameter(f"n_predict must be -1 (until the end) or >= 1, got {self.n_predict}", "n_predict")
+        for name in ("n_indent", "t_max_predict_ms"):
+            if getattr(self, name) < 0:
+                raise invalid_parameter(f"{name} must be >= 0 (0: off), got {getattr(self, name)}", name)
+        update: dict[str, Any] = {k: v for k, v in LLAMA_DEFAULTS.items() if getattr(self, k) is None}
+        if self.repeat_penalty is not None:
+            update["repetition_penalty"] = self.repeat_penalty
+        if self.n_predict is not None:  # llama-server reads n_predict first
+            update["max_tokens"] = None if self.n_predict == -1 else self.n_predict
+        return self.model_copy(update=update)
+
+
+class InfillRequest(LlamaRequest):
+    """llama-server's /infill body."""
+
+    prompt: Any = ""
+    input_prefix: StrictStr = ""
+    input_suffix: StrictStr = ""
+    input_extra: Any = None
+
+    ROUTE: ClassVar[str] = "/infill"
 
     @field_validator("prompt")
     @classmethod
@@ -60,28 +93,9 @@ class InfillRequest(CompletionRequest):
             raise ValueError("prompt must be a string (text typed after the prefix)")
         return value
 
-    def checked(self) -> "InfillRequest":
-        """The body with llama-server's names and defaults made ours, every field llama-server checks checked."""
-        for name in self.NOT_HERE:
-            if getattr(self, name) not in (None, False):
-                raise invalid_parameter(f"{name} is not supported on /infill", name)
-        if (self.n or 1) != 1:
-            raise invalid_parameter("n must be 1 on /infill", "n")
-        if self.n_predict is not None and self.n_predict == 0 or (self.n_predict or 0) < -1:
-            raise invalid_parameter(f"n_predict must be -1 (until the end) or >= 1, got {self.n_predict}", "n_predict")
-        for name in ("n_indent", "t_max_predict_ms"):
-            if getattr(self, name) < 0:
-                raise invalid_parameter(f"{name} must be >= 0 (0: off), got {getattr(self, name)}", name)
+    def infill(self) -> Infill:
         for name in ("input_prefix", "input_suffix", "prompt"):
             require_unicode(name, getattr(self, name))
-        update: dict[str, Any] = {k: v for k, v in LLAMA_DEFAULTS.items() if getattr(self, k) is None}
-        if self.repeat_penalty is not None:
-            update["repetition_penalty"] = self.repeat_penalty
-        if self.n_predict is not None:  # llama-server reads n_predict first
-            update["max_tokens"] = None if self.n_predict == -1 else self.n_predict
-        return self.model_copy(update=update)
-
-    def infill(self) -> Infill:
         return Infill(self.input_prefix, self.input_suffix, self.prompt, self._extra_files())
 
     def _extra_files(self) -> list[tuple[str, str]]:
@@ -102,6 +116,27 @@ class InfillRequest(CompletionRequest):
         return files
 
 
+@router.post("/completion", responses=ERROR_RESPONSES)
+async def completion(body: LlamaRequest, request: Request) -> Response:
+    ctx = context_of(request)
+    ctx.check_model(body.model)
+    body = body.checked()
+    prompt = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1:  # (one prompt in a list, as llama-server takes it)
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        require_unicode("prompt", prompt)
+        ids = await asyncio.to_thread(ctx.llm.tokenizer.encode, prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise invalid_parameter("prompt must be a string or a list of token ids (one prompt on /completion)",
+                                "prompt")
+    if not ids:
+        raise invalid_parameter("prompt must not be empty", "prompt")
+    return await _answer(ctx, request, body, ids, "prompt")
+
+
 @router.post("/infill", responses=ERROR_RESPONSES)
 async def infill(body: InfillRequest, request: Request) -> Response:
     ctx = context_of(request)
@@ -112,10 +147,16 @@ async def infill(body: InfillRequest, request: Request) -> Response:
     body = body.checked()
     ids, truncated = await asyncio.to_thread(infill_ids, ctx.llm.tokenizer, fim, body.infill(), ctx.llm.max_model_len,
                                              body.max_tokens)
-    params = sampling_params(ctx, body, len(ids), body.max_tokens, None, "input_prefix")
-    params.stop_token_ids = sorted(set(params.stop_token_ids) | set(fim.ends))
+    return await _answer(ctx, request, body, ids, "input_prefix", truncated, fim.ends)
+
+
+async def _answer(ctx, request: Request, body: LlamaRequest, ids: list[int], prompt_param: str,
+                  truncated: bool = False, ends: tuple[int, ...] = ()) -> Response:
+    """Run ``ids`` with the body's sampling and answer in llama-server's shape; ``ends``: more ids that end it."""
+    params = sampling_params(ctx, body, len(ids), body.max_tokens, None, prompt_param)
+    params.stop_token_ids = sorted(set(params.stop_token_ids) | set(ends))
     await dry_breakers(ctx, params)
-    job = Job.new("infill", [(ids, None)], [params])
+    job = Job.new("llama", [(ids, None)], [params])
     await job.start(ctx.engine)
     result = _Result(ctx.model_name, len(ids), truncated, bool(body.return_tokens), body.n_indent,
                      body.t_max_predict_ms)

@@ -1,7 +1,8 @@
-"""Fill in the middle: the prompt llama-server builds (its layout, its token counts on the same bodies), llama-server's
-``/infill`` and OpenAI's ``suffix`` on ``/v1/completions`` through a real server on 127.0.0.1 with Qwen2.5-Coder (the
-same fill plain, streamed and drafted by n-gram lookup), and a clear 400 for a model without the marks or a hostile
-body."""
+"""llama-server's own endpoints through a real server on 127.0.0.1 with Qwen2.5-Coder: ``/completion`` (the same text as
+``/v1/completions``, streamed or not, llama.cpp's samplers by its names) and fill in the middle: the prompt
+llama-server builds (its layout, its token counts on the same bodies), ``/infill`` and OpenAI's ``suffix`` on
+``/v1/completions`` (the same fill plain, streamed and drafted by n-gram lookup), and a clear 400 for a model without
+the marks or a hostile body."""
 from __future__ import annotations
 
 import json
@@ -39,6 +40,32 @@ def plain():
 def post(server, body: dict, path: str = "/infill") -> httpx.Response:
     return httpx.post(f"{server.url}{path}", content=json.dumps(body), timeout=120,
                       headers={"content-type": "application/json"})
+
+
+def test_completion_answers_in_llama_servers_shape(qwen):
+    prompt = "def quicksort(items):\n"
+    openai_text = qwen.client().completions.create(model="qwen", prompt=prompt, max_tokens=24, temperature=0)
+    whole = post(qwen, {"prompt": prompt, "n_predict": 24, "temperature": 0, "return_tokens": True},
+                 "/completion").json()
+    assert whole["content"] == openai_text.choices[0].text and whole["stop"] and whole["stop_type"] == "limit"
+    assert whole["tokens_predicted"] == 24 == len(whole["tokens"])
+    assert whole["tokens_evaluated"] == len(qwen.llm.tokenizer.encode(prompt))
+    by_ids = post(qwen, {"prompt": qwen.llm.tokenizer.encode(prompt), "n_predict": 24, "temperature": 0},
+                  "/completion").json()
+    assert by_ids["content"] == whole["content"]
+    events = [json.loads(line[6:]) for line in post(qwen, {"prompt": prompt, "n_predict": 24, "temperature": 0,
+                                                           "stream": True}, "/completion").text.splitlines() if line]
+    assert "".join(e["content"] for e in events) == whole["content"] and events[-1]["stop"]
+    # llama.cpp's samplers by its names: mirostat with tau 0 and eta 0 keeps only the most probable token
+    pinned = post(qwen, {"prompt": prompt, "n_predict": 24, "temperature": 1.5, "mirostat": 2, "mirostat_tau": 0,
+                         "mirostat_eta": 0, "repeat_penalty": 1.0}, "/completion").json()
+    assert pinned["content"] == whole["content"]
+    for body, words in (({"prompt": [prompt, prompt]}, "one prompt on /completion"),
+                        ({"prompt": prompt, "n_probs": 3}, "n_probs is not supported on /completion"),
+                        ({"prompt": prompt, "repeat_penalty": "x"}, "repetition_penalty must be"),
+                        ({"prompt": prompt, "echo": True}, "echo is not supported on /completion")):
+        bad = post(qwen, body, "/completion")
+        assert bad.status_code == 400 and words in bad.json()["error"]["message"], bad.text
 
 
 def test_the_prompt_is_llama_servers(qwen):
