@@ -53,6 +53,34 @@ def test_dry_gives_llama_cpps_numbers(probs, context, expected, multiplier, base
     assert got == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.parametrize("cuts", [{"top_p": 0.8}, {"min_p": 0.1}, {"typical_p": 0.7}, {"top_k": 5, "top_p": 0.9},
+                                  {"top_n_sigma": 1.0}, {"min_p": 0.02, "xtc_probability": 0.4, "xtc_threshold": 0.1}])
+def test_temperature_last_cuts_the_untempered_distribution_then_tempers_it(cuts):
+    """llama-server's default chain: the cuts (and XTC's choice of tokens) read the untempered row; the kept tokens'
+    logits are then divided by the temperature (XTC's two branches each tempered)."""
+    x = torch.randn(4, 50, generator=torch.Generator().manual_seed(3), dtype=torch.float64).float() * 2
+    temperature = 0.6
+    got = LogitsProcessor(SamplingParams(temperature=temperature, temperature_last=True, **cuts), [1], 50).probs(x)
+    plain_cuts = {k: v for k, v in cuts.items() if not k.startswith("xtc")}
+    kept = LogitsProcessor(SamplingParams(temperature=1.0, **plain_cuts), [1], 50).probs(x) > 0
+    tempered = (x / temperature).masked_fill(~kept, NEG_INF)
+    expected = torch.softmax(tempered, -1)
+    if "xtc_probability" in cuts:
+        untempered = torch.softmax(x.masked_fill(~kept, NEG_INF), -1)
+        for row in range(4):
+            above = [t for t in range(50) if untempered[row, t] >= cuts["xtc_threshold"]]
+            if len(above) >= 2:
+                least = min(untempered[row, t] for t in above)
+                removed = torch.zeros(50, dtype=torch.bool)
+                removed[[t for t in above if untempered[row, t] > least]] = True
+                excluded = torch.softmax(tempered[row].masked_fill(removed, NEG_INF), -1)
+                expected[row] = (1 - cuts["xtc_probability"]) * expected[row] + cuts["xtc_probability"] * excluded
+    assert torch.allclose(got, expected, atol=1e-6)
+    first = LogitsProcessor(SamplingParams(temperature=temperature, **cuts), [1], 50).probs(x)
+    # (top_n_sigma's cut scales with the logits: it is the same before or after the temperature)
+    assert torch.allclose(got, first, atol=1e-6) == ("top_n_sigma" in cuts)
+
+
 def test_top_n_sigma_and_typical_give_llama_cpps_numbers():
     assert probs_after([0.1, 0.2, 0.3, 0.4], [], top_n_sigma=1.0) == pytest.approx([0, 0, 0.428571, 0.571429], abs=1e-6)
     assert probs_after([0.1, 0.2, 0.3, 0.4], [], top_n_sigma=0.0) == pytest.approx([0.1, 0.2, 0.3, 0.4], abs=1e-6)

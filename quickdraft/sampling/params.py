@@ -148,6 +148,8 @@ class SamplingParams:
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    # the temperature after the samplers that cut the vocabulary (they read it untempered), as llama-server's chain
+    temperature_last: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -346,6 +348,7 @@ class SamplingParams:
         check("mirostat", "0 (off), 1 or 2 (the version)", lambda v: v in (0, 1, 2), integral=True)
         check("mirostat_tau", f"in [0, {MAX_MIROSTAT_TAU:g}] (bits of surprise)", lambda v: 0 <= v <= MAX_MIROSTAT_TAU)
         check("mirostat_eta", f"in [0, {MAX_MIROSTAT_ETA:g}]", lambda v: 0 <= v <= MAX_MIROSTAT_ETA)
+        self.temperature_last = _as_bool("temperature_last", self.temperature_last)
         breakers = DRY_SEQUENCE_BREAKERS if self.dry_sequence_breakers is None else self.dry_sequence_breakers
         self.dry_sequence_breakers = _check_strings("dry_sequence_breakers", breakers, MAX_DRY_BREAKERS,
                                                     MAX_DRY_BREAKER_CHARS)

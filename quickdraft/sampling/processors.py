@@ -238,6 +238,9 @@ class LogitsProcessor:
         if p.greedy:
             return x.squeeze(0) if squeeze else x
 
+        if p.temperature_last and p.has_truncation:  # (llama-server's default chain)
+            x = truncate(x, p, lambda cut: self._apply_temperature(cut, p.temperature))
+            return x.squeeze(0) if squeeze else x
         x = self._apply_temperature(x, p.temperature)
         if self._mirostat is not None:
             first = offset if start is None else start

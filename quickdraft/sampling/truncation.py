@@ -1,14 +1,16 @@
-"""The samplers that keep part of the vocabulary, applied after the temperature, row by row: top_n_sigma, top-k,
-typical_p, top-p, min-p (masked entries become -inf), then XTC.
+"""The samplers that keep part of the vocabulary, row by row: top_n_sigma, top-k, typical_p, top-p, min-p (masked
+entries become -inf), then XTC.
 
 llama.cpp's order of these (top-n-sigma, top-k, typical, top-p, min-p, XTC), with the temperature first as vLLM
-applies it. Each row's result depends on that row alone, so plain sampling and every row of a verification see the
+applies it, or last as llama-server's default chain does (``SamplingParams.temperature_last``: the cuts and XTC's
+choice of tokens read the untempered distribution, which is then tempered). Each row's result depends on that row alone, so plain sampling and every row of a verification see the
 same distribution. XTC is random in llama.cpp (a coin each step): here a row becomes the mixture it samples from,
 so a draft is verified against the distribution plain sampling draws from.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -20,8 +22,9 @@ NEG_INF = float("-inf")
 _TOP_P_CANDIDATES = 1024
 
 
-def truncate(x: Tensor, p: SamplingParams) -> Tensor:
-    """``x`` [n, V] logits after the temperature -> the same with the truncations of ``p`` applied."""
+def truncate(x: Tensor, p: SamplingParams, temper: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """``x`` [n, V] logits -> the same with the truncations of ``p`` applied; ``temper``: the temperature, applied
+    after the cuts (llama.cpp's default chain) where given, else already applied to ``x`` (vLLM's order)."""
     width = x.shape[-1]
     if p.top_n_sigma > 0:
         x = top_n_sigma(x, p.top_n_sigma)
@@ -37,8 +40,11 @@ def truncate(x: Tensor, p: SamplingParams) -> Tensor:
         # prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p)
         top = x.amax(dim=-1, keepdim=True)
         x = x.masked_fill(x < top + math.log(p.min_p), NEG_INF)
+    chosen_by = x
+    if temper is not None:
+        x = temper(x)
     if p.xtc_probability > 0 and p.xtc_threshold <= 0.5:
-        x = xtc_mixture(x, p.xtc_probability, p.xtc_threshold)
+        x = xtc_mixture(x, p.xtc_probability, p.xtc_threshold, chosen_by)
     return x
 
 
@@ -98,16 +104,18 @@ def _nearest_cut(distance: Tensor, probs: Tensor, mass: float) -> Tensor:
     return _cut(sorted_distance, probs.gather(-1, order), mass)
 
 
-def xtc_mixture(x: Tensor, probability: float, threshold: float) -> Tensor:
+def xtc_mixture(x: Tensor, probability: float, threshold: float, chosen_by: Tensor | None = None) -> Tensor:
     """XTC ("exclude top choices") as the distribution it samples from: with ``probability`` every token of
     probability >= ``threshold`` but the least likely of them is removed (rows where fewer than two reach it stay
     as they are), so the row becomes log((1 - probability) p + probability p_excluded). Tokens tied at the least
-    likely probability above the threshold all stay."""
-    probs = torch.softmax(x, dim=-1)
-    above = (probs >= threshold) & (probs > 0)
-    least = torch.where(above, probs, math.inf).amin(-1, keepdim=True)
-    removed = above & (probs > least)
+    likely probability above the threshold all stay. ``chosen_by``: the logits whose probabilities choose the
+    tokens (the untempered ones where the temperature comes last; default ``x``)."""
+    chooser = torch.softmax(x if chosen_by is None else chosen_by, dim=-1)
+    above = (chooser >= threshold) & (chooser > 0)
+    least = torch.where(above, chooser, math.inf).amin(-1, keepdim=True)
+    removed = above & (chooser > least)
     applies = above.sum(-1, keepdim=True) >= 2
+    probs = torch.softmax(x, dim=-1)
     excluded = torch.softmax(x.masked_fill(removed, NEG_INF), dim=-1)
     mixture = torch.log((1 - probability) * probs + probability * excluded)
     return torch.where(applies, mixture, x)
