@@ -60,7 +60,26 @@ def test_completion_answers_in_llama_servers_shape(qwen):
     pinned = post(qwen, {"prompt": prompt, "n_predict": 24, "temperature": 1.5, "mirostat": 2, "mirostat_tau": 0,
                          "mirostat_eta": 0, "repeat_penalty": 1.0}, "/completion").json()
     assert pinned["content"] == whole["content"]
+    # llama-server's forms: one token id listed, a [[id, false]] bias (never that token), an empty stop string
+    first = whole["tokens"][0]
+    assert post(qwen, {"prompt": [first], "n_predict": 2, "temperature": 0}, "/completion").status_code == 200
+    banned = post(qwen, {"prompt": prompt, "n_predict": 4, "temperature": 0, "logit_bias": [[first, False]],
+                         "stop": [""], "return_tokens": True}, "/completion").json()
+    assert banned["tokens"][0] != first
+    # its constraints: a JSON schema, a GBNF grammar
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    shaped = post(qwen, {"prompt": "A JSON object: ", "n_predict": 48, "json_schema": schema}, "/completion").json()
+    assert set(json.loads(shaped["content"])) == {"ok"} and shaped["stop_type"] == "eos"
+    said = post(qwen, {"prompt": "Is water wet? Answer: ", "n_predict": 8, "grammar": 'root ::= "yes" | "no"'},
+                "/completion").json()
+    assert said["content"] in ("yes", "no")
+    # seed -1 is llama-server's "random": two sampled answers differ
+    hot = {"prompt": prompt, "n_predict": 24, "temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0, "seed": -1}
+    assert post(qwen, hot, "/completion").json()["content"] != post(qwen, hot, "/completion").json()["content"]
     for body, words in (({"prompt": [prompt, prompt]}, "one prompt on /completion"),
+                        ({"prompt": prompt, "logit_bias": [["if", 1.0]]}, "a list of [token id, bias] pairs"),
+                        ({"prompt": prompt, "grammar": "root ::= ("}, "grammar"),
                         ({"prompt": prompt, "n_probs": 3}, "n_probs is not supported on /completion"),
                         ({"prompt": prompt, "repeat_penalty": "x"}, "repetition_penalty must be"),
                         ({"prompt": prompt, "echo": True}, "echo is not supported on /completion")):
@@ -181,7 +200,8 @@ def test_a_model_without_the_marks_is_refused_by_name(tiny_dir):
     ({"n_predict": 0}, "n_predict must be -1 (until the end) or >= 1, got 0"),
     ({"n_indent": -1}, "n_indent must be >= 0"),
     ({"echo": True}, "echo is not supported on /infill"),
-    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs is not supported on /infill"),
+    ({"structured_outputs": {"regex": "a+"}, "grammar": 'root ::= "a"'}, "both constrain the output: set only one"),
+    ({"logprobs": 2}, "logprobs is not supported on /infill"),
     ({"prompt": 5}, "prompt must be a string"),
     ({"input_prefix": ["a"]}, "input_prefix"),
     ({"input_prefix": "x\ud800"}, "input_prefix must be valid Unicode text, got a lone surrogate"),

@@ -29,7 +29,8 @@ from quickdraft.serving.errors import invalid_parameter
 from quickdraft.serving.jobs import ClientGone, Job
 from quickdraft.serving.openai_format import ERROR_RESPONSES, Choice
 from quickdraft.serving.protocol import CompletionRequest
-from quickdraft.serving.routes import context_of, dry_breakers, sampling_params
+from quickdraft.sampling import StructuredOutputs
+from quickdraft.serving.routes import context_of, dry_breakers, output_constraint, sampling_params
 from quickdraft.serving.sse import error_event, event_stream, sse
 from quickdraft.serving.streams import merge_streams
 from quickdraft.tokenizer.fim import FimTokens, Infill, describe_missing, infill_ids
@@ -49,9 +50,13 @@ class LlamaRequest(CompletionRequest):
     repeat_penalty: Any = None
     return_tokens: StrictBool | None = False
     n_probs: StrictInt = 0
+    max_completion_tokens: StrictInt | None = None
+    json_schema: Any = None  # llama-server's constraints: a JSON schema, or a GBNF grammar
+    grammar: Any = None
 
     # completions fields that have no meaning here: refused rather than ignored
-    NOT_HERE: ClassVar[tuple[str, ...]] = ("suffix", "echo", "logprobs", "best_of", "structured_outputs")
+    NOT_HERE: ClassVar[tuple[str, ...]] = ("suffix", "echo", "logprobs", "best_of")
+    UNSET_SEEDS: ClassVar[tuple[int, ...]] = (-1, 0xFFFFFFFF)  # llama-server's "a random seed"
     ROUTE: ClassVar[str] = "/completion"
 
     def checked(self) -> "LlamaRequest":
@@ -72,9 +77,40 @@ class LlamaRequest(CompletionRequest):
         update: dict[str, Any] = {k: v for k, v in LLAMA_DEFAULTS.items() if getattr(self, k) is None}
         if self.repeat_penalty is not None:
             update["repetition_penalty"] = self.repeat_penalty
-        if self.n_predict is not None:  # llama-server reads n_predict first
-            update["max_tokens"] = None if self.n_predict == -1 else self.n_predict
+        if self.seed in self.UNSET_SEEDS:
+            update["seed"] = None
+        most = next((v for v in (self.n_predict, self.max_completion_tokens) if v is not None), None)
+        if most is not None:  # llama-server reads n_predict, then max_completion_tokens, then max_tokens
+            update["max_tokens"] = None if most == -1 else most
+        if isinstance(self.stop, list):  # (it drops empty stop strings)
+            update["stop"] = [s for s in self.stop if s != ""]
+        update["logit_bias"] = self._bias_map()
         return self.model_copy(update=update)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> Any:
+        return value  # an object or llama-server's list of pairs: read by _bias_map, checked by SamplingParams
+
+    def _bias_map(self) -> Any:
+        """llama-server's forms too: ``[[id, bias], ...]``, and ``false`` for a token never to be written (here the
+        strongest bias allowed, -100). The values are checked by SamplingParams."""
+        given = self.logit_bias
+        if isinstance(given, list):
+            if not all(isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int) for pair in given):
+                raise invalid_parameter("logit_bias must be an object {token id: bias} or a list of [token id, "
+                                        "bias] pairs (token ids, not strings)", "logit_bias")
+            given = {token: bias for token, bias in given}
+        if isinstance(given, dict):
+            return {k: -100.0 if v is False else v for k, v in given.items()}
+        return given
+
+    def constraints(self) -> tuple[tuple[str, StructuredOutputs | None], ...]:
+        """llama-server's ``json_schema`` and ``grammar`` as output constraints."""
+        return (("json_schema", StructuredOutputs.of(None if self.json_schema is None else {"json": self.json_schema},
+                                                     "json_schema")),
+                ("grammar", StructuredOutputs.of(None if self.grammar is None else {"grammar": self.grammar},
+                                                 "grammar")))
 
 
 class InfillRequest(LlamaRequest):
@@ -123,7 +159,7 @@ async def completion(body: LlamaRequest, request: Request) -> Response:
     ctx.check_model(body.model)
     body = body.checked()
     prompt = body.prompt
-    if isinstance(prompt, list) and len(prompt) == 1:  # (one prompt in a list, as llama-server takes it)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):  # one prompt, listed
         prompt = prompt[0]
     if isinstance(prompt, str):
         require_unicode("prompt", prompt)
@@ -153,8 +189,12 @@ async def infill(body: InfillRequest, request: Request) -> Response:
 
 async def _answer(ctx, request: Request, body: LlamaRequest, ids: list[int], prompt_param: str,
                   truncated: bool = False, ends: tuple[int, ...] = ()) -> Response:
-    """Run ``ids`` with the body's sampling and answer in llama-server's shape; ``ends``: more ids that end it."""
-    params = sampling_params(ctx, body, len(ids), body.max_tokens, None, prompt_param)
+    """Run ``ids`` with the body's sampling and answer in llama-server's shape; ``ends``: more ids that end it. An
+    ``n_predict`` past the context stops where the context is full, as llama-server's does."""
+    constraint = await output_constraint(ctx, body, *body.constraints())
+    room = ctx.llm.max_model_len - len(ids)
+    most = min(body.max_tokens, room) if body.max_tokens is not None and room > 0 else body.max_tokens
+    params = sampling_params(ctx, body, len(ids), most, None, prompt_param, constraint)
     params.stop_token_ids = sorted(set(params.stop_token_ids) | set(ends))
     await dry_breakers(ctx, params)
     job = Job.new("llama", [(ids, None)], [params])
@@ -216,7 +256,7 @@ class _Result:
             self._line_at = start
         elapsed_ms = 1e3 * (time.perf_counter() - self._first_s)
         if self.t_max_ms > 0 and "\n" in self.text and elapsed_ms > self.t_max_ms:
-            return len(self.text)
+            return self.text.rindex("\n") + 1  # the fill ends at a line break
         return None
 
     def final(self, streamed: bool = False) -> dict:

@@ -111,7 +111,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = context_of(request)
     ctx.check_model(body.model)
     prompts = await _completion_prompts(ctx, body)
-    constraint = await _constraint(ctx, body)
+    constraint = await output_constraint(ctx, body)
     params = [sampling_params(ctx, body, len(ids), body.max_tokens, body.logprobs, "prompt", constraint)
               for ids, _ in prompts]
     if body.suffix:  # a fill ends at the end of the sequence or at its marks that close a file
@@ -148,8 +148,9 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest, top_logpro
     ctx.check_model(body.model)
     tool_spec = parse_tools(body.tools, body.tool_choice)
     forced_call = tool_spec.constraint(body.parallel_tool_calls is not False) if tool_spec is not None else None
-    constraint = await _constraint(ctx, body, ("response_format", response_format_constraint(body.response_format)),
-                                   ("tool_choice", StructuredOutputs.of(forced_call, "tool_choice")))
+    constraint = await output_constraint(ctx, body,
+                                         ("response_format", response_format_constraint(body.response_format)),
+                                         ("tool_choice", StructuredOutputs.of(forced_call, "tool_choice")))
     ids = await chat_prompt_ids(ctx, body, tool_spec)
     tokenizer = ctx.llm.tokenizer
     tools = None if tool_spec is None or tool_spec.choice == "none" else \
@@ -252,7 +253,7 @@ def _chat_top_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-async def _constraint(ctx: ServerContext, body: _SamplingFields,
+async def output_constraint(ctx: ServerContext, body: _SamplingFields,
                       *others: tuple[str, StructuredOutputs | None]) -> StructuredOutputs | None:
     """The request's one output constraint (``structured_outputs``, or ``response_format`` / a forced tool call on
     chat), compiled here off the event loop: a bad one is a 400 before anything is queued, and the engine then finds
