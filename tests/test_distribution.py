@@ -49,6 +49,9 @@ TRANSFORMS = {
     # mirostat's state follows each token and the row it came from: a draft's row must see the mu its drafts lead to
     "mirostat_v1": {"mirostat": 1, "mirostat_tau": 1.5, "mirostat_eta": 1.0},
     "mirostat_v2": {"mirostat": 2, "mirostat_tau": 1.5, "mirostat_eta": 1.0},
+    # llama.cpp's penalties: the last 4 tokens of prompt and output (what n-gram lookup drafts from)
+    "penalties_window": {"presence_penalty": 0.6, "frequency_penalty": 0.4, "repetition_penalty": 1.3,
+                         "repeat_last_n": 4},
     # llama-server's chain: the cuts read the untempered row, then the temperature
     "temperature_last": {"top_p": 0.8, "min_p": 0.05, "xtc_probability": 0.5, "xtc_threshold": 0.1,
                          "temperature_last": True},
@@ -137,12 +140,13 @@ def make_llm(models, drafter: str, weights: str = "float32", **options) -> LLM:
 
 
 FULL = [(d, t, x) for d in ("ngram", "suffix", "self", "draft-poor", "draft-same") for t in (0.7, 1.0, 1.5) for x in TRANSFORMS]
-# CI runs a subset that still covers every drafter, temperature and transform; QUICKDRAFT_FULL_DIST=1 runs all 135.
+# CI runs a subset that still covers every drafter, temperature and transform; QUICKDRAFT_FULL_DIST=1 runs all 150.
 CI_SUBSET = [("draft-poor", 1.0, "plain"), ("draft-poor", 0.7, "topk_topp"), ("draft-poor", 1.5, "penalties"),
              ("ngram", 1.0, "penalties"), ("self", 0.7, "plain"), ("draft-same", 1.5, "topk_topp"),
              ("suffix", 1.0, "plain"), ("ngram", 1.0, "min_tokens"), ("draft-poor", 0.7, "min_tokens"),
              ("ngram", 1.0, "dry"), ("draft-poor", 1.0, "llama_samplers"), ("self", 1.5, "dry"),
-             ("draft-poor", 1.0, "mirostat_v2"), ("ngram", 1.5, "mirostat_v1"), ("draft-poor", 1.5, "temperature_last")]
+             ("draft-poor", 1.0, "mirostat_v2"), ("ngram", 1.5, "mirostat_v1"), ("draft-poor", 1.5, "temperature_last"),
+             ("ngram", 1.0, "penalties_window")]
 CASES = FULL if os.environ.get("QUICKDRAFT_FULL_DIST") else CI_SUBSET
 # quantized weights: the reference is the quantized target's own distribution
 CASES = [(*c, "float32") for c in CASES] + [("draft-poor", 1.0, "topk_topp", "int8"), ("ngram", 0.7, "penalties", "int4"),

@@ -53,6 +53,30 @@ def test_dry_gives_llama_cpps_numbers(probs, context, expected, multiplier, base
     assert got == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.parametrize("last", [3, 64, -1, 0])
+def test_repeat_last_n_penalizes_as_llama_cpp(last):
+    """llama.cpp's penalties: repetition, frequency and presence all count the last repeat_last_n tokens of prompt
+    and output together; a verify pass's row i counts its drafts too, as a committed output would."""
+    prompt, output, drafts = [1, 2, 3, 2, 9], [4, 2, 4, 7], [5, 5, 1]
+    penalties = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.6, repeat_last_n=last)
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(5))
+    proc = LogitsProcessor(SamplingParams(temperature=0.0, **penalties), prompt, 12)
+    proc.accept(output)
+    got = proc.process(x, drafted=drafts)
+    for i in range(4):
+        seen = (prompt + output + drafts[:i])
+        window = [] if last == 0 else seen if last < 0 else seen[-last:]
+        expected = x[i].clone()
+        for token in set(window):
+            logit = expected[token]
+            logit = logit / 1.3 if logit > 0 else logit * 1.3
+            expected[token] = logit - 0.4 * window.count(token) - 0.6
+        assert torch.allclose(got[i], expected, atol=1e-6), (last, i)
+        alone = LogitsProcessor(SamplingParams(temperature=0.0, **penalties), prompt, 12)
+        alone.accept(output + drafts[:i])
+        assert torch.equal(alone.process(x[i:i + 1])[0], got[i])
+
+
 @pytest.mark.parametrize("cuts", [{"top_p": 0.8}, {"min_p": 0.1}, {"typical_p": 0.7}, {"top_k": 5, "top_p": 0.9},
                                   {"top_n_sigma": 1.0}, {"min_p": 0.02, "xtc_probability": 0.4, "xtc_threshold": 0.1}])
 def test_temperature_last_cuts_the_untempered_distribution_then_tempers_it(cuts):

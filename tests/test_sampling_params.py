@@ -140,7 +140,8 @@ def test_check_vocab():
 
 
 def test_stop_count_message():
-    with pytest.raises(InvalidParameterError, match="stop must be at most 16 strings, got 17 strings"):
+    with pytest.raises(InvalidParameterError, match="stop must be a list of at most 16 non-empty strings of at most "
+                                                    "1024 characters, got"):
         SamplingParams(stop=["x"] * 17)
 
 

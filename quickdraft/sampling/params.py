@@ -150,6 +150,8 @@ class SamplingParams:
     mirostat_eta: float = 0.1
     # the temperature after the samplers that cut the vocabulary (they read it untempered), as llama-server's chain
     temperature_last: bool = False
+    # None: vLLM's penalties; else llama.cpp's, over the last this many tokens of prompt and output (-1 all, 0 off)
+    repeat_last_n: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -290,21 +292,8 @@ class SamplingParams:
 
     @staticmethod
     def _check_stop(stop: Any) -> list[str]:
-        if stop is None:
-            return []
-        items = [stop] if isinstance(stop, str) else stop
-        if not isinstance(items, (list, tuple)):
-            raise _fail("stop", f"a string or a list of at most {MAX_STOP_STRINGS} non-empty strings", stop)
-        if len(items) > MAX_STOP_STRINGS:
-            raise _fail("stop", f"at most {MAX_STOP_STRINGS} strings", f"{len(items)} strings", raw=True)
-        for s in items:
-            if not isinstance(s, str) or not s:
-                raise _fail("stop", "made of non-empty strings", s)
-            if len(s) > MAX_STOP_STRING_CHARS:
-                raise _fail("stop", f"made of strings of at most {MAX_STOP_STRING_CHARS} characters",
-                            f"one of {len(s)} characters", raw=True)
-            require_unicode("stop", s)
-        return list(items)
+        items = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        return _check_strings("stop", items, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS)
 
     @staticmethod
     def _check_stop_token_ids(ids: Any) -> list[int]:
@@ -349,6 +338,9 @@ class SamplingParams:
         check("mirostat_tau", f"in [0, {MAX_MIROSTAT_TAU:g}] (bits of surprise)", lambda v: 0 <= v <= MAX_MIROSTAT_TAU)
         check("mirostat_eta", f"in [0, {MAX_MIROSTAT_ETA:g}]", lambda v: 0 <= v <= MAX_MIROSTAT_ETA)
         self.temperature_last = _as_bool("temperature_last", self.temperature_last)
+        if self.repeat_last_n is not None:
+            check("repeat_last_n", ">= -1 (-1: the whole context, 0 disables), or None", lambda v: v >= -1,
+                  integral=True)
         breakers = DRY_SEQUENCE_BREAKERS if self.dry_sequence_breakers is None else self.dry_sequence_breakers
         self.dry_sequence_breakers = _check_strings("dry_sequence_breakers", breakers, MAX_DRY_BREAKERS,
                                                     MAX_DRY_BREAKER_CHARS)

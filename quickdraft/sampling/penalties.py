@@ -5,6 +5,9 @@ output, the presence penalty once for an id the output holds.
 They touch only the columns of the ids the history holds, never a whole 150k-wide row: ``Penalties`` keeps those
 ids sorted and distinct, whether each is in the prompt and its output count, built when first needed and updated
 as tokens are committed. Row i of a verification also counts the drafts before it.
+
+With ``repeat_last_n`` set, they are llama.cpp's instead: all three count the last ``repeat_last_n`` tokens of the
+prompt and the output together (-1: all of them), row i's window ending with the drafts before it.
 """
 from __future__ import annotations
 
@@ -72,6 +75,8 @@ class Penalties:
     def apply(self, x: Tensor, drafted: Sequence[int], offset: int) -> Tensor:
         """``x`` [n, V] penalized, row i after the committed output and drafted[:offset + i] (the caller checked
         there are enough). Only the rows' columns and counts go to x's device, so nothing here waits for it."""
+        if self.params.repeat_last_n is not None:
+            return self._apply_window(x, drafted, offset)
         n, width = x.shape
         p = self.params
         cols, in_prompt, counts = self._history()
@@ -103,3 +108,21 @@ class Penalties:
         if p.presence_penalty != 0.0:
             block = block - p.presence_penalty * seen.to(block.dtype)
         return x.index_copy(1, cols, block)
+
+    def _apply_window(self, x: Tensor, drafted: Sequence[int], offset: int) -> Tensor:
+        """llama.cpp's penalties: each row's counts over its last ``repeat_last_n`` tokens of prompt and output."""
+        p, last = self.params, self.params.repeat_last_n
+        if last == 0:
+            return x
+        context = self._prompt_ids + self._output_ids
+        rows = []
+        for i in range(x.shape[0]):
+            seen = context + list(drafted[:offset + i])
+            window = torch.tensor(seen if last < 0 else seen[-last:], dtype=torch.long)
+            cols, counts = torch.unique(window[window < x.shape[1]], return_counts=True)
+            cols, counts = to_device(cols, x.device), to_device(counts.float(), x.device)
+            block = x[i].index_select(0, cols)
+            block = torch.where(block > 0, block / p.repetition_penalty, block * p.repetition_penalty)
+            block = block - p.frequency_penalty * counts - p.presence_penalty
+            rows.append(x[i].index_copy(0, cols, block))
+        return torch.stack(rows)

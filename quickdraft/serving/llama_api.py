@@ -37,8 +37,9 @@ from quickdraft.tokenizer.fim import FimTokens, Infill, describe_missing, infill
 
 router = APIRouter()
 MAX_EXTRA_FILES = 256
-# llama-server's defaults, the temperature after the cuts as its default chain applies it
-LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "temperature_last": True}
+# llama-server's defaults: the temperature after the cuts as its default chain applies it, its penalties' window
+LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "temperature_last": True,
+                  "repeat_last_n": 64}
 
 
 class LlamaRequest(CompletionRequest):

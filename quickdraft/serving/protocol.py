@@ -46,11 +46,12 @@ class LlamaSamplerFields(BaseModel):
     mirostat_tau: Any = None
     mirostat_eta: Any = None
     temperature_last: Any = None
+    repeat_last_n: Any = None
 
     LLAMA_SAMPLERS: ClassVar[tuple[str, ...]] = (
         "allowed_token_ids", "bad_words", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
         "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
-        "mirostat", "mirostat_tau", "mirostat_eta", "temperature_last")
+        "mirostat", "mirostat_tau", "mirostat_eta", "temperature_last", "repeat_last_n")
 
 
 class _SamplingFields(LlamaSamplerFields):
