@@ -83,8 +83,8 @@ class LlamaRequest(CompletionRequest):
         most = next((v for v in (self.n_predict, self.max_completion_tokens) if v is not None), None)
         if most is not None:  # llama-server reads n_predict, then max_completion_tokens, then max_tokens
             update["max_tokens"] = None if most == -1 else most
-        if isinstance(self.stop, list):  # (it drops empty stop strings)
-            update["stop"] = [s for s in self.stop if s != ""]
+        if isinstance(self.stop, list) or self.stop == "":  # (it drops empty stop strings)
+            update["stop"] = [s for s in self.stop or [] if s != ""]
         update["logit_bias"] = self._bias_map()
         return self.model_copy(update=update)
 
