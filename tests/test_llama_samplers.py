@@ -75,6 +75,8 @@ def test_repeat_last_n_penalizes_as_llama_cpp(last):
         alone = LogitsProcessor(SamplingParams(temperature=0.0, **penalties), prompt, 12)
         alone.accept(output + drafts[:i])
         assert torch.equal(alone.process(x[i:i + 1])[0], got[i])
+    proc.accept(drafts[:2])  # the counts kept as tokens are committed
+    assert torch.equal(proc.process(x[2:3])[0], got[2])
 
 
 @pytest.mark.parametrize("cuts", [{"top_p": 0.8}, {"min_p": 0.1}, {"typical_p": 0.7}, {"top_k": 5, "top_p": 0.9},

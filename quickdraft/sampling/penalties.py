@@ -43,6 +43,7 @@ class Penalties:
         self._prompt_ids = prompt_ids
         self._output_ids: list[int] = []
         self._hist: tuple[Tensor, Tensor, Tensor] | None = None  # (cols, in_prompt, counts)
+        self._all: tuple[Tensor, Tensor] | None = None  # (cols, counts) of prompt and output, for repeat_last_n -1
 
     def fork(self) -> "Penalties":
         other = copy.copy(self)
@@ -51,10 +52,15 @@ class Penalties:
 
     def restart(self, output_ids: list[int]) -> None:
         """Count ``output_ids`` as the whole committed output."""
-        self._output_ids, self._hist = list(output_ids), None
+        self._output_ids, self._hist, self._all = list(output_ids), None, None
 
     def accept(self, ids: list[int]) -> None:
         self._output_ids.extend(ids)
+        if self._all is not None:
+            cols, counts = self._all
+            cols, _, counts, pos = _merge(cols, torch.zeros(cols.numel(), dtype=torch.bool), counts,
+                                          torch.tensor(ids, dtype=torch.long))
+            self._all = (cols, counts.index_add(0, pos, torch.ones(len(ids))))
         if self._hist is not None:
             cols, in_prompt, counts = self._hist
             cols, in_prompt, counts, pos = _merge(cols, in_prompt, counts, torch.tensor(ids, dtype=torch.long))
@@ -110,19 +116,53 @@ class Penalties:
         return x.index_copy(1, cols, block)
 
     def _apply_window(self, x: Tensor, drafted: Sequence[int], offset: int) -> Tensor:
-        """llama.cpp's penalties: each row's counts over its last ``repeat_last_n`` tokens of prompt and output."""
-        p, last = self.params, self.params.repeat_last_n
-        if last == 0:
+        """llama.cpp's penalties: each row's counts over its last ``repeat_last_n`` tokens of prompt and output, all
+        rows in one gather and one scatter."""
+        p = self.params
+        if p.repeat_last_n == 0:
             return x
-        context = self._prompt_ids + self._output_ids
-        rows = []
-        for i in range(x.shape[0]):
-            seen = context + list(drafted[:offset + i])
-            window = torch.tensor(seen if last < 0 else seen[-last:], dtype=torch.long)
-            cols, counts = torch.unique(window[window < x.shape[1]], return_counts=True)
-            cols, counts = to_device(cols, x.device), to_device(counts.float(), x.device)
-            block = x[i].index_select(0, cols)
-            block = torch.where(block > 0, block / p.repetition_penalty, block * p.repetition_penalty)
-            block = block - p.frequency_penalty * counts - p.presence_penalty
-            rows.append(x[i].index_copy(0, cols, block))
-        return torch.stack(rows)
+        cols, counts = self._window_counts(list(drafted[:offset + x.shape[0] - 1]), offset, x.shape[0])
+        if cols.numel() and int(cols[-1]) >= x.shape[1]:  # ids beyond the logits width are ignored
+            m = int(torch.searchsorted(cols, x.shape[1]))
+            cols, counts = cols[:m], counts[:, :m]
+        if cols.numel() == 0:
+            return x
+        cols, counts = to_device(cols.contiguous(), x.device), to_device(counts.contiguous(), x.device)
+        block, seen = x.index_select(1, cols), counts > 0
+        r = p.repetition_penalty
+        block = torch.where(seen, torch.where(block > 0, block / r, block * r), block)
+        block = block - p.frequency_penalty * counts - p.presence_penalty * seen.to(block.dtype)
+        return x.index_copy(1, cols, block)
+
+    def _window_counts(self, extra: list[int], offset: int, rows: int) -> tuple[Tensor, Tensor]:
+        """The sorted distinct ids of the rows' windows and each row's counts of them [rows, m], on the host: a
+        window of the whole context from counts kept as tokens are committed, a shorter one from the context's last
+        tokens alone (never a copy of the whole context a row)."""
+        last, total = self.params.repeat_last_n, len(self._prompt_ids) + len(self._output_ids)
+        drafts = torch.tensor(extra, dtype=torch.long)
+        if last < 0 or last >= total + len(extra):
+            cols, counts = self._context_counts()
+            cols, _, counts, pos = _merge(cols, torch.zeros(cols.numel(), dtype=torch.bool), counts, drafts)
+            matrix = counts.unsqueeze(0).repeat(rows, 1)
+            seen = torch.arange(len(extra)).unsqueeze(0) < (offset + torch.arange(rows)).unsqueeze(1)  # [rows, D]
+            row_idx = torch.arange(rows).unsqueeze(1).expand(rows, len(extra))[seen]
+            matrix.index_put_((row_idx, pos.unsqueeze(0).expand(rows, len(extra))[seen]),
+                              torch.ones(row_idx.numel()), accumulate=True)
+            return cols, matrix
+        outputs = self._output_ids[-last:]
+        before = self._prompt_ids[len(self._prompt_ids) - (last - len(outputs)):] if last > len(outputs) else []
+        tail = torch.tensor(before + outputs, dtype=torch.long)
+        sequence = torch.cat([tail, drafts])
+        cols = torch.unique(sequence)
+        ends = [len(tail) + offset + i for i in range(rows)]  # row i's window ends after drafted[:offset + i]
+        matrix = torch.stack([torch.bincount(torch.searchsorted(cols, sequence[max(0, end - last):end]),
+                                             minlength=cols.numel()) for end in ends])
+        return cols, matrix.float()
+
+    def _context_counts(self) -> tuple[Tensor, Tensor]:
+        """(sorted distinct ids, counts) of prompt and output together, kept up to date by ``accept``."""
+        if self._all is None:
+            cols, counts = torch.unique(torch.tensor(self._prompt_ids + self._output_ids, dtype=torch.long),
+                                        return_counts=True)
+            self._all = (cols, counts.float())
+        return self._all

@@ -8,7 +8,8 @@ position i*. :class:`LogitsProcessor` does that: row ``i`` of ``process`` sees
 
 Order of transforms (as vLLM): the grammar's mask (structured outputs) and ``allowed_token_ids``, the ends of the
 sequence masked before ``min_tokens`` (where anything else is allowed), logit_bias, repetition penalty (prompt +
-output tokens), frequency and presence penalties (output tokens only), DRY (``dry.py``), then for temperature > 0:
+output tokens), frequency and presence penalties (output tokens only; with ``repeat_last_n`` all three llama.cpp's,
+over a window of both: ``penalties.py``), DRY (``dry.py``), then for temperature > 0:
 the temperature and the samplers that keep part of the vocabulary (``truncation.py``), or mirostat in their place
 (``mirostat.py``: its state follows the committed tokens and the target's rows they were drawn from, see ``probs``).
 """
