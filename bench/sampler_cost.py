@@ -42,6 +42,9 @@ SETUPS = {
     "dry 0.8 + min_p": dict(temperature=0.8, dry_multiplier=0.8, min_p=0.05),
     "mirostat 1 (tau 5, eta 0.1)": dict(temperature=0.8, mirostat=1),
     "mirostat 2 (tau 5, eta 0.1)": dict(temperature=0.8, mirostat=2),
+    "repetition 1.1 (vLLM's)": dict(temperature=0, repetition_penalty=1.1),
+    "repetition 1.1, last 64 (llama.cpp's)": dict(temperature=0, repetition_penalty=1.1, repeat_last_n=64),
+    "repetition 1.1, last -1 (llama.cpp's)": dict(temperature=0, repetition_penalty=1.1, repeat_last_n=-1),
 }
 
 
