@@ -34,6 +34,18 @@ def _merge(cols: Tensor, in_prompt: Tensor, counts: Tensor, new: Tensor) -> tupl
     return merged, in_prompt2, counts2, inv[m:]
 
 
+def _per_row(counts: Tensor, pos: Tensor, offset: int, rows: int) -> Tensor:
+    """``counts`` [m] for each of ``rows`` rows [rows, m], row i also counting the drafts before it
+    (drafted[:offset + i], at columns ``pos``)."""
+    drafts = pos.numel()
+    seen = torch.arange(drafts).unsqueeze(0) < (offset + torch.arange(rows)).unsqueeze(1)  # [rows, D]
+    row_idx = torch.arange(rows).unsqueeze(1).expand(rows, drafts)[seen]
+    matrix = counts.unsqueeze(0).repeat(rows, 1)
+    matrix.index_put_((row_idx, pos.unsqueeze(0).expand(rows, drafts)[seen]), torch.ones(row_idx.numel()),
+                      accumulate=True)
+    return matrix
+
+
 class Penalties:
     """One output's penalties over its prompt and committed tokens. The history's tensors live on the host (its
     bookkeeping reads ids) and are never changed in place, so a fork shares them."""
@@ -81,57 +93,39 @@ class Penalties:
     def apply(self, x: Tensor, drafted: Sequence[int], offset: int) -> Tensor:
         """``x`` [n, V] penalized, row i after the committed output and drafted[:offset + i] (the caller checked
         there are enough). Only the rows' columns and counts go to x's device, so nothing here waits for it."""
-        if self.params.repeat_last_n is not None:
-            return self._apply_window(x, drafted, offset)
-        n, width = x.shape
-        p = self.params
-        cols, in_prompt, counts = self._history()
+        n = x.shape[0]
         extra = list(drafted[: offset + n - 1])
+        if self.params.repeat_last_n is not None:  # llama.cpp's: counts over each row's window of prompt and output
+            if self.params.repeat_last_n == 0:
+                return x
+            cols, counts = self._window_counts(extra, offset, n)
+            return self._penalize(x, cols, counts, counts > 0)
+        cols, in_prompt, counts = self._history()
         if extra:
-            # Row i also counts drafted[:offset + i].
             cols, in_prompt, counts, pos = _merge(cols, in_prompt, counts, torch.tensor(extra, dtype=torch.long))
-            rows_seen = torch.arange(len(extra)).unsqueeze(0) < (offset + torch.arange(n)).unsqueeze(1)  # [n, D]
-            row_idx = torch.arange(n).unsqueeze(1).expand(n, len(extra))[rows_seen]
-            col_idx = pos.unsqueeze(0).expand(n, len(extra))[rows_seen]
-            counts = counts.unsqueeze(0).expand(n, -1).clone()
-            counts.index_put_((row_idx, col_idx), torch.ones(row_idx.numel()), accumulate=True)
+            counts = _per_row(counts, pos, offset, n)
         else:
             counts = counts.unsqueeze(0).expand(n, -1)
+        return self._penalize(x, cols, counts, (counts > 0) | in_prompt.unsqueeze(0))
+
+    def _penalize(self, x: Tensor, cols: Tensor, counts: Tensor, repeated: Tensor) -> Tensor:
+        """``x`` with the penalties on columns ``cols`` (sorted): ``counts`` [n, m] for the frequency and presence
+        penalties, the repetition penalty where ``repeated`` [n, m]; one gather and one scatter."""
+        p, width = self.params, x.shape[1]
         if cols.numel() and int(cols[-1]) >= width:  # ids beyond the logits width are ignored
             m = int(torch.searchsorted(cols, width))
-            cols, in_prompt, counts = cols[:m], in_prompt[:m], counts[:, :m]
+            cols, counts, repeated = cols[:m], counts[:, :m], repeated[:, :m]
         if cols.numel() == 0:
             return x
-        cols, in_prompt, counts = (to_device(t.contiguous(), x.device) for t in (cols, in_prompt, counts))
+        cols, counts, repeated = (to_device(t.contiguous(), x.device) for t in (cols, counts, repeated))
         block = x.index_select(1, cols)  # [n, m]
-        seen = counts > 0
         if p.repetition_penalty != 1.0:
             r = p.repetition_penalty
-            mask = seen | in_prompt.unsqueeze(0)
-            block = torch.where(mask, torch.where(block > 0, block / r, block * r), block)
+            block = torch.where(repeated, torch.where(block > 0, block / r, block * r), block)
         if p.frequency_penalty != 0.0:
             block = block - p.frequency_penalty * counts
         if p.presence_penalty != 0.0:
-            block = block - p.presence_penalty * seen.to(block.dtype)
-        return x.index_copy(1, cols, block)
-
-    def _apply_window(self, x: Tensor, drafted: Sequence[int], offset: int) -> Tensor:
-        """llama.cpp's penalties: each row's counts over its last ``repeat_last_n`` tokens of prompt and output, all
-        rows in one gather and one scatter."""
-        p = self.params
-        if p.repeat_last_n == 0:
-            return x
-        cols, counts = self._window_counts(list(drafted[:offset + x.shape[0] - 1]), offset, x.shape[0])
-        if cols.numel() and int(cols[-1]) >= x.shape[1]:  # ids beyond the logits width are ignored
-            m = int(torch.searchsorted(cols, x.shape[1]))
-            cols, counts = cols[:m], counts[:, :m]
-        if cols.numel() == 0:
-            return x
-        cols, counts = to_device(cols.contiguous(), x.device), to_device(counts.contiguous(), x.device)
-        block, seen = x.index_select(1, cols), counts > 0
-        r = p.repetition_penalty
-        block = torch.where(seen, torch.where(block > 0, block / r, block * r), block)
-        block = block - p.frequency_penalty * counts - p.presence_penalty * seen.to(block.dtype)
+            block = block - p.presence_penalty * (counts > 0).to(block.dtype)
         return x.index_copy(1, cols, block)
 
     def _window_counts(self, extra: list[int], offset: int, rows: int) -> tuple[Tensor, Tensor]:
@@ -143,12 +137,7 @@ class Penalties:
         if last < 0 or last >= total + len(extra):
             cols, counts = self._context_counts()
             cols, _, counts, pos = _merge(cols, torch.zeros(cols.numel(), dtype=torch.bool), counts, drafts)
-            matrix = counts.unsqueeze(0).repeat(rows, 1)
-            seen = torch.arange(len(extra)).unsqueeze(0) < (offset + torch.arange(rows)).unsqueeze(1)  # [rows, D]
-            row_idx = torch.arange(rows).unsqueeze(1).expand(rows, len(extra))[seen]
-            matrix.index_put_((row_idx, pos.unsqueeze(0).expand(rows, len(extra))[seen]),
-                              torch.ones(row_idx.numel()), accumulate=True)
-            return cols, matrix
+            return cols, _per_row(counts, pos, offset, rows)
         outputs = self._output_ids[-last:]
         before = self._prompt_ids[len(self._prompt_ids) - (last - len(outputs)):] if last > len(outputs) else []
         tail = torch.tensor(before + outputs, dtype=torch.long)
