@@ -178,7 +178,8 @@ class LLM:
         outputs = []
         for rid in ids:
             seqs = self.engine.sequences(rid)
-            outputs.append(RequestOutput(rid, seqs[0].prompt, seqs[0].prompt_ids, [s.to_output() for s in seqs], True))
+            outputs.append(RequestOutput(rid, seqs[0].prompt, seqs[0].prompt_ids, [s.to_output() for s in seqs], True,
+                                         seqs[0].prompt_logprobs_out()))
             self.engine.release(rid)
         failed = [(o.request_id, c.error) for o in outputs for c in o.outputs if c.finish_reason == "error"]
         if failed:

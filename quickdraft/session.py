@@ -155,6 +155,9 @@ class Session:
         params.validate()
         if params.n != 1:
             raise InvalidParameterError(f"a session generates one sample per turn (n=1), got n={params.n}")
+        if params.prompt_logprobs is not None:
+            raise InvalidParameterError("prompt_logprobs is not available in a session (its earlier turns are cached, "
+                                        "not recomputed); use LLM.generate")
         return params
 
     def _runners(self) -> dict[str, ModelRunner]:

@@ -100,6 +100,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # SamplingParams.prompt_logprobs: per prompt token its logprob and the top ones there (None for the first)
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def text(self) -> str:
@@ -135,3 +137,4 @@ class StreamChunk:
     stop_string: str | None = None  # with finish_reason "stop": the stop string that ended it (None: EOS, a stop id)
     # ``text`` cut by the token that wrote each piece: (characters, the token came from an accepted draft)
     spans: list[tuple[int, bool]] = field(default_factory=list)
+    prompt_logprobs: list[dict | None] | None = None  # on the first chunk of sample 0 (Sequence.prompt_logprobs_out)

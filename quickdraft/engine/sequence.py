@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from quickdraft.engine.outputs import CompletionOutput, RequestMetrics, StreamChunk
 from quickdraft.kv import SequenceKV
 from quickdraft.sampling import LogitsProcessor, SamplingParams
+from quickdraft.sampling.sampler import top_logprobs
 from quickdraft.speculative.controller import AcceptanceCounts
 from quickdraft.tokenizer import StreamingDetokenizer, Tokenizer
 
@@ -72,6 +74,7 @@ class Sequence:
     spec: SpeculationState = field(default_factory=SpeculationState)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict] = field(default_factory=list)  # entry p: prompt token p + 1's (prompt_rows)
     swapped: tuple | None = None  # host copy of the target KV while preempted with preemption="swap"
     keep_kv: bool = False  # the KV handles belong to a Session: not freed when finished or aborted
     text: str = ""
@@ -84,6 +87,7 @@ class Sequence:
     _spanned: int = 0  # output tokens whose spans went out in a chunk
     _base_tokens: int = 0  # output tokens generated before a resume (not returned again)
     _base_chars: int = 0  # characters of text delivered before a resume
+    _prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -107,6 +111,28 @@ class Sequence:
         room = min(self.max_model_len - self.num_tokens - 1, self.params.max_tokens - self.num_output_tokens - 1)
         cap = self.params.max_draft_tokens
         return max(0, room if cap is None else min(room, cap))
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether its prompt may come from the prefix cache: not while its prompt logprobs are being computed."""
+        return self.params.prompt_logprobs is None or len(self.prompt_logprobs) >= len(self.prompt_ids) - 1
+
+    def prompt_rows(self, start: int) -> Callable[[int, torch.Tensor], None] | None:
+        """What takes the logits rows of a forward from position ``start`` (``ForwardItem.prompt_logits``) where the
+        request asks for prompt logprobs and the forward computes prompt tokens: each row scores the prompt token
+        after it. Positions scored already (a prompt recomputed after preemption) are not scored again."""
+        last = len(self.prompt_ids) - 1  # the last prompt token's row predicts the first output token
+        if self.params.prompt_logprobs is None or start >= last:
+            return None
+
+        def take(first: int, rows: torch.Tensor) -> None:
+            begin = max(start + first, len(self.prompt_logprobs))
+            end = min(start + first + len(rows), last)
+            if begin < end:
+                chosen = torch.tensor(self.prompt_ids[begin + 1:end + 1])
+                picked = rows[begin - start - first:end - start - first]
+                self.prompt_logprobs.extend(top_logprobs(picked, chosen, self.params.prompt_logprobs))
+        return take
 
     def resume(self, output_ids: list[int], delivered_chars: int | None = None,
                mirostat_mu: float | None = None) -> None:
@@ -257,10 +283,22 @@ class Sequence:
             logprobs=self.logprobs[self._emitted_tokens:] if self.params.logprobs is not None else None,
             metrics=self.metrics if self.finished else None, error=self.error,
             stop_string=self.stop_string if self.finished else None,
-            spans=self._spans(self._emitted_chars, limit),
+            spans=self._spans(self._emitted_chars, limit), prompt_logprobs=self._unsent_prompt_logprobs(),
         )
         self._emitted_tokens, self._emitted_chars = n_out, limit
         return chunk
+
+    def prompt_logprobs_out(self) -> list[dict | None] | None:
+        """The prompt logprobs as vLLM returns them, one entry per prompt token, None for the first (nothing
+        predicts it); None where the request did not ask. A request's first sample (index 0) computes its prompt."""
+        return [None] + self.prompt_logprobs if self.params.prompt_logprobs is not None else None
+
+    def _unsent_prompt_logprobs(self) -> list[dict | None] | None:
+        """``prompt_logprobs_out`` on the first sample's first chunk, None on every other chunk."""
+        if self._prompt_logprobs_sent or self.index != 0:
+            return None
+        self._prompt_logprobs_sent = True
+        return self.prompt_logprobs_out()
 
     def _spans(self, start: int, end: int) -> list[tuple[int, bool]]:
         """Characters start..end-1 of the text cut by the token that wrote them: (characters, from an accepted

@@ -12,12 +12,15 @@ import hashlib
 import heapq
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from quickdraft.kv.attention import PREFILL_CELL
 
 if TYPE_CHECKING:
+    import torch
+
     from quickdraft.kv.pool import KVPool
 
 
@@ -236,8 +239,11 @@ class SequenceKV:
 @dataclass
 class ForwardItem:
     """One sequence's part of a batched forward: its KV handle, new tokens, and how many trailing logits rows it
-    needs."""
+    needs. ``prompt_logits``, where set, also takes the logits of the tokens before those rows (a prompt chunk's,
+    for prompt logprobs), a slice of rows at a time: (the index in ``tokens`` of the slice's first token, its
+    float32 rows)."""
 
     kv: SequenceKV
     tokens: list[int]
     num_logits: int
+    prompt_logits: Callable[[int, torch.Tensor], None] | None = None

@@ -106,6 +106,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: the logprob of each prompt token after the first, and the top ones at its position (raw logits)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # stop strings are looked for only in the text after this token, up to the next special token: the bodies of
@@ -229,12 +231,13 @@ class SamplingParams:
                 raise _fail("stop_strings_after_token", "a token id (>= 0) or None", self.stop_strings_after_token)
             self.stop_strings_after_token = after
 
-        if self.logprobs is not None:
-            allowed = f"an int in [0, {MAX_LOGPROBS}] or None"
-            lp = _as_int("logprobs", self.logprobs, allowed)
-            if not 0 <= lp <= MAX_LOGPROBS:
-                raise _fail("logprobs", allowed, self.logprobs)
-            self.logprobs = lp
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                allowed = f"an int in [0, {MAX_LOGPROBS}] or None"
+                lp = _as_int(name, getattr(self, name), allowed)
+                if not 0 <= lp <= MAX_LOGPROBS:
+                    raise _fail(name, allowed, getattr(self, name))
+                setattr(self, name, lp)
 
         self.priority = _as_int("priority", self.priority, "an int")
 

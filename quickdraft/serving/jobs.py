@@ -79,7 +79,11 @@ class Job:
             c.text.append(chunk.text)
             if chunk.logprobs:
                 c.logprobs.extend(chunk.logprobs)
+            if chunk.prompt_logprobs is not None:
+                c.prompt_logprobs = chunk.prompt_logprobs
             c.count(chunk)
+        for c in choices.values():  # a prompt's first sample computed it for all of its samples
+            c.prompt_logprobs = choices.get(c.index - c.index % self.n, c).prompt_logprobs
         return [choices[i] for i in sorted(choices)]
 
     async def gather_or_abort(self, request: Request) -> list[Choice]:

@@ -107,6 +107,7 @@ class Choice:
     spec: SpecMetrics = field(default_factory=SpecMetrics)
     cached_tokens: int = 0
     stop_string: str | None = None
+    prompt_logprobs: list[dict | None] | None = None  # its prompt's (SamplingParams.prompt_logprobs)
 
     def count(self, chunk: StreamChunk) -> None:
         """Note the chunk's tokens and how the sample finished: what usage and finish_reason need."""
@@ -161,11 +162,18 @@ def _clean(lp: float) -> float:
 
 
 def completion_logprobs(entries: list[dict], offset: int, token_text: TokenText) -> dict:
-    """/v1/completions' logprobs; ``offset`` is where the entries' text starts in the choice's text."""
+    """/v1/completions' logprobs; ``offset`` is where the entries' text starts in the choice's text. An entry
+    whose logprob is None (an echoed prompt's first token) has None for its logprob and its top ones, as OpenAI's."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for e in entries:
         tok = token_text(e["token_id"])
         tokens.append(tok)
+        if e["logprob"] is None:
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(offset)
+            offset += len(tok)
+            continue
         token_lps.append(_clean(e["logprob"]))
         top = {}
         for tid, lp in e["top"]:
@@ -175,6 +183,31 @@ def completion_logprobs(entries: list[dict], offset: int, token_text: TokenText)
         offsets.append(offset)
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echoed_entries(prompt_ids: list[int], prompt_logprobs: list[dict | None] | None) -> list[dict]:
+    """An echoed prompt's tokens as logprobs entries (OpenAI's ``echo`` with ``logprobs``): the first has no
+    logprob, nothing predicts it."""
+    return [e if e is not None else {"token_id": tid, "logprob": None, "top": None}
+            for tid, e in zip(prompt_ids, prompt_logprobs or [])]
+
+
+def vllm_prompt_logprobs(entries: list[dict | None] | None, token_text: TokenText) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
+    for the prompt's token and the top ones at its position."""
+    if entries is None:
+        return None
+    out: list[dict | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        tokens = {str(e["token_id"]): {"logprob": _clean(e["logprob"]), "rank": e["rank"],
+                                       "decoded_token": token_text(e["token_id"])}}
+        for rank, (tid, lp) in enumerate(e["top"], 1):
+            tokens.setdefault(str(tid), {"logprob": _clean(lp), "rank": rank, "decoded_token": token_text(tid)})
+        out.append(tokens)
+    return out
 
 
 def chat_logprobs(entries: list[dict], token_text: TokenText) -> dict:
@@ -188,10 +221,16 @@ def chat_logprobs(entries: list[dict], token_text: TokenText) -> dict:
 
 
 # ---- choices in responses and stream events ---------------------------------------------------------------
-def completion_choice(c: Choice, prefix: str, logprobs: bool, token_text: TokenText) -> dict:
-    """A whole /v1/completions choice; ``prefix``: the echoed prompt, or ""."""
-    lp = completion_logprobs(c.logprobs, 0, token_text) if logprobs else None
-    return {"index": c.index, "text": prefix + "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason}
+def completion_choice(c: Choice, prefix: str, logprobs: bool, token_text: TokenText,
+                      echoed_ids: list[int] | None = None) -> dict:
+    """A whole /v1/completions choice; ``prefix``: the echoed prompt, or ""; ``echoed_ids``: its tokens, whose
+    logprobs come first where the request asks for logprobs. vLLM's ``prompt_logprobs`` where it has them."""
+    echoed = echoed_entries(echoed_ids, c.prompt_logprobs) if echoed_ids is not None else []
+    lp = completion_logprobs(echoed + c.logprobs, 0, token_text) if logprobs else None
+    out = {"index": c.index, "text": prefix + "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason}
+    if c.prompt_logprobs is not None:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, token_text)
+    return out
 
 
 @dataclass(frozen=True)
@@ -238,21 +277,31 @@ class CompletionChunkFields:
     """What a chunk becomes in a /v1/completions stream event: its text (the prompt before a choice's first
     text when echoing) and logprobs whose offsets count on from that choice's earlier events."""
 
-    def __init__(self, echo: Callable[[int], str] | None, logprobs: bool, token_text: TokenText) -> None:
-        self._echo, self._logprobs, self._token_text = echo, logprobs, token_text
-        self._offsets: dict[int, int] = {}  # per choice: the length of the text sent so far
+    def __init__(self, echo: Callable[[int], str] | None, logprobs: bool, token_text: TokenText,
+                 echoed_ids: Callable[[int], list[int]] | None = None) -> None:
+        """``echoed_ids``: a prompt's tokens, whose logprobs lead a choice's first event (echo with logprobs)."""
+        self._echo, self._logprobs, self._token_text, self._echoed_ids = echo, logprobs, token_text, echoed_ids
+        self._offsets: dict[int, int] = {}  # per choice that started: the length of the text sent so far
+        self._prompt_logprobs: dict[int, list[dict | None]] = {}  # per prompt (from its first sample's first chunk)
 
     def __call__(self, prompt_index: int, idx: int, chunk: StreamChunk) -> dict | None:
-        text = chunk.text
-        if self._echo is not None and idx not in self._offsets:
+        if chunk.prompt_logprobs is not None:
+            self._prompt_logprobs[prompt_index] = chunk.prompt_logprobs
+        first = idx not in self._offsets
+        prompt_lps = self._prompt_logprobs.get(prompt_index) if first else None
+        text, entries = chunk.text, chunk.logprobs or []
+        if self._echo is not None and first:
             text = self._echo(prompt_index) + text
-        lp = None
-        if self._logprobs:
-            lp = completion_logprobs(chunk.logprobs or [], self._offsets.get(idx, 0), self._token_text)
-        self._offsets[idx] = self._offsets.get(idx, 0) + len(text)
-        if not text and not chunk.finished and not (lp and lp["tokens"]):
+            if self._echoed_ids is not None:
+                entries = echoed_entries(self._echoed_ids(prompt_index), prompt_lps) + entries
+        lp = completion_logprobs(entries, self._offsets.get(idx, 0), self._token_text) if self._logprobs else None
+        if not text and not chunk.finished and not (lp and lp["tokens"]) and prompt_lps is None:
             return None
-        return {"text": text, "logprobs": lp}
+        self._offsets[idx] = self._offsets.get(idx, 0) + len(text)
+        out = {"text": text, "logprobs": lp}
+        if prompt_lps is not None:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps, self._token_text)
+        return out
 
 
 def chat_opening(n: int) -> list[dict]:

@@ -83,6 +83,7 @@ class _SamplingFields(LlamaSamplerFields):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
+    prompt_logprobs: StrictInt | None = None
     speculative: Any = None  # false, true or {"max_draft_tokens": n}: checked (and shown bounded) by SamplingParams
     structured_outputs: Any = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}: StructuredOutputs
 
@@ -257,7 +258,7 @@ _PARAM = re.compile(r"^([a-z_]+)\b")
 KNOWN_PARAMS = {
     "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
-    "include_stop_str_in_output", "skip_special_tokens", "priority", "deadline_s", "prompt", "messages",
+    "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "priority", "deadline_s", "prompt", "messages",
     "top_logprobs", "max_completion_tokens", "model", "speculative", "structured_outputs", "response_format",
     "tools", "tool_choice", "reasoning_effort", "chat_template_kwargs", *LlamaSamplerFields.LLAMA_SAMPLERS,
 }

@@ -23,7 +23,7 @@ from quickdraft.serving.jobs import ClientGone, Job
 from quickdraft.serving.metrics import CONTENT_TYPE, ServerMetrics
 from quickdraft.serving.openai_format import (ERROR_RESPONSES, ChatReading, Choice, CompletionChunkFields,
                                               TokenTexts, ToolParsing, chat_choice, chat_chunk_fields, chat_opening, completion_choice,
-                                              error_response, response_head, usage)
+                                              error_response, response_head, usage, vllm_prompt_logprobs)
 from quickdraft.serving.response_store import ResponseStore
 from quickdraft.serving.reasoning import MESSAGE, markers_are_special, reasoning_format
 from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError, in_call_order,
@@ -112,8 +112,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx.check_model(body.model)
     prompts = await _completion_prompts(ctx, body)
     constraint = await output_constraint(ctx, body)
-    params = [sampling_params(ctx, body, len(ids), body.max_tokens, body.logprobs, "prompt", constraint)
-              for ids, _ in prompts]
+    echo_logprobs = body.echo and body.logprobs is not None  # OpenAI's: the prompt's tokens lead the logprobs
+    prompt_logprobs = body.logprobs if echo_logprobs and body.prompt_logprobs is None else body.prompt_logprobs
+    params = [sampling_params(ctx, body, len(ids), body.max_tokens, body.logprobs, "prompt", constraint,
+                              prompt_logprobs) for ids, _ in prompts]
     if body.suffix:  # a fill ends at the end of the sequence or at its marks that close a file
         for p in params:
             p.stop_token_ids = sorted(set(p.stop_token_ids) | set(FimTokens.of(ctx.llm.tokenizer).ends))
@@ -121,15 +123,18 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     job = Job.new("cmpl", prompts, params)
     await job.start(ctx.engine)
     echo = (lambda p: job.prompt_text(p, ctx.llm.tokenizer)) if body.echo else None
+    echoed_ids = (lambda p: job.prompts[p][0]) if echo_logprobs else None
     logprobs = body.logprobs is not None
     head = response_head(job.id, "text_completion", job.created, ctx.model_name)
     if body.stream:
-        return stream_response(job, head, body.include_usage, CompletionChunkFields(echo, logprobs, ctx.token_text),
+        return stream_response(job, head, body.include_usage,
+                               CompletionChunkFields(echo, logprobs, ctx.token_text, echoed_ids),
                                draft_info=body.include_draft_info)
 
     def whole_choice(c: Choice) -> dict:
         prefix = echo(c.index // job.n) if echo else ""
-        return completion_choice(c, prefix, logprobs, ctx.token_text)
+        ids = echoed_ids(c.index // job.n) if echoed_ids else None
+        return completion_choice(c, prefix, logprobs, ctx.token_text, ids)
 
     return await _whole_response(request, job, head, whole_choice)
 
@@ -157,7 +162,8 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest, top_logpro
         ToolParsing(tool_spec, tool_call_style(tokenizer.chat_template))
     reasoning = reasoning_format(tokenizer.chat_template, tokenizer.decode(ids[-16:]), constraint is not None,
                                  tools is not None)
-    params = sampling_params(ctx, body, len(ids), body.requested_max_tokens, top_logprobs, "messages", constraint)
+    params = sampling_params(ctx, body, len(ids), body.requested_max_tokens, top_logprobs, "messages", constraint,
+                             body.prompt_logprobs)
     await dry_breakers(ctx, params)
     if reasoning is not None and body.skip_special_tokens is None and markers_are_special(
             reasoning.style, lambda text: tokenizer.token_to_id(text) in tokenizer.special_token_ids):
@@ -185,6 +191,9 @@ async def chat_prompt_ids(ctx: ServerContext, body: ChatCompletionRequest, tool_
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = context_of(request)
+    if body.stream and body.prompt_logprobs is not None:
+        raise invalid_parameter("prompt_logprobs is not available with stream on /v1/chat/completions (send the "
+                                "request without stream, or use /v1/completions, which streams them)", "prompt_logprobs")
     run = await start_chat(ctx, body, _chat_top_logprobs(body))
     job, logprobs = run.job, bool(body.logprobs)
     if body.stream:
@@ -192,16 +201,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         return stream_response(job, head, body.include_usage, chat_chunk_fields(logprobs, ctx.token_text, run.reading),
                                chat_opening(job.n), body.include_draft_info)
     head = response_head(job.id, "chat.completion", job.created, ctx.model_name)
-    return await _whole_response(request, job, head, lambda c: chat_choice(c, logprobs, ctx.token_text, run.reading))
+    return await _whole_response(request, job, head, lambda c: chat_choice(c, logprobs, ctx.token_text, run.reading),
+                                 body.prompt_logprobs is not None)
 
 
-async def _whole_response(request: Request, job: Job, head: dict, choice_json: Callable[[Choice], dict]) -> Response:
-    """The response of a request that did not ask to stream; 499 (nobody reads it) when the client left."""
+async def _whole_response(request: Request, job: Job, head: dict, choice_json: Callable[[Choice], dict],
+                          prompt_logprobs: bool = False) -> Response:
+    """The response of a request that did not ask to stream; 499 (nobody reads it) when the client left.
+    ``prompt_logprobs``: the prompt's, vLLM's field beside the choices (a chat request's one prompt)."""
     try:
         choices = await job.gather_or_abort(request)
     except ClientGone:
         return Response(status_code=499)
-    return JSONResponse({**head, "choices": [choice_json(c) for c in choices],
+    extra = {"prompt_logprobs": vllm_prompt_logprobs(choices[0].prompt_logprobs, context_of(request).token_text)} \
+        if prompt_logprobs and choices else {}
+    return JSONResponse({**head, "choices": [choice_json(c) for c in choices], **extra,
                          "usage": usage(job.prompt_tokens, choices, job.n)})
 
 
@@ -218,9 +232,6 @@ async def _completion_prompts(ctx: ServerContext, body: CompletionRequest) -> li
             raise invalid_parameter("suffix needs one prompt, as text (the code before the cursor)", "suffix")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise invalid_parameter(f"best_of is not supported (it must equal n), got {body.best_of}", "best_of")
-    if body.echo and body.logprobs is not None:
-        raise invalid_parameter("echo together with logprobs is not supported (prompt logprobs are not computed)",
-                                "echo")
     limit = ctx.limits.max_prompts_per_request
     if len(body.prompts()) > limit:
         raise invalid_parameter(f"prompt must be a list of at most {limit} prompts per request, got "
@@ -277,8 +288,8 @@ async def dry_breakers(ctx: ServerContext, params: SamplingParams) -> None:
 
 
 def sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
-                    logprobs: int | None, prompt_param: str,
-                    constraint: StructuredOutputs | None = None) -> SamplingParams:
+                    logprobs: int | None, prompt_param: str, constraint: StructuredOutputs | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's parameters for one prompt; the prompt and the completion must fit the context together."""
     limit = ctx.llm.max_model_len
     if prompt_len >= limit:
@@ -292,7 +303,8 @@ def sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, m
         frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias, seed=req.seed, stop=req.stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, priority=req.priority,
         deadline_s=req.deadline_s, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, speculative=req.speculative,
+        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        speculative=req.speculative,
         structured_outputs=constraint, **{name: getattr(req, name) for name in req.LLAMA_SAMPLERS},
         max_tokens=limit - prompt_len if max_tokens is None else max_tokens)
     params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
