@@ -151,16 +151,15 @@ def in_child(engine: str, args: argparse.Namespace, requests_file: Path) -> dict
 def compare(requests: list[dict], ours: list, theirs: list) -> dict:
     """Position by position: how far the two engines' logprobs are apart; continuation by continuation: whether
     both make the harness's decision (every continuation token the top one) the same way."""
-    diffs, same_decision = [], 0
-    for r, a, b in zip(requests, ours, theirs):
+    diffs, same_decision, sums = [], 0, []
+    pairs = list(zip(requests, ours, theirs))  # (as many as both scored)
+    for r, a, b in pairs:
         diffs += [abs(x[0] - y[0]) for x, y in zip(a, b)]
         start = len(r["context"]) - 1
         same_decision += all(x[1] for x in a[start:]) == all(y[1] for y in b[start:])
-    sums = [(sum(x[0] for x in a[len(r["context"]) - 1:]), sum(y[0] for y in b[len(r["context"]) - 1:]))
-            for r, a, b in zip(requests, ours, theirs)]
+        sums.append(abs(sum(x[0] for x in a[start:]) - sum(y[0] for y in b[start:])))
     return {"positions": len(diffs), "mean_abs_logprob_diff": sum(diffs) / len(diffs), "max_abs_logprob_diff": max(diffs),
-            "continuation_sum_max_abs_diff": max(abs(a - b) for a, b in sums),
-            "same_greedy_decision": f"{same_decision}/{len(requests)}"}
+            "continuation_sum_max_abs_diff": max(sums), "same_greedy_decision": f"{same_decision}/{len(pairs)}"}
 
 
 def main() -> None:

@@ -174,6 +174,9 @@ def test_suffix_on_completions_is_the_same_fill(qwen):
     for prompt in ([1, 2, 3], [PREFIX, PREFIX]):
         bad = post(qwen, {"model": "qwen", "prompt": prompt, "suffix": "x"}, "/v1/completions")
         assert bad.status_code == 400 and "suffix needs one prompt, as text" in bad.text
+    echoed = post(qwen, {"model": "qwen", "prompt": PREFIX, "suffix": "x", "echo": True, "logprobs": 1},
+                  "/v1/completions")  # the text echoed would not be the prompt the logprobs score
+    assert echoed.status_code == 400 and "echo together with suffix is not supported" in echoed.text
     plain = qwen.client().completions.create(model="qwen", prompt=PREFIX, max_tokens=8, temperature=0)
     empty = qwen.client().completions.create(model="qwen", prompt=PREFIX, suffix="", max_tokens=8, temperature=0)
     assert empty.choices[0].text == plain.choices[0].text  # an empty suffix is none
@@ -202,6 +205,7 @@ def test_a_model_without_the_marks_is_refused_by_name(tiny_dir):
     ({"echo": True}, "echo is not supported on /infill"),
     ({"structured_outputs": {"regex": "a+"}, "grammar": 'root ::= "a"'}, "both constrain the output: set only one"),
     ({"logprobs": 2}, "logprobs is not supported on /infill"),
+    ({"prompt_logprobs": 2}, "prompt_logprobs is not supported on /infill"),
     ({"prompt": 5}, "prompt must be a string"),
     ({"input_prefix": ["a"]}, "input_prefix"),
     ({"input_prefix": "x\ud800"}, "input_prefix must be valid Unicode text, got a lone surrogate"),

@@ -12,8 +12,12 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
+from quickdraft.engine.outputs import StreamChunk
 from quickdraft.errors import InvalidParameterError
-from test_server import serve, words
+from quickdraft.serving import create_app
+from quickdraft.serving.guard import ServerLimits
+from quickdraft.serving.streams import _merge
+from test_server import ServerThread, serve, words
 
 TINY_KV = "8MiB"
 
@@ -111,6 +115,45 @@ def test_speculation_scores_the_same(tiny, chunked):
     assert spec.prompt_logprobs == plain.prompt_logprobs and spec.token_ids == plain.token_ids
 
 
+def test_prompt_chunks_on_the_static_step_score_the_same(tiny, chunked):
+    """Where prompt chunks run on the static step's forward (a GPU's default), beside decodes in its bucket: the
+    logprobs of the dynamic path, within float32 rounding of the two paths (``test_static_step``)."""
+    llm = LLM(str(tiny), dtype="float32", kv_cache_memory=TINY_KV, static_step="eager", max_num_batched_tokens=64)
+    runner = llm.loaded.engine.target
+    runner.chunks_on_static = True
+    prompts = [prompt_ids(40, 10), prompt_ids(41, 150)]  # the first decodes while the second's chunks run
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)]
+    got = llm.generate(prompts, params)
+    want = chunked.generate(prompts, params)
+    assert runner.static.chunk_forwards >= 3
+    assert got[0].token_ids == want[0].token_ids and got[1].token_ids == want[1].token_ids
+    for a, b in zip(got[1].prompt_logprobs[1:], want[1].prompt_logprobs[1:]):
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4) and a["rank"] == b["rank"]
+
+
+def test_a_scoring_failure_fails_its_request_alone(chunked, monkeypatch):
+    """Scoring runs inside the step's shared forward: where it raises, that request fails at its first token with
+    the reason, and the others of the same steps finish as they do alone."""
+    import quickdraft.engine.sequence as sequence
+    from quickdraft.errors import RequestFailedError
+
+    others = [prompt_ids(50, 70), prompt_ids(51, 20)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone = [o.token_ids for o in chunked.generate(others, params)]
+
+    def broken(*args):
+        raise MemoryError("no room for the logprobs")
+
+    monkeypatch.setattr(sequence, "top_logprobs", broken)
+    with pytest.raises(RequestFailedError) as failed:
+        chunked.generate([others[0], prompt_ids(52, 100), others[1]],
+                         [params, SamplingParams(max_tokens=6, prompt_logprobs=1), params])
+    outputs = failed.value.outputs
+    assert outputs[1].finish_reason == "error" and "MemoryError: no room for the logprobs" in outputs[1].outputs[0].error
+    assert [outputs[0].token_ids, outputs[2].token_ids] == alone
+
+
 @pytest.mark.parametrize("bad", [21, -1, True, 2.0, "3"])
 def test_bad_prompt_logprobs_are_refused_by_name(bad):
     with pytest.raises(InvalidParameterError, match="prompt_logprobs must be an int in"):
@@ -193,6 +236,66 @@ def test_streamed_echo_carries_the_prompts_logprobs_once_per_choice(server):
         assert [t for e in mine for t in e["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
         assert [t for e in mine for t in e["logprobs"]["token_logprobs"]] == choice["logprobs"]["token_logprobs"]
         assert [e["prompt_logprobs"] for e in mine if "prompt_logprobs" in e] == [choice["prompt_logprobs"]]
+
+
+def test_each_field_gets_what_it_asked_for(server):
+    """echo with logprobs alone gives no vLLM field; each shape keeps its own number of top tokens when both are
+    asked with different ones."""
+    body = {"prompt": words(random.Random(4), 20), "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+    legacy = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert "prompt_logprobs" not in legacy and legacy["logprobs"]["token_logprobs"][0] is None
+    for echo_top, field_top in ((1, 4), (4, 1)):
+        both = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          json={**body, "logprobs": echo_top, "prompt_logprobs": field_top}).json()["choices"][0]
+        tops = both["logprobs"]["top_logprobs"]
+        assert max(len(t) for t in tops[1:]) == echo_top + 1 and min(len(t) for t in tops[1:]) >= echo_top
+        assert max(len(e) for e in both["prompt_logprobs"][1:]) == field_top + 1
+        assert both["logprobs"]["token_logprobs"][:20] == legacy["logprobs"]["token_logprobs"][:20]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server):
+    """OpenAI's legacy scoring call: the prompt back with its logprobs, nothing generated, streamed or not."""
+    prompt = words(random.Random(5), 24)
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    choice = r["choices"][0]
+    assert choice["text"] == prompt and choice["logprobs"]["tokens"] == prompt.split()
+    assert choice["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 0
+    one = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60).json()["choices"][0]
+    assert one["logprobs"]["token_logprobs"][:-1] == choice["logprobs"]["token_logprobs"]
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == prompt
+    assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == prompt.split()
+    refused = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": False}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_responses_past_the_servers_limit_are_refused_before_any_work(tiny):
+    llm = LLM(str(tiny), dtype="float32", kv_cache_memory=TINY_KV)
+    with ServerThread(create_app(llm, "tiny", limits=ServerLimits(max_prompt_logprobs=1000))) as srv:
+        ids = prompt_ids(60, 100)
+        ok = httpx.post(f"{srv.url}/v1/completions", timeout=60,
+                        json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 4, "n": 2})  # 100 x 5 x 2
+        assert ok.status_code == 200
+        for body in ({"prompt": ids, "max_tokens": 1, "prompt_logprobs": 4, "n": 3},
+                     {"prompt": [ids, ids], "max_tokens": 1, "prompt_logprobs": 4, "n": 2},
+                     {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 4, "prompt_logprobs": 5}):
+            r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 400 and "more than the 1000 a response of this server may carry" in r.text
+        chat = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": " ".join(["t3"] * 400)}], "max_tokens": 1, "prompt_logprobs": 2})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_logprobs"
+        assert srv.wait_idle()["quickdraft_kv_blocks_used"] == 0
+
+
+def test_merged_stream_chunks_keep_the_prompt_logprobs():
+    """A slow reader's queued chunks are merged: the first one's prompt logprobs must survive."""
+    first = StreamChunk("r", 0, "a", [1], [False], prompt_logprobs=[None, {"token_id": 1}])
+    second = StreamChunk("r", 0, "b", [2], [False])
+    assert _merge(first, second).prompt_logprobs == [None, {"token_id": 1}]
+    assert _merge(second, first).prompt_logprobs == [None, {"token_id": 1}]
 
 
 @pytest.mark.parametrize("bad", [21, -1, True, 1.5, "3", 10**30])

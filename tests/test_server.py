@@ -385,7 +385,7 @@ BAD_REQUESTS = [
     ({"prompt": "t1", "max_tokens": "abc"}, 400, "max_tokens", "valid integer"),
     ({"prompt": "t1", "temperature": "hot"}, 400, "temperature", "valid number"),
     ({"prompt": "t1", "max_tokens": -5}, 400, "max_tokens", "max_tokens must be an int >= 1, got -5"),
-    ({"prompt": "t1", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ({"prompt": "t1", "max_tokens": 0}, 400, "max_tokens", "max_tokens must be at least 1, or 0 with echo"),
     ({"prompt": "t1", "max_tokens": 10 ** 9}, 400, "max_tokens", "maximum context length is 512 tokens"),
     ({"prompt": " ".join(["t1"] * 600)}, 400, "prompt", "600 tokens"),
     ({"prompt": " ".join(["t1"] * 600), "max_tokens": 5}, 400, "prompt", "maximum context length is 512"),

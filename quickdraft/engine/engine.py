@@ -238,7 +238,7 @@ class LLMEngine:
             if proposal is not None:
                 tokens = tokens + proposal.tokens
                 num_logits = 1 + len(proposal.tokens)
-            items.append(ForwardItem(kv, tokens, num_logits, seq.prompt_rows(kv.num_cached)))
+            items.append(ForwardItem(kv, tokens, num_logits, seq.prompt_logits_taker(kv.num_cached)))
         with self._run_ahead(sampling, proposals):
             logits = self.target.forward(items)
         self.cost.target.record(sum(len(it.tokens) for it in items), self.target.last_forward_s)

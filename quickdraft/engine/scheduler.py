@@ -114,7 +114,7 @@ class Scheduler:
             seq = self.waiting[0]
             kv = seq.kv.setdefault("target", SequenceKV())
             cached = seq.swapped[1] if seq.swapped is not None else kv.num_cached
-            if cached == 0 and seq.reads_prefix_cache:  # cached prefix blocks leave the free list as they are taken
+            if cached == 0 and not seq.scores_prompt:  # cached prefix blocks leave the free list as they are taken
                 before = self.target.allocator.num_free
                 cached = self.target.match_prefix(kv, seq.token_ids)
                 free -= before - self.target.allocator.num_free

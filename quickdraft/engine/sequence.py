@@ -74,7 +74,8 @@ class Sequence:
     spec: SpeculationState = field(default_factory=SpeculationState)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     logprobs: list[dict] = field(default_factory=list)
-    prompt_logprobs: list[dict] = field(default_factory=list)  # entry p: prompt token p + 1's (prompt_rows)
+    prompt_logprobs: list[dict] = field(default_factory=list)  # entry p: prompt token p + 1's (prompt_logits_taker)
+    scoring_error: str | None = None  # why scoring the prompt failed (the request fails at its first token)
     swapped: tuple | None = None  # host copy of the target KV while preempted with preemption="swap"
     keep_kv: bool = False  # the KV handles belong to a Session: not freed when finished or aborted
     text: str = ""
@@ -113,25 +114,33 @@ class Sequence:
         return max(0, room if cap is None else min(room, cap))
 
     @property
-    def reads_prefix_cache(self) -> bool:
-        """Whether its prompt may come from the prefix cache: not while its prompt logprobs are being computed."""
-        return self.params.prompt_logprobs is None or len(self.prompt_logprobs) >= len(self.prompt_ids) - 1
+    def scores_prompt(self) -> bool:
+        """Whether its prompt logprobs are still to be computed: asked for, not all there yet, and this is the
+        request's first sample (the others fork from its prompt; ``prompt_logprobs_out``)."""
+        return (self.params.prompt_logprobs is not None and self.index == 0 and self.scoring_error is None
+                and len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
 
-    def prompt_rows(self, start: int) -> Callable[[int, torch.Tensor], None] | None:
-        """What takes the logits rows of a forward from position ``start`` (``ForwardItem.prompt_logits``) where the
-        request asks for prompt logprobs and the forward computes prompt tokens: each row scores the prompt token
-        after it. Positions scored already (a prompt recomputed after preemption) are not scored again."""
-        last = len(self.prompt_ids) - 1  # the last prompt token's row predicts the first output token
-        if self.params.prompt_logprobs is None or start >= last:
+    def prompt_logits_taker(self, start: int) -> Callable[[int, torch.Tensor], None] | None:
+        """What takes the logits rows of a forward from position ``start`` (``ForwardItem.prompt_logits``) while
+        ``scores_prompt``: each row scores the prompt token after it (the last prompt token's row predicts the
+        first output token: not a prompt logprob). Positions stored already (a prompt recomputed after a
+        preemption) are not stored again. It never raises, as it runs inside the step's shared forward: a failure
+        is kept and fails this request alone at its first token (``append``)."""
+        last = len(self.prompt_ids) - 1
+        if not self.scores_prompt or start >= last:
             return None
 
         def take(first: int, rows: torch.Tensor) -> None:
             begin = max(start + first, len(self.prompt_logprobs))
             end = min(start + first + len(rows), last)
-            if begin < end:
+            if begin >= end or self.scoring_error is not None:
+                return
+            try:
                 chosen = torch.tensor(self.prompt_ids[begin + 1:end + 1])
                 picked = rows[begin - start - first:end - start - first]
                 self.prompt_logprobs.extend(top_logprobs(picked, chosen, self.params.prompt_logprobs))
+            except Exception as exc:  # noqa: BLE001 - reported to this request's caller alone
+                self.scoring_error = f"scoring the prompt failed: {type(exc).__name__}: {exc}"
         return take
 
     def resume(self, output_ids: list[int], delivered_chars: int | None = None,
@@ -188,6 +197,8 @@ class Sequence:
         """Commit generated tokens one by one, stopping at the first stop condition."""
         if self.metrics.ttft_s is None:
             self.metrics.ttft_s = time.perf_counter() - self.arrival_s
+        if self.scoring_error is not None:
+            raise RuntimeError(self.scoring_error)
         params = self.params
         for i, (token, drafted) in enumerate(zip(tokens, from_draft)):
             self.token_ids.append(token)

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from quickdraft.kv.pool import KVPool
 
 
+PROMPT_LOGITS_ROWS = 256  # prompt rows through the LM head at once (150 MB of float32 logits at a 150k vocabulary)
+
+
 class OutOfBlocks(RuntimeError):
     """The pool has no free block left; the scheduler must wait or preempt."""
 
@@ -247,3 +250,10 @@ class ForwardItem:
     tokens: list[int]
     num_logits: int
     prompt_logits: Callable[[int, torch.Tensor], None] | None = None
+
+    def give_prompt_logits(self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Hand ``prompt_logits`` the logits (``head``, float32) of ``hidden``, the final hidden states of the tokens
+        before the trailing ``num_logits``, PROMPT_LOGITS_ROWS rows at a time: a whole chunk's rows over a
+        vocabulary of 150k would hold GBs at once."""
+        for first in range(0, len(hidden), PROMPT_LOGITS_ROWS):
+            self.prompt_logits(first, head(hidden[first:first + PROMPT_LOGITS_ROWS]))

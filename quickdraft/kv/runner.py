@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -15,7 +14,6 @@ from quickdraft.kv.tile_tuning import tune_tiles
 from quickdraft.models import Transformer
 
 STATIC_STEPS = ("graphs", "eager", "off")
-PROMPT_LOGITS_ROWS = 256  # prompt rows through the LM head at once (150 MB of float32 logits at a 150k vocabulary)
 
 
 class ModelRunner:
@@ -166,13 +164,12 @@ class ModelRunner:
             item.kv.make_writable(item.kv.num_cached, end, self.allocator, self.pool)
             item.kv.reserve(end, self.allocator, self.block_size)
         long = [len(it.tokens) >= self.long_tokens for it in items] if self.long_model is not None else []
-        scoring = any(it.prompt_logits is not None for it in items)  # the static step returns no prompt rows
-        if not scoring and self._fits_static(items):
+        if self._fits_static(items):  # (an item with prompt logits is a prompt chunk: never in a static bucket)
             out = self.static.run([it.kv for it in items], [it.tokens for it in items], self.logit_columns,
                                   device_tokens)
             for it in items:
                 it.kv.num_cached += len(it.tokens)
-        elif not scoring and not any(long) and (groups := self._static_groups(items)) is not None:
+        elif not any(long) and (groups := self._static_groups(items)) is not None:
             out = self._run_static_groups(items, *groups)
         elif not any(long):
             out = self._forward(items, self.model)
@@ -213,8 +210,7 @@ class ModelRunner:
             rows = self.static.run([items[i].kv for i in steps], [items[i].tokens for i in steps], self.logit_columns)
             for i, r in zip(steps, rows):
                 out[i] = r
-        rows = self.static.run_chunks([items[i].kv for i in chunks], [items[i].tokens for i in chunks],
-                                      [items[i].num_logits for i in chunks], self.logit_columns)
+        rows = self.static.run_chunks([items[i] for i in chunks], self.logit_columns)
         for i, r in zip(chunks, rows):
             out[i] = r
         for it in items:
@@ -279,7 +275,7 @@ class ModelRunner:
             rows.extend(range(offset - it.num_logits, offset))
             it.kv.num_cached += len(it.tokens)
             if it.prompt_logits is not None:
-                self._prompt_logits(model, hidden, it.prompt_logits, offset - len(it.tokens), offset - it.num_logits)
+                it.give_prompt_logits(hidden[offset - len(it.tokens):offset - it.num_logits], self._head(model))
         logits = model.logits(hidden[rows]) if rows else hidden.new_zeros(0, self.vocab_size)
         if self.logit_columns < logits.shape[1]:
             logits[:, self.logit_columns:] = float("-inf")
@@ -289,10 +285,6 @@ class ModelRunner:
             start += it.num_logits
         return out
 
-    def _prompt_logits(self, model: Transformer, hidden: torch.Tensor, take: Callable[[int, torch.Tensor], None],
-                       start: int, end: int) -> None:
-        """Hand the logits of ``hidden`` rows start..end-1 to ``take`` (``ForwardItem.prompt_logits``) a slice at a
-        time: a whole prompt chunk's rows over a vocabulary of 150k would hold GBs at once."""
-        for a in range(start, end, PROMPT_LOGITS_ROWS):
-            logits = model.logits(hidden[a:min(end, a + PROMPT_LOGITS_ROWS)])
-            take(a - start, logits[:, :self.logit_columns].float())
+    def _head(self, model: Transformer):
+        """The LM head as prompt logprobs read it: float32 logits of the vocabulary's columns."""
+        return lambda hidden: model.logits(hidden)[:, :self.logit_columns]

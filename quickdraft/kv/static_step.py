@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.kv.blocks import SequenceKV
+from quickdraft.kv.blocks import ForwardItem, SequenceKV
 from quickdraft.kv.paged_attention import KEY_SPLITS, paged_attention
 from quickdraft.kv.pool import KVPool
 from quickdraft.models import Transformer
@@ -253,12 +253,13 @@ class StaticStep:
         bucket = Bucket(seqs, 1 << (max(lengths) - 1).bit_length())
         return bucket if bucket.rows <= min(2 * sum(lengths), MAX_CHUNK_ROWS) else None
 
-    def run_chunks(self, kvs: list[SequenceKV], tokens: list[list[int]], num_logits: list[int],
-                   logit_columns: int) -> list[torch.Tensor]:
-        """Prompt chunks (any lengths, each wanting its last ``num_logits[b]`` rows of logits, maybe none) through
+    def run_chunks(self, items: list[ForwardItem], logit_columns: int) -> list[torch.Tensor]:
+        """Prompt chunks (any lengths, each wanting its last ``num_logits`` rows of logits, maybe none) through
         the step's forward (its graph, or run eagerly): the paged kernel attends each chunk's rows causally as it
-        does a verify pass's (``chunk_bucket``). The rows that want logits go through the head after the forward;
-        the caller advances ``num_cached``."""
+        does a verify pass's (``chunk_bucket``). The rows that want logits go through the head after the forward, and
+        a chunk's other rows too where it takes prompt logits (``ForwardItem.give_prompt_logits``); the caller
+        advances ``num_cached``."""
+        kvs, tokens, num_logits = [it.kv for it in items], [it.tokens for it in items], [it.num_logits for it in items]
         bucket = self.chunk_bucket([len(t) for t in tokens])
         if bucket is None:
             raise ValueError(f"no chunk bucket holds {len(tokens)} prompt chunks of up to {max(map(len, tokens))} "
@@ -272,6 +273,11 @@ class StaticStep:
         else:
             hidden = self._forward(bucket, inputs, None)
         self.chunk_forwards += 1
+        for b, it in enumerate(items):
+            if it.prompt_logits is not None:
+                first = b * bucket.queries
+                it.give_prompt_logits(hidden[first:first + len(it.tokens) - it.num_logits],
+                                      lambda h: self.model.logits(h)[:, :logit_columns])
         if not rows:  # prompt pieces before a prompt's last: no row wants logits
             logits = hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
         else:  # (indexing copies the rows out of the graph's output before its next replay)

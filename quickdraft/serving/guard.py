@@ -25,12 +25,13 @@ class ServerLimits:
     max_queued_chunks: int = 64  # unread chunks per request before new ones are merged into them
     retry_after_s: int = 1  # the Retry-After of a 429
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (the oldest evicted first)
+    max_prompt_logprobs: int = 2_000_000  # prompt logprobs one response may carry (about 150 MB of JSON)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
             raise ValueError(f"the API key (--api-key or ${API_KEY_ENV}) must not be empty; leave both unset for no key")
         for name in ("max_body_bytes", "max_prompts_per_request", "max_queued_chunks", "retry_after_s",
-                     "max_stored_responses"):
+                     "max_stored_responses", "max_prompt_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -34,12 +35,22 @@ class Job:
     prompts: list[tuple[list[int], str | None]]  # token ids, and the text when the prompt was sent as text
     params: list[SamplingParams]
     n: int
+    shows_output: bool = True  # False: what the engine generates is not returned (an echo with max_tokens 0)
     streams: list[RequestStream] = field(default_factory=list)
 
     @classmethod
     def new(cls, id_prefix: str, prompts: list[tuple[list[int], str | None]],
-            params: list[SamplingParams]) -> "Job":
-        return cls(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), prompts, params, params[0].n)
+            params: list[SamplingParams], shows_output: bool = True) -> "Job":
+        return cls(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), prompts, params, params[0].n, shows_output)
+
+    async def chunks(self) -> AsyncIterator[tuple[int, StreamChunk]]:
+        """(prompt index, chunk) as the engine sends them, every prompt's interleaved; without ``shows_output``,
+        each chunk emptied of what was generated (its end, metrics and prompt logprobs kept)."""
+        async for p, chunk in merge_streams(self.streams):
+            if not self.shows_output:
+                chunk = dataclasses.replace(chunk, text="", token_ids=[], from_draft=[], spans=[],
+                                            logprobs=None if chunk.logprobs is None else [])
+            yield p, chunk
 
     @property
     def prompt_tokens(self) -> int:
@@ -73,7 +84,7 @@ class Job:
     async def gather(self) -> list[Choice]:
         """Every choice, whole, in index order."""
         choices: dict[int, Choice] = {}
-        async for p, chunk in merge_streams(self.streams):
+        async for p, chunk in self.chunks():
             idx = self.choice_index(p, chunk)
             c = choices.setdefault(idx, Choice(idx))
             c.text.append(chunk.text)

@@ -56,7 +56,7 @@ class LlamaRequest(CompletionRequest):
     grammar: Any = None
 
     # completions fields that have no meaning here: refused rather than ignored
-    NOT_HERE: ClassVar[tuple[str, ...]] = ("suffix", "echo", "logprobs", "best_of")
+    NOT_HERE: ClassVar[tuple[str, ...]] = ("suffix", "echo", "logprobs", "best_of", "prompt_logprobs")
     UNSET_SEEDS: ClassVar[tuple[int, ...]] = (-1, 0xFFFFFFFF)  # llama-server's "a random seed"
     ROUTE: ClassVar[str] = "/completion"
 

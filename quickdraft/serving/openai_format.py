@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
 
@@ -20,6 +21,9 @@ from quickdraft.serving.guard import error_body
 from quickdraft.serving.protocol import ErrorResponse, ModelNotFoundError, param_of
 from quickdraft.serving.reasoning import ReasoningFormat, ReasoningReader
 from quickdraft.serving.tools import ToolCall, ToolCallStream, ToolSpec, arguments_valid, parse_tool_calls
+
+if TYPE_CHECKING:  # prompt_logprobs.py renders with this module's pieces
+    from quickdraft.serving.prompt_logprobs import PromptLogprobs
 
 TokenText = Callable[[int], str]
 ChoiceFields = Callable[[int, int, StreamChunk], dict | None]
@@ -156,7 +160,7 @@ class TokenTexts:
         return text
 
 
-def _clean(lp: float) -> float:
+def clean_logprob(lp: float) -> float:
     """JSON has no -inf: a token the sampler excluded gets a very low finite logprob instead."""
     return lp if math.isfinite(lp) else -9999.0
 
@@ -174,47 +178,32 @@ def completion_logprobs(entries: list[dict], offset: int, token_text: TokenText)
             offsets.append(offset)
             offset += len(tok)
             continue
-        token_lps.append(_clean(e["logprob"]))
+        token_lps.append(clean_logprob(e["logprob"]))
         top = {}
         for tid, lp in e["top"]:
-            top.setdefault(token_text(tid), _clean(lp))
-        top.setdefault(tok, _clean(e["logprob"]))
+            top.setdefault(token_text(tid), clean_logprob(lp))
+        top.setdefault(tok, clean_logprob(e["logprob"]))
         tops.append(top)
         offsets.append(offset)
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def echoed_entries(prompt_ids: list[int], prompt_logprobs: list[dict | None] | None) -> list[dict]:
-    """An echoed prompt's tokens as logprobs entries (OpenAI's ``echo`` with ``logprobs``): the first has no
-    logprob, nothing predicts it."""
-    return [e if e is not None else {"token_id": tid, "logprob": None, "top": None}
-            for tid, e in zip(prompt_ids, prompt_logprobs or [])]
+def joined(echo: dict, own: dict) -> dict:
+    """The echoed prompt's logprobs followed by a choice's own (whose offsets count from the prompt's end)."""
+    return {key: echo[key] + own[key] for key in echo}
 
 
-def vllm_prompt_logprobs(entries: list[dict | None] | None, token_text: TokenText) -> list[dict | None] | None:
-    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
-    for the prompt's token and the top ones at its position."""
-    if entries is None:
-        return None
-    out: list[dict | None] = []
-    for e in entries:
-        if e is None:
-            out.append(None)
-            continue
-        tokens = {str(e["token_id"]): {"logprob": _clean(e["logprob"]), "rank": e["rank"],
-                                       "decoded_token": token_text(e["token_id"])}}
-        for rank, (tid, lp) in enumerate(e["top"], 1):
-            tokens.setdefault(str(tid), {"logprob": _clean(lp), "rank": rank, "decoded_token": token_text(tid)})
-        out.append(tokens)
-    return out
+def echo_end(echo: dict) -> int:
+    """Where the echoed prompt's tokens' text ends: the offset a choice's own logprobs start at."""
+    return echo["text_offset"][-1] + len(echo["tokens"][-1]) if echo["tokens"] else 0
 
 
 def chat_logprobs(entries: list[dict], token_text: TokenText) -> dict:
     """/v1/chat/completions' logprobs."""
     def item(tid: int, lp: float) -> dict:
         tok = token_text(tid)
-        return {"token": tok, "logprob": _clean(lp), "bytes": list(tok.encode("utf-8"))}
+        return {"token": tok, "logprob": clean_logprob(lp), "bytes": list(tok.encode("utf-8"))}
 
     return {"content": [{**item(e["token_id"], e["logprob"]),
                          "top_logprobs": [item(tid, lp) for tid, lp in e["top"]]} for e in entries]}
@@ -222,14 +211,17 @@ def chat_logprobs(entries: list[dict], token_text: TokenText) -> dict:
 
 # ---- choices in responses and stream events ---------------------------------------------------------------
 def completion_choice(c: Choice, prefix: str, logprobs: bool, token_text: TokenText,
-                      echoed_ids: list[int] | None = None) -> dict:
-    """A whole /v1/completions choice; ``prefix``: the echoed prompt, or ""; ``echoed_ids``: its tokens, whose
-    logprobs come first where the request asks for logprobs. vLLM's ``prompt_logprobs`` where it has them."""
-    echoed = echoed_entries(echoed_ids, c.prompt_logprobs) if echoed_ids is not None else []
-    lp = completion_logprobs(echoed + c.logprobs, 0, token_text) if logprobs else None
+                      scoring: PromptLogprobs | None = None, prompt_index: int = 0) -> dict:
+    """A whole /v1/completions choice; ``prefix``: the echoed prompt, or ""; ``scoring``: what it carries of its
+    prompt's logprobs (its tokens leading ``logprobs`` where echoed, vLLM's ``prompt_logprobs``)."""
+    echo, field_ = scoring.rendered(prompt_index, c.prompt_logprobs) if scoring is not None else (None, None)
+    lp = None
+    if logprobs:
+        lp = completion_logprobs(c.logprobs, echo_end(echo) if echo else 0, token_text)
+        lp = joined(echo, lp) if echo else lp
     out = {"index": c.index, "text": prefix + "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason}
-    if c.prompt_logprobs is not None:
-        out["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, token_text)
+    if scoring is not None and scoring.field_top is not None:
+        out["prompt_logprobs"] = field_
     return out
 
 
@@ -278,9 +270,9 @@ class CompletionChunkFields:
     text when echoing) and logprobs whose offsets count on from that choice's earlier events."""
 
     def __init__(self, echo: Callable[[int], str] | None, logprobs: bool, token_text: TokenText,
-                 echoed_ids: Callable[[int], list[int]] | None = None) -> None:
-        """``echoed_ids``: a prompt's tokens, whose logprobs lead a choice's first event (echo with logprobs)."""
-        self._echo, self._logprobs, self._token_text, self._echoed_ids = echo, logprobs, token_text, echoed_ids
+                 scoring: PromptLogprobs | None = None) -> None:
+        """``scoring``: what a choice's first event carries of its prompt's logprobs (``completion_choice``)."""
+        self._echo, self._logprobs, self._token_text, self._scoring = echo, logprobs, token_text, scoring
         self._offsets: dict[int, int] = {}  # per choice that started: the length of the text sent so far
         self._prompt_logprobs: dict[int, list[dict | None]] = {}  # per prompt (from its first sample's first chunk)
 
@@ -288,19 +280,24 @@ class CompletionChunkFields:
         if chunk.prompt_logprobs is not None:
             self._prompt_logprobs[prompt_index] = chunk.prompt_logprobs
         first = idx not in self._offsets
-        prompt_lps = self._prompt_logprobs.get(prompt_index) if first else None
-        text, entries = chunk.text, chunk.logprobs or []
+        echo, field_ = (None, None)
+        if first and self._scoring is not None:
+            echo, field_ = self._scoring.rendered(prompt_index, self._prompt_logprobs.get(prompt_index))
+        text = chunk.text
         if self._echo is not None and first:
             text = self._echo(prompt_index) + text
-            if self._echoed_ids is not None:
-                entries = echoed_entries(self._echoed_ids(prompt_index), prompt_lps) + entries
-        lp = completion_logprobs(entries, self._offsets.get(idx, 0), self._token_text) if self._logprobs else None
-        if not text and not chunk.finished and not (lp and lp["tokens"]) and prompt_lps is None:
+        lp = None
+        if self._logprobs:
+            offset = echo_end(echo) if echo else self._offsets.get(idx, 0)
+            lp = completion_logprobs(chunk.logprobs or [], offset, self._token_text)
+            lp = joined(echo, lp) if echo else lp
+        asks_field = first and self._scoring is not None and self._scoring.field_top is not None
+        if not text and not chunk.finished and not (lp and lp["tokens"]) and not asks_field:
             return None
         self._offsets[idx] = self._offsets.get(idx, 0) + len(text)
         out = {"text": text, "logprobs": lp}
-        if prompt_lps is not None:
-            out["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps, self._token_text)
+        if asks_field:
+            out["prompt_logprobs"] = field_
         return out
 
 

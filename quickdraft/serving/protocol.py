@@ -9,10 +9,11 @@ plain words. Unknown fields are ignored, as vLLM does. Ranges are checked by
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
+from quickdraft.sampling.params import MAX_LOGPROBS
 from quickdraft.sampling.structured import StructuredOutputs
 
 from quickdraft.errors import InvalidParameterError
@@ -83,7 +84,7 @@ class _SamplingFields(LlamaSamplerFields):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
-    prompt_logprobs: StrictInt | None = None
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     speculative: Any = None  # false, true or {"max_draft_tokens": n}: checked (and shown bounded) by SamplingParams
     structured_outputs: Any = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}: StructuredOutputs
 

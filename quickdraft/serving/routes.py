@@ -23,7 +23,8 @@ from quickdraft.serving.jobs import ClientGone, Job
 from quickdraft.serving.metrics import CONTENT_TYPE, ServerMetrics
 from quickdraft.serving.openai_format import (ERROR_RESPONSES, ChatReading, Choice, CompletionChunkFields,
                                               TokenTexts, ToolParsing, chat_choice, chat_chunk_fields, chat_opening, completion_choice,
-                                              error_response, response_head, usage, vllm_prompt_logprobs)
+                                              error_response, response_head, usage)
+from quickdraft.serving.prompt_logprobs import PromptLogprobs, check_size, vllm_prompt_logprobs
 from quickdraft.serving.response_store import ResponseStore
 from quickdraft.serving.reasoning import MESSAGE, markers_are_special, reasoning_format
 from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError, in_call_order,
@@ -112,29 +113,34 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx.check_model(body.model)
     prompts = await _completion_prompts(ctx, body)
     constraint = await output_constraint(ctx, body)
-    echo_logprobs = body.echo and body.logprobs is not None  # OpenAI's: the prompt's tokens lead the logprobs
-    prompt_logprobs = body.logprobs if echo_logprobs and body.prompt_logprobs is None else body.prompt_logprobs
-    params = [sampling_params(ctx, body, len(ids), body.max_tokens, body.logprobs, "prompt", constraint,
-                              prompt_logprobs) for ids, _ in prompts]
+    scoring = PromptLogprobs(lambda p: prompts[p][0], ctx.token_text,
+                             echo_top=body.logprobs if body.echo else None, field_top=body.prompt_logprobs)
+    # OpenAI's echo with max_tokens 0: the prompt back (scored, with logprobs), nothing generated; the engine
+    # computes one token past it, which is not shown
+    echo_only = body.max_tokens == 0 and body.echo
+    max_tokens = 1 if echo_only else body.max_tokens
+    params = [sampling_params(ctx, body, len(ids), max_tokens, body.logprobs, "prompt", constraint, scoring.top)
+              for ids, _ in prompts]
+    if scoring.top is not None:
+        scoring.check_size(sum(len(ids) for ids, _ in prompts), params[0].n, ctx.limits.max_prompt_logprobs)
     if body.suffix:  # a fill ends at the end of the sequence or at its marks that close a file
         for p in params:
             p.stop_token_ids = sorted(set(p.stop_token_ids) | set(FimTokens.of(ctx.llm.tokenizer).ends))
     await dry_breakers(ctx, params[0])
-    job = Job.new("cmpl", prompts, params)
+    job = Job.new("cmpl", prompts, params, shows_output=not echo_only)
     await job.start(ctx.engine)
     echo = (lambda p: job.prompt_text(p, ctx.llm.tokenizer)) if body.echo else None
-    echoed_ids = (lambda p: job.prompts[p][0]) if echo_logprobs else None
     logprobs = body.logprobs is not None
+    scored = scoring if scoring.top is not None else None
     head = response_head(job.id, "text_completion", job.created, ctx.model_name)
     if body.stream:
         return stream_response(job, head, body.include_usage,
-                               CompletionChunkFields(echo, logprobs, ctx.token_text, echoed_ids),
+                               CompletionChunkFields(echo, logprobs, ctx.token_text, scored),
                                draft_info=body.include_draft_info)
 
     def whole_choice(c: Choice) -> dict:
         prefix = echo(c.index // job.n) if echo else ""
-        ids = echoed_ids(c.index // job.n) if echoed_ids else None
-        return completion_choice(c, prefix, logprobs, ctx.token_text, ids)
+        return completion_choice(c, prefix, logprobs, ctx.token_text, scored, c.index // job.n)
 
     return await _whole_response(request, job, head, whole_choice)
 
@@ -164,6 +170,8 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest, top_logpro
                                  tools is not None)
     params = sampling_params(ctx, body, len(ids), body.requested_max_tokens, top_logprobs, "messages", constraint,
                              body.prompt_logprobs)
+    if body.prompt_logprobs is not None:  # (one list beside the choices)
+        check_size(len(ids), [body.prompt_logprobs], 1, ctx.limits.max_prompt_logprobs)
     await dry_breakers(ctx, params)
     if reasoning is not None and body.skip_special_tokens is None and markers_are_special(
             reasoning.style, lambda text: tokenizer.token_to_id(text) in tokenizer.special_token_ids):
@@ -202,19 +210,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                                chat_opening(job.n), body.include_draft_info)
     head = response_head(job.id, "chat.completion", job.created, ctx.model_name)
     return await _whole_response(request, job, head, lambda c: chat_choice(c, logprobs, ctx.token_text, run.reading),
-                                 body.prompt_logprobs is not None)
+                                 body.prompt_logprobs)
 
 
 async def _whole_response(request: Request, job: Job, head: dict, choice_json: Callable[[Choice], dict],
-                          prompt_logprobs: bool = False) -> Response:
+                          prompt_logprobs: int | None = None) -> Response:
     """The response of a request that did not ask to stream; 499 (nobody reads it) when the client left.
     ``prompt_logprobs``: the prompt's, vLLM's field beside the choices (a chat request's one prompt)."""
     try:
         choices = await job.gather_or_abort(request)
     except ClientGone:
         return Response(status_code=499)
-    extra = {"prompt_logprobs": vllm_prompt_logprobs(choices[0].prompt_logprobs, context_of(request).token_text)} \
-        if prompt_logprobs and choices else {}
+    extra = {"prompt_logprobs": vllm_prompt_logprobs(choices[0].prompt_logprobs, context_of(request).token_text,
+                                                     prompt_logprobs)} if prompt_logprobs is not None and choices else {}
     return JSONResponse({**head, "choices": [choice_json(c) for c in choices], **extra,
                          "usage": usage(job.prompt_tokens, choices, job.n)})
 
@@ -230,6 +238,12 @@ async def _completion_prompts(ctx: ServerContext, body: CompletionRequest) -> li
             raise invalid_parameter(f"suffix: {describe_missing()}", "suffix")
         if len(body.prompts()) != 1 or not isinstance(body.prompts()[0], str):
             raise invalid_parameter("suffix needs one prompt, as text (the code before the cursor)", "suffix")
+    if body.echo and body.suffix:
+        raise invalid_parameter("echo together with suffix is not supported (the prompt is the text around the "
+                                "cursor, not one text to echo)", "echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise invalid_parameter("max_tokens must be at least 1, or 0 with echo (the prompt back, with its logprobs "
+                                "where logprobs is set, nothing generated)", "max_tokens")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise invalid_parameter(f"best_of is not supported (it must equal n), got {body.best_of}", "best_of")
     limit = ctx.limits.max_prompts_per_request

@@ -16,7 +16,6 @@ from fastapi.responses import StreamingResponse
 
 from quickdraft.serving.jobs import Job
 from quickdraft.serving.openai_format import Choice, ChoiceFields, describe_error, usage
-from quickdraft.serving.streams import merge_streams
 
 log = logging.getLogger("quickdraft.serving")
 
@@ -38,7 +37,7 @@ async def _events(job: Job, head: dict, include_usage: bool, choice_fields: Choi
     try:
         for choice in opening:
             yield sse({**head, "choices": [choice], **extra})
-        async for p, chunk in merge_streams(job.streams):
+        async for p, chunk in job.chunks():
             idx = job.choice_index(p, chunk)
             c = choices.setdefault(idx, Choice(idx))
             c.count(chunk)

@@ -48,7 +48,8 @@ def _merge(a: StreamChunk, b: StreamChunk) -> StreamChunk:
     """One chunk with ``a``'s content followed by ``b``'s."""
     logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
     return dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, spans=a.spans + b.spans,
-                               from_draft=a.from_draft + b.from_draft, logprobs=logprobs)
+                               from_draft=a.from_draft + b.from_draft, logprobs=logprobs,
+                               prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)
 
 
 def put_all(items: list[tuple[ChunkQueue, object]]) -> None:
