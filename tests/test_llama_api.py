@@ -80,11 +80,37 @@ def test_completion_answers_in_llama_servers_shape(qwen):
     for body, words in (({"prompt": [prompt, prompt]}, "one prompt on /completion"),
                         ({"prompt": prompt, "logit_bias": [["if", 1.0]]}, "a list of [token id, bias] pairs"),
                         ({"prompt": prompt, "grammar": "root ::= ("}, "grammar"),
-                        ({"prompt": prompt, "n_probs": 3}, "n_probs is not supported on /completion"),
+                        ({"prompt": prompt, "n_probs": 21}, "n_probs must be an int in [0, 20]"),
+                        ({"prompt": prompt, "n_probs": 2, "post_sampling_probs": True},
+                         "post_sampling_probs is not supported"),
                         ({"prompt": prompt, "repeat_penalty": "x"}, "repetition_penalty must be"),
                         ({"prompt": prompt, "echo": True}, "echo is not supported on /completion")):
         bad = post(qwen, body, "/completion")
         assert bad.status_code == 400 and words in bad.json()["error"]["message"], bad.text
+
+
+def test_n_probs_are_the_models_own_in_llama_servers_shape(qwen):
+    """What classification scripts read from /completion with n_probs (post_sampling_probs false, llama-server's
+    default): per token its id, text, bytes and logprob and the top n at its position, the same numbers the OpenAI
+    route gives; streamed, each event carries its own tokens', the last none."""
+    prompt = "def is_even(n):\n    return"
+    body = {"prompt": prompt, "n_predict": 6, "temperature": 0, "n_probs": 3, "return_tokens": True}
+    whole = post(qwen, body, "/completion").json()
+    probs = whole["completion_probabilities"]
+    assert [p["id"] for p in probs] == whole["tokens"] and len(probs) == 6
+    for p in probs:
+        assert set(p) == {"id", "token", "bytes", "logprob", "top_logprobs"} and len(p["top_logprobs"]) == 3
+        assert bytes(p["bytes"]).decode() == p["token"] and p["top_logprobs"][0]["id"] == p["id"]  # greedy
+        assert set(p["top_logprobs"][1]) == {"id", "token", "bytes", "logprob"}
+    openai = qwen.client().completions.create(model="qwen", prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    assert [p["logprob"] for p in probs] == openai.choices[0].logprobs.token_logprobs
+    events = [json.loads(line[6:]) for line in post(qwen, {**body, "stream": True}, "/completion").text.splitlines()
+              if line]
+    assert [p for e in events for p in e.get("completion_probabilities", [])] == probs
+    assert "completion_probabilities" not in events[-1] and events[-1]["stop"]
+    fill = post(qwen, {"input_prefix": PREFIX, "input_suffix": SUFFIX, **GREEDY, "n_probs": 1}).json()
+    assert len(fill["completion_probabilities"]) == fill["tokens_predicted"]
+    assert "completion_probabilities" not in post(qwen, {"prompt": prompt, "n_predict": 2}, "/completion").json()
 
 
 def test_the_prompt_is_llama_servers(qwen):

@@ -27,7 +27,8 @@ from quickdraft.engine.outputs import RequestMetrics, StreamChunk
 from quickdraft.errors import require_unicode
 from quickdraft.serving.errors import invalid_parameter
 from quickdraft.serving.jobs import ClientGone, Job
-from quickdraft.serving.openai_format import ERROR_RESPONSES, Choice
+from quickdraft.sampling.params import MAX_LOGPROBS
+from quickdraft.serving.openai_format import ERROR_RESPONSES, Choice, clean_logprob
 from quickdraft.serving.protocol import CompletionRequest
 from quickdraft.sampling import StructuredOutputs
 from quickdraft.serving.routes import context_of, dry_breakers, output_constraint, sampling_params
@@ -50,7 +51,8 @@ class LlamaRequest(CompletionRequest):
     t_max_predict_ms: StrictInt = 0
     repeat_penalty: Any = None
     return_tokens: StrictBool | None = False
-    n_probs: StrictInt = 0
+    n_probs: StrictInt = 0  # each token's logprob and the top n at its position (the model's own, as llama-server's)
+    post_sampling_probs: StrictBool | None = None
     max_completion_tokens: StrictInt | None = None
     json_schema: Any = None  # llama-server's constraints: a JSON schema, or a GBNF grammar
     grammar: Any = None
@@ -65,9 +67,13 @@ class LlamaRequest(CompletionRequest):
         for name in self.NOT_HERE:
             if getattr(self, name) not in (None, False):
                 raise invalid_parameter(f"{name} is not supported on {self.ROUTE}", name)
-        if self.n_probs:
-            raise invalid_parameter(f"n_probs is not supported on {self.ROUTE} (the OpenAI routes take logprobs)",
+        if not 0 <= self.n_probs <= MAX_LOGPROBS:
+            raise invalid_parameter(f"n_probs must be an int in [0, {MAX_LOGPROBS}] (0: none), got {self.n_probs}",
                                     "n_probs")
+        if self.post_sampling_probs:
+            raise invalid_parameter("post_sampling_probs is not supported: n_probs gives the model's own "
+                                    "probabilities, before the samplers (llama-server's post_sampling_probs false)",
+                                    "post_sampling_probs")
         if (self.n or 1) != 1:
             raise invalid_parameter(f"n must be 1 on {self.ROUTE}", "n")
         if self.n_predict is not None and self.n_predict == 0 or (self.n_predict or 0) < -1:
@@ -195,13 +201,14 @@ async def _answer(ctx, request: Request, body: LlamaRequest, ids: list[int], pro
     constraint = await output_constraint(ctx, body, *body.constraints())
     room = ctx.llm.max_model_len - len(ids)
     most = min(body.max_tokens, room) if body.max_tokens is not None and room > 0 else body.max_tokens
-    params = sampling_params(ctx, body, len(ids), most, None, prompt_param, constraint)
+    params = sampling_params(ctx, body, len(ids), most, body.n_probs or None, prompt_param, constraint)
     params.stop_token_ids = sorted(set(params.stop_token_ids) | set(ends))
     await dry_breakers(ctx, params)
     job = Job.new("llama", [(ids, None)], [params])
     await job.start(ctx.engine)
     result = _Result(ctx.model_name, len(ids), truncated, bool(body.return_tokens), body.n_indent,
-                     body.t_max_predict_ms)
+                     body.t_max_predict_ms, _TokenProbabilities(ctx.token_text, ctx.llm.tokenizer.token_bytes())
+                     if body.n_probs else None)
     if body.stream:
         return event_stream(_events(job, result), job)
     try:
@@ -217,9 +224,10 @@ class _Result:
     fill has a new line), ``add`` says so."""
 
     def __init__(self, model: str, prompt_n: int, truncated: bool, return_tokens: bool, n_indent: int,
-                 t_max_ms: int) -> None:
+                 t_max_ms: int, probabilities: _TokenProbabilities | None = None) -> None:
         self.model, self.prompt_n, self.truncated, self.return_tokens = model, prompt_n, truncated, return_tokens
-        self.n_indent, self.t_max_ms = n_indent, t_max_ms
+        self.n_indent, self.t_max_ms, self.probabilities = n_indent, t_max_ms, probabilities
+        self.token_probabilities: list[dict] = []  # with n_probs: each token's, as llama-server writes them
         self.choice = Choice(0)
         self.text, self.tokens = "", []
         self.metrics: RequestMetrics | None = None
@@ -238,8 +246,12 @@ class _Result:
         cut = self._limit()
         if cut is not None:
             self.text, self.limited = self.text[:cut], True
-        return {"index": 0, "content": self.text[before:], "tokens": chunk.token_ids if self.return_tokens else [],
-                "stop": False, "tokens_predicted": len(self.tokens), "tokens_evaluated": self.prompt_n}
+        event = {"index": 0, "content": self.text[before:], "tokens": chunk.token_ids if self.return_tokens else [],
+                 "stop": False, "tokens_predicted": len(self.tokens), "tokens_evaluated": self.prompt_n}
+        if self.probabilities is not None and chunk.logprobs:
+            event["completion_probabilities"] = [self.probabilities.entry(e) for e in chunk.logprobs]
+            self.token_probabilities += event["completion_probabilities"]
+        return event
 
     def _limit(self) -> int | None:
         """Where llama-server's n_indent or t_max_predict_ms would end the text (None: not yet)."""
@@ -273,7 +285,27 @@ class _Result:
                 "timings": {"prompt_n": self.prompt_n - c.cached_tokens, "prompt_ms": 1e3 * ttft,
                             "predicted_n": len(self.tokens), "predicted_ms": 1e3 * max(0.0, m.total_s - ttft),
                             "predicted_per_second": m.tokens_per_s},
-                "speculative": c.spec.usage()}
+                "speculative": c.spec.usage(),
+                **({"completion_probabilities": self.token_probabilities}
+                   if self.probabilities is not None and not streamed else {})}
+
+
+class _TokenProbabilities:
+    """llama-server's ``completion_probabilities`` entries (its ``post_sampling_probs`` false): a token's id, text,
+    bytes and logprob, and the top ones at its position in the same form."""
+
+    def __init__(self, token_text, token_bytes: list[bytes | None]) -> None:
+        self._text, self._bytes = token_text, token_bytes
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self._text(token_id)
+        raw = self._bytes[token_id] if token_id < len(self._bytes) else None
+        return {"id": token_id, "token": text, "bytes": list(raw if raw is not None else text.encode()),
+                "logprob": clean_logprob(logprob)}
+
+    def entry(self, e: dict) -> dict:
+        return {**self._token(e["token_id"], e["logprob"]),
+                "top_logprobs": [self._token(tid, lp) for tid, lp in e["top"]]}
 
 
 async def _collect(job: Job, result: _Result) -> None:
