@@ -3,6 +3,8 @@ agree with torch's operations, and every row's result is bit-identical whatever 
 and wherever its buffer lies (speculative verification and batching rely on this)."""
 from __future__ import annotations
 
+import math
+
 import hashlib
 import logging
 import os
@@ -252,6 +254,39 @@ def test_a_compiler_that_hangs_is_killed_and_torch_ops_are_used(fresh_loader, tm
         time.sleep(0.05)
     else:
         pytest.fail(f"the compiler's child process {child} is still running")
+
+
+def test_row_logprobs_equal_float64_log_softmax_on_ties_infinities_nans_and_tails():
+    """Each row's chosen logprob and rank, and its top k, against a float64 reading of the definition: within float32
+    rounding, ranks exact, the top k in order of logit, the lower id first among equal logits; a row with a NaN or no
+    finite logit is left to torch (sampler.top_logprobs asks it), and top_logprobs' results are the same either way."""
+    from quickdraft.sampling import sampler
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(6, 151936, generator=gen) * 4
+    wide[1, 1000:5000] = float("-inf")  # masked columns
+    wide[2, [7, 77777, 151935]] = wide[2].max() + 1  # three-way tie at the top, one in the tail
+    rows = torch.cat([wide[:, :1003], torch.randn(6, 1003, generator=gen)])  # not a multiple of 8 wide
+    for x in (wide, rows, wide[:, :1000]):  # the last: rows further apart than they are wide
+        chosen = torch.randint(0, x.shape[1], (x.shape[0],), generator=gen)
+        chosen[2] = 7
+        for k in (0, 1, 3, 20):
+            lp, rank, ids, top = native.row_logprobs(x, chosen, k)
+            want = torch.log_softmax(x.double(), -1)
+            assert torch.allclose(lp.double(), want.gather(-1, chosen[:, None]).squeeze(1), atol=5e-5, rtol=0)
+            assert rank.tolist() == (1 + (x > x.gather(-1, chosen[:, None])).sum(-1)).tolist()
+            for r in range(x.shape[0]):
+                order = torch.sort(-x[r], stable=True).indices[:k].tolist()  # (stable: the lower id first)
+                assert ids[r].tolist() == order
+                assert torch.allclose(top[r].double(), want[r, order], atol=5e-5, rtol=0)
+    odd = torch.randn(3, 50, generator=gen)
+    odd[0, 9] = float("nan")
+    odd[1] = float("-inf")
+    chosen = torch.tensor([1, 2, 3])
+    assert native.row_logprobs(odd, chosen, 2)[1][:2].tolist() == [-1, -1]
+    fast = sampler.top_logprobs(odd, chosen, 2)
+    slow = sampler._torch_logprobs(odd, chosen, 2)
+    assert fast[2]["logprob"] == pytest.approx(slow[0][2].item(), abs=1e-5) and fast[1]["rank"] == slow[1][1].item()
+    assert math.isnan(fast[0]["logprob"])
 
 
 def test_argmax_rows_equals_torch_argmax_on_ties_infinities_nans_and_tails():

@@ -262,6 +262,13 @@ int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int 
     return 0;
 }
 
+/* The largest of 8 floats */
+static inline float hmax8(__m256 v) {
+    __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+    return _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4)));
+}
+
 /* Index of the first largest value of each row of x [M][N] (float32, rows ld floats apart): what torch.argmax gives,
  * in two vector passes instead of torch's scalar one over a 150k-wide vocabulary. A row holding a NaN gets -1 (torch
  * ranks NaN first; the caller asks torch for that row). */
@@ -276,9 +283,7 @@ int qd_argmax(const float *x, int M, int N, long ld, int64_t *out) {
             unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
             top = _mm256_max_ps(top, v);
         }
-        __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
-        float best = _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4)));
+        float best = hmax8(top);
         int nan = _mm256_movemask_ps(unordered);
         for (int r = n; r < N; r++) {
             nan |= isnan(row[r]);
@@ -297,6 +302,106 @@ int qd_argmax(const float *x, int M, int N, long ld, int64_t *out) {
         for (; found < 0 && n < N; n++)
             if (row[n] == best) found = n;
         out[m] = found;
+    }
+    return 0;
+}
+
+/* exp(x) for x <= 0, 8 at a time (the Cephes polynomial, ~1 ulp; attention.c's, at this width) */
+static inline __m256 exp_neg8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* Puts value v of id into the k best so far (ids[], vals[], largest first, *n of them): after the equal values
+ * already held, so among equal logits the lower id comes first (the row is read in id order). */
+static inline void keep_best(int64_t *ids, float *vals, int *n, int k, int64_t id, float v) {
+    int at = *n < k ? *n : k - 1;
+    if (*n == k && !(v > vals[k - 1])) return;
+    while (at > 0 && v > vals[at - 1]) {
+        vals[at] = vals[at - 1];
+        ids[at] = ids[at - 1];
+        at--;
+    }
+    vals[at] = v;
+    ids[at] = id;
+    if (*n < k) (*n)++;
+}
+
+/* The logprobs of each row of x [M][N] (float32 logits, rows ld floats apart), what sampling/sampler.top_logprobs
+ * returns: the chosen token's logprob and rank (1 + how many logits are larger than its own), and the k largest
+ * (ids and logprobs, largest first) into top_ids/top_lp [M][k]. Why: torch takes half a dozen passes over a
+ * 150k-wide row (log-softmax, a comparison, a sum, top-k), a millisecond a row, as long as the LM head's own row
+ * when every prompt row is scored; here it is two, the first finding the max, the rank and the top k together,
+ * the second summing the exponentials (in double). Each row is computed by one thread with fixed operations. A
+ * row holding a NaN, or no finite logit, gets rank -1: the caller asks torch for it. */
+int qd_row_logprobs(const float *x, int M, int N, long ld, const int64_t *chosen, int k, float *chosen_lp,
+                    int32_t *rank, int64_t *top_ids, float *top_lp) {
+    if (M < 0 || N <= 0 || ld < N || k < 0 || k > N) return -2;
+    for (int m = 0; m < M; m++)
+        if (chosen[m] < 0 || chosen[m] >= N) return -2;
+#pragma omp parallel for schedule(static) if (M >= 4)
+    for (int m = 0; m < M; m++) {
+        const float *row = x + (size_t)m * (size_t)ld;
+        const float mine = row[chosen[m]];
+        const __m256 vmine = _mm256_set1_ps(mine);
+        int64_t *ids = top_ids + (size_t)m * k;
+        float *vals = top_lp + (size_t)m * k;
+        int held = 0, above = 0, nan = isnan(mine);
+        __m256 top = _mm256_set1_ps(-INFINITY);
+        int n = 0;
+        for (; n + 8 <= N; n += 8) {
+            const __m256 v = _mm256_loadu_ps(row + n);
+            nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            above += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(v, vmine, _CMP_GT_OQ)));
+            top = _mm256_max_ps(top, v);
+            if (k == 0) continue;
+            const float floor_ = held < k ? -INFINITY : vals[k - 1];
+            int better = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(floor_), _CMP_GT_OQ));
+            if (held < k) better = 0xFF; /* until k are held, every value is a candidate */
+            while (better) {
+                const int lane = __builtin_ctz(better);
+                better &= better - 1;
+                keep_best(ids, vals, &held, k, n + lane, row[n + lane]);
+            }
+        }
+        float best = hmax8(top);
+        for (; n < N; n++) {
+            nan |= isnan(row[n]);
+            above += row[n] > mine;
+            best = row[n] > best ? row[n] : best;
+            if (k) keep_best(ids, vals, &held, k, n, row[n]);
+        }
+        if (nan || best == -INFINITY) {
+            rank[m] = -1;
+            continue;
+        }
+        const __m256 vbest = _mm256_set1_ps(best);
+        __m256d sum_lo = _mm256_setzero_pd(), sum_hi = _mm256_setzero_pd();
+        for (n = 0; n + 8 <= N; n += 8) {
+            const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(row + n), vbest));
+            sum_lo = _mm256_add_pd(sum_lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            sum_hi = _mm256_add_pd(sum_hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+        double total = 0.0;
+        double lanes[4];
+        _mm256_storeu_pd(lanes, _mm256_add_pd(sum_lo, sum_hi));
+        for (int i = 0; i < 4; i++) total += lanes[i];
+        for (; n < N; n++) total += (double)expf(row[n] - best);
+        const float lse = best + (float)log(total);
+        chosen_lp[m] = mine - lse;
+        rank[m] = 1 + above;
+        for (int i = 0; i < k; i++) vals[i] -= lse;
     }
     return 0;
 }

@@ -58,6 +58,7 @@ _SIGNATURES = {
     "qd_route": [_P, _I, _I, _I, _P, _P, _I, _I, _I, _P, _P],
     "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _L, _L, _P],
     "qd_row_bytes": [_I, _I], "qd_release_threads": [], "qd_dry_repeats": [_P, _I, _I, _P],
+    "qd_row_logprobs": [_P, _I, _I, _L, _P, _I, _P, _P, _P, _P],
 }
 _RESTYPES = {"qd_row_bytes": ctypes.c_long}  # the others return 0 or an error code
 
@@ -229,6 +230,23 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     _check(lib().qd_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr()), "qd_argmax")
     ids = out.tolist()
     return [i if i >= 0 else int(x[r].argmax()) for r, i in enumerate(ids)]
+
+
+def row_logprobs(x: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, ...] | None:
+    """Per row of ``x [n, V]`` (float32 logits): the ``chosen`` token's logprob and rank, and the ids and logprobs of
+    the ``k`` largest (largest first; the lower id first among equal logits), in two passes over the row
+    (``qd_row_logprobs``). None where the kernel does not take ``x`` (not float32 rows on the CPU, no kernels); a
+    row it leaves to torch (a NaN, no finite logit) has rank -1."""
+    if not (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
+            and x.shape[1] > 0 and 0 <= k <= x.shape[1] and available()):
+        return None
+    n = x.shape[0]
+    chosen = chosen.to(torch.int64).contiguous()
+    chosen_lp, rank = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int32)
+    top_ids, top_lp = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k, dtype=torch.float32)
+    _check(lib().qd_row_logprobs(x.data_ptr(), n, x.shape[1], x.stride(0), chosen.data_ptr(), k, chosen_lp.data_ptr(),
+                                 rank.data_ptr(), top_ids.data_ptr(), top_lp.data_ptr()), "qd_row_logprobs")
+    return chosen_lp, rank, top_ids, top_lp
 
 
 def dry_repeats(tokens: np.ndarray, limit: int) -> np.ndarray | None:

@@ -92,10 +92,11 @@ def greedy(logits: Tensor) -> list[int]:
 
 
 def top_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[dict]:
-    """Per row: the chosen token's logprob and rank and the top-k of log_softmax(logits).
+    """Per row: the chosen token's logprob and rank and the top-k of log_softmax(logits), on quickdraft's kernel
+    where it runs (``native.row_logprobs``: two passes over a row where torch takes half a dozen).
 
     Returns ``[{"token_id": int, "logprob": float, "rank": int, "top": [(token_id, logprob), ...]}]``
-    where rank is 1 + the number of tokens with a strictly higher logprob.
+    where rank is 1 + the number of tokens with a strictly higher logit.
     Masked tokens have logprob -inf (not JSON serialisable as is).
     """
     if logits.dim() == 1:
@@ -103,16 +104,29 @@ def top_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[dict]:
     chosen = torch.as_tensor(chosen, device=logits.device).reshape(-1).long()
     if chosen.numel() != logits.shape[0]:
         raise ValueError(f"chosen has {chosen.numel()} entries for {logits.shape[0]} logits rows")
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen_lp = logp.gather(-1, chosen.unsqueeze(-1))
-    rank = (logp > chosen_lp).sum(dim=-1) + 1
-    k = max(0, min(int(k), logp.shape[-1]))
-    top_v, top_i = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], chosen.new_zeros((logp.shape[0], 0)))
+    k = max(0, min(int(k), logits.shape[-1]))
+    found = native.row_logprobs(logits, chosen, k)
+    if found is None:
+        found = _torch_logprobs(logits, chosen, k)
+    elif bool((found[1] < 0).any()):  # rows the kernel leaves to torch (a NaN, no finite logit)
+        left = (found[1] < 0).nonzero().squeeze(1)
+        for mine, theirs in zip(found, _torch_logprobs(logits[left], chosen[left], k)):
+            mine[left] = theirs.to(mine.dtype)
+    chosen_lp, rank, top_i, top_v = found
     # Host copies only at the end.
-    chosen_l, lp_l, rank_l, tv_l, ti_l = (
-        chosen.tolist(), chosen_lp.squeeze(-1).tolist(), rank.tolist(), top_v.tolist(), top_i.tolist()
-    )
+    chosen_l, lp_l, rank_l, tv_l, ti_l = (chosen.tolist(), chosen_lp.tolist(), rank.tolist(), top_v.tolist(),
+                                          top_i.tolist())
     return [
         {"token_id": c, "logprob": lp, "rank": r, "top": list(zip(ti, tv))}
         for c, lp, r, tv, ti in zip(chosen_l, lp_l, rank_l, tv_l, ti_l)
     ]
+
+
+def _torch_logprobs(logits: Tensor, chosen: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``native.row_logprobs``'s four results from torch's operations: any device and dtype."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen_lp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+    rank = (logits > logits.gather(-1, chosen.unsqueeze(-1))).sum(dim=-1) + 1
+    top_v, top_i = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], chosen.new_zeros((logp.shape[0], 0)))
+    return chosen_lp, rank, top_i, top_v
