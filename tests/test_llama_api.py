@@ -111,6 +111,17 @@ def test_n_probs_are_the_models_own_in_llama_servers_shape(qwen):
     fill = post(qwen, {"input_prefix": PREFIX, "input_suffix": SUFFIX, **GREEDY, "n_probs": 1}).json()
     assert len(fill["completion_probabilities"]) == fill["tokens_predicted"]
     assert "completion_probabilities" not in post(qwen, {"prompt": prompt, "n_predict": 2}, "/completion").json()
+    # a stop word's tokens are left out of a whole answer's entries, as llama-server leaves them out
+    counting = post(qwen, {"prompt": "1, 2, 3, 4,", "n_predict": 8, "temperature": 0, "n_probs": 1,
+                           "stop": [", 7"], "return_tokens": True}, "/completion").json()
+    assert counting["stop_type"] == "word" and counting["content"] == " 5, 6"
+    assert [p["token"] for p in counting["completion_probabilities"]] == [" ", "5", ",", " ", "6"]
+
+
+def test_a_tokens_text_is_its_bytes_up_to_the_last_whole_character():
+    from quickdraft.serving.llama_api import _valid_utf8_prefix
+    assert [_valid_utf8_prefix(b) for b in (b"\xe2\x82\xac", b"a\xe2\x82", b"\xe2", b" x", b"")] == ["€", "a", "",
+                                                                                               " x", ""]
 
 
 def test_the_prompt_is_llama_servers(qwen):
@@ -187,6 +198,12 @@ def test_editor_limits_stop_the_fill_as_llama_server(qwen, stream):
     full, _ = fill()
     assert full.startswith("    a, b = 0, 1\n    for ")
     assert fill(n_indent=8) == ("    a, b = 0, 1\n    ", "limit")
+    if not stream:  # (n-gram drafts: chunks of several tokens) the entries end at the token that crossed the limit
+        cut = post(qwen, {**body, "n_indent": 8, "n_probs": 1, "return_tokens": True}).json()
+        probs = cut["completion_probabilities"]
+        assert [p["id"] for p in probs] == cut["tokens"] and len(probs) == cut["tokens_predicted"]
+        assert "".join(p["token"] for p in probs[:-1]) in cut["content"]
+        assert "".join(p["token"] for p in probs).startswith(cut["content"])
     assert fill(n_indent=4)[0].startswith(full[:40])
     text, stop = fill(t_max_predict_ms=1)
     assert stop == "limit" and "\n" in text and len(text) < len(full) and full.startswith(text)
@@ -232,6 +249,7 @@ def test_a_model_without_the_marks_is_refused_by_name(tiny_dir):
     ({"structured_outputs": {"regex": "a+"}, "grammar": 'root ::= "a"'}, "both constrain the output: set only one"),
     ({"logprobs": 2}, "logprobs is not supported on /infill"),
     ({"prompt_logprobs": 2}, "prompt_logprobs is not supported on /infill"),
+    ({"prompt_logprobs": 0}, "prompt_logprobs is not supported on /infill"),  # (0 is a value, not "unset")
     ({"prompt": 5}, "prompt must be a string"),
     ({"input_prefix": ["a"]}, "input_prefix"),
     ({"input_prefix": "x\ud800"}, "input_prefix must be valid Unicode text, got a lone surrogate"),

@@ -152,6 +152,15 @@ def test_a_scoring_failure_fails_its_request_alone(chunked, monkeypatch):
     outputs = failed.value.outputs
     assert outputs[1].finish_reason == "error" and "MemoryError: no room for the logprobs" in outputs[1].outputs[0].error
     assert [outputs[0].token_ids, outputs[2].token_ids] == alone
+    monkeypatch.undo()  # now the LM head itself fails on the prompt's rows (a device out of memory, say)
+    runner = chunked.loaded.engine.target
+    monkeypatch.setattr(runner, "_head", lambda model: broken)
+    with pytest.raises(RequestFailedError) as failed:
+        chunked.generate([others[0], prompt_ids(53, 100), others[1]],
+                         [params, SamplingParams(max_tokens=6, prompt_logprobs=1), params])
+    outputs = failed.value.outputs
+    assert outputs[1].finish_reason == "error" and "MemoryError" in outputs[1].outputs[0].error
+    assert [outputs[0].token_ids, outputs[2].token_ids] == alone
 
 
 @pytest.mark.parametrize("bad", [21, -1, True, 2.0, "3"])
@@ -235,6 +244,8 @@ def test_streamed_echo_carries_the_prompts_logprobs_once_per_choice(server):
         assert "".join(e["text"] for e in mine) == choice["text"]
         assert [t for e in mine for t in e["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
         assert [t for e in mine for t in e["logprobs"]["token_logprobs"]] == choice["logprobs"]["token_logprobs"]
+        offsets = [o for e in mine for o in e["logprobs"]["text_offset"]]
+        assert offsets == choice["logprobs"]["text_offset"] and offsets == sorted(offsets)
         assert [e["prompt_logprobs"] for e in mine if "prompt_logprobs" in e] == [choice["prompt_logprobs"]]
 
 
@@ -270,6 +281,12 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(server):
     assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == prompt.split()
     refused = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": False}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    refused = httpx.post(f"{server.url}/v1/completions", json={**body, "min_tokens": 2}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
+    # the hidden token's own ending (here it completes a stop string) is not the answer's
+    hidden = one["text"][len(prompt):]
+    stopped = httpx.post(f"{server.url}/v1/completions", json={**body, "stop": [hidden]}, timeout=60).json()
+    assert stopped["choices"][0]["finish_reason"] == "length" and stopped["choices"][0]["text"] == prompt
 
 
 def test_responses_past_the_servers_limit_are_refused_before_any_work(tiny):

@@ -120,7 +120,7 @@ class Sequence:
         return (self.params.prompt_logprobs is not None and self.index == 0 and self.scoring_error is None
                 and len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
 
-    def prompt_logits_taker(self, start: int) -> Callable[[int, torch.Tensor], None] | None:
+    def prompt_logits_taker(self, start: int) -> Callable[[int, torch.Tensor | Exception], None] | None:
         """What takes the logits rows of a forward from position ``start`` (``ForwardItem.prompt_logits``) while
         ``scores_prompt``: each row scores the prompt token after it (the last prompt token's row predicts the
         first output token: not a prompt logprob). Positions stored already (a prompt recomputed after a
@@ -130,10 +130,15 @@ class Sequence:
         if not self.scores_prompt or start >= last:
             return None
 
-        def take(first: int, rows: torch.Tensor) -> None:
+        def take(first: int, rows: torch.Tensor | Exception) -> None:
+            if self.scoring_error is not None:
+                return
+            if isinstance(rows, Exception):
+                self.scoring_error = f"scoring the prompt failed: {type(rows).__name__}: {rows}"
+                return
             begin = max(start + first, len(self.prompt_logprobs))
             end = min(start + first + len(rows), last)
-            if begin >= end or self.scoring_error is not None:
+            if begin >= end:
                 return
             try:
                 chosen = torch.tensor(self.prompt_ids[begin + 1:end + 1])

@@ -244,16 +244,20 @@ class ForwardItem:
     """One sequence's part of a batched forward: its KV handle, new tokens, and how many trailing logits rows it
     needs. ``prompt_logits``, where set, also takes the logits of the tokens before those rows (a prompt chunk's,
     for prompt logprobs), a slice of rows at a time: (the index in ``tokens`` of the slice's first token, its
-    float32 rows)."""
+    float32 rows, or the error computing them). It must not raise: it runs inside the step's shared forward."""
 
     kv: SequenceKV
     tokens: list[int]
     num_logits: int
-    prompt_logits: Callable[[int, torch.Tensor], None] | None = None
+    prompt_logits: Callable[[int, torch.Tensor | Exception], None] | None = None
 
     def give_prompt_logits(self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Hand ``prompt_logits`` the logits (``head``, float32) of ``hidden``, the final hidden states of the tokens
         before the trailing ``num_logits``, PROMPT_LOGITS_ROWS rows at a time: a whole chunk's rows over a
         vocabulary of 150k would hold GBs at once."""
         for first in range(0, len(hidden), PROMPT_LOGITS_ROWS):
-            self.prompt_logits(first, head(hidden[first:first + PROMPT_LOGITS_ROWS]))
+            try:
+                rows = head(hidden[first:first + PROMPT_LOGITS_ROWS])
+            except Exception as exc:  # noqa: BLE001 - (out of memory, say) this item's alone: its taker keeps it
+                rows = exc
+            self.prompt_logits(first, rows)

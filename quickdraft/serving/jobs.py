@@ -47,9 +47,11 @@ class Job:
         """(prompt index, chunk) as the engine sends them, every prompt's interleaved; without ``shows_output``,
         each chunk emptied of what was generated (its end, metrics and prompt logprobs kept)."""
         async for p, chunk in merge_streams(self.streams):
-            if not self.shows_output:
-                chunk = dataclasses.replace(chunk, text="", token_ids=[], from_draft=[], spans=[],
-                                            logprobs=None if chunk.logprobs is None else [])
+            if not self.shows_output:  # (the hidden token's own ending is not the answer's: its length is)
+                chunk = dataclasses.replace(chunk, text="", token_ids=[], from_draft=[], spans=[], stop_string=None,
+                                            logprobs=None if chunk.logprobs is None else [],
+                                            finish_reason="length" if chunk.finish_reason == "stop" else
+                                            chunk.finish_reason)
             yield p, chunk
 
     @property

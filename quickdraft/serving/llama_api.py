@@ -65,7 +65,7 @@ class LlamaRequest(CompletionRequest):
     def checked(self) -> "LlamaRequest":
         """The body with llama-server's names and defaults made ours, every field llama-server checks checked."""
         for name in self.NOT_HERE:
-            if getattr(self, name) not in (None, False):
+            if getattr(self, name) is not None and getattr(self, name) is not False:  # (0 is a value)
                 raise invalid_parameter(f"{name} is not supported on {self.ROUTE}", name)
         if not 0 <= self.n_probs <= MAX_LOGPROBS:
             raise invalid_parameter(f"n_probs must be an int in [0, {MAX_LOGPROBS}] (0: none), got {self.n_probs}",
@@ -207,8 +207,9 @@ async def _answer(ctx, request: Request, body: LlamaRequest, ids: list[int], pro
     job = Job.new("llama", [(ids, None)], [params])
     await job.start(ctx.engine)
     result = _Result(ctx.model_name, len(ids), truncated, bool(body.return_tokens), body.n_indent,
-                     body.t_max_predict_ms, _TokenProbabilities(ctx.token_text, ctx.llm.tokenizer.token_bytes())
-                     if body.n_probs else None)
+                     body.t_max_predict_ms, _TokenProbabilities(
+                         ctx.token_text, await asyncio.to_thread(ctx.llm.tokenizer.token_bytes),
+                         lambda text: len(ctx.llm.tokenizer.encode_plain(text))) if body.n_probs else None)
     if body.stream:
         return event_stream(_events(job, result), job)
     try:
@@ -244,12 +245,15 @@ class _Result:
         self.metrics = chunk.metrics or self.metrics
         self._first_s = self._first_s if self._first_s is not None else time.perf_counter()
         cut = self._limit()
+        kept = len(chunk.token_ids)
         if cut is not None:
             self.text, self.limited = self.text[:cut], True
-        event = {"index": 0, "content": self.text[before:], "tokens": chunk.token_ids if self.return_tokens else [],
-                 "stop": False, "tokens_predicted": len(self.tokens), "tokens_evaluated": self.prompt_n}
+            kept = _tokens_before(chunk, before, cut)
+            del self.tokens[len(self.tokens) - len(chunk.token_ids) + kept:]
+        event = {"index": 0, "content": self.text[before:], "tokens": chunk.token_ids[:kept] if self.return_tokens
+                 else [], "stop": False, "tokens_predicted": len(self.tokens), "tokens_evaluated": self.prompt_n}
         if self.probabilities is not None and chunk.logprobs:
-            event["completion_probabilities"] = [self.probabilities.entry(e) for e in chunk.logprobs]
+            event["completion_probabilities"] = [self.probabilities.entry(e) for e in chunk.logprobs[:kept]]
             self.token_probabilities += event["completion_probabilities"]
         return event
 
@@ -286,22 +290,49 @@ class _Result:
                             "predicted_n": len(self.tokens), "predicted_ms": 1e3 * max(0.0, m.total_s - ttft),
                             "predicted_per_second": m.tokens_per_s},
                 "speculative": c.spec.usage(),
-                **({"completion_probabilities": self.token_probabilities}
+                **({"completion_probabilities": self.probabilities.without_stop_word(self.token_probabilities,
+                                                                                      c.stop_string)}
                    if self.probabilities is not None and not streamed else {})}
+
+
+def _tokens_before(chunk: StreamChunk, start: int, cut: int) -> int:
+    """How many of ``chunk``'s tokens (its text starting at ``start``) begin before ``cut``: the fill's, up to the
+    token that crossed an editor limit, where llama-server stops."""
+    kept, at = 0, start
+    for chars, _ in chunk.spans[:len(chunk.token_ids)]:
+        if at >= cut and kept:
+            break
+        kept, at = kept + 1, at + chars
+    return kept
+
+
+def _valid_utf8_prefix(raw: bytes) -> str:
+    """A token's text as llama-server writes it: its bytes up to the last whole UTF-8 character (a token that ends
+    inside a character gives the characters before it)."""
+    for end in range(len(raw), max(-1, len(raw) - 4), -1):
+        try:
+            return raw[:end].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return raw.decode("utf-8", "replace")
 
 
 class _TokenProbabilities:
     """llama-server's ``completion_probabilities`` entries (its ``post_sampling_probs`` false): a token's id, text,
     bytes and logprob, and the top ones at its position in the same form."""
 
-    def __init__(self, token_text, token_bytes: list[bytes | None]) -> None:
-        self._text, self._bytes = token_text, token_bytes
+    def __init__(self, token_text, token_bytes: list[bytes | None], count_tokens) -> None:
+        self._text, self._bytes, self._count_tokens = token_text, token_bytes, count_tokens
 
     def _token(self, token_id: int, logprob: float) -> dict:
-        text = self._text(token_id)
         raw = self._bytes[token_id] if token_id < len(self._bytes) else None
-        return {"id": token_id, "token": text, "bytes": list(raw if raw is not None else text.encode()),
-                "logprob": clean_logprob(logprob)}
+        if raw is None:
+            raw = self._text(token_id).encode()
+        return {"id": token_id, "token": _valid_utf8_prefix(raw), "bytes": list(raw), "logprob": clean_logprob(logprob)}
+
+    def without_stop_word(self, entries: list[dict], stop_word: str | None) -> list[dict]:
+        """A whole answer's entries as llama-server gives them: those of a stop word's tokens left out."""
+        return entries[:len(entries) - min(len(entries), self._count_tokens(stop_word))] if stop_word else entries
 
     def entry(self, e: dict) -> dict:
         return {**self._token(e["token_id"], e["logprob"]),

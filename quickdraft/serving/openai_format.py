@@ -194,9 +194,10 @@ def joined(echo: dict, own: dict) -> dict:
     return {key: echo[key] + own[key] for key in echo}
 
 
-def echo_end(echo: dict) -> int:
-    """Where the echoed prompt's tokens' text ends: the offset a choice's own logprobs start at."""
-    return echo["text_offset"][-1] + len(echo["tokens"][-1]) if echo["tokens"] else 0
+def echo_end(logprobs: dict) -> int:
+    """Where the text of some logprobs' tokens ends (an echoed prompt's: the offset a choice's own logprobs start
+    at)."""
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) if logprobs["tokens"] else 0
 
 
 def chat_logprobs(entries: list[dict], token_text: TokenText) -> dict:
@@ -273,7 +274,7 @@ class CompletionChunkFields:
                  scoring: PromptLogprobs | None = None) -> None:
         """``scoring``: what a choice's first event carries of its prompt's logprobs (``completion_choice``)."""
         self._echo, self._logprobs, self._token_text, self._scoring = echo, logprobs, token_text, scoring
-        self._offsets: dict[int, int] = {}  # per choice that started: the length of the text sent so far
+        self._offsets: dict[int, int] = {}  # per choice that started: where its next token's text starts
         self._prompt_logprobs: dict[int, list[dict | None]] = {}  # per prompt (from its first sample's first chunk)
 
     def __call__(self, prompt_index: int, idx: int, chunk: StreamChunk) -> dict | None:
@@ -286,15 +287,15 @@ class CompletionChunkFields:
         text = chunk.text
         if self._echo is not None and first:
             text = self._echo(prompt_index) + text
-        lp = None
-        if self._logprobs:
-            offset = echo_end(echo) if echo else self._offsets.get(idx, 0)
-            lp = completion_logprobs(chunk.logprobs or [], offset, self._token_text)
-            lp = joined(echo, lp) if echo else lp
+        # where this chunk's tokens start as the logprobs count offsets (by their tokens' texts, as the whole answer
+        # counts them): after an echoed prompt's tokens, then after each earlier token
+        offset = self._offsets.get(idx, echo_end(echo) if echo else 0)
+        own = completion_logprobs(chunk.logprobs or [], offset, self._token_text) if self._logprobs else None
+        lp = joined(echo, own) if echo and own is not None else own
         asks_field = first and self._scoring is not None and self._scoring.field_top is not None
         if not text and not chunk.finished and not (lp and lp["tokens"]) and not asks_field:
             return None
-        self._offsets[idx] = self._offsets.get(idx, 0) + len(text)
+        self._offsets[idx] = echo_end(own) if own is not None and own["tokens"] else offset
         out = {"text": text, "logprobs": lp}
         if asks_field:
             out["prompt_logprobs"] = field_

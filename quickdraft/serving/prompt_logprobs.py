@@ -48,12 +48,16 @@ class PromptLogprobs:
 
     def rendered(self, prompt_index: int, entries: list[dict | None] | None) -> tuple[dict | None, list | None]:
         """(the echoed prompt's logprobs in OpenAI's shape, vLLM's field) of one prompt, rendered when first asked.
-        Entries missing (the request failed before its prompt was scored) give no echoed logprobs."""
+        Entries missing (the request failed before its prompt was scored, or a forked sample's chunk came first)
+        give no echoed logprobs, and are not kept: the prompt's own may still come."""
+        if entries is None:
+            return ({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                    if self.echo_top is not None else None), None
         if prompt_index not in self._rendered:
             echo = field_ = None
             if self.echo_top is not None:
                 echoed = [e if e is not None else {"token_id": tid, "logprob": None, "top": []}
-                          for tid, e in zip(self.prompt_ids(prompt_index), entries or [])]
+                          for tid, e in zip(self.prompt_ids(prompt_index), entries)]
                 echo = completion_logprobs([{**e, "top": e["top"][:self.echo_top]} for e in echoed], 0,
                                            self.token_text)
             if self.field_top is not None:
@@ -63,16 +67,17 @@ class PromptLogprobs:
 
     def check_size(self, prompt_tokens: int, samples: int, limit: int) -> None:
         """``check_size`` for this request's asks, each of its samples carrying them."""
-        check_size(prompt_tokens, [k for k in (self.echo_top, self.field_top) if k is not None], samples, limit)
+        check_size(prompt_tokens, [k for k in (self.echo_top, self.field_top) if k is not None], samples, limit,
+                   "prompt_logprobs" if self.field_top is not None else "logprobs")
 
 
-def check_size(prompt_tokens: int, tops: list[int], copies: int, limit: int) -> None:
+def check_size(prompt_tokens: int, tops: list[int], copies: int, limit: int, param: str = "prompt_logprobs") -> None:
     """Refuse, before any model work, a response that would carry more than ``limit`` prompt logprobs: each prompt
     token's own and its top ones, in each shape asked (``tops``), ``copies`` times (once per sample)."""
     count = prompt_tokens * sum(k + 1 for k in tops) * copies
     if count > limit:
         raise invalid_parameter(
-            f"prompt_logprobs: {prompt_tokens} prompt tokens with {' and '.join(map(str, tops))} top logprobs each, "
+            f"{param}: {prompt_tokens} prompt tokens with {' and '.join(map(str, tops))} top logprobs each, "
             f"{copies} times, make {count} logprobs, more than the {limit} a response of this server may carry; "
-            f"ask for fewer top logprobs, samples or prompt tokens", "prompt_logprobs")
+            f"ask for fewer top logprobs, samples or prompt tokens", param)
 

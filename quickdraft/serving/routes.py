@@ -244,6 +244,8 @@ async def _completion_prompts(ctx: ServerContext, body: CompletionRequest) -> li
     if body.max_tokens == 0 and not body.echo:
         raise invalid_parameter("max_tokens must be at least 1, or 0 with echo (the prompt back, with its logprobs "
                                 "where logprobs is set, nothing generated)", "max_tokens")
+    if body.max_tokens == 0 and body.min_tokens:
+        raise invalid_parameter(f"min_tokens must be 0 when max_tokens is 0, got {body.min_tokens}", "min_tokens")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise invalid_parameter(f"best_of is not supported (it must equal n), got {body.best_of}", "best_of")
     limit = ctx.limits.max_prompts_per_request
