@@ -132,9 +132,11 @@ def test_prompt_chunks_on_the_static_step_score_the_same(tiny, chunked):
         assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4) and a["rank"] == b["rank"]
 
 
-def test_a_scoring_failure_fails_its_request_alone(chunked, monkeypatch):
-    """Scoring runs inside the step's shared forward: where it raises, that request fails at its first token with
-    the reason, and the others of the same steps finish as they do alone."""
+@pytest.mark.parametrize("where", ["logprobs", "head"])
+def test_a_scoring_failure_fails_its_request_alone(chunked, monkeypatch, where):
+    """Scoring runs inside the step's shared forward: where it raises (computing the logprobs, or the LM head over the
+    prompt's rows: a device out of memory, say), that request fails at its first token with the reason, and the
+    others of the same steps finish as they do alone."""
     import quickdraft.engine.sequence as sequence
     from quickdraft.errors import RequestFailedError
 
@@ -145,21 +147,15 @@ def test_a_scoring_failure_fails_its_request_alone(chunked, monkeypatch):
     def broken(*args):
         raise MemoryError("no room for the logprobs")
 
-    monkeypatch.setattr(sequence, "top_logprobs", broken)
+    if where == "logprobs":
+        monkeypatch.setattr(sequence, "top_logprobs", broken)
+    else:
+        monkeypatch.setattr(chunked.loaded.engine.target, "_head", lambda model: broken)
     with pytest.raises(RequestFailedError) as failed:
         chunked.generate([others[0], prompt_ids(52, 100), others[1]],
                          [params, SamplingParams(max_tokens=6, prompt_logprobs=1), params])
     outputs = failed.value.outputs
     assert outputs[1].finish_reason == "error" and "MemoryError: no room for the logprobs" in outputs[1].outputs[0].error
-    assert [outputs[0].token_ids, outputs[2].token_ids] == alone
-    monkeypatch.undo()  # now the LM head itself fails on the prompt's rows (a device out of memory, say)
-    runner = chunked.loaded.engine.target
-    monkeypatch.setattr(runner, "_head", lambda model: broken)
-    with pytest.raises(RequestFailedError) as failed:
-        chunked.generate([others[0], prompt_ids(53, 100), others[1]],
-                         [params, SamplingParams(max_tokens=6, prompt_logprobs=1), params])
-    outputs = failed.value.outputs
-    assert outputs[1].finish_reason == "error" and "MemoryError" in outputs[1].outputs[0].error
     assert [outputs[0].token_ids, outputs[2].token_ids] == alone
 
 
