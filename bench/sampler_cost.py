@@ -9,7 +9,11 @@ in a random order per row: entropy about 2.2 nats, the top token 0.5; uniform ra
 over thousands of tokens as no model's do). Compare the figures with a decode step of the model that runs them (the
 1.5B at about 30 ms a token on a 2-core machine, docs/MEASUREMENTS.md).
 
-Usage: python bench/sampler_cost.py [--repeats 15] [--contexts 1024,8192,32768] [--name sampler_cost]
+``--logprobs`` measures instead what a token's logprobs cost (``sampler.top_logprobs``: the chosen token's logprob
+and rank and the top k) on quickdraft's kernel and on torch's operations, for 1 row (a decode step), 5 (a verify
+pass) and 256 (a slice of a scored prompt).
+
+Usage: python bench/sampler_cost.py [--repeats 15] [--contexts 1024,8192,32768] [--name sampler_cost] [--logprobs]
 Prints a table and writes bench/results/<name>.json (the median of ``--repeats`` calls per row).
 """
 from __future__ import annotations
@@ -28,6 +32,7 @@ from common import machine, save, table  # noqa: E402
 
 from quickdraft.sampling import LogitsProcessor, SamplingParams  # noqa: E402
 from quickdraft.sampling.dry import SequenceBreakers  # noqa: E402
+from quickdraft.sampling.sampler import _torch_logprobs, top_logprobs  # noqa: E402
 
 VOCAB = 151_936
 SETUPS = {
@@ -66,11 +71,36 @@ def timed(proc: LogitsProcessor, logits: torch.Tensor, drafted: list[int], repea
     return statistics.median(times) * 1e3
 
 
+def logprobs_cost(logits: torch.Tensor, repeats: int) -> list[dict]:
+    """ms of top_logprobs (the kernel) and of torch's operations, per call of 1, 5 and 256 rows, k 1 and 20."""
+    rows = []
+    for count in (1, 5, 256):
+        x = logits.repeat(-(-count // len(logits)), 1)[:count].contiguous()
+        chosen = torch.arange(count) * 37 % VOCAB
+        for k in (1, 20):
+            row = {"rows": count, "k": k}
+            for name, fn in (("kernel_ms", lambda: top_logprobs(x, chosen, k)),
+                             ("torch_ms", lambda: _torch_logprobs(x, chosen, k))):
+                fn()
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                row[name] = statistics.median(times) * 1e3
+            row["speed_up"] = row["torch_ms"] / row["kernel_ms"]
+            rows.append(row)
+            print(f"{count:>4} rows, k {k:>2}: kernel {row['kernel_ms']:8.2f} ms, torch {row['torch_ms']:8.2f} ms",
+                  flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--name", default="sampler_cost")
+    ap.add_argument("--logprobs", action="store_true", help="measure the logprobs' cost instead")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     whole = np.zeros(VOCAB, dtype=bool)
@@ -80,6 +110,13 @@ def main() -> None:
     shape = -1.8 * torch.log(torch.arange(1, VOCAB + 1, dtype=torch.float32))
     logits = torch.stack([(shape + 0.3 * torch.randn(VOCAB, generator=g))[torch.randperm(VOCAB, generator=g)]
                           for _ in range(5)])
+    if args.logprobs:
+        rows = logprobs_cost(logits, args.repeats)
+        print(table(rows, ["rows", "k", "kernel_ms", "torch_ms", "speed_up"]))
+        where = save(args.name, {"machine": machine(), "vocab": VOCAB, "threads": torch.get_num_threads(),
+                                 "rows": rows})
+        print(f"machine: {machine()['cpu']}, {torch.get_num_threads()} threads; wrote {where}")
+        return
     rows = []
     for length in (int(c) for c in args.contexts.split(",")):
         context = context_ids(length, rng)
