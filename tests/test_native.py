@@ -278,11 +278,18 @@ def test_row_logprobs_equal_float64_log_softmax_on_ties_infinities_nans_and_tail
                 order = torch.sort(-x[r], stable=True).indices[:k].tolist()  # (stable: the lower id first)
                 assert ids[r].tolist() == order
                 assert torch.allclose(top[r].double(), want[r, order], atol=5e-5, rtol=0)
-    odd = torch.randn(3, 50, generator=gen)
+    odd = torch.randn(4, 50, generator=gen)
     odd[0, 9] = float("nan")
     odd[1] = float("-inf")
-    chosen = torch.tensor([1, 2, 3])
-    assert native.row_logprobs(odd, chosen, 2)[1][:2].tolist() == [-1, -1]
+    odd[3, 5] = float("inf")
+    chosen = torch.tensor([1, 2, 3, 4])
+    assert native.row_logprobs(odd, chosen, 2)[1].tolist()[:2] + native.row_logprobs(odd, chosen, 2)[1].tolist()[3:] \
+        == [-1, -1, -1]
+    confident = torch.full((1, 1000), -60.0)
+    confident[0, [3, 4]] = torch.tensor([40.0, 24.0])  # the top token's logprob is -1.1e-7: below half a float step
+    lp, *_ = native.row_logprobs(confident, torch.tensor([3]), 1)  # at 40, so 40 + log(sum) would round it to 0
+    assert lp.item() < 0 and lp.item() == pytest.approx(-math.exp(-16), rel=0.05)
+    assert native.row_logprobs(torch.randn(1, 64).expand(3, 64), torch.tensor([1, 2, 3]), 1) is None  # 0 apart
     fast = sampler.top_logprobs(odd, chosen, 2)
     slow = sampler._torch_logprobs(odd, chosen, 2)
     assert fast[2]["logprob"] == pytest.approx(slow[0][2].item(), abs=1e-5) and fast[1]["rank"] == slow[1][1].item()

@@ -344,7 +344,7 @@ static inline void keep_best(int64_t *ids, float *vals, int *n, int k, int64_t i
  * 150k-wide row (log-softmax, a comparison, a sum, top-k), a millisecond a row, as long as the LM head's own row
  * when every prompt row is scored; here it is two, the first finding the max, the rank and the top k together,
  * the second summing the exponentials (in double). Each row is computed by one thread with fixed operations. A
- * row holding a NaN, or no finite logit, gets rank -1: the caller asks torch for it. */
+ * row holding a NaN, an infinite largest logit or no finite one gets rank -1: the caller asks torch for it. */
 int qd_row_logprobs(const float *x, int M, int N, long ld, const int64_t *chosen, int k, float *chosen_lp,
                     int32_t *rank, int64_t *top_ids, float *top_lp) {
     if (M < 0 || N <= 0 || ld < N || k < 0 || k > N) return -2;
@@ -382,7 +382,7 @@ int qd_row_logprobs(const float *x, int M, int N, long ld, const int64_t *chosen
             best = row[n] > best ? row[n] : best;
             if (k) keep_best(ids, vals, &held, k, n, row[n]);
         }
-        if (nan || best == -INFINITY) {
+        if (nan || isinf(best)) {
             rank[m] = -1;
             continue;
         }
@@ -398,10 +398,12 @@ int qd_row_logprobs(const float *x, int M, int N, long ld, const int64_t *chosen
         _mm256_storeu_pd(lanes, _mm256_add_pd(sum_lo, sum_hi));
         for (int i = 0; i < 4; i++) total += lanes[i];
         for (; n < N; n++) total += (double)expf(row[n] - best);
-        const float lse = best + (float)log(total);
-        chosen_lp[m] = mine - lse;
+        /* (x - max) - log(sum), as torch's log-softmax: max + log(sum) first would round the small log of a
+         * confident row away, every logprob there biased toward 0 */
+        const float log_total = (float)log(total);
+        chosen_lp[m] = (mine - best) - log_total;
         rank[m] = 1 + above;
-        for (int i = 0; i < k; i++) vals[i] -= lse;
+        for (int i = 0; i < k; i++) vals[i] = (vals[i] - best) - log_total;
     }
     return 0;
 }

@@ -236,15 +236,17 @@ def row_logprobs(x: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.T
     """Per row of ``x [n, V]`` (float32 logits): the ``chosen`` token's logprob and rank, and the ids and logprobs of
     the ``k`` largest (largest first; the lower id first among equal logits), in two passes over the row
     (``qd_row_logprobs``). None where the kernel does not take ``x`` (not float32 rows on the CPU, no kernels); a
-    row it leaves to torch (a NaN, no finite logit) has rank -1."""
+    row it leaves to torch (a NaN, an infinite largest logit, no finite one) has rank -1."""
     if not (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
-            and x.shape[1] > 0 and 0 <= k <= x.shape[1] and available()):
+            and x.shape[1] > 0 and (x.stride(0) >= x.shape[1] or x.shape[0] == 1) and 0 <= k <= x.shape[1]
+            and chosen.numel() == x.shape[0] and available()):
         return None
     n = x.shape[0]
     chosen = chosen.to(torch.int64).contiguous()
     chosen_lp, rank = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int32)
     top_ids, top_lp = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k, dtype=torch.float32)
-    _check(lib().qd_row_logprobs(x.data_ptr(), n, x.shape[1], x.stride(0), chosen.data_ptr(), k, chosen_lp.data_ptr(),
+    _check(lib().qd_row_logprobs(x.data_ptr(), n, x.shape[1], max(x.stride(0), x.shape[1]), chosen.data_ptr(), k,
+                                 chosen_lp.data_ptr(),
                                  rank.data_ptr(), top_ids.data_ptr(), top_lp.data_ptr()), "qd_row_logprobs")
     return chosen_lp, rank, top_ids, top_lp
 
