@@ -456,3 +456,22 @@ def test_a_step_is_read_while_the_next_runs(plain, plain_greedy, monkeypatch):
     monkeypatch.setattr(engine, "_commit", watching_commit)
     assert [o.token_ids for o in plain.generate(tiny_prompts(64, 6), GREEDY)] == plain_greedy
     assert len(busy) > 30 and all(busy)
+
+
+def test_prompt_logprobs_on_the_gpu(plain, target):
+    """Prompt logprobs where prompt chunks run on the static step's kernels (a GPU's default): the CPU's float32 values
+    within rounding, and whether each position equals its logprob as the last prompt token sampled there, bit for
+    bit as on the CPU (the head runs over 256 prompt rows at once there, over the rows that want logits here)."""
+    ids = tiny_prompts(64, 1, length=150)[0]
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    gpu = plain.generate([ids], params)[0].prompt_logprobs
+    cpu = LLM(target, dtype="float32", kv_cache_memory=TINY_KV).generate([ids], params)[0].prompt_logprobs
+    assert len(gpu) == len(ids) and gpu[0] is None
+    for a, b in zip(gpu[1:], cpu[1:]):
+        assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-3)
+    positions = [1, 64, 65, 149]
+    forced = plain.generate([ids[:p] for p in positions],
+                            [SamplingParams(max_tokens=1, temperature=0, logprobs=3, allowed_token_ids=[ids[p]])
+                             for p in positions])
+    same = [out.outputs[0].logprobs[0] == gpu[p] for p, out in zip(positions, forced)]
+    assert all(same), f"positions whose scored logprob differs from the sampled one: {same}"
