@@ -108,7 +108,7 @@ def top_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[dict]:
     found = native.row_logprobs(logits, chosen, k)
     if found is None:
         found = _torch_logprobs(logits, chosen, k)
-    elif bool((found[1] < 0).any()):  # rows the kernel leaves to torch (a NaN, no finite logit)
+    elif bool((found[1] < 0).any()):  # rows the kernel leaves to torch (a NaN, an infinite largest logit, none finite)
         left = (found[1] < 0).nonzero().squeeze(1)
         for mine, theirs in zip(found, _torch_logprobs(logits[left], chosen[left], k)):
             mine[left] = theirs.to(mine.dtype)

@@ -275,15 +275,12 @@ class CompletionChunkFields:
         """``scoring``: what a choice's first event carries of its prompt's logprobs (``completion_choice``)."""
         self._echo, self._logprobs, self._token_text, self._scoring = echo, logprobs, token_text, scoring
         self._offsets: dict[int, int] = {}  # per choice that started: where its next token's text starts
-        self._prompt_logprobs: dict[int, list[dict | None]] = {}  # per prompt (from its first sample's first chunk)
 
     def __call__(self, prompt_index: int, idx: int, chunk: StreamChunk) -> dict | None:
-        if chunk.prompt_logprobs is not None:
-            self._prompt_logprobs[prompt_index] = chunk.prompt_logprobs
         first = idx not in self._offsets
         echo, field_ = (None, None)
-        if first and self._scoring is not None:
-            echo, field_ = self._scoring.rendered(prompt_index, self._prompt_logprobs.get(prompt_index))
+        if first and self._scoring is not None:  # (a prompt's first sample's first chunk carries its entries)
+            echo, field_ = self._scoring.rendered(prompt_index, chunk.prompt_logprobs)
         text = chunk.text
         if self._echo is not None and first:
             text = self._echo(prompt_index) + text

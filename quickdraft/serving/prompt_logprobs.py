@@ -47,23 +47,23 @@ class PromptLogprobs:
         return max(asked) if asked else None
 
     def rendered(self, prompt_index: int, entries: list[dict | None] | None) -> tuple[dict | None, list | None]:
-        """(the echoed prompt's logprobs in OpenAI's shape, vLLM's field) of one prompt, rendered when first asked.
-        Entries missing (the request failed before its prompt was scored, or a forked sample's chunk came first)
+        """(the echoed prompt's logprobs in OpenAI's shape, vLLM's field) of one prompt, rendered the first time its
+        entries are given (a stream's later samples of the prompt give none: they read that rendering). Entries
+        missing before then (the request failed before its prompt was scored, or a forked sample's chunk came first)
         give no echoed logprobs, and are not kept: the prompt's own may still come."""
+        if prompt_index in self._rendered:
+            return self._rendered[prompt_index]
         if entries is None:
-            return ({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-                    if self.echo_top is not None else None), None
-        if prompt_index not in self._rendered:
-            echo = field_ = None
-            if self.echo_top is not None:
-                echoed = [e if e is not None else {"token_id": tid, "logprob": None, "top": []}
-                          for tid, e in zip(self.prompt_ids(prompt_index), entries)]
-                echo = completion_logprobs([{**e, "top": e["top"][:self.echo_top]} for e in echoed], 0,
-                                           self.token_text)
-            if self.field_top is not None:
-                field_ = vllm_prompt_logprobs(entries, self.token_text, self.field_top)
-            self._rendered[prompt_index] = (echo, field_)
-        return self._rendered[prompt_index]
+            return (completion_logprobs([], 0, self.token_text) if self.echo_top is not None else None), None
+        echo = field_ = None
+        if self.echo_top is not None:
+            echoed = [e if e is not None else {"token_id": tid, "logprob": None, "top": []}
+                      for tid, e in zip(self.prompt_ids(prompt_index), entries)]
+            echo = completion_logprobs([{**e, "top": e["top"][:self.echo_top]} for e in echoed], 0, self.token_text)
+        if self.field_top is not None:
+            field_ = vllm_prompt_logprobs(entries, self.token_text, self.field_top)
+        self._rendered[prompt_index] = (echo, field_)
+        return echo, field_
 
     def check_size(self, prompt_tokens: int, samples: int, limit: int) -> None:
         """``check_size`` for this request's asks, each of its samples carrying them."""
