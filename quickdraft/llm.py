@@ -63,7 +63,10 @@ class LLM:
         the device's (``engine/launch_ahead.py``); the tokens do not change.
         ``gpu_linears``: what a GPU's bfloat16 decoder-layer linears run on: ``'cublas'`` (torch's, the default) or
         ``'triton'`` (``models/triton_linear.py``'s tiles, which compute a row alike whatever the rows beside it, in
-        every decode and verify forward; ``bench/gpu_linear.py`` times both)."""
+        every decode and verify forward; ``bench/gpu_linear.py`` times both).
+        ``lora_adapters``: LoRA adapters by name (``{"sql": "path/to/peft_dir_or.gguf"}``), each applied at run time to
+        the requests whose ``SamplingParams.lora`` names it, beside the base model's requests in the same batches
+        (``models/lora.py``)."""
         try:
             opts = EngineOptions(**options)
         except TypeError as exc:

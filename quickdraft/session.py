@@ -158,6 +158,9 @@ class Session:
         if params.prompt_logprobs is not None:
             raise InvalidParameterError("prompt_logprobs is not available in a session (its earlier turns are cached, "
                                         "not recomputed); use LLM.generate")
+        if params.lora is not None:
+            raise InvalidParameterError("a session runs the base model: its caches are kept turn to turn, and an "
+                                        "adapter's keys and values differ; use LLM.generate with lora")
         return params
 
     def _runners(self) -> dict[str, ModelRunner]:

@@ -149,6 +149,8 @@ class _Step:
     each sequence's new tokens attend as one verify group, through native.attend, over a pool holding random keys
     and values for the cached tokens."""
 
+    lora = None
+
     def __init__(self, model: Transformer, kv_dtype: torch.dtype) -> None:
         cfg = model.config
         width = max(before + new for before, new in STEP)

@@ -21,6 +21,7 @@ from quickdraft.errors import InvalidParameterError
 from quickdraft.kv import STATIC_STEPS, KVPool, ModelRunner, check_kv_cache_dtype, resolve_kv_cache_dtype
 from quickdraft.kv.paged_attention import kernel_possible
 from quickdraft.loading import Checkpoint, load_checkpoint
+from quickdraft.loading.lora import check_adapter_names, lora_weights, read_adapters
 from quickdraft.loading.pack_float import check_gpu_linears, triton_float_linears
 from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, default_lm_head, FLOAT_FORMATS, QUANT_FORMATS, load_model,
                                         resolve_draft_weights, resolve_weights, weights_summary)
@@ -73,6 +74,7 @@ class EngineOptions:
     static_step: str = "auto"
     launch_ahead: str = "auto"
     gpu_linears: str = "cublas"
+    lora_adapters: dict[str, str] | None = None  # LoRA adapters by name (a PEFT directory or a GGUF LoRA)
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
@@ -86,6 +88,7 @@ class EngineOptions:
         check_launch_ahead(self.launch_ahead)  # before anything is loaded
         check_gpu_linears(self.gpu_linears, self.device)
         check_speculative_tokens(self.num_speculative_tokens)
+        check_adapter_names(self.lora_adapters)
         if self.draft is not None and self.speculative not in (None, "suffix"):
             raise InvalidParameterError("pass either draft=MODEL or speculative='ngram'|'self', not both "
                                         "(speculative='suffix' may take a draft model beside it)")
@@ -97,8 +100,8 @@ class EngineOptions:
             raise InvalidParameterError(f"draft_vocab must be a positive int and needs draft=MODEL, got {v!r}"
                                         + ("" if self.draft is not None else " without a draft model"))
         if self.speculative is not None and self.speculative not in SPECULATIVE:
-            raise InvalidParameterError(
-                f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+            raise InvalidParameterError(f"speculative must be one of {', '.join(SPECULATIVE)}, got "
+                                        f"{self.speculative!r}")
 
     @property
     def draft_limit(self) -> int:
@@ -241,8 +244,7 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     read first and the memory planned (``memory.plan_memory``), so a configuration that cannot fit fails before any
     weight is loaded."""
     o = options
-    # an explicit draft format is checked (and its float dtype known) before anything is loaded
-    draft_fmt = None if o.draft_weights == "auto" else resolve_weights(o.draft_weights, o.device)
+    draft_fmt = None if o.draft_weights == "auto" else resolve_weights(o.draft_weights, o.device)  # (checked first)
     resolve_weights(o.weights, o.device)  # a bad format fails before anything is loaded
     dtype = resolve_dtype(o.weights if o.weights in FLOAT_FORMATS else o.dtype, o.device)
     checkpoint = load_checkpoint(model, dtype=dtype)  # the header; tensors are read as the model is built
@@ -267,7 +269,9 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
     plan = _memory_plan(o, checkpoint, fmt, draft_checkpoint, draft_weights, self_layers, max_model_len)
     if o.gpu_linears == "triton" and weights != "bfloat16":
         raise InvalidParameterError(f"gpu_linears='triton' runs bfloat16 weights, got weights={weights!r}")
+    adapters = read_adapters(o.lora_adapters or {}, cfg)  # a bad adapter fails before any weight is read
     target_model = load_model(checkpoint, weights, o.device)
+    target_model.lora = lora_weights(adapters, target_model)
     if o.gpu_linears == "triton":
         triton_float_linears(target_model, o.max_num_seqs * (o.draft_limit + 1))  # the largest decode/verify forward
     target = ModelRunner("target", target_model, plan.kv_caps["target"], o.block_size,

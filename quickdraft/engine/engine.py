@@ -136,7 +136,7 @@ class LLMEngine:
                            generator=make_generator(seed, "cpu"), max_model_len=self.config.max_model_len)
             if seed is not None:
                 seq.draft_nonce = seed % 2**64
-            seq.kv["target"] = SequenceKV()
+            seq.kv["target"] = self.target.new_kv(params.lora)
             if seed is None:  # a seeded request's plan may not depend on earlier requests: it keeps the fixed prior
                 seq.spec = self.pooled.as_prior()
             if carried is not None:

@@ -115,9 +115,11 @@ class LaunchAhead:
         return bool(scheduler.waiting) and len(scheduler.running) < scheduler.config.max_num_seqs
 
     def _takes(self, seq: Sequence) -> bool:
-        """Its token is decided on the device from the raw step alone, and it has room for one more after it."""
+        """Its token is decided on the device from the raw step alone, it has room for one more after it, and it
+        runs the base model (an adapter's step is not on the static step)."""
         params, processor = seq.params, seq.processor
         room = min(seq.max_model_len - seq.num_tokens - 1, params.max_tokens - seq.num_output_tokens - 1)
         return (processor.grammar is None and params.logprobs is None and not seq.keep_kv and room >= 1
+                and not seq.kv["target"].adapter
                 and (not params.greedy or processor.greedy_on_raw_logits)
                 and seq.request_id not in self.engine._forks)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from quickdraft.models import native
 from quickdraft.models.fused import SingleTokens
+from quickdraft.models.lora import LoraRows
 
 if TYPE_CHECKING:  # for annotations only: blocks.py imports PREFILL_CELL from here
     from quickdraft.kv.pool import KVPool
@@ -95,10 +96,12 @@ class AttentionBatch:
     """
 
     def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int],
-                 chunks: list[int] | None = None, exact_below: int = 0) -> None:
+                 chunks: list[int] | None = None, exact_below: int = 0, lora: LoraRows | None = None) -> None:
         """``chunks[b]``: how many leading new tokens of sequence b are a prompt chunk; the rest (drafts being
         verified) attend as single tokens. Default: all of them. ``exact_below`` (``exact_positions``, a multiple
-        of PREFILL_CELL): prompt tokens at positions below it attend as single tokens too."""
+        of PREFILL_CELL): prompt tokens at positions below it attend as single tokens too. ``lora``: the rows that
+        run a LoRA adapter (the model adds its terms; attention is the same)."""
+        self.lora = lora
         if exact_below % PREFILL_CELL:
             raise ValueError(f"exact_below must be a multiple of {PREFILL_CELL}, got {exact_below}")
         self.pool = pool

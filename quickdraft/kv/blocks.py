@@ -145,6 +145,10 @@ class SequenceKV:
     # the ids cached, kept by an owner whose ids can change under it (a draft of another vocabulary re-encodes the
     # text); None: not kept. May run past num_cached while tokens are hidden.
     tokens: list[int] | None = None
+    # the LoRA adapter whose keys and values these are (its slot in the model's ``LoraWeights``; 0: the base model),
+    # and what its blocks' hashes start from: a prefix cached under one adapter is never another's
+    adapter: int = 0
+    hash_seed: bytes = b""
 
     def blocks_needed(self, new_length: int, block_size: int) -> int:
         return max(0, -(-new_length // block_size) - len(self.block_table))
@@ -201,7 +205,7 @@ class SequenceKV:
         length = min(length, self.num_cached)
         table = [allocator.share(b) for b in self.block_table[: -(-length // block_size)]]
         return SequenceKV(table, length, self.hashes[: length // block_size],
-                          None if self.tokens is None else self.tokens[:length])
+                          None if self.tokens is None else self.tokens[:length], self.adapter, self.hash_seed)
 
     def match_prefix(self, tokens: list[int], allocator: BlockAllocator, block_size: int, exact_below: int = 0) -> int:
         """Take cached full blocks that hold a prefix of ``tokens``; at least one token is left to compute.
@@ -209,7 +213,7 @@ class SequenceKV:
         (``attention.exact_positions``): the computation may start at any block there, past it only at a cell."""
         if self.block_table:
             return 0
-        parent = b""
+        parent = self.hash_seed
         for i in range((len(tokens) - 1) // block_size):
             allocator.prefix_query_blocks += 1
             digest = block_hash(parent, tokens[i * block_size:(i + 1) * block_size])
@@ -234,7 +238,7 @@ class SequenceKV:
         full = min(self.num_cached, len(tokens)) // block_size
         while len(self.hashes) < full:
             i = len(self.hashes)
-            digest = block_hash(self.hashes[-1] if self.hashes else b"", tokens[i * block_size:(i + 1) * block_size])
+            digest = block_hash(self.hashes[-1] if self.hashes else self.hash_seed, tokens[i * block_size:(i + 1) * block_size])
             allocator.register(self.block_table[i], digest)
             self.hashes.append(digest)
 

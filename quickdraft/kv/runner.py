@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from quickdraft.errors import InvalidParameterError
 from quickdraft.kv.attention import AttentionBatch, exact_positions
 from quickdraft.kv.blocks import BlockAllocator, ForwardItem, SequenceKV
 from quickdraft.kv.paged_attention import kernel_possible
@@ -12,6 +13,7 @@ from quickdraft.kv.pool import KVPool
 from quickdraft.kv.static_step import StaticStep
 from quickdraft.kv.tile_tuning import tune_tiles
 from quickdraft.models import Transformer
+from quickdraft.models.lora import LoraRows
 
 STATIC_STEPS = ("graphs", "eager", "off")
 
@@ -89,6 +91,16 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
+
+    def new_kv(self, adapter: str | None = None) -> SequenceKV:
+        """An empty cache for a sequence that runs the LoRA adapter called ``adapter`` (None: the base model)."""
+        if adapter is None:
+            return SequenceKV()
+        names = self.model.lora.names if self.model.lora is not None else []
+        if adapter not in names:
+            raise InvalidParameterError(f"lora {adapter!r} is not an adapter this model serves; it serves "
+                                        f"{', '.join(map(repr, names)) or 'none'}")
+        return SequenceKV(adapter=names.index(adapter) + 1, hash_seed=b"lora:" + adapter.encode())
 
     def blocks_for(self, kv: SequenceKV, length: int) -> int:
         """Free blocks a forward growing ``kv`` to ``length`` tokens takes: new ones plus copy-on-write copies."""
@@ -194,7 +206,7 @@ class ModelRunner:
         """Where prompt chunks run on the static step (``chunks_on_static``, on by default on a GPU): the items of a
         step's decode and verify bucket, and the prompt chunks its second forward takes beside them (in a bucket of
         ``StaticStep.chunk_bucket``); None where the dynamic path takes the forward."""
-        if self.static is None or not self.chunks_on_static:
+        if self.static is None or not self.chunks_on_static or any(it.kv.adapter for it in items):
             return None
         steps = [i for i, it in enumerate(items) if it.num_logits == len(it.tokens) <= self.static.query_sizes[-1]]
         in_steps = set(steps)
@@ -218,8 +230,9 @@ class ModelRunner:
         return out
 
     def _fits_static(self, items: list[ForwardItem]) -> bool:
-        """A decode or verify forward (every token wants logits) that a static bucket holds."""
-        return (self.static is not None and all(it.num_logits == len(it.tokens) for it in items)
+        """A decode or verify forward (every token wants logits) that a static bucket holds, of the base model alone
+        (LoRA adapters run on the dynamic path)."""
+        return (self.static is not None and all(it.num_logits == len(it.tokens) and not it.kv.adapter for it in items)
                 and self.static.bucket([len(it.tokens) for it in items]) is not None)
 
     @torch.inference_mode()
@@ -265,8 +278,10 @@ class ModelRunner:
     def _forward(self, items: list[ForwardItem], model: Transformer) -> list[torch.Tensor]:
         # every logits row after the first is a drafted token under verification, not part of a prompt chunk
         chunks = [len(it.tokens) - max(0, it.num_logits - 1) for it in items]
+        lengths = [len(it.tokens) for it in items]
+        lora = LoraRows.of(model.lora, [it.kv.adapter for it in items], lengths, self.device)
         attn = AttentionBatch(self.pool, [it.kv.block_table for it in items], [it.kv.num_cached for it in items],
-                              [len(it.tokens) for it in items], chunks, self._exact_below())
+                              lengths, chunks, self._exact_below(), lora)
         tokens = torch.tensor([t for it in items for t in it.tokens], dtype=torch.long, device=self.device)
         hidden = model(tokens, attn, num_layers=self.num_layers)
         rows, offset = [], 0

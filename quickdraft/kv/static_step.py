@@ -90,6 +90,8 @@ class StaticAttention:
     """What the model sees of a static step (the model's ``Attention`` protocol): the new keys go to their slots,
     each sequence's queries attend through its block table."""
 
+    lora = None  # a sequence with a LoRA adapter runs on the dynamic path (``ModelRunner``)
+
     def __init__(self, pool: KVPool, inputs: dict[str, torch.Tensor], queries: int, end: int, splits: int,
                  counters: torch.Tensor) -> None:
         self.pool, self.queries, self.end, self.splits, self.counters = pool, queries, end, splits, counters

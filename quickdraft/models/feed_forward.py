@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from quickdraft.config import ModelConfig
 from quickdraft.models import native, triton_ops
 from quickdraft.models.fused import FusedExperts
+from quickdraft.models.lora import LoraRows
 from quickdraft.models.norms import RMSNorm, add_norm, add_norm_project
 
 
@@ -47,7 +48,17 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             return self.down_from(self.gate_up_proj(x))
-        return self._down(self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x)))
+
+    def forward_lora(self, x: torch.Tensor, lora: LoraRows, layer: int) -> torch.Tensor:
+        """``forward`` with the adapters' terms added to their rows' gate/up (before the activation) and down
+        projections (of decoder layer ``layer``)."""
+        if self.gate_up_proj is None:
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        else:  # (a projection that applies the activation gives float32 here, as it applies it)
+            gate_up = self.gate_up_proj.unactivated(x) if self.activated else self.gate_up_proj(x)
+        hidden = self.activate(lora.add(gate_up, x, layer, "gate_up")).to(x.dtype)
+        return lora.add(self.down_proj(hidden), hidden, layer, "down")
 
     def forward_added(self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,21 +72,23 @@ class MLP(nn.Module):
 
     def down_from(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP's output from the output of ``gate_up_proj`` (already gated where ``activated``)."""
-        if self.activated:
-            return self.down_proj(gate_up)
-        if native.runs_gated(gate_up):  # the kernel the fused layer and qd_moe apply
-            return self.down_proj(native.gated(gate_up, self.act, self.limit or 0.0, self.alpha or 0.0))
-        if triton_ops.runs_gated(gate_up, self.act):  # one kernel on a GPU
-            return self.down_proj(triton_ops.gated(gate_up, self.act))
-        return self._down(*gate_up.chunk(2, dim=-1))
+        return self.down_proj(gate_up if self.activated else self.activate(gate_up))
 
-    def _down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` from ``[gate | up]``."""
+        if native.runs_gated(gate_up):  # the kernel the fused layer and qd_moe apply
+            return native.gated(gate_up, self.act, self.limit or 0.0, self.alpha or 0.0)
+        if triton_ops.runs_gated(gate_up, self.act):  # one kernel on a GPU
+            return triton_ops.gated(gate_up, self.act)
+        return self._gated(*gate_up.chunk(2, dim=-1))
+
+    def _gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.act == "clamped_swiglu":  # gpt-oss, in float32 as transformers' float32 reference
             dtype = gate.dtype
             gate, up = gate.float().clamp(max=self.limit), up.float().clamp(-self.limit, self.limit)
-            return self.down_proj(((up + 1) * gate * torch.sigmoid(gate * self.alpha)).to(dtype))
+            return ((up + 1) * gate * torch.sigmoid(gate * self.alpha)).to(dtype)
         act = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(act * up)
+        return act * up
 
 
 class Router(nn.Module):

@@ -28,7 +28,16 @@ class QuantGroup(nn.Module):
         self.in_features = layers[0].in_features
         self.call = qmatmul.PartsCall([m.kernel_part() for m in layers], self.in_features, swiglu)
         self.out_features = self.call.out_features
+        self._unactivated: qmatmul.PartsCall | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         return self.call(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
+
+    def unactivated(self, x: torch.Tensor) -> torch.Tensor:
+        """Where the call applies SwiGLU: gate and up side by side before it (a LoRA adapter adds to them), in
+        float32 as the kernel applies it, so ``act(gate) * up`` rounded to ``x``'s dtype are the call's own bits."""
+        if self._unactivated is None:
+            self._unactivated = qmatmul.PartsCall([m.kernel_part() for m in self.layers], self.in_features)
+        out = self._unactivated(x.reshape(-1, self.in_features), out_dtype=torch.float32)
+        return out.reshape(*x.shape[:-1], -1)

@@ -17,6 +17,7 @@ from quickdraft.config import ModelConfig
 from quickdraft.models import native, triton_ops
 from quickdraft.models.feed_forward import MLP, SparseMoE
 from quickdraft.models.fused import FusedLayer, FusedStack, SingleTokens
+from quickdraft.models.lora import LoraRows, LoraWeights
 from quickdraft.models.norms import RMSNorm, add_norm, add_norm_project
 from quickdraft.models.rope import RotaryEmbedding
 
@@ -24,6 +25,7 @@ from quickdraft.models.rope import RotaryEmbedding
 class Attention(Protocol):
     positions: torch.Tensor
     end: int  # one past the largest position (known on the host: no device sync to size the RoPE tables)
+    lora: LoraRows | None  # the rows that run a LoRA adapter, if any do (models/lora.py)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                window: int | None = None, sinks: torch.Tensor | None = None,
@@ -68,7 +70,16 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         if self.qkv_proj is not None:
             return self.forward_qkv(self.qkv_proj(x), rope, attn)
-        return self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), rope, attn)
+        return self.o_proj(self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), rope, attn))
+
+    def forward_lora(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention, lora: LoraRows) -> torch.Tensor:
+        """``forward`` with each adapter's terms added to its rows' q/k/v and output projections."""
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        heads = self.attend_qkv(lora.add(qkv, x, self.layer, "qkv"), rope, attn)
+        return lora.add(self.o_proj(heads), heads, self.layer, "o")
 
     def forward_added(self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm, rope: RotaryEmbedding,
                       attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +93,10 @@ class SelfAttention(nn.Module):
 
     def forward_qkv(self, qkv: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         """The attention's output from the output of ``qkv_proj``."""
+        return self.o_proj(self.attend_qkv(qkv, rope, attn))
+
+    def attend_qkv(self, qkv: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
+        """The heads' outputs ``[T, heads * head_dim]`` (what ``o_proj`` reads) from q, k and v side by side."""
         t = qkv.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk = qkv[:, :(heads + kv_heads) * dim].reshape(t, heads + kv_heads, dim)
@@ -89,7 +104,7 @@ class SelfAttention(nn.Module):
             v = qkv[:, (heads + kv_heads) * dim:].reshape(t, kv_heads, dim)
             out = attn.attend(self.layer, qk[:, :heads], qk[:, heads:], v, self.scale, self.window, self.sinks,
                               rotary=rope)
-            return self.o_proj(out.reshape(t, -1))
+            return out.reshape(t, -1)
         return self._attend(*qkv.split(self.qkv_sizes, dim=-1), rope, attn)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RotaryEmbedding, attn: Attention
@@ -104,8 +119,7 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, attn.positions), rope(k, attn.positions)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        out = attn.attend(self.layer, q, k, v, self.scale, self.window, self.sinks)
-        return self.o_proj(out.reshape(t, -1))
+        return attn.attend(self.layer, q, k, v, self.scale, self.window, self.sinks).reshape(t, -1)
 
 
 class DecoderLayer(nn.Module):
@@ -156,6 +170,8 @@ class DecoderLayer(nn.Module):
         return cached[1]
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
+        if attn.lora is not None:
+            return self.forward_lora(x, rope, attn, attn.lora)
         tokens = attn.single_tokens(self.self_attn.layer)
         if tokens is not None:
             fused = self.fused(rope)
@@ -167,6 +183,19 @@ class DecoderLayer(nn.Module):
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_lora(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention, lora: LoraRows) -> torch.Tensor:
+        """``forward`` on the module path with the adapters' terms (a mixture's experts take none)."""
+        layer = self.self_attn.layer
+        out = self.self_attn.forward_lora(self.input_layernorm(x), rope, attn, lora)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(out)
+            h = self.pre_feedforward_layernorm(x)
+            y = self.mlp(h) if self.sparse else self.mlp.forward_lora(h, lora, layer)
+            return x + self.post_feedforward_layernorm(y)
+        x = x + out
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h) if self.sparse else self.mlp.forward_lora(h, lora, layer))
 
     def forward_pending(self, x: torch.Tensor, pending: torch.Tensor | None, rope: RotaryEmbedding, attn: Attention
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,6 +228,7 @@ class Transformer(nn.Module):
         self.rope, self.local_rope = _ropes(cfg)
         self._stacks: dict[int | None, FusedStack] = {}
         self.quant_info: dict = {}  # set where the loader quantizes the linear layers (format, kernels, sources)
+        self.lora: LoraWeights | None = None  # the LoRA adapters it serves (set by the builder)
 
     def forward(self, tokens: torch.Tensor, attn: Attention, num_layers: int | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; ``num_layers`` runs only the first layers
@@ -207,12 +237,12 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         if self.config.embedding_multiplier != 1.0:  # rounded to x's dtype first, as HF's Gemma does
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
-        singles = attn.single_tokens(0)
+        singles = attn.single_tokens(0) if attn.lora is None else None  # (adapters run on the module path)
         stack = self.fused_stack(num_layers) if singles is not None else None
         if stack is not None and stack.runs(x, singles):
             return self.model.norm(stack(x, singles))
         layers = list(self.model.layers)[:num_layers]  # (slicing a ModuleList builds a new one)
-        if triton_ops.runs_rms_norm(x, self.model.norm.weight):  # a GPU: each residual add joins the norm after it
+        if attn.lora is None and triton_ops.runs_rms_norm(x, self.model.norm.weight):  # a GPU: each residual add joins the norm after it
             pending = None
             for layer in layers:
                 x, pending = layer.forward_pending(x, pending, self.rope_of(layer), attn)

@@ -238,6 +238,11 @@ class GatedProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.projection.forward_gated(x, self.activation)
 
+    def unactivated(self, x: torch.Tensor) -> torch.Tensor:
+        """``[gate | up]`` before the activation (a LoRA adapter adds to them), in float32 as the kernel applies it
+        (rounded to ``x``'s dtype first: the call's own bits are not kept here)."""
+        return self.projection(x).float()
+
     def fuses_norm(self, x: torch.Tensor) -> bool:
         return self.projection.fuses_norm(x, self.activation)
 

@@ -1,0 +1,290 @@
+"""LoRA adapters (models/lora.py, loading/lora.py): an adapter's requests get what PEFT's own model of the same
+adapter computes, beside the base model's requests and other adapters' in the same batches, over a prefix cache
+that never hands one adapter's keys to another, under speculation, on float and quantized base weights; adapters
+read from PEFT directories and from llama.cpp's GGUF layout alike; bad adapters and bad names refused by name."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.errors import InvalidParameterError, ModelLoadError
+
+KV = "8MiB"
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base: Path | torch.nn.Module, out: Path, seed: int, modules: list[str] = ALL_MODULES, r: int = 8,
+                 alpha: float = 16, **config) -> Path:
+    """A PEFT LoRA of random A and B (``init_lora_weights=False``: B is not zero), saved as PEFT saves it."""
+    import peft
+    import transformers
+
+    model = base if isinstance(base, torch.nn.Module) else \
+        transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(seed)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=modules,
+                                                         init_lora_weights=False, **config))
+    adapted.save_pretrained(out)
+    adapted.unload()  # the base model again, unchanged (a shared fixture's model is used by other tests)
+    return out
+
+
+def peft_logprobs(base: Path, adapter: Path | None, ids: list[int]) -> torch.Tensor:
+    """PEFT's float32 log-softmax rows of ``ids`` (the base model's where ``adapter`` is None)."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+
+
+def prompt(seed: int, length: int, vocab: int = 64) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, vocab) for _ in range(length)]
+
+
+def greedy(n: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir) -> Path:
+    return tiny_dir(arch="llama", vocab_size=64, layers=2)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lora")
+    return {"all": str(make_adapter(tiny, root / "all", 1)),
+            "attn": str(make_adapter(tiny, root / "attn", 2, ["q_proj", "v_proj"], r=4, alpha=32))}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny, adapters) -> LLM:
+    return LLM(str(tiny), dtype="float32", kv_cache_memory=KV, max_num_batched_tokens=64, lora_adapters=adapters)
+
+
+@pytest.mark.parametrize("name", ["all", "attn", None])
+def test_each_adapter_computes_what_peft_computes(llm, tiny, adapters, name):
+    """Every prompt position's logprob within 2e-4 of PEFT's float32 model, and the greedy tokens PEFT's model
+    picks (a 100-token prompt: two 64-token chunks)."""
+    ids = prompt(3, 100)
+    out = llm.generate([ids], greedy(4, prompt_logprobs=1, lora=name))[0]
+    want = peft_logprobs(tiny, None if name is None else Path(adapters[name]), ids)
+    for p in range(1, len(ids)):
+        assert out.prompt_logprobs[p]["logprob"] == pytest.approx(want[p - 1, ids[p]].item(), abs=2e-4)
+    assert out.outputs[0].token_ids[0] == int(want[-1].argmax())
+
+
+def test_adapters_change_the_output(llm):
+    ids = prompt(4, 20)
+    outs = [llm.generate([ids], greedy(16, lora=name))[0].outputs[0].token_ids for name in ("all", "attn", None)]
+    assert len({tuple(o) for o in outs}) == 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_base_and_adapters_in_one_batch_equal_each_alone(llm, temperature):
+    """Twelve requests, base and two adapters interleaved (so an adapter's rows are not contiguous), greedy or
+    seeded: each one's tokens are those it gets alone."""
+    names = ["all", None, "attn", "all", "attn", None] * 2
+    params = [SamplingParams(max_tokens=10, temperature=temperature, seed=i, ignore_eos=True, lora=name)
+              for i, name in enumerate(names)]
+    prompts = [prompt(10 + i, 5 + 3 * i) for i in range(len(names))]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    assert together == alone
+
+
+def test_the_prefix_cache_never_hands_one_adapters_keys_to_another(tiny, adapters):
+    """The same 80-token prompt under one adapter, then the base, then the other adapter: each equals its output in
+    a fresh engine, and a repeat under the first adapter reads its own cached blocks."""
+    ids = prompt(5, 80)
+    order = ["all", None, "attn"]
+    shared = LLM(str(tiny), dtype="float32", kv_cache_memory=KV, lora_adapters=adapters)
+    runs = [shared.generate([ids], greedy(8, lora=name))[0].outputs[0].token_ids for name in order]
+    for name, got in zip(order, runs):
+        fresh = LLM(str(tiny), dtype="float32", kv_cache_memory=KV, lora_adapters=adapters)
+        assert got == fresh.generate([ids], greedy(8, lora=name))[0].outputs[0].token_ids, name
+    allocator = shared.target.allocator
+    hits = allocator.prefix_hit_blocks
+    assert shared.generate([ids], greedy(8, lora="all"))[0].outputs[0].token_ids == runs[0]
+    assert allocator.prefix_hit_blocks > hits
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "self"])
+def test_speculation_keeps_an_adapters_output(llm, tiny, adapters, speculative):
+    """Greedy under n-gram drafts and self-drafting (the target's first layer, base weights) equals plain greedy."""
+    spec = LLM(str(tiny), dtype="float32", kv_cache_memory=KV, lora_adapters=adapters, speculative=speculative,
+               num_speculative_tokens=3, **({"self_draft_layers": 1} if speculative == "self" else {}))
+    prompts = [prompt(20 + i, 12) * 3 for i in range(4)]  # repeats, so n-gram drafts are proposed and checked
+    params = [greedy(24, lora=name) for name in ("all", "attn", None, "all")]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == \
+           [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_n_samples_and_stream_run_the_adapter(llm):
+    ids = prompt(6, 10)
+    alone = llm.generate([ids], greedy(8, lora="all"))[0].outputs[0].token_ids
+    many = llm.generate([ids], SamplingParams(n=3, max_tokens=8, temperature=0, ignore_eos=True, lora="all"))[0]
+    assert [o.token_ids for o in many.outputs] == [alone] * 3
+    streamed = [t for chunk in llm.stream(ids, greedy(8, lora="all")) for t in chunk.token_ids]
+    assert streamed == alone
+
+
+def _gguf_lora(peft_dir: Path, out: Path, cfg, arch: str = "llama") -> Path:
+    """The GGUF llama.cpp's convert_lora_to_gguf.py writes of a PEFT adapter: lora_a [r, in] and lora_b [out, r]
+    as PEFT's A and B, lora_b of attn_q/attn_k permuted as the converter permutes those weights (llama), and
+    adapter.lora.alpha."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(config["lora_alpha"]))
+    for key, tensor in sorted(load_file(peft_dir / "adapter_model.safetensors").items()):
+        parts = key.split(".")
+        layer, module, half = int(parts[4]), parts[6], parts[7][-1].lower()
+        w = tensor.float().numpy()
+        if half == "b" and module in ("q_proj", "k_proj"):  # convert_hf_to_gguf's LlamaModel.permute
+            heads = cfg.num_heads if module == "q_proj" else cfg.num_kv_heads
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        writer.add_tensor(f"blk.{layer}.{names[module]}.weight.lora_{half}", np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_a_gguf_lora_runs_as_its_peft_source(llm, tiny, adapters, tmp_path):
+    path = _gguf_lora(Path(adapters["all"]), tmp_path / "all.gguf", llm.model.config)
+    from_gguf = LLM(str(tiny), dtype="float32", kv_cache_memory=KV, lora_adapters={"g": str(path)})
+    prompts = [prompt(30 + i, 9) for i in range(3)]
+    assert [o.outputs[0].token_ids for o in from_gguf.generate(prompts, greedy(12, lora="g"))] == \
+           [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12, lora="all"))]
+
+
+@pytest.mark.parametrize("config", [{"use_rslora": True}, {"alpha_pattern": {"v_proj": 64}}])
+def test_rslora_and_per_module_alphas_scale_as_peft_does(tiny, tmp_path, config):
+    adapter = make_adapter(tiny, tmp_path / "a", 7, **config)
+    llm = LLM(str(tiny), dtype="float32", kv_cache_memory=KV, lora_adapters={"a": str(adapter)})
+    ids = prompt(8, 30)
+    out = llm.generate([ids], greedy(1, prompt_logprobs=0, lora="a"))[0]
+    want = peft_logprobs(tiny, adapter, ids)
+    for p in range(1, len(ids)):
+        assert out.prompt_logprobs[p]["logprob"] == pytest.approx(want[p - 1, ids[p]].item(), abs=2e-4)
+
+
+@pytest.fixture(scope="module")
+def smollm2_adapter(smollm2_transformers, tmp_path_factory) -> Path:
+    return make_adapter(smollm2_transformers, tmp_path_factory.mktemp("smollm2") / "a", 9, r=8, alpha=8)
+
+
+@pytest.mark.parametrize("weights", ["float32", "gguf"])
+def test_an_adapter_on_real_weights(smollm2, smollm2_transformers, smollm2_adapter, weights):
+    """SmolLM2 (GQA 9/3 heads, 30 layers) with an adapter on every module. Float32 weights: every prompt position
+    within 1e-4 of PEFT's float32 model. The file's own Q8_0 blocks (q/k/v and gate/up one kernel call each,
+    gate/up applying SwiGLU in the kernel, bfloat16 activations): the adapter's run is as far from PEFT's as the base
+    run is from transformers' (the blocks' rounding, not the adapter, sets it), and beside base requests each
+    request gets its tokens alone, bit for bit."""
+    import peft
+
+    llm = LLM(str(smollm2), weights=weights, kv_cache_memory="64MiB", lora_adapters={"a": str(smollm2_adapter)})
+    ids = llm.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n")
+    got = {n: torch.tensor([e["logprob"] for e in llm.generate([ids], greedy(1, prompt_logprobs=0, lora=n))[0]
+                            .prompt_logprobs[1:]], dtype=torch.float64) for n in ("a", None)}
+    model = peft.PeftModel.from_pretrained(smollm2_transformers, smollm2_adapter).eval()
+    try:
+        with torch.no_grad():
+            rows = {"a": model(torch.tensor([ids])).logits[0]}
+            with model.disable_adapter():
+                rows[None] = model(torch.tensor([ids])).logits[0]
+    finally:
+        model.unload()
+    want = {n: torch.log_softmax(r.double(), -1)[torch.arange(len(ids) - 1), ids[1:]] for n, r in rows.items()}
+    error = {n: (got[n] - want[n]).abs().max().item() for n in got}
+    assert (want["a"] - want[None]).abs().max() > 1  # the adapter matters
+    if weights == "float32":
+        assert max(error.values()) < 1e-4
+        return
+    assert error["a"] < 1.5 * error[None]
+    names = ["a", None, "a", None]
+    together = [o.outputs[0].token_ids for o in llm.generate([ids] * 4, [greedy(8, lora=n) for n in names])]
+    assert together == [llm.generate([ids], greedy(8, lora=n))[0].outputs[0].token_ids for n in names]
+
+
+def test_unknown_adapters_are_refused_by_name(llm):
+    with pytest.raises(InvalidParameterError, match="'nope' is not an adapter this model serves; it serves 'all', "
+                                                    "'attn'"):
+        llm.generate([[1, 2]], greedy(2, lora="nope"))
+    for bad in ("", 5, "x" * 257, "\ud800"):
+        with pytest.raises(InvalidParameterError, match="lora"):
+            SamplingParams(lora=bad)
+    with pytest.raises(InvalidParameterError, match="session runs the base model"):
+        llm.session().generate([1, 2], greedy(2, lora="all"))
+
+
+def _write_peft(directory: Path, tensors: dict[str, torch.Tensor], **config) -> Path:
+    from safetensors.torch import save_file
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2,
+                                                               **config}))
+    save_file(tensors, directory / "adapter_model.safetensors")
+    return directory
+
+
+KEY = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.weight"
+
+
+@pytest.mark.parametrize("tensors, config, message", [
+    ({KEY.format(0, "q_proj", "A"): torch.ones(2, 64)}, {}, "needs both lora_A and lora_B"),
+    ({KEY.format(0, "q_proj", "A"): torch.ones(2, 63), KEY.format(0, "q_proj", "B"): torch.ones(64, 2)}, {},
+     r"lora_A must be \[r, 64\] and lora_B \[64, r\]"),
+    ({KEY.format(9, "q_proj", "A"): torch.ones(2, 64), KEY.format(9, "q_proj", "B"): torch.ones(64, 2)}, {},
+     "the model has layers 0 to 1"),
+    ({KEY.format(0, "q_proj", "A"): torch.full((2, 64), float("nan")), KEY.format(0, "q_proj", "B"): torch.ones(64, 2)},
+     {}, "NaN or infinity"),
+    ({KEY.format(0, "q_proj", "A"): torch.ones(600, 64), KEY.format(0, "q_proj", "B"): torch.ones(64, 600)}, {},
+     "r in 1 to 512"),
+    ({"base_model.model.lm_head.lora_A.weight": torch.ones(2, 64)}, {}, "LM head adapters are not supported"),
+    ({KEY.format(0, "q_proj", "A"): torch.ones(2, 64), KEY.format(0, "q_proj", "B"): torch.ones(64, 2)},
+     {"use_dora": True}, "DoRA is not supported"),
+    ({KEY.format(0, "q_proj", "A"): torch.ones(2, 64), KEY.format(0, "q_proj", "B"): torch.ones(64, 2)},
+     {"lora_alpha": float("nan")}, "must be numbers"),
+    ({KEY.format(0, "q_proj", "A"): torch.ones(2, 64, dtype=torch.int32),
+      KEY.format(0, "q_proj", "B"): torch.ones(64, 2, dtype=torch.int32)}, {}, "must be float tensors"),
+])
+def test_bad_adapters_are_refused_before_loading(tiny, tmp_path, tensors, config, message):
+    path = _write_peft(tmp_path / "bad", tensors, **config)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(tiny), dtype="float32", kv_cache_memory=KV, lora_adapters={"bad": str(path)})
+
+
+def test_bad_adapter_paths_and_files_are_refused(tiny, tmp_path, smollm2):
+    with pytest.raises(ModelLoadError, match="neither is there"):
+        LLM(str(tiny), kv_cache_memory=KV, lora_adapters={"a": str(tmp_path / "missing")})
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(ModelLoadError, match="junk.gguf"):
+        LLM(str(tiny), kv_cache_memory=KV, lora_adapters={"a": str(tmp_path / "junk.gguf")})
+    with pytest.raises(ModelLoadError, match="not a LoRA adapter"):  # a model, not an adapter
+        LLM(str(tiny), kv_cache_memory=KV, lora_adapters={"a": str(smollm2)})
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="pickled adapter_model.bin is not read"):
+        LLM(str(tiny), kv_cache_memory=KV, lora_adapters={"a": str(tmp_path / "pickled")})
+    for bad in ({"": "x"}, {"a": 5}, ["a"], {f"n{i}": "x" for i in range(65)}):
+        with pytest.raises(InvalidParameterError, match="lora_adapters must map"):
+            LLM(str(tiny), kv_cache_memory=KV, lora_adapters=bad)
