@@ -11,6 +11,7 @@ from pathlib import Path
 
 from quickdraft.errors import InvalidParameterError, QuickdraftError
 from quickdraft.paths import cache_root
+from quickdraft.serving.lora_args import add_lora_arguments, lora_setup
 
 GREEN, RESET = "\033[32m", "\033[0m"
 
@@ -57,12 +58,13 @@ def request_params(args: argparse.Namespace):
         raise InvalidParameterError("--min-p, --typical-p, --top-n-sigma, --xtc-* and --mirostat choose among sampled "
                                     "tokens: give --temperature > 0 (the CLI decodes greedily by default)")
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, **given,
+                          top_k=args.top_k, seed=args.seed, **given, lora=lora_setup(args).default_choice(),
                           speculative=True if cap is None else {"max_draft_tokens": cap},
                           structured_outputs=_json_schema(args.json_schema))
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    add_lora_arguments(p)
     p.add_argument("model", help="packaged model name (see `quickdraft models`), GGUF file or HF directory")
     p.add_argument("--draft", help="draft model for speculative decoding (same tokenizer as MODEL)")
     p.add_argument("--speculative", choices=["ngram", "self", "suffix"],
@@ -126,6 +128,7 @@ def llm_options(args: argparse.Namespace, **extra) -> dict:
     return dict(draft=args.draft, speculative=args.speculative, num_speculative_tokens=k, dtype=args.dtype,
                 weights=args.weights, draft_weights=args.draft_weights, device=args.device,
                 max_model_len=args.max_model_len, run_ahead=args.run_ahead, threads=args.threads, **extra,
+                lora_adapters=lora_setup(args).adapters or None,
                 **{name: getattr(args, name) for name in ("kv_cache_memory", "kv_cache_dtype", "max_memory",
                    "suffix_scope", "suffix_cache_tokens", "static_step", "launch_ahead", "gpu_linears")})
 
@@ -144,13 +147,14 @@ def llm_from_args(args: argparse.Namespace, announce: bool = True, **extra):
 
 def cmd_models(args: argparse.Namespace) -> int:
     from quickdraft.loading import list_models
+    from quickdraft.loading.quantize import file_defaults
     models = list_models()
     print(f"{'name':<22} {'installed':<10} {'size':>10}  {'file layers':<20} {'default kernels':<36} "
           f"{'read/token':>10}  path / how to install")
     for m in models:
         where = str(m.path) if m.installed else f"`{m.install_hint}` in a quickdraft checkout"
         size = f"{m.size_bytes / 1e6:>8.0f}MB" if m.size_bytes else f"{'?':>10}"
-        stored, kernels, step = _file_columns(m.path)
+        stored, kernels, step = file_defaults(m.path)
         read = f"{step / 1e6:>8.0f}MB" if step else f"{'?':>10}"
         print(f"{m.name:<22} {'yes' if m.installed else 'no':<10} {size}  {stored:<20} {kernels:<36} {read}  {where}")
     missing = [m for m in models if not m.installed]
@@ -172,19 +176,6 @@ def cmd_cache(args: argparse.Namespace) -> int:
     for folder, (files, size) in cache_budget.usage().items():
         print(f"  {folder:<12} {files:>6} files {size / 1e9:>9.2f} GB")
     return 0
-
-
-def _file_columns(path: Path | None) -> tuple[str, str, int | None]:
-    """How a packaged GGUF stores its layers, what 'auto' runs them on and the weight bytes a decode step reads, from
-    its header; '?' where there is no file to read yet (a split model not assembled) and 'unreadable' for a damaged
-    one (listing never fails)."""
-    from quickdraft.loading.quantize import file_defaults
-    if path is None or not path.is_file():
-        return "?", "?", None
-    try:
-        return file_defaults(path)
-    except QuickdraftError:
-        return "unreadable", "?", None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -287,7 +278,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None or args.ray_address is not None:
         return _serve_replicas(args, engine, name, limits)
     llm = llm_from_args(args, announce=False, **engine)
-    app = create_app(llm, name, limits=limits, web=args.web)
+    app = create_app(llm, name, limits=limits, web=args.web, lora_scales=lora_setup(args).scales)
     spec = f", {llm.drafter.name} speculation" if llm.drafter is not None else ""
     page = f"; chat page: http://{args.host}:{args.port}/" if args.web else ""
     print(f"serving {name} ({llm.max_model_len} tokens of context{spec}) on http://{args.host}:{args.port}/v1{page}",
@@ -309,6 +300,9 @@ def _serve_replicas(args: argparse.Namespace, engine: dict, name: str, limits) -
               file=sys.stderr)
         return 2
     options = llm_options(args, **engine)
+    if lora_setup(args).scales:
+        print("error: --lora and --lora-scaled are not passed to Ray replicas; use --lora-modules", file=sys.stderr)
+        return 2
     if args.threads == "auto":  # each replica gets its CPUs' worth of threads
         options.pop("threads")
     try:

@@ -140,6 +140,48 @@ def test_n_samples_and_stream_run_the_adapter(llm):
     assert streamed == alone
 
 
+def _merged_checkpoint(base: Path, adapters: dict[str, str], scales: dict[str, float], out: Path) -> Path:
+    """``base`` with each adapter's B @ A times alpha / r times its scale added into the weights it adapts, saved
+    with the base's tokenizer: the reference of a mix of adapters."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+    params = dict(model.named_parameters())
+    for name, scale in scales.items():
+        config = json.loads((Path(adapters[name]) / "adapter_config.json").read_text())
+        tensors = load_file(Path(adapters[name]) / "adapter_model.safetensors")
+        for key, a in tensors.items():
+            if ".lora_A." in key:
+                b = tensors[key.replace(".lora_A.", ".lora_B.")]
+                target = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+                with torch.no_grad():
+                    params[target] += scale * config["lora_alpha"] / a.shape[0] * (b.double() @ a.double())
+    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / name, out / name)
+    return out
+
+
+@pytest.mark.parametrize("scales", [{"all": 0.5}, {"all": 1.0, "attn": -0.7}, {"attn": 2.5, "all": 0.0}])
+def test_a_mix_of_adapters_is_the_scaled_sum_of_their_terms(llm, tiny, adapters, tmp_path, scales):
+    """llama-server's per-request scales: ``{name: scale}`` runs as the base with every adapter's term times its
+    scale merged into its weights (within 2e-4 at every prompt position); scale 0 drops an adapter."""
+    ids = prompt(11, 40)
+    out = llm.generate([ids], greedy(1, prompt_logprobs=0, lora=scales))[0]
+    merged = LLM(str(_merged_checkpoint(tiny, adapters, scales, tmp_path / "merged")), dtype="float32",
+                 kv_cache_memory=KV)
+    want = merged.generate([ids], greedy(1, prompt_logprobs=0))[0]
+    for p in range(1, len(ids)):
+        assert out.prompt_logprobs[p]["logprob"] == pytest.approx(want.prompt_logprobs[p]["logprob"], abs=2e-4)
+    assert llm.generate([ids], greedy(6, lora={"all": 1}))[0].outputs[0].token_ids == \
+           llm.generate([ids], greedy(6, lora="all"))[0].outputs[0].token_ids
+    assert llm.generate([ids], greedy(6, lora={"all": 0}))[0].outputs[0].token_ids == \
+           llm.generate([ids], greedy(6))[0].outputs[0].token_ids
+
+
 def _gguf_lora(peft_dir: Path, out: Path, cfg, arch: str = "llama") -> Path:
     """The GGUF llama.cpp's convert_lora_to_gguf.py writes of a PEFT adapter: lora_a [r, in] and lora_b [out, r]
     as PEFT's A and B, lora_b of attn_q/attn_k permuted as the converter permutes those weights (llama), and
@@ -230,7 +272,10 @@ def test_unknown_adapters_are_refused_by_name(llm):
     with pytest.raises(InvalidParameterError, match="'nope' is not an adapter this model serves; it serves 'all', "
                                                     "'attn'"):
         llm.generate([[1, 2]], greedy(2, lora="nope"))
-    for bad in ("", 5, "x" * 257, "\ud800"):
+    with pytest.raises(InvalidParameterError, match="'nope' is not an adapter"):
+        llm.generate([[1, 2]], greedy(2, lora={"all": 1.0, "nope": 0.5}))
+    for bad in ("", 5, "x" * 257, "\ud800", ["all"], {"all": float("nan")}, {"all": 1e38}, {"all": True},
+                {"all": "1"}, {f"a{i}": 1.0 for i in range(65)}, {"\ud800": 1.0}, {3: 1.0}):
         with pytest.raises(InvalidParameterError, match="lora"):
             SamplingParams(lora=bad)
     with pytest.raises(InvalidParameterError, match="session runs the base model"):
@@ -288,3 +333,94 @@ def test_bad_adapter_paths_and_files_are_refused(tiny, tmp_path, smollm2):
     for bad in ({"": "x"}, {"a": 5}, ["a"], {f"n{i}": "x" for i in range(65)}):
         with pytest.raises(InvalidParameterError, match="lora_adapters must map"):
             LLM(str(tiny), kv_cache_memory=KV, lora_adapters=bad)
+
+
+@pytest.fixture(scope="module")
+def server(tiny, adapters):
+    """vLLM's --lora-modules (all, attn: picked by `model`) and llama-server's --lora-scaled (glob, attn's file at 0.5:
+    run by every request that names no adapter)."""
+    from quickdraft.serving import create_app
+    from test_server import ServerThread
+
+    llm = LLM(str(tiny), dtype="float32", kv_cache_memory=KV, lora_adapters={**adapters, "glob": adapters["attn"]})
+    with ServerThread(create_app(llm, "tiny", lora_scales={"glob": 0.5})) as running:
+        yield running
+
+
+def _completion(server, ids: list[int], **body) -> list[int]:
+    import httpx
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": ids, "max_tokens": 8, "temperature": 0,
+                                                         "ignore_eos": True, "logprobs": 0, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return [int(t.removeprefix("t")) if t != "<eos>" else 0 for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+
+
+def test_the_server_runs_adapters_as_vllm_and_llama_server_name_them(server, llm):
+    """`model` names an adapter (vLLM's, through the official client); a request that names none runs the server's
+    --lora adapters at their scales; llama-server's per-request `lora` and POST /lora-adapters set scales."""
+    import httpx
+    from openai import OpenAI
+
+    ids = prompt(40, 12)
+    want = {str(name): llm.generate([ids], greedy(8, lora=name))[0].outputs[0].token_ids
+            for name in ("all", None, {"attn": 0.5}, {"attn": 2.0}, {"all": 1.0, "attn": -0.5})}
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    cards = client.models.list().data
+    assert [m.id for m in cards] == ["tiny", "all", "attn", "glob"]
+    assert [getattr(m, "parent", None) for m in cards] == [None, "tiny", "tiny", "tiny"]
+    got = client.completions.create(model="all", prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+                                    logprobs=0)
+    assert [int(t[1:]) for t in got.choices[0].logprobs.tokens] == want["all"]
+    assert _completion(server, ids, model="tiny") == want[str({"attn": 0.5})]  # the server's default: glob at 0.5
+    assert _completion(server, ids, lora=[{"id": 2, "scale": 2.0}]) == want[str({"attn": 2.0})]
+    assert _completion(server, ids, lora=[{"id": 0, "scale": 1}, {"id": 1, "scale": -0.5}]) == \
+           want[str({"all": 1.0, "attn": -0.5})]
+    assert httpx.get(f"{server.url}/lora-adapters").json() == [
+        {"id": 0, "name": "all", "path": llm.model.lora.sources[0], "scale": 0.0},
+        {"id": 1, "name": "attn", "path": llm.model.lora.sources[1], "scale": 0.0},
+        {"id": 2, "name": "glob", "path": llm.model.lora.sources[1], "scale": 0.5}]
+    assert httpx.post(f"{server.url}/lora-adapters", json=[{"id": 0, "scale": 1.0}]).json() == {"success": True}
+    try:
+        assert _completion(server, ids) == want["all"]  # all at 1, glob (left out) at 0
+        r = httpx.post(f"{server.url}/completion", json={"prompt": ids, "n_predict": 8, "temperature": 0,
+                                                         "ignore_eos": True, "return_tokens": True,
+                                                         "lora": [{"id": 1, "scale": 2.0}]})
+        assert r.json()["tokens"] == want[str({"attn": 2.0})]
+    finally:
+        httpx.post(f"{server.url}/lora-adapters", json=[{"id": 2, "scale": 0.5}])
+    streamed = client.completions.create(model="all", prompt=ids, max_tokens=8, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == llm.tokenizer.decode(want["all"])
+
+
+def test_the_server_refuses_unknown_adapters_and_bad_scales_by_name(server):
+    import httpx
+
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "nope", "prompt": [1, 2], "max_tokens": 2})
+    assert r.status_code == 404 and "`tiny`, `all`, `attn`, `glob`" in r.json()["error"]["message"]
+    for lora in ([{"id": 4, "scale": 1}], [{"id": 0}], [{"id": 0, "scale": 1}, {"id": 0, "scale": 2}], {"id": 0},
+                 [{"id": 0, "scale": float("1e300")}], [{"id": True, "scale": 1}], [{"id": 0, "scale": "1"}]):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "lora": lora})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora", (lora, r.text)
+        r = httpx.post(f"{server.url}/lora-adapters", json=lora)
+        assert r.status_code == 400, (lora, r.text)
+    assert httpx.get(f"{server.url}/lora-adapters").json()[2]["scale"] == 0.5  # nothing changed
+    r = httpx.post(f"{server.url}/v1/embeddings", json={"model": "all", "input": "t1 t2"})
+    assert r.status_code == 400 and "LoRA adapter" in r.json()["error"]["message"]
+
+
+def test_the_command_line_takes_adapters_as_llama_cpp_and_vllm_spell_them(tiny, adapters, llm, capsys):
+    """`quickdraft generate --lora-scaled PATH:SCALE` runs the adapter at that scale; bad specs exit 2 naming them."""
+    from quickdraft import cli
+
+    ids = prompt(41, 6)
+    text = " ".join(f"t{i}" for i in ids)
+    common = ["generate", str(tiny), text, "--max-tokens", "8", "--max-model-len", "128", "--kv-cache-memory", KV]
+    assert cli.main(common + ["--lora-scaled", f"{adapters['attn']}:0.5", "--lora-modules", f"x={adapters['all']}"]) == 0
+    want = llm.generate([text], SamplingParams(max_tokens=8, temperature=0, lora={"attn": 0.5}))[0].outputs[0].text
+    assert capsys.readouterr().out == want + "\n"
+    for bad, message in ((["--lora-scaled", f"{adapters['attn']}:abc"], "--lora-scaled takes PATH:SCALE"),
+                         (["--lora-modules", "x"], "--lora-modules takes NAME=PATH"),
+                         (["--lora-scaled", f"{adapters['attn']}:1e9"], "lora's scale of 'attn'")):
+        assert cli.main(common + bad) == 2
+        assert message in capsys.readouterr().err

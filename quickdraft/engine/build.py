@@ -271,7 +271,7 @@ def build_engine(model: str, options: EngineOptions) -> LoadedEngine:
         raise InvalidParameterError(f"gpu_linears='triton' runs bfloat16 weights, got weights={weights!r}")
     adapters = read_adapters(o.lora_adapters or {}, cfg)  # a bad adapter fails before any weight is read
     target_model = load_model(checkpoint, weights, o.device)
-    target_model.lora = lora_weights(adapters, target_model)
+    target_model.lora = lora_weights(adapters, target_model, [str(p) for p in (o.lora_adapters or {}).values()])
     if o.gpu_linears == "triton":
         triton_float_linears(target_model, o.max_num_seqs * (o.draft_limit + 1))  # the largest decode/verify forward
     target = ModelRunner("target", target_model, plan.kv_caps["target"], o.block_size,

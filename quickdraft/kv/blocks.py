@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from quickdraft.kv.pool import KVPool
+    from quickdraft.models.lora import Mix
 
 
 PROMPT_LOGITS_ROWS = 256  # prompt rows through the LM head at once (150 MB of float32 logits at a 150k vocabulary)
@@ -145,9 +146,9 @@ class SequenceKV:
     # the ids cached, kept by an owner whose ids can change under it (a draft of another vocabulary re-encodes the
     # text); None: not kept. May run past num_cached while tokens are hidden.
     tokens: list[int] | None = None
-    # the LoRA adapter whose keys and values these are (its slot in the model's ``LoraWeights``; 0: the base model),
-    # and what its blocks' hashes start from: a prefix cached under one adapter is never another's
-    adapter: int = 0
+    # the LoRA adapters whose keys and values these are (slots and scales in the model's ``LoraWeights``; (): the base
+    # model alone), and what its blocks' hashes start from: a prefix cached under one adapter is never another's
+    adapter: Mix = ()
     hash_seed: bytes = b""
 
     def blocks_needed(self, new_length: int, block_size: int) -> int:

@@ -92,15 +92,18 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    def new_kv(self, adapter: str | None = None) -> SequenceKV:
-        """An empty cache for a sequence that runs the LoRA adapter called ``adapter`` (None: the base model)."""
-        if adapter is None:
+    def new_kv(self, lora: str | dict[str, float] | None = None) -> SequenceKV:
+        """An empty cache for a sequence that runs the LoRA adapters ``lora`` names (``SamplingParams.lora``)."""
+        if lora is None:
             return SequenceKV()
-        names = self.model.lora.names if self.model.lora is not None else []
-        if adapter not in names:
-            raise InvalidParameterError(f"lora {adapter!r} is not an adapter this model serves; it serves "
+        weights = self.model.lora
+        names = weights.names if weights is not None else []
+        unknown = [name for name in ([lora] if isinstance(lora, str) else lora) if name not in names]
+        if unknown:
+            raise InvalidParameterError(f"lora {unknown[0]!r} is not an adapter this model serves; it serves "
                                         f"{', '.join(map(repr, names)) or 'none'}")
-        return SequenceKV(adapter=names.index(adapter) + 1, hash_seed=b"lora:" + adapter.encode())
+        mix = weights.mix(lora)
+        return SequenceKV(adapter=mix, hash_seed=repr(mix).encode() if mix else b"")
 
     def blocks_for(self, kv: SequenceKV, length: int) -> int:
         """Free blocks a forward growing ``kv`` to ``length`` tokens takes: new ones plus copy-on-write copies."""

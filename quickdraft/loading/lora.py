@@ -212,9 +212,9 @@ def read_adapters(adapters: Mapping[str, str | Path], cfg: ModelConfig) -> dict[
     return {name: read_adapter(path, cfg) for name, path in adapters.items()}
 
 
-def lora_weights(adapters: Mapping[str, Modules], model: Transformer) -> LoraWeights | None:
+def lora_weights(adapters: Mapping[str, Modules], model: Transformer, sources: list[str]) -> LoraWeights | None:
     """The adapters as the model applies them (each B scaled; cast to the hidden states' dtype, on the model's
-    device); None without any."""
+    device), read from ``sources``; None without any."""
     if not adapters:
         return None
     cfg = model.config
@@ -225,4 +225,4 @@ def lora_weights(adapters: Mapping[str, Modules], model: Transformer) -> LoraWei
             b = (b * scale).to(norm.device, norm.dtype)
             part = LoraPart(_offset(cfg, module), a.to(norm.device, norm.dtype), b)
             parts.setdefault((slot, layer, MODULE_SITES[module][0]), []).append(part)
-    return LoraWeights(list(adapters), parts)
+    return LoraWeights(list(adapters), parts, sources)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.errors import InvalidParameterError
+from quickdraft.errors import InvalidParameterError, QuickdraftError
 from quickdraft.loading.checkpoint import Checkpoint
 from quickdraft.loading.gguf import hf_tensor_types
 from quickdraft.loading.gguf_families import is_stacked
@@ -254,17 +254,23 @@ def weights_summary(model: Transformer, checkpoint: Checkpoint, weights: str) ->
     return f"{line}; {step_weight_bytes(model) / 1e9:.3g} GB read per token"
 
 
-def file_defaults(path: str | Path) -> tuple[str, str, int | None]:
+def file_defaults(path: str | Path | None) -> tuple[str, str, int | None]:
     """(how a GGUF file stores its decoder-layer linears, e.g. ``'Q4_K+Q6_K'``; the kernels ``'auto'`` runs them
     on, e.g. ``'Q4_K x169, Q6_K x29'`` counting the lm_head, or ``'float'``; the weight bytes a decode step of those
     kernels reads, None for float weights), from the file's header alone: the CPU kernels are planned where they can
-    be built, and not built (a listing must not compile them)."""
-    types = hf_tensor_types(gguf_tensor_types(path))
-    stored = "+".join(t for t, _ in layer_linear_types(types).most_common()) or "?"
-    kernels = planned_kernels(types, lm_head_format(DEFAULT_LM_HEAD), qmatmul.can_build())
-    if kernels is None:
-        return stored, "float", None
-    return stored, ", ".join(f"{k} x{n}" for k, n in kernels.items()), planned_step_bytes(path)
+    be built, and not built (a listing must not compile them). A listing never fails: ``'?'`` where there is no file
+    to read yet (a split model not assembled) and ``'unreadable'`` for a damaged one."""
+    if path is None or not Path(path).is_file():
+        return "?", "?", None
+    try:
+        types = hf_tensor_types(gguf_tensor_types(path))
+        stored = "+".join(t for t, _ in layer_linear_types(types).most_common()) or "?"
+        kernels = planned_kernels(types, lm_head_format(DEFAULT_LM_HEAD), qmatmul.can_build())
+        if kernels is None:
+            return stored, "float", None
+        return stored, ", ".join(f"{k} x{n}" for k, n in kernels.items()), planned_step_bytes(path)
+    except QuickdraftError:
+        return "unreadable", "?", None
 
 
 def planned_step_bytes(path: str | Path) -> int:

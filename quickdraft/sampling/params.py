@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quickdraft.errors import InvalidParameterError, require_unicode
+from quickdraft.models.lora import check_choice
 from quickdraft.sampling.structured import StructuredOutputs
 
 MAX_N = 128
@@ -154,8 +155,8 @@ class SamplingParams:
     temperature_last: bool = False
     # None: vLLM's penalties; else llama.cpp's, over the last this many tokens of prompt and output (-1 all, 0 off)
     repeat_last_n: int | None = None
-    # the LoRA adapter it runs, by its name in the engine's EngineOptions.lora_adapters; None: the base model
-    lora: str | None = None
+    # the LoRA adapter it runs, by its name in EngineOptions.lora_adapters, or {name: scale} of several; None: none
+    lora: str | dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -242,9 +243,7 @@ class SamplingParams:
                 setattr(self, name, lp)
 
         self.priority = _as_int("priority", self.priority, "an int")
-        if self.lora is not None and (not isinstance(self.lora, str) or not 0 < len(self.lora) <= 256):
-            raise _fail("lora", "an adapter's name (1 to 256 characters) or None", self.lora)
-        require_unicode("lora", self.lora or "")
+        self.lora = check_choice(self.lora)
 
         self.speculative = self._check_speculative(self.speculative)
 

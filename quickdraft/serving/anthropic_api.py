@@ -58,7 +58,7 @@ class MessagesRequest(CountTokensRequest, LlamaSamplerFields):
 
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
                                            "priority", "speculative", "structured_outputs",
-                                           *LlamaSamplerFields.LLAMA_SAMPLERS)
+                                           *LlamaSamplerFields.LLAMA_FIELDS)
 
 
 def _text(content: Any, where: str) -> str:

@@ -24,6 +24,7 @@ from quickdraft.serving.openai_format import TokenTexts, describe_error, describ
 from quickdraft.serving.anthropic_api import router as anthropic_router
 from quickdraft.serving.extra_routes import router as extra_router
 from quickdraft.serving.llama_api import router as llama_router
+from quickdraft.serving.lora_api import router as lora_router
 from quickdraft.serving.response_store import ResponseStore
 from quickdraft.serving.responses_api import router as responses_router
 from quickdraft.serving.routes import ServerContext, context_of, router
@@ -33,9 +34,11 @@ log = logging.getLogger("quickdraft.serving")
 
 
 def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
-               limits: ServerLimits | None = None, web: bool = True) -> FastAPI:
+               limits: ServerLimits | None = None, web: bool = True,
+               lora_scales: dict[str, float] | None = None) -> FastAPI:
     """The app serving ``llm`` as ``model_name``; its engine thread runs until the app shuts down. ``web``: the
-    chat page at ``/``."""
+    chat page at ``/``. ``lora_scales``: the LoRA adapters every request runs unless it names its own, and their
+    scales (llama-server's ``--lora``; see ``lora_api.py``)."""
     limits = limits or ServerLimits()
     engine = AsyncEngine(llm, metrics=metrics, max_waiting_requests=limits.max_waiting_requests,
                          request_timeout_s=limits.request_timeout_s,
@@ -43,7 +46,8 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
     app = FastAPI(title="quickdraft", version="0.1.0", lifespan=_lifespan,
                   description="OpenAI-compatible server for quickdraft (exact speculative decoding)")
     app.state.context = ServerContext(engine, llm, model_name, limits, TokenTexts(llm.tokenizer),
-                                      responses=ResponseStore(limits.max_stored_responses))
+                                      responses=ResponseStore(limits.max_stored_responses),
+                                      lora_scales=dict(lora_scales or {}))
     app.state.engine = engine  # the attributes tests and tools read
     app.state.llm = llm
     app.state.model_name = model_name
@@ -54,7 +58,7 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
     app.add_exception_handler(QuickdraftError, _on_quickdraft)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(Exception, _on_bug)
-    routers = (router, responses_router, anthropic_router, extra_router, llama_router)
+    routers = (router, responses_router, anthropic_router, extra_router, llama_router, lora_router)
     for routes in routers + ((web_router,) if web else ()):
         app.include_router(routes)
     app.openapi = lambda: openapi_without_422(app)

@@ -119,6 +119,9 @@ async def _embedding_inputs(ctx: ServerContext, value: Any) -> list[list[int]]:
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     ctx = context_of(request)
     ctx.check_model(body.model)
+    if body.model in ctx.adapters:
+        raise InvalidParameterError(f"model: embeddings are the base model's hidden states; {body.model!r} is a LoRA "
+                                    f"adapter, pass {ctx.model_name!r}")
     if body.encoding_format not in ("float", "base64"):
         raise InvalidParameterError(f"encoding_format must be 'float' or 'base64', got {body.encoding_format!r}")
     hidden = ctx.llm.model.config.hidden_size

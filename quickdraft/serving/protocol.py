@@ -9,6 +9,7 @@ plain words. Unknown fields are ignored, as vLLM does. Ranges are checked by
 from __future__ import annotations
 
 import re
+import reprlib
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
@@ -48,11 +49,30 @@ class LlamaSamplerFields(BaseModel):
     mirostat_eta: Any = None
     temperature_last: Any = None
     repeat_last_n: Any = None
+    lora: Any = None  # llama-server's LoRA adapters for this request: [{"id": 0, "scale": 0.5}] (see request_scales)
 
     LLAMA_SAMPLERS: ClassVar[tuple[str, ...]] = (
         "allowed_token_ids", "bad_words", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
         "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
         "mirostat", "mirostat_tau", "mirostat_eta", "temperature_last", "repeat_last_n")
+    LLAMA_FIELDS: ClassVar[tuple[str, ...]] = (*LLAMA_SAMPLERS, "lora")  # what a translated request carries over
+
+
+def request_scales(value: Any, adapters: list[str]) -> dict[str, float]:
+    """llama-server's per-request ``lora``, ``[{"id": i, "scale": s}]`` (ids as GET /lora-adapters lists them), as
+    ``SamplingParams.lora``'s ``{name: scale}``: the adapters listed, at their scales (the scales checked there)."""
+    allowed = (f'a list of {{"id": an adapter\'s id (0 to {len(adapters) - 1}), "scale": a number}} objects, each id '
+               f"once" if adapters else "absent: this server has no LoRA adapter")
+    if not isinstance(value, list) or len(value) > len(adapters):
+        raise InvalidParameterError(f"lora must be {allowed}, got {reprlib.repr(value)}")
+    scales: dict[str, float] = {}
+    for item in value:
+        if not (isinstance(item, dict) and set(item) == {"id", "scale"} and isinstance(item["id"], int)
+                and not isinstance(item["id"], bool) and 0 <= item["id"] < len(adapters)
+                and adapters[item["id"]] not in scales):
+            raise InvalidParameterError(f"lora must be {allowed}, got {reprlib.repr(item)}")
+        scales[adapters[item["id"]]] = item["scale"]
+    return scales
 
 
 class _SamplingFields(LlamaSamplerFields):
@@ -261,7 +281,7 @@ KNOWN_PARAMS = {
     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
     "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "priority", "deadline_s", "prompt", "messages",
     "top_logprobs", "max_completion_tokens", "model", "speculative", "structured_outputs", "response_format",
-    "tools", "tool_choice", "reasoning_effort", "chat_template_kwargs", *LlamaSamplerFields.LLAMA_SAMPLERS,
+    "tools", "tool_choice", "reasoning_effort", "chat_template_kwargs", *LlamaSamplerFields.LLAMA_FIELDS,
 }
 
 

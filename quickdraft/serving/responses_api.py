@@ -64,7 +64,7 @@ class ResponsesRequest(LlamaSamplerFields):
 
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "priority", "speculative", "parallel_tool_calls", "model",
-                "structured_outputs", *LlamaSamplerFields.LLAMA_SAMPLERS)
+                "structured_outputs", *LlamaSamplerFields.LLAMA_FIELDS)
 
 
 def _text(content: Any, where: str) -> str:

@@ -27,8 +27,9 @@ from quickdraft.serving.openai_format import (ERROR_RESPONSES, ChatReading, Choi
 from quickdraft.serving.prompt_logprobs import PromptLogprobs, check_size, vllm_prompt_logprobs
 from quickdraft.serving.response_store import ResponseStore
 from quickdraft.serving.reasoning import MESSAGE, markers_are_special, reasoning_format
-from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, ModelNotFoundError, in_call_order,
-                                         _SamplingFields, response_format_constraint)
+from quickdraft.serving.protocol import (ChatCompletionRequest, CompletionRequest, LlamaSamplerFields,
+                                         ModelNotFoundError, in_call_order, _SamplingFields, request_scales,
+                                         response_format_constraint)
 from quickdraft.serving.sse import stream_response
 from quickdraft.serving.tool_prompts import prepare_messages
 from quickdraft.serving.tools import ToolSpec, parse_tools, tool_call_style
@@ -51,18 +52,48 @@ class ServerContext:
     responses: ResponseStore = field(default_factory=ResponseStore)  # what /v1/responses can continue
     # one /v1/embeddings request runs at a time, so the engine steps between its batches (extra_routes._embed)
     embedding_turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # llama-server's --lora: the adapters a request runs unless it says otherwise, by name, and their scales (changed by
+    # POST /lora-adapters); an adapter of vLLM's --lora-modules runs where a request's model names it
+    lora_scales: dict[str, float] = field(default_factory=dict)
 
     @property
     def metrics(self) -> ServerMetrics:
         return self.engine.metrics
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise ModelNotFoundError(f"The model `{name}` does not exist. This server serves `{self.model_name}`.")
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.lora_scales) - set(self.adapters))
+        if unknown:
+            raise ValueError(f"lora_scales names {unknown[0]!r}, which is not one of the model's LoRA adapters")
 
-    def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "quickdraft",
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters' names, their ids' order (GET /lora-adapters)."""
+        lora = self.llm.model.lora
+        return lora.names if lora is not None else []
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name and name not in self.adapters:
+            served = ", ".join(f"`{n}`" for n in [self.model_name, *self.adapters])
+            raise ModelNotFoundError(f"The model `{name}` does not exist. This server serves {served}.")
+
+    def lora_choice(self, req: LlamaSamplerFields) -> str | dict[str, float] | None:
+        """The adapters a request runs (``SamplingParams.lora``): those its ``lora`` field lists (llama-server's), else
+        the adapter its ``model`` names (vLLM's), else the server's defaults (llama-server's ``--lora``)."""
+        if req.lora is not None:
+            return request_scales(req.lora, self.adapters)
+        model = getattr(req, "model", None)
+        if model is not None and model in self.adapters:
+            return model
+        return {name: scale for name, scale in self.lora_scales.items() if scale} or None
+
+    def model_cards(self) -> list[dict]:
+        """The base model's card and each adapter's (vLLM's shape: ``parent`` the base, ``root`` the adapter's
+        path)."""
+        base = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "quickdraft",
                 "max_model_len": self.llm.max_model_len}
+        lora = self.llm.model.lora
+        return [base] + [{**base, "id": name, "root": source, "parent": self.model_name}
+                         for name, source in zip(self.adapters, lora.sources if lora is not None else [])]
 
 
 def context_of(request: Request) -> ServerContext:
@@ -97,14 +128,14 @@ async def reset_prefix_cache(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
-    return {"object": "list", "data": [context_of(request).model_card()]}
+    return {"object": "list", "data": context_of(request).model_cards()}
 
 
 @router.get("/v1/models/{name:path}")
 async def model(name: str, request: Request) -> dict:
     ctx = context_of(request)
     ctx.check_model(name)
-    return ctx.model_card()
+    return next(card for card in ctx.model_cards() if card["id"] == name)
 
 
 @router.post("/v1/completions", responses=ERROR_RESPONSES)
@@ -322,6 +353,7 @@ def sampling_params(ctx: ServerContext, req: _SamplingFields, prompt_len: int, m
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         speculative=req.speculative,
         structured_outputs=constraint, **{name: getattr(req, name) for name in req.LLAMA_SAMPLERS},
+        lora=ctx.lora_choice(req),
         max_tokens=limit - prompt_len if max_tokens is None else max_tokens)
     params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
     if prompt_len + params.max_tokens > limit:
