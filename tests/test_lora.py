@@ -8,12 +8,13 @@ import json
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import InvalidParameterError, ModelLoadError
+from quickdraft.loading.gguf_metadata import read_header
+from quickdraft.loading.lora import read_peft, write_gguf_lora
 
 KV = "8MiB"
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -182,37 +183,15 @@ def test_a_mix_of_adapters_is_the_scaled_sum_of_their_terms(llm, tiny, adapters,
            llm.generate([ids], greedy(6))[0].outputs[0].token_ids
 
 
-def _gguf_lora(peft_dir: Path, out: Path, cfg, arch: str = "llama") -> Path:
-    """The GGUF llama.cpp's convert_lora_to_gguf.py writes of a PEFT adapter: lora_a [r, in] and lora_b [out, r]
-    as PEFT's A and B, lora_b of attn_q/attn_k permuted as the converter permutes those weights (llama), and
-    adapter.lora.alpha."""
-    import gguf
-    from safetensors.torch import load_file
-
-    config = json.loads((peft_dir / "adapter_config.json").read_text())
-    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
-    writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_type("adapter")
-    writer.add_string("adapter.type", "lora")
-    writer.add_float32("adapter.lora.alpha", float(config["lora_alpha"]))
-    for key, tensor in sorted(load_file(peft_dir / "adapter_model.safetensors").items()):
-        parts = key.split(".")
-        layer, module, half = int(parts[4]), parts[6], parts[7][-1].lower()
-        w = tensor.float().numpy()
-        if half == "b" and module in ("q_proj", "k_proj"):  # convert_hf_to_gguf's LlamaModel.permute
-            heads = cfg.num_heads if module == "q_proj" else cfg.num_kv_heads
-            w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        writer.add_tensor(f"blk.{layer}.{names[module]}.weight.lora_{half}", np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
-
-
 def test_a_gguf_lora_runs_as_its_peft_source(llm, tiny, adapters, tmp_path):
-    path = _gguf_lora(Path(adapters["all"]), tmp_path / "all.gguf", llm.model.config)
+    """The GGUF llama.cpp's converter writes of a PEFT adapter (write_gguf_lora: the same tensors, q/k's B rows
+    permuted as the llama converter permutes them; bench/lora_vs_llamacpp.py runs one on llama-server) runs as the
+    PEFT directory does, bit for bit; so does one whose per-module alphas are folded into B (alpha 0)."""
+    cfg = llm.model.config
+    path = write_gguf_lora(read_peft(Path(adapters["all"]), cfg), tmp_path / "all.gguf", cfg)
+    header = read_header(path)
+    assert header.metadata["adapter.lora.alpha"] == 16.0 and header.metadata["general.architecture"] == "llama"
+    assert "blk.1.ffn_down.weight.lora_b" in {t[0] for t in header.tensors}
     from_gguf = LLM(str(tiny), dtype="float32", kv_cache_memory=KV, lora_adapters={"g": str(path)})
     prompts = [prompt(30 + i, 9) for i in range(3)]
     assert [o.outputs[0].token_ids for o in from_gguf.generate(prompts, greedy(12, lora="g"))] == \
@@ -228,6 +207,14 @@ def test_rslora_and_per_module_alphas_scale_as_peft_does(tiny, tmp_path, config)
     want = peft_logprobs(tiny, adapter, ids)
     for p in range(1, len(ids)):
         assert out.prompt_logprobs[p]["logprob"] == pytest.approx(want[p - 1, ids[p]].item(), abs=2e-4)
+    # as a GGUF LoRA: one alpha for rsLoRA's alpha / sqrt(r), each module's scale folded into B for alpha_pattern
+    cfg = llm.model.config
+    path = write_gguf_lora(read_peft(adapter, cfg), tmp_path / "a.gguf", cfg)
+    assert (read_header(path).metadata["adapter.lora.alpha"] == 0.0) == ("alpha_pattern" in config)
+    gguf_llm = LLM(str(tiny), dtype="float32", kv_cache_memory=KV, lora_adapters={"a": str(path)})
+    again = gguf_llm.generate([ids], greedy(1, prompt_logprobs=0, lora="a"))[0]
+    for p in range(1, len(ids)):
+        assert again.prompt_logprobs[p]["logprob"] == pytest.approx(out.prompt_logprobs[p]["logprob"], abs=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -368,8 +355,8 @@ def test_the_server_runs_adapters_as_vllm_and_llama_server_name_them(server, llm
     cards = client.models.list().data
     assert [m.id for m in cards] == ["tiny", "all", "attn", "glob"]
     assert [getattr(m, "parent", None) for m in cards] == [None, "tiny", "tiny", "tiny"]
-    got = client.completions.create(model="all", prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
-                                    logprobs=0)
+    got = client.completions.create(model="all", prompt=ids, max_tokens=8, temperature=0, logprobs=0,
+                                    extra_body={"ignore_eos": True})
     assert [int(t[1:]) for t in got.choices[0].logprobs.tokens] == want["all"]
     assert _completion(server, ids, model="tiny") == want[str({"attn": 0.5})]  # the server's default: glob at 0.5
     assert _completion(server, ids, lora=[{"id": 2, "scale": 2.0}]) == want[str({"attn": 2.0})]
@@ -416,7 +403,8 @@ def test_the_command_line_takes_adapters_as_llama_cpp_and_vllm_spell_them(tiny, 
     ids = prompt(41, 6)
     text = " ".join(f"t{i}" for i in ids)
     common = ["generate", str(tiny), text, "--max-tokens", "8", "--max-model-len", "128", "--kv-cache-memory", KV]
-    assert cli.main(common + ["--lora-scaled", f"{adapters['attn']}:0.5", "--lora-modules", f"x={adapters['all']}"]) == 0
+    given = ["--lora-scaled", f"{adapters['attn']}:0.5", "--lora-modules", f"x={adapters['all']}"]
+    assert cli.main(common + given) == 0
     want = llm.generate([text], SamplingParams(max_tokens=8, temperature=0, lora={"attn": 0.5}))[0].outputs[0].text
     assert capsys.readouterr().out == want + "\n"
     for bad, message in ((["--lora-scaled", f"{adapters['attn']}:abc"], "--lora-scaled takes PATH:SCALE"),

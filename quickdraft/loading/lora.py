@@ -3,9 +3,11 @@ any is used.
 
 An adapter is a set of (layer, module) -> (A ``[r, in]``, B ``[out, r]``, scale). PEFT writes ``adapter_config.json``
 (``r``, ``lora_alpha``, ``use_rslora``, ``alpha_pattern``) and ``adapter_model.safetensors`` (``...layers.3.self_attn.
-q_proj.lora_A.weight``); scale is alpha / r (alpha / sqrt(r) with rsLoRA). llama.cpp's ``convert_lora_to_gguf.py``
-writes a GGUF whose ``general.type`` is ``adapter`` (``adapter.lora.alpha``; tensors ``blk.3.attn_q.weight.lora_a``
-and ``.lora_b``); scale is alpha / r, or 1 where alpha is 0, as llama.cpp applies it.
+q_proj.lora_A.weight``); scale is alpha / r (alpha / sqrt(r) with rsLoRA). llama.cpp's GGUF LoRA, as its
+``convert_lora_to_gguf.py`` writes one: ``general.type`` ``adapter``, ``adapter.type`` ``lora``, ``adapter.lora.alpha``,
+and per adapted weight ``blk.3.attn_q.weight.lora_a`` (PEFT's A) and ``.lora_b`` (B, its rows permuted as the base
+weight's are where the converter permutes q and k: llama's rotary layout); scale alpha / r, or 1 where alpha is 0,
+as llama.cpp applies it. ``write_gguf_lora`` writes one from a PEFT adapter, so one adapter runs on both engines.
 """
 from __future__ import annotations
 
@@ -21,15 +23,15 @@ import torch
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import InvalidParameterError, ModelLoadError
+from quickdraft.loading.dequant import SUPPORTED_IDS, dequantize, qtype_name
+from quickdraft.loading.gguf import PERMUTED_ARCHITECTURES, unpermute_rows
+from quickdraft.loading.gguf_metadata import read_header
 from quickdraft.models.lora import MODULE_SITES, LoraPart, LoraWeights
 from quickdraft.models.transformer import Transformer
 
 MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
 MAX_ADAPTERS = 64
 _PEFT_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-_GGUF_KEY = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
-_GGUF_MODULES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
-                 "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 Modules = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
 
 
@@ -129,12 +131,14 @@ def read_peft(directory: Path, cfg: ModelConfig) -> Modules:
     return modules
 
 
+_GGUF_KEY = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+GGUF_MODULES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+                "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+
+
 def read_gguf_lora(path: Path, cfg: ModelConfig) -> Modules:
     """A GGUF LoRA's modules (``convert_lora_to_gguf.py``'s layout: lora_a ``[r, in]``, lora_b ``[out, r]`` with q/k
     rows permuted as the base's are, for the architectures whose converter permutes them)."""
-    from quickdraft.loading.dequant import SUPPORTED_IDS, dequantize, qtype_name
-    from quickdraft.loading.gguf import PERMUTED_ARCHITECTURES, unpermute_rows
-    from quickdraft.loading.gguf_metadata import read_header
     header = read_header(path)  # every count, length and offset checked
     meta = header.metadata
     kind = (meta.get("general.type"), meta.get("adapter.type"))
@@ -142,19 +146,19 @@ def read_gguf_lora(path: Path, cfg: ModelConfig) -> Modules:
         raise ModelLoadError(f"{path}: not a LoRA adapter (general.type {kind[0]!r}, adapter.type {kind[1]!r}; a "
                              f"GGUF LoRA has 'adapter' and 'lora')")
     arch = meta.get("general.architecture")
-    if not isinstance(arch, str) or arch.replace("_", "") != cfg.architecture.replace("_", ""):
+    if not isinstance(arch, str) or arch.replace("_", "") != gguf_architecture(cfg):
         raise ModelLoadError(f"{path}: an adapter of a {arch!r} model cannot adapt this {cfg.architecture!r} one")
     alpha = meta.get("adapter.lora.alpha", 0.0)
     if not _is_number(alpha) or alpha < 0:
         raise ModelLoadError(f"{path}: adapter.lora.alpha must be a finite number >= 0, got {alpha!r}")
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    widest = max(max(module_shape(cfg, module)) for module in _GGUF_MODULES.values())
+    widest = max(max(module_shape(cfg, module)) for module in GGUF_MODULES.values())
     with open(path, "rb") as f:
         for name, dims, qtype, offset, nbytes in header.tensors:
             match = _GGUF_KEY.match(name)
-            if match is None or match[2] not in _GGUF_MODULES:
+            if match is None or match[2] not in GGUF_MODULES:
                 raise ModelLoadError(f"{path}: tensor {name!r} is not a decoder layer's lora_a or lora_b of "
-                                     f"{', '.join(_GGUF_MODULES)}")
+                                     f"{', '.join(GGUF_MODULES)}")
             if len(dims) != 2 or math.prod(dims) > MAX_LORA_RANK * widest:  # checked again in full once read
                 raise ModelLoadError(f"{path}: tensor {name} has dims {dims}; a LoRA matrix is 2-D, of rank at most "
                                      f"{MAX_LORA_RANK}")
@@ -164,7 +168,7 @@ def read_gguf_lora(path: Path, cfg: ModelConfig) -> Modules:
             f.seek(offset)
             raw = np.frombuffer(f.read(nbytes), dtype=np.uint8)
             shape = tuple(reversed(dims))
-            found.setdefault((int(match[1]), _GGUF_MODULES[match[2]]), {})[match[3].upper()] = \
+            found.setdefault((int(match[1]), GGUF_MODULES[match[2]]), {})[match[3].upper()] = \
                 dequantize(raw, qtype, shape)
     modules: Modules = {}
     for (layer, module), pair in sorted(found.items()):
@@ -175,6 +179,37 @@ def read_gguf_lora(path: Path, cfg: ModelConfig) -> Modules:
                 b = unpermute_rows(b, heads)
         modules[(layer, module)] = _checked(path, cfg, layer, module, a, b, float(alpha) or None)
     return modules
+
+
+def gguf_architecture(cfg: ModelConfig) -> str:
+    return cfg.architecture.replace("_", "")  # (GGUF spells qwen3_moe qwen3moe)
+
+
+def write_gguf_lora(modules: Modules, out: str | Path, cfg: ModelConfig) -> Path:
+    """``modules`` (``read_adapter``'s) as the GGUF LoRA llama.cpp's converter writes, float32. One alpha serves the
+    file: where every module's scale is alpha / r of one alpha it is written; else each B is scaled and alpha is 0."""
+    import gguf
+
+    arch = gguf_architecture(cfg)
+    alphas = {round(scale * a.shape[0], 6) for a, _, scale in modules.values()}
+    alpha = alphas.pop() if len(alphas) == 1 else 0.0
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    names = {module: name for name, module in GGUF_MODULES.items()}
+    for (layer, module), (a, b, scale) in sorted(modules.items()):
+        b = b if alpha else b * scale
+        if arch in PERMUTED_ARCHITECTURES and module in ("q_proj", "k_proj"):  # convert_hf_to_gguf's permute
+            heads = cfg.num_heads if module == "q_proj" else cfg.num_kv_heads
+            b = b.reshape(heads, 2, b.shape[0] // heads // 2, b.shape[1]).transpose(1, 2).reshape(b.shape)
+        for half, t in (("a", a), ("b", b)):
+            writer.add_tensor(f"blk.{layer}.{names[module]}.weight.lora_{half}", t.float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out)
 
 
 def _is_number(value: object) -> bool:
