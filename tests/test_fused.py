@@ -33,9 +33,9 @@ def _contents(runner, kv: SequenceKV) -> tuple[torch.Tensor, torch.Tensor]:
 def _count_fused_layers(monkeypatch, calls: list) -> None:
     """Append 1 to ``calls`` for every layer a fused call runs (one layer's call or a whole stack's)."""
     layer_call, stack_call = FusedLayer.__call__, FusedStack.__call__
-    monkeypatch.setattr(FusedLayer, "__call__", lambda self, x, t: (calls.append(1), layer_call(self, x, t))[1])
+    monkeypatch.setattr(FusedLayer, "__call__", lambda self, *a: (calls.append(1), layer_call(self, *a))[1])
     monkeypatch.setattr(FusedStack, "__call__",
-                        lambda self, x, t: (calls.extend([1] * len(self.layers)), stack_call(self, x, t))[1])
+                        lambda self, *a: (calls.extend([1] * len(self.layers)), stack_call(self, *a))[1])
 
 
 def _verify_step(llm: LLM, prompt: list[int], drafts: list[int], fused: bool, monkeypatch) -> tuple[list, int]:

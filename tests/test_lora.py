@@ -412,3 +412,69 @@ def test_the_command_line_takes_adapters_as_llama_cpp_and_vllm_spell_them(tiny, 
                          (["--lora-scaled", f"{adapters['attn']}:1e9"], "lora's scale of 'attn'")):
         assert cli.main(common + bad) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lora_kernel_gives_a_row_the_same_bits_in_any_batch(dtype):
+    """qd_lora_add: a row's term alone, among 9 rows, or picked by an index is the same bits (torch's float32
+    matmul is not: one row takes another kernel than two), and it is B (A x) within the output's rounding; rows not
+    picked are untouched. K and the outputs are not multiples of 8 (the kernel's tails)."""
+    from quickdraft.models import native
+    from quickdraft.models.lora import LoraPart, SiteCall
+
+    if not native.available():
+        pytest.skip("quickdraft's CPU kernels not built on this CPU")
+    torch.manual_seed(0)
+    parts = [LoraPart(0, torch.randn(8, 72), torch.randn(8, 40)), LoraPart(45, torch.randn(3, 72), torch.randn(3, 17))]
+    call = SiteCall(parts)
+    x, base = torch.randn(9, 72).to(dtype), torch.randn(9, 64).to(dtype)
+    whole = base.clone()
+    call.add(whole, x, slice(0, 9))
+    for i in range(9):
+        alone = base[i:i + 1].clone()
+        call.add(alone, x[i:i + 1], slice(0, 1))
+        assert torch.equal(alone[0], whole[i])
+    picked = base.clone()
+    call.add(picked, x, torch.tensor([8, 2, 5]))
+    assert torch.equal(picked[[8, 2, 5]], whole[[8, 2, 5]]) and torch.equal(picked[[0, 1, 3, 4, 6, 7]],
+                                                                             base[[0, 1, 3, 4, 6, 7]])
+    want = base.double()
+    for p in parts:
+        want[:, p.offset:p.offset + p.bt.shape[1]] += (x.double() @ p.a.double().T) @ p.bt.double()
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(whole.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+@pytest.mark.parametrize("weights", ["gguf", "int8", "bfloat16"])
+def test_fused_layers_add_the_adapters_as_the_module_path_does(smollm2, smollm2_adapter, weights, monkeypatch):
+    """A step of single tokens (a verify pass under the adapter beside a base decode token and one at scale -0.5) runs
+    the fused C layers with the adapters' terms inside (gate/up that applies SwiGLU taking gate and up in float32 for
+    them): the same logits and caches, bit for bit, as the module path, and they run fused."""
+    from quickdraft.kv import ForwardItem
+    from quickdraft.models.fused import FusedStack
+    from quickdraft.models.transformer import DecoderLayer, Transformer
+
+    llm = LLM(str(smollm2), weights=weights, kv_cache_memory="64MiB", lora_adapters={"a": str(smollm2_adapter)})
+    runner = llm.target
+    prompt_ids = llm.tokenizer.encode("def fibonacci(n):\n    if n")
+    stack_calls: list[int] = []
+    stack_call = FusedStack.__call__
+    monkeypatch.setattr(FusedStack, "__call__", lambda self, *a: (stack_calls.append(1), stack_call(self, *a))[1])
+
+    def step() -> list[torch.Tensor]:
+        kvs = [runner.new_kv("a"), runner.new_kv(None), runner.new_kv({"a": -0.5})]
+        for kv in kvs:
+            runner.forward([ForwardItem(kv, prompt_ids, 1)])
+        rows = runner.forward([ForwardItem(kvs[0], [29, 308, 4811], 3), ForwardItem(kvs[1], [29], 1),
+                               ForwardItem(kvs[2], [476, 44], 2)])
+        caches = [runner.gather(kv)["k"] for kv in kvs] + [runner.gather(kv)["v"] for kv in kvs]
+        for kv in kvs:
+            runner.free(kv)
+        return [*rows, *caches]
+
+    fused = step()
+    assert stack_calls
+    monkeypatch.setattr(DecoderLayer, "fused", lambda self, rope: None)
+    monkeypatch.setattr(Transformer, "fused_stack", lambda self, n: None)
+    for a, b in zip(fused, step()):
+        assert torch.equal(a, b)

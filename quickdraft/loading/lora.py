@@ -248,16 +248,15 @@ def read_adapters(adapters: Mapping[str, str | Path], cfg: ModelConfig) -> dict[
 
 
 def lora_weights(adapters: Mapping[str, Modules], model: Transformer, sources: list[str]) -> LoraWeights | None:
-    """The adapters as the model applies them (each B scaled; cast to the hidden states' dtype, on the model's
-    device), read from ``sources``; None without any."""
+    """The adapters as the model applies them (float32, each B scaled and transposed, on the model's device), read
+    from ``sources``; None without any."""
     if not adapters:
         return None
     cfg = model.config
-    norm = model.model.norm.weight
+    device = model.model.norm.weight.device
     parts: dict[tuple[int, int, str], list[LoraPart]] = {}
     for slot, modules in enumerate(adapters.values(), start=1):
         for (layer, module), (a, b, scale) in modules.items():
-            b = (b * scale).to(norm.device, norm.dtype)
-            part = LoraPart(_offset(cfg, module), a.to(norm.device, norm.dtype), b)
+            part = LoraPart(_offset(cfg, module), a.to(device), (b * scale).T.contiguous().to(device))
             parts.setdefault((slot, layer, MODULE_SITES[module][0]), []).append(part)
-    return LoraWeights(list(adapters), parts, sources)
+    return LoraWeights(list(adapters), parts, sources, cfg.num_layers)

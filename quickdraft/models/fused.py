@@ -184,12 +184,13 @@ class FusedLayer:
         return (x.dtype in (torch.float32, torch.bfloat16) and (self.dtype is None or x.dtype == self.dtype)
                 and tokens.takes(x) and x.is_contiguous() and x.shape[-1] == self.desc.hidden)
 
-    def __call__(self, x: torch.Tensor, tokens: SingleTokens) -> torch.Tensor:
-        """``x [T, hidden]`` through the layer, in place (it is returned)."""
+    def __call__(self, x: torch.Tensor, tokens: SingleTokens, lora: object = None, layer: int = 0) -> torch.Tensor:
+        """``x [T, hidden]`` through the layer, in place (it is returned); ``lora``: the step's adapters as
+        ``qd_lora`` (``LoraRows.fused``), this layer being the model's layer ``layer``."""
         kv, items = tokens.cache.desc(), tokens.items.desc()
         rc = native.lib().qd_decoder_layer(
             self._ref, x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], tokens.positions.data_ptr(),
-            tokens.slot_mapping.data_ptr(), ctypes.byref(kv), ctypes.byref(items))
+            tokens.slot_mapping.data_ptr(), ctypes.byref(kv), ctypes.byref(items), lora, layer)
         native._check(rc, "qd_decoder_layer")
         return x
 
@@ -212,13 +213,14 @@ class FusedStack:
                 and (self.dtype is None or x.dtype == self.dtype) and tokens.takes(x)
                 and x.is_contiguous() and x.shape[-1] == self.hidden)
 
-    def __call__(self, x: torch.Tensor, tokens: SingleTokens) -> torch.Tensor:
-        """``x [T, hidden]`` through every layer, in place (it is returned); ``tokens`` carries layer 0's cache."""
+    def __call__(self, x: torch.Tensor, tokens: SingleTokens, lora: object = None) -> torch.Tensor:
+        """``x [T, hidden]`` through every layer, in place (it is returned); ``tokens`` carries layer 0's cache;
+        ``lora``: the step's adapters (``LoraRows.fused``)."""
         kv, items = tokens.cache.desc(), tokens.items.desc()
         rc = native.lib().qd_decoder_stack(
             self._array, len(self.layers), x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0],
             tokens.positions.data_ptr(), tokens.slot_mapping.data_ptr(), ctypes.byref(kv), tokens.layer_stride,
-            tokens.scale_layer_stride, ctypes.byref(items))
+            tokens.scale_layer_stride, ctypes.byref(items), lora)
         native._check(rc, "qd_decoder_stack")
         return x
 

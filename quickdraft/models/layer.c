@@ -75,6 +75,48 @@ int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_ex
            int T, int hidden, int k, const int64_t *experts, const float *weights, int act, float limit, float alpha,
            void *out);
 
+/* One projection site's LoRA parts, as qd_lora_add (cpu_ops.c) takes them; nparts 0: none. */
+typedef struct {
+    int nparts;
+    const int *offsets, *ranks, *outs;
+    const float *const *a, *const *bt;
+} qd_lora_site;
+
+/* A step's LoRA adapters: group g's nrows[g] rows (indices into the step's tokens) run sites[g], 4 sites a layer
+ * (QD_LORA_QKV .. QD_LORA_DOWN) from layer 0 on. What the module path adds after the same projections
+ * (models/lora.py), with the same kernel. */
+typedef struct {
+    int ngroups;
+    const int64_t *const *rows;
+    const int *nrows;
+    const qd_lora_site *const *sites;
+} qd_lora;
+enum { QD_LORA_QKV, QD_LORA_O, QD_LORA_GATE_UP, QD_LORA_DOWN };
+
+int qd_lora_add(const void *x, int x_bf16, long ldx, void *y, int y_bf16, long ldy, const int64_t *rows, int nrows,
+                int K, int nparts, const int *offsets, const int *ranks, const int *outs, const float *const *a,
+                const float *const *bt);
+
+/* y [T][ldy] += each group's terms at one site of layer `layer`, for x [T][K] (row stride K) */
+static int lora_site(const qd_lora *lora, int layer, int site, const void *x, int x_bf16, int K, void *y, int y_bf16,
+                     long ldy) {
+    for (int g = 0; lora && g < lora->ngroups; g++) {
+        const qd_lora_site *s = &lora->sites[g][4 * layer + site];
+        if (s->nparts) {
+            int rc = qd_lora_add(x, x_bf16, K, y, y_bf16, ldy, lora->rows[g], lora->nrows[g], K, s->nparts, s->offsets,
+                                 s->ranks, s->outs, s->a, s->bt);
+            if (rc) return rc;
+        }
+    }
+    return 0;
+}
+
+static int lora_at(const qd_lora *lora, int layer, int site) {
+    for (int g = 0; lora && g < lora->ngroups; g++)
+        if (lora->sites[g][4 * layer + site].nparts) return 1;
+    return 0;
+}
+
 static int run_linear(const qd_linear_desc *d, const void *x, int bf16, int M, void *y) {
     if (d->kind == QD_QUANTIZED)
         return qd_linear(x, bf16, M, d->in_features, d->padded_in, d->nparts, d->weights, d->scales_zeros, d->formats,
@@ -100,11 +142,14 @@ static __thread struct {
 
 #define CHECK(call) do { int rc_ = (call); if (rc_) return rc_; } while (0)
 
-/* x [T][hidden] (float32 or bfloat16, updated in place) through one layer. Token t is at positions[t], its key
- * and value go to cache slot slot_mapping[t], and the items attend as qd_attend says. Returns 0, -1 (out of
- * memory) or -2 (bad arguments). */
+/* x [T][hidden] (float32 or bfloat16, updated in place) through one layer, the model's layer `layer`. Token t is at
+ * positions[t], its key and value go to cache slot slot_mapping[t], and the items attend as qd_attend says; lora
+ * (NULL: none) adds adapters' terms after the projections. Where a LoRA adds to gate/up of a layer whose gate/up
+ * applies SwiGLU, every row takes gate and up in float32 and qd_gated, as the module path does (the same bits as
+ * the kernel's SwiGLU). Returns 0, -1 (out of memory) or -2 (bad arguments). */
 int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int64_t *positions,
-                     const int64_t *slot_mapping, const qd_kv_cache *kv, const qd_attn_items *items) {
+                     const int64_t *slot_mapping, const qd_kv_cache *kv, const qd_attn_items *items,
+                     const qd_lora *lora, int layer) {
     if (T < 0 || L->heads % L->kv_heads || (L->gate_up.swiglu && L->act != 0)) return -2; /* the kernel's is silu */
     if (T == 0) return 0;
     const size_t es = bf16 ? 2 : 4, D = (size_t)L->head_dim;
@@ -112,7 +157,9 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     const size_t act_width = L->gate_up.swiglu ? (size_t)L->intermediate : 2 * (size_t)L->intermediate;
     const size_t n_h = (size_t)T * L->hidden, n_qkv = (size_t)T * qkv_width, n_att = (size_t)T * q_width;
     const size_t n_gu = (size_t)T * act_width, n_act = (size_t)T * L->intermediate;
-    const size_t need = (2 * n_h + n_qkv + n_att + n_gu + n_act) * es + 6 * 64;
+    const int lora_gate_up = L->gate_up.swiglu && lora_at(lora, layer, QD_LORA_GATE_UP);
+    const size_t n_f32 = lora_gate_up ? (size_t)T * 3 * L->intermediate : 0; /* [gate | up] and act(gate) * up */
+    const size_t need = (2 * n_h + n_qkv + n_att + n_gu + n_act) * es + n_f32 * 4 + 7 * 64;
     if (need > buffers.cap) {
         free(buffers.data);
         buffers.data = aligned_alloc(64, (need + 63) / 64 * 64);
@@ -123,10 +170,12 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
 #define TAKE(n) (next += ((n) * es + 63) / 64 * 64, next - ((n) * es + 63) / 64 * 64)
     char *h = TAKE(n_h), *tmp = TAKE(n_h), *qkv = TAKE(n_qkv), *att = TAKE(n_att), *gu = TAKE(n_gu), *act = TAKE(n_act);
 #undef TAKE
+    float *gu32 = (float *)next, *act32 = gu32 + (size_t)T * 2 * L->intermediate;
 
     /* attention block */
     CHECK(qd_rmsnorm(x, bf16, L->input_norm, L->norm_bf16, T, L->hidden, L->eps, h));
     CHECK(run_linear(&L->qkv, h, bf16, T, qkv));
+    CHECK(lora_site(lora, layer, QD_LORA_QKV, h, bf16, L->hidden, qkv, bf16, (long)qkv_width));
     if (L->q_norm)
         CHECK(qd_head_norm(qkv, bf16, L->q_norm, L->norm_bf16, T, L->heads, L->head_dim, (long)qkv_width, L->eps));
     if (L->k_norm)
@@ -142,6 +191,7 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     CHECK(qd_attend(qkv, (long)qkv_width, bf16, L->heads, L->kv_heads, L->head_dim, kv, items, L->attn_scale,
                     L->window, L->sinks, att));
     CHECK(run_linear(&L->o, att, bf16, T, tmp));
+    CHECK(lora_site(lora, layer, QD_LORA_O, att, bf16, (int)q_width, tmp, bf16, L->hidden));
     if (L->post_attn_norm) CHECK(qd_rmsnorm(tmp, bf16, L->post_attn_norm, L->norm_bf16, T, L->hidden, L->eps, tmp));
     add_into(x, tmp, bf16, n_h);
     if (!L->gate_up.kind && !L->moe.num_experts) return 0; /* a mixture's layer whose feed-forward the caller runs */
@@ -167,13 +217,22 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
 
     /* MLP block */
     CHECK(qd_rmsnorm(x, bf16, L->post_norm, L->norm_bf16, T, L->hidden, L->eps, h));
-    if (L->gate_up.swiglu) {
+    if (lora_gate_up) { /* QuantGroup.unactivated, the terms, then qd_gated in float32 rounded once */
+        const qd_linear_desc *g = &L->gate_up;
+        CHECK(qd_linear(h, bf16, T, g->in_features, g->padded_in, g->nparts, g->weights, g->scales_zeros, g->formats,
+                        g->part_rows, g->biases, 0, gu32, 0));
+        CHECK(lora_site(lora, layer, QD_LORA_GATE_UP, h, bf16, L->hidden, gu32, 0, 2 * (long)L->intermediate));
+        CHECK(qd_gated(gu32, 0, T, L->intermediate, L->act, 0.f, 0.f, act32));
+        for (size_t i = 0; i < n_act; i++) st(act, bf16, i, act32[i]);
+    } else if (L->gate_up.swiglu) {
         CHECK(run_linear(&L->gate_up, h, bf16, T, act));
     } else {
         CHECK(run_linear(&L->gate_up, h, bf16, T, gu));
+        CHECK(lora_site(lora, layer, QD_LORA_GATE_UP, h, bf16, L->hidden, gu, bf16, 2 * (long)L->intermediate));
         CHECK(qd_gated(gu, bf16, T, L->intermediate, L->act, 0.f, 0.f, act));
     }
     CHECK(run_linear(&L->down, act, bf16, T, tmp));
+    CHECK(lora_site(lora, layer, QD_LORA_DOWN, act, bf16, L->intermediate, tmp, bf16, L->hidden));
     if (L->post_mlp_norm) CHECK(qd_rmsnorm(tmp, bf16, L->post_mlp_norm, L->norm_bf16, T, L->hidden, L->eps, tmp));
     add_into(x, tmp, bf16, n_h);
     return 0;
@@ -185,7 +244,7 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
  * window and RoPE tables are its own desc's). */
 int qd_decoder_stack(const qd_layer_desc *const *layers, int n, void *x, int bf16, int T, const int64_t *positions,
                      const int64_t *slot_mapping, const qd_kv_cache *kv, long layer_stride, long scale_layer_stride,
-                     const qd_attn_items *items) {
+                     const qd_attn_items *items, const qd_lora *lora) {
     if (n < 0 || layer_stride < 0 || scale_layer_stride < 0) return -2;
     const size_t es = kv->format == QD_KV_INT8 ? 1 : kv->format == QD_KV_BF16 ? 2 : 4;
     for (int i = 0; i < n; i++) {
@@ -193,7 +252,7 @@ int qd_decoder_stack(const qd_layer_desc *const *layers, int n, void *x, int bf1
         qd_kv_cache layer_kv = {(char *)kv->k + offset, (char *)kv->v + offset,
                                 kv->k_scale ? kv->k_scale + scales : NULL, kv->v_scale ? kv->v_scale + scales : NULL,
                                 kv->format};
-        CHECK(qd_decoder_layer(layers[i], x, bf16, T, positions, slot_mapping, &layer_kv, items));
+        CHECK(qd_decoder_layer(layers[i], x, bf16, T, positions, slot_mapping, &layer_kv, items, lora, i));
     }
     return 0;
 }

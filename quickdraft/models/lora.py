@@ -10,18 +10,23 @@ side; ``gate_up``: gate and up before the activation); an adapter's module is a 
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import reprlib
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from quickdraft.errors import InvalidParameterError, require_unicode
+from quickdraft.models import native
 
 MAX_NAME_CHARS, MAX_MIXED, MAX_SCALE = 256, 64, 100.0
+MAX_CACHED_MIXES = 32
 Mix = tuple[tuple[int, float], ...]  # (slot, scale) of each adapter a sequence runs; () for the base model alone
 
+SITES = ("qkv", "o", "gate_up", "down")  # a layer's projection sites, in qd_lora_site's order (layer.c)
 # a target module's site, and which of the site's stacked outputs it is
 MODULE_SITES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
                 "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
@@ -29,22 +34,61 @@ MODULE_SITES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2)
 
 @dataclass(frozen=True)
 class LoraPart:
-    """One adapted module: its A ``[r, in]``, its B already scaled ``[out, r]``, and the first column of its output
-    in its site's output."""
+    """One adapted module: its A ``[r, in]`` and its B already scaled, transposed ``[r, out]`` (float32), and the
+    first column of its output in its site's output."""
 
     offset: int
     a: torch.Tensor
-    b: torch.Tensor
+    bt: torch.Tensor
+
+
+class SiteCall:
+    """One site's parts of a mix of adapters (each B times its adapter's scale), ready for ``native.lora_add``."""
+
+    def __init__(self, parts: list[LoraPart]) -> None:
+        self.parts = parts
+        n = len(parts)
+        self._keep = [p.a.contiguous() for p in parts], [p.bt.contiguous() for p in parts]
+        ints = ctypes.c_int * n
+        self.arrays = (n, ints(*[p.offset for p in parts]), ints(*[p.a.shape[0] for p in parts]),
+                       ints(*[p.bt.shape[1] for p in parts]),
+                       (ctypes.c_void_p * n)(*[t.data_ptr() for t in self._keep[0]]),
+                       (ctypes.c_void_p * n)(*[t.data_ptr() for t in self._keep[1]]))
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor) -> None:
+        """``out[rows] += B (A x[rows])`` of every part, in place: on the CPU by ``qd_lora_add`` (a row's bits never
+        depend on the rows beside it), elsewhere by torch in float32."""
+        if native.runs_lora(out, x):
+            if isinstance(rows, slice):
+                native.lora_add(out[rows], x[rows], None, self.arrays)
+            else:
+                native.lora_add(out, x, rows, self.arrays)
+            return
+        inputs = x[rows].float()
+        for part in self.parts:
+            end = part.offset + part.bt.shape[1]
+            out[rows, part.offset:end] += ((inputs @ part.a.T) @ part.bt).to(out.dtype)
+
+
+class _Site(ctypes.Structure):  # qd_lora_site (layer.c)
+    _fields_ = [("nparts", ctypes.c_int), ("offsets", ctypes.c_void_p), ("ranks", ctypes.c_void_p),
+                ("outs", ctypes.c_void_p), ("a", ctypes.c_void_p), ("bt", ctypes.c_void_p)]
+
+
+class _Lora(ctypes.Structure):  # qd_lora (layer.c)
+    _fields_ = [("ngroups", ctypes.c_int), ("rows", ctypes.c_void_p), ("nrows", ctypes.c_void_p),
+                ("sites", ctypes.c_void_p)]
 
 
 class LoraWeights:
     """The adapters a model serves. Slot 0 is the base model; adapter ``i`` of ``names`` is slot ``i + 1``."""
 
-    def __init__(self, names: list[str], parts: dict[tuple[int, int, str], list[LoraPart]], sources: list[str]
-                 ) -> None:
+    def __init__(self, names: list[str], parts: dict[tuple[int, int, str], list[LoraPart]], sources: list[str],
+                 layers: int) -> None:
         """``parts``: by (slot, layer, site), the adapted modules of that site; ``sources``: where each adapter was
-        read from."""
-        self.names, self.parts, self.sources = list(names), parts, list(sources)
+        read from; ``layers``: the model's decoder layers."""
+        self.names, self.parts, self.sources, self.layers = list(names), parts, list(sources), layers
+        self._calls: OrderedDict[Mix, dict[tuple[int, str], SiteCall | None]] = OrderedDict()
 
     def mix(self, choice: str | Mapping[str, float] | None) -> Mix:
         """A request's choice (an adapter's name, or names with scales; see ``check_choice``) as slots and scales,
@@ -57,8 +101,39 @@ class LoraWeights:
                 raise KeyError(name)
         return tuple((self.names.index(name) + 1, scale) for name, scale in sorted(scales.items()) if scale)
 
+    def site_call(self, mix: Mix, layer: int, site: str) -> SiteCall | None:
+        """The parts ``mix`` adds at a layer's site (each B scaled by its adapter's scale), made on first use; the
+        calls of the MAX_CACHED_MIXES mixes used last are kept."""
+        calls = self._calls.get(mix)
+        if calls is None:
+            calls = self._calls[mix] = {}
+            while len(self._calls) > MAX_CACHED_MIXES:
+                self._calls.popitem(last=False)
+        else:
+            self._calls.move_to_end(mix)
+        key = (layer, site)
+        if key not in calls:
+            parts = [p if scale == 1.0 else LoraPart(p.offset, p.a, p.bt * scale)
+                     for slot, scale in mix for p in self.parts.get((slot, layer, site), ())]
+            calls[key] = SiteCall(parts) if parts else None
+        return calls[key]
+
+    def site_table(self, mix: Mix, layers: int) -> tuple[ctypes.Array, list[SiteCall | None]]:
+        """``mix``'s sites of layers 0 .. ``layers`` - 1 as the fused layer reads them (4 a layer: qkv, o, gate_up,
+        down), and the calls whose arrays it points into (whoever holds the table holds them); made on first use and
+        kept with the mix's calls."""
+        calls = self._calls.get(mix)
+        table = calls.get(("table", layers)) if calls is not None else None
+        if table is None:
+            held = [self.site_call(mix, layer, site) for layer in range(layers) for site in SITES]
+            sites = [_Site(0) if call is None else _Site(call.arrays[0], *map(ctypes.addressof, call.arrays[1:]))
+                     for call in held]
+            table = ((_Site * len(sites))(*sites), held)
+            self._calls[mix][("table", layers)] = table
+        return table
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for parts in self.parts.values() for p in parts for t in (p.a, p.b))
+        return sum(t.numel() * t.element_size() for parts in self.parts.values() for p in parts for t in (p.a, p.bt))
 
 
 def check_choice(value: object) -> str | dict[str, float] | None:
@@ -92,6 +167,7 @@ class LoraRows:
 
     def __init__(self, weights: LoraWeights, groups: list[tuple[Mix, slice | torch.Tensor]]) -> None:
         self.weights, self.groups = weights, groups
+        self._fused: tuple | None = None
 
     @classmethod
     def of(cls, weights: LoraWeights | None, mixes: list[Mix], lengths: list[int], device: torch.device
@@ -118,14 +194,25 @@ class LoraRows:
                 groups.append((mix, torch.cat([torch.arange(a, b) for a, b in spans]).to(device)))
         return cls(weights, groups)
 
+    def fused(self) -> object:
+        """The groups as the fused layers take them (``qd_lora``, every layer of the model); made once per forward."""
+        if self._fused is None:
+            layers = self.weights.layers
+            rows = [torch.arange(r.start, r.stop) if isinstance(r, slice) else r.to(torch.int64).contiguous()
+                    for _, r in self.groups]
+            tables = [self.weights.site_table(mix, layers) for mix, _ in self.groups]
+            n = len(self.groups)
+            arrays = ((ctypes.c_void_p * n)(*[r.data_ptr() for r in rows]), (ctypes.c_int * n)(*map(len, rows)),
+                      (ctypes.c_void_p * n)(*[ctypes.addressof(table) for table, _ in tables]))
+            desc = _Lora(n, *[ctypes.addressof(a) for a in arrays])
+            self._fused = (ctypes.byref(desc), desc, rows, tables, arrays)
+        return self._fused[0]
+
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> torch.Tensor:
         """``out`` (the site's base output for the input ``x``, both ``[T, ...]``) with each adapter's term (times
         its scale) added to its rows, in place."""
         for mix, rows in self.groups:
-            inputs = None
-            for slot, scale in mix:
-                for part in self.weights.parts.get((slot, layer, site), ()):
-                    inputs = x[rows] if inputs is None else inputs
-                    term = (inputs @ part.a.T) @ part.b.T
-                    out[rows, part.offset:part.offset + part.b.shape[0]] += term if scale == 1.0 else term * scale
+            call = self.weights.site_call(mix, layer, site)
+            if call is not None:
+                call.add(out, x, rows)
         return out

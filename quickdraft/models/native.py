@@ -53,12 +53,13 @@ _SIGNATURES = {
     "qd_attend": [_P, _L, _I, _I, _I, _I, _P, _P, _F, _I, _P, _P],
     "qd_kv_store": [_P, _L, _I, _I, _I, _I, _P, _P, _P, _I],
     "qd_linear_bf16": [_P, _I, _I, _P, _I, _P, _P],
-    "qd_gated": [_P, _I, _I, _I, _I, _F, _F, _P], "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P],
+    "qd_gated": [_P, _I, _I, _I, _I, _F, _F, _P], "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P, _P, _I],
     "qd_argmax": [_P, _I, _I, _L, _P], "qd_moe": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _F, _F, _P],
     "qd_route": [_P, _I, _I, _I, _P, _P, _I, _I, _I, _P, _P],
-    "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _L, _L, _P],
+    "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _L, _L, _P, _P],
     "qd_row_bytes": [_I, _I], "qd_release_threads": [], "qd_dry_repeats": [_P, _I, _I, _P],
     "qd_row_logprobs": [_P, _I, _I, _L, _P, _I, _P, _P, _P, _P],
+    "qd_lora_add": [_P, _I, _L, _P, _I, _L, _P, _I, _I, _I, _P, _P, _P, _P, _P],
 }
 _RESTYPES = {"qd_row_bytes": ctypes.c_long}  # the others return 0 or an error code
 
@@ -249,6 +250,22 @@ def row_logprobs(x: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.T
                                  chosen_lp.data_ptr(),
                                  rank.data_ptr(), top_ids.data_ptr(), top_lp.data_ptr()), "qd_row_logprobs")
     return chosen_lp, rank, top_ids, top_lp
+
+
+def runs_lora(out: torch.Tensor, x: torch.Tensor) -> bool:
+    return (_float_kind(out) and _float_kind(x) and out.dim() == x.dim() == 2 and out.stride(1) == x.stride(1) == 1
+            and available())
+
+
+def lora_add(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None, parts: tuple) -> None:
+    """``out[rows] += B (A x[rows])`` of each LoRA part, in place (``qd_lora_add``: each row's sums in one fixed
+    order, so its bits never depend on the batch); ``rows`` (int64) None: every row. ``parts``: (count, offsets,
+    ranks, outs, A pointers, transposed-B pointers) as ctypes arrays (``models/lora.py``'s ``SiteCall``)."""
+    count, offsets, ranks, outs, a, bt = parts
+    n = out.shape[0] if rows is None else rows.numel()
+    _check(lib().qd_lora_add(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), out.data_ptr(),
+                             int(out.dtype == torch.bfloat16), out.stride(0), None if rows is None else rows.data_ptr(),
+                             n, x.shape[1], count, offsets, ranks, outs, a, bt), "qd_lora_add")
 
 
 def dry_repeats(tokens: np.ndarray, limit: int) -> np.ndarray | None:

@@ -170,14 +170,16 @@ class DecoderLayer(nn.Module):
         return cached[1]
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
-        if attn.lora is not None:
-            return self.forward_lora(x, rope, attn, attn.lora)
         tokens = attn.single_tokens(self.self_attn.layer)
         if tokens is not None:
             fused = self.fused(rope)
             if fused is not None and fused.runs(x, tokens):
-                x = fused(x, tokens)  # a mixture's layer not fused whole: its attention and residual add
+                layer, lora = self.self_attn.layer, attn.lora
+                x = fused(x, tokens, None if lora is None else lora.fused(), layer)
+                # a mixture's layer not fused whole: its attention and residual add
                 return x if fused.whole else x + self.mlp(self.post_attention_layernorm(x))
+        if attn.lora is not None:
+            return self.forward_lora(x, rope, attn, attn.lora)
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, attn))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -237,10 +239,11 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         if self.config.embedding_multiplier != 1.0:  # rounded to x's dtype first, as HF's Gemma does
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
-        singles = attn.single_tokens(0) if attn.lora is None else None  # (adapters run on the module path)
+        singles = attn.single_tokens(0)
         stack = self.fused_stack(num_layers) if singles is not None else None
         if stack is not None and stack.runs(x, singles):
-            return self.model.norm(stack(x, singles))
+            lora = None if attn.lora is None else attn.lora.fused()
+            return self.model.norm(stack(x, singles, lora))
         layers = list(self.model.layers)[:num_layers]  # (slicing a ModuleList builds a new one)
         if attn.lora is None and triton_ops.runs_rms_norm(x, self.model.norm.weight):  # a GPU: each residual add joins the norm after it
             pending = None
