@@ -475,3 +475,31 @@ def test_prompt_logprobs_on_the_gpu(plain, target):
                              for p in positions])
     same = [out.outputs[0].logprobs[0] == gpu[p] for p, out in zip(positions, forced)]
     assert all(same), f"positions whose scored logprob differs from the sampled one: {same}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_adapters_on_the_gpu(target, tmp_path, dtype):
+    """An adapter's requests beside base ones on the GPU: the base requests' tokens are those they get alone (their
+    rows keep the static step's graphs: the adapters' rows take a forward of their own), an adapter's are the same
+    alone and in the batch, and in float32 its prompt logprobs are the CPU's within rounding."""
+    from test_lora import KEY, _write_peft  # (the GPU image has no peft: the adapter's files written directly)
+
+    torch.manual_seed(1)
+    hidden, kv = 64, 32  # the tiny target's q and k/v widths (4 heads, 2 kv heads of 16)
+    tensors = {}
+    for layer in range(4):
+        for module, width in (("q_proj", hidden), ("v_proj", kv), ("o_proj", hidden)):
+            tensors[KEY.format(layer, module, "A")] = torch.randn(2, hidden) * 0.3
+            tensors[KEY.format(layer, module, "B")] = torch.randn(width, 2) * 0.3
+    adapter = str(_write_peft(tmp_path / "a", tensors))
+    gpu = LLM(target, dtype=dtype, device="cuda", kv_cache_memory=TINY_KV, lora_adapters={"a": adapter})
+    prompts = tiny_prompts(64, 4)
+    names = ["a", None, {"a": 0.5}, None]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, lora=n) for n in names]
+    together = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
+    assert together == [gpu.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    if dtype == "float32":
+        scored = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, lora="a")
+        cpu = LLM(target, dtype="float32", kv_cache_memory=TINY_KV, lora_adapters={"a": adapter})
+        a, b = (llm.generate([prompts[0]], scored)[0].prompt_logprobs[1:] for llm in (gpu, cpu))
+        assert all(x["logprob"] == pytest.approx(y["logprob"], abs=1e-3) for x, y in zip(a, b))

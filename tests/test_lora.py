@@ -198,7 +198,8 @@ def test_a_gguf_lora_runs_as_its_peft_source(llm, tiny, adapters, tmp_path):
            [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12, lora="all"))]
 
 
-@pytest.mark.parametrize("config", [{"use_rslora": True}, {"alpha_pattern": {"v_proj": 64}}])
+@pytest.mark.parametrize("config", [{"use_rslora": True}, {"alpha_pattern": {"v_proj": 64}},
+                                    {"alpha_pattern": {"self_attn.q_proj": 64, r"layers\.1\.mlp\.down_proj": 2}}])
 def test_rslora_and_per_module_alphas_scale_as_peft_does(tiny, tmp_path, config):
     adapter = make_adapter(tiny, tmp_path / "a", 7, **config)
     llm = LLM(str(tiny), dtype="float32", kv_cache_memory=KV, lora_adapters={"a": str(adapter)})
@@ -262,9 +263,12 @@ def test_unknown_adapters_are_refused_by_name(llm):
     with pytest.raises(InvalidParameterError, match="'nope' is not an adapter"):
         llm.generate([[1, 2]], greedy(2, lora={"all": 1.0, "nope": 0.5}))
     for bad in ("", 5, "x" * 257, "\ud800", ["all"], {"all": float("nan")}, {"all": 1e38}, {"all": True},
+                {"all": 10 ** 400},
                 {"all": "1"}, {f"a{i}": 1.0 for i in range(65)}, {"\ud800": 1.0}, {3: 1.0}):
         with pytest.raises(InvalidParameterError, match="lora"):
             SamplingParams(lora=bad)
+    assert llm.generate([[1, 2]], greedy(4, lora={}))[0].outputs[0].token_ids == \
+           llm.generate([[1, 2]], greedy(4))[0].outputs[0].token_ids  # llama-server's empty list: the base
     with pytest.raises(InvalidParameterError, match="session runs the base model"):
         llm.session().generate([1, 2], greedy(2, lora="all"))
 
@@ -296,6 +300,10 @@ KEY = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.weight"
      {"use_dora": True}, "DoRA is not supported"),
     ({KEY.format(0, "q_proj", "A"): torch.ones(2, 64), KEY.format(0, "q_proj", "B"): torch.ones(64, 2)},
      {"lora_alpha": float("nan")}, "must be numbers"),
+    ({KEY.format(0, "q_proj", "A"): torch.ones(2, 64), KEY.format(0, "q_proj", "B"): torch.ones(64, 2)},
+     {"lora_alpha": 10 ** 400}, "must be numbers"),
+    ({KEY.format(0, "q_proj", "A"): torch.ones(2, 64), KEY.format(0, "q_proj", "B"): torch.ones(64, 2)},
+     {"lora_alpha": 1e300}, "overflows float32"),
     ({KEY.format(0, "q_proj", "A"): torch.ones(2, 64, dtype=torch.int32),
       KEY.format(0, "q_proj", "B"): torch.ones(64, 2, dtype=torch.int32)}, {}, "must be float tensors"),
 ])
@@ -357,7 +365,7 @@ def test_the_server_runs_adapters_as_vllm_and_llama_server_name_them(server, llm
     assert [getattr(m, "parent", None) for m in cards] == [None, "tiny", "tiny", "tiny"]
     got = client.completions.create(model="all", prompt=ids, max_tokens=8, temperature=0, logprobs=0,
                                     extra_body={"ignore_eos": True})
-    assert [int(t[1:]) for t in got.choices[0].logprobs.tokens] == want["all"]
+    assert [int(t[1:]) for t in got.choices[0].logprobs.tokens] == want["all"] and got.model == "all"
     assert _completion(server, ids, model="tiny") == want[str({"attn": 0.5})]  # the server's default: glob at 0.5
     assert _completion(server, ids, lora=[{"id": 2, "scale": 2.0}]) == want[str({"attn": 2.0})]
     assert _completion(server, ids, lora=[{"id": 0, "scale": 1}, {"id": 1, "scale": -0.5}]) == \
@@ -386,7 +394,8 @@ def test_the_server_refuses_unknown_adapters_and_bad_scales_by_name(server):
     r = httpx.post(f"{server.url}/v1/completions", json={"model": "nope", "prompt": [1, 2], "max_tokens": 2})
     assert r.status_code == 404 and "`tiny`, `all`, `attn`, `glob`" in r.json()["error"]["message"]
     for lora in ([{"id": 4, "scale": 1}], [{"id": 0}], [{"id": 0, "scale": 1}, {"id": 0, "scale": 2}], {"id": 0},
-                 [{"id": 0, "scale": float("1e300")}], [{"id": True, "scale": 1}], [{"id": 0, "scale": "1"}]):
+                 [{"id": 0, "scale": float("1e300")}], [{"id": True, "scale": 1}], [{"id": 0, "scale": "1"}],
+                 [{"id": 0, "scale": 10 ** 400}]):
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "lora": lora})
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora", (lora, r.text)
         r = httpx.post(f"{server.url}/lora-adapters", json=lora)
@@ -394,6 +403,15 @@ def test_the_server_refuses_unknown_adapters_and_bad_scales_by_name(server):
     assert httpx.get(f"{server.url}/lora-adapters").json()[2]["scale"] == 0.5  # nothing changed
     r = httpx.post(f"{server.url}/v1/embeddings", json={"model": "all", "input": "t1 t2"})
     assert r.status_code == 400 and "LoRA adapter" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "all", "prompt": [1, 2], "max_tokens": 2,
+                                                         "lora": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora"
+
+
+def test_an_adapter_may_not_take_the_served_models_name(llm):
+    from quickdraft.serving import create_app
+    with pytest.raises(ValueError, match="a LoRA adapter is named 'all'"):
+        create_app(llm, "all")
 
 
 def test_the_command_line_takes_adapters_as_llama_cpp_and_vllm_spell_them(tiny, adapters, llm, capsys):
@@ -417,19 +435,28 @@ def test_the_command_line_takes_adapters_as_llama_cpp_and_vllm_spell_them(tiny, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_lora_kernel_gives_a_row_the_same_bits_in_any_batch(dtype):
     """qd_lora_add: a row's term alone, among 9 rows, or picked by an index is the same bits (torch's float32
-    matmul is not: one row takes another kernel than two), and it is B (A x) within the output's rounding; rows not
-    picked are untouched. K and the outputs are not multiples of 8 (the kernel's tails)."""
+    matmul is not: one row takes another kernel than two), and it is scale B (A x) within the output's rounding;
+    rows not picked and columns no part covers are untouched. Two adapters on one module (overlapping parts) sum
+    into each element in one order, the same on every call on two threads. K and the outputs are not multiples of 8
+    (the kernel's tails)."""
     from quickdraft.models import native
     from quickdraft.models.lora import LoraPart, SiteCall
 
     if not native.available():
         pytest.skip("quickdraft's CPU kernels not built on this CPU")
     torch.manual_seed(0)
-    parts = [LoraPart(0, torch.randn(8, 72), torch.randn(8, 40)), LoraPart(45, torch.randn(3, 72), torch.randn(3, 17))]
+    parts = [(LoraPart(0, torch.randn(8, 72), torch.randn(8, 40)), 1.0),
+             (LoraPart(45, torch.randn(3, 72), torch.randn(3, 17)), 0.5),
+             (LoraPart(3, torch.randn(5, 72), torch.randn(5, 30)), -0.7)]  # overlapping the first
     call = SiteCall(parts)
     x, base = torch.randn(9, 72).to(dtype), torch.randn(9, 64).to(dtype)
     whole = base.clone()
     call.add(whole, x, slice(0, 9))
+    for _ in range(50):
+        again = base.clone()
+        call.add(again, x, slice(0, 9))
+        assert torch.equal(again, whole)
+    assert torch.equal(whole[:, 40:45], base[:, 40:45]) and torch.equal(whole[:, 62:], base[:, 62:])
     for i in range(9):
         alone = base[i:i + 1].clone()
         call.add(alone, x[i:i + 1], slice(0, 1))
@@ -439,8 +466,8 @@ def test_the_lora_kernel_gives_a_row_the_same_bits_in_any_batch(dtype):
     assert torch.equal(picked[[8, 2, 5]], whole[[8, 2, 5]]) and torch.equal(picked[[0, 1, 3, 4, 6, 7]],
                                                                              base[[0, 1, 3, 4, 6, 7]])
     want = base.double()
-    for p in parts:
-        want[:, p.offset:p.offset + p.bt.shape[1]] += (x.double() @ p.a.double().T) @ p.bt.double()
+    for p, scale in parts:
+        want[:, p.offset:p.offset + p.bt.shape[1]] += scale * (x.double() @ p.a.double().T) @ p.bt.double()
     tolerance = 1e-4 if dtype == torch.float32 else 1e-2
     assert torch.allclose(whole.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
 

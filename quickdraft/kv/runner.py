@@ -94,7 +94,7 @@ class ModelRunner:
 
     def new_kv(self, lora: str | dict[str, float] | None = None) -> SequenceKV:
         """An empty cache for a sequence that runs the LoRA adapters ``lora`` names (``SamplingParams.lora``)."""
-        if lora is None:
+        if not lora:  # (None, or llama-server's empty list: the base model)
             return SequenceKV()
         weights = self.model.lora
         names = weights.names if weights is not None else []
@@ -169,6 +169,8 @@ class ModelRunner:
         ``device_tokens`` (a decode step on the static step, one token per item, on the device): the ids to run,
         in place of the items' own. ``wait=False`` returns once the work is queued (``last_forward_s`` is then the
         host's time alone): the caller reads the results when it needs them."""
+        if self.device.type == "cuda" and 0 < sum(bool(it.kv.adapter) for it in items) < len(items):
+            return self._forward_apart(items, wait)
         t0 = time.perf_counter()
         if device_tokens is not None and not (self.launches_ahead(len(items))
                                               and all(len(it.tokens) == 1 == it.num_logits for it in items)):
@@ -198,6 +200,20 @@ class ModelRunner:
         if wait and self.device.type == "cuda":  # launches return before the GPU is done: time the work, not them
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - t0
+        return out
+
+    def _forward_apart(self, items: list[ForwardItem], wait: bool) -> list[torch.Tensor]:
+        """On a GPU, the base model's items and the LoRA adapters' in two forwards: the base's keep their static step
+        and fused kernels, and so their bits, whatever adapters share the step (on the CPU one forward gives every
+        row its own bits, ``models/lora.py``)."""
+        out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
+        spent = 0.0
+        for adapted in (False, True):
+            picked = [i for i, it in enumerate(items) if bool(it.kv.adapter) == adapted]
+            for i, rows in zip(picked, self.forward([items[i] for i in picked], wait=wait)):
+                out[i] = rows
+            spent += self.last_forward_s
+        self.last_forward_s = spent
         return out
 
     def launches_ahead(self, num_seqs: int) -> bool:

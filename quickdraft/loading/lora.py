@@ -22,16 +22,17 @@ import numpy as np
 import torch
 
 from quickdraft.config import ModelConfig
-from quickdraft.errors import InvalidParameterError, ModelLoadError
+from quickdraft.errors import InvalidParameterError, ModelLoadError, require_unicode
 from quickdraft.loading.dequant import SUPPORTED_IDS, dequantize, qtype_name
 from quickdraft.loading.gguf import PERMUTED_ARCHITECTURES, unpermute_rows
 from quickdraft.loading.gguf_metadata import read_header
-from quickdraft.models.lora import MODULE_SITES, LoraPart, LoraWeights
+from quickdraft.models.lora import MAX_SCALE, MODULE_SITES, LoraPart, LoraWeights
 from quickdraft.models.transformer import Transformer
 
 MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
 MAX_ADAPTERS = 64
-_PEFT_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_PEFT_KEY = re.compile(r"^base_model\.model\.((?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))"
+                       r"\.lora_([AB])\.weight$")
 Modules = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
 
 
@@ -72,7 +73,10 @@ def _checked(path: Path, cfg: ModelConfig, layer: int, module: str, a: torch.Ten
     a, b = a.float(), b.float()
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         raise ModelLoadError(f"{where}: lora_A or lora_B holds NaN or infinity")
-    return a, b, 1.0 if alpha is None else alpha / rank
+    scale = 1.0 if alpha is None else alpha / rank
+    if not torch.isfinite(b.abs().max() * abs(scale) * MAX_SCALE):  # B scaled, at a request's largest scale
+        raise ModelLoadError(f"{where}: its scale ({scale:g}, alpha / r) times lora_B overflows float32")
+    return a, b, scale
 
 
 def _pattern_value(patterns: Mapping[str, object], name: str, default: float) -> float:
@@ -112,16 +116,16 @@ def read_peft(directory: Path, cfg: ModelConfig) -> Modules:
         tensors = load_file(weights)
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own kinds for a damaged file
         raise ModelLoadError(f"{weights}: cannot read it ({exc})") from None
-    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    found: dict[tuple[int, str], dict[str, torch.Tensor | str]] = {}
     for key, tensor in tensors.items():
         match = _PEFT_KEY.match(key)
         if match is None:
             raise ModelLoadError(f"{weights}: tensor {key!r} is not a decoder layer's lora_A or lora_B (embedding and "
                                  f"LM head adapters are not supported)")
-        found.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor
+        found.setdefault((int(match[2]), match[3]), {"name": match[1]})[match[4]] = tensor
     modules: Modules = {}
     for (layer, module), pair in sorted(found.items()):
-        name = f"model.layers.{layer}.{module}"
+        name = pair["name"]  # the module's name in the base model, as PEFT matches alpha_pattern against it
         a, b = pair.get("A"), pair.get("B")
         rank = a.shape[0] if a is not None and a.dim() == 2 else 1
         scale_alpha = float(_pattern_value(patterns, name, alpha))
@@ -146,7 +150,7 @@ def read_gguf_lora(path: Path, cfg: ModelConfig) -> Modules:
         raise ModelLoadError(f"{path}: not a LoRA adapter (general.type {kind[0]!r}, adapter.type {kind[1]!r}; a "
                              f"GGUF LoRA has 'adapter' and 'lora')")
     arch = meta.get("general.architecture")
-    if not isinstance(arch, str) or arch.replace("_", "") != gguf_architecture(cfg):
+    if not isinstance(arch, str) or arch not in _GGUF_ARCHITECTURES.get(cfg.architecture, (gguf_architecture(cfg),)):
         raise ModelLoadError(f"{path}: an adapter of a {arch!r} model cannot adapt this {cfg.architecture!r} one")
     alpha = meta.get("adapter.lora.alpha", 0.0)
     if not _is_number(alpha) or alpha < 0:
@@ -181,8 +185,13 @@ def read_gguf_lora(path: Path, cfg: ModelConfig) -> Modules:
     return modules
 
 
+# the general.architecture values llama.cpp writes for a model of each family, the first what write_gguf_lora writes
+_GGUF_ARCHITECTURES = {"mistral": ("llama", "mistral"), "mixtral": ("llama", "mixtral"), "gpt_oss": ("gpt-oss",),
+                       "qwen3_moe": ("qwen3moe",)}
+
+
 def gguf_architecture(cfg: ModelConfig) -> str:
-    return cfg.architecture.replace("_", "")  # (GGUF spells qwen3_moe qwen3moe)
+    return _GGUF_ARCHITECTURES.get(cfg.architecture, (cfg.architecture,))[0]
 
 
 def write_gguf_lora(modules: Modules, out: str | Path, cfg: ModelConfig) -> Path:
@@ -192,7 +201,7 @@ def write_gguf_lora(modules: Modules, out: str | Path, cfg: ModelConfig) -> Path
 
     arch = gguf_architecture(cfg)
     alphas = {round(scale * a.shape[0], 6) for a, _, scale in modules.values()}
-    alpha = alphas.pop() if len(alphas) == 1 else 0.0
+    alpha = alphas.pop() if len(alphas) == 1 and min(alphas) > 0 else 0.0  # (llama.cpp reads alpha <= 0 as none)
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_type("adapter")
     writer.add_string("adapter.type", "lora")
@@ -213,7 +222,12 @@ def write_gguf_lora(modules: Modules, out: str | Path, cfg: ModelConfig) -> Path
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int of hundreds of digits
+        return False
 
 
 def read_adapter(path: str | Path, cfg: ModelConfig) -> Modules:
@@ -240,6 +254,9 @@ def check_adapter_names(adapters: object) -> None:
             for name, path in adapters.items()):
         raise InvalidParameterError(f"lora_adapters must map at most {MAX_ADAPTERS} names (1 to 256 characters) to "
                                     f"adapter paths, got {reprlib.repr(adapters)}")
+    for name, path in adapters.items():  # (they are shown as JSON: /v1/models, /lora-adapters)
+        require_unicode("lora_adapters' name", name)
+        require_unicode(f"lora_adapters' path of {name!r}", str(path))
 
 
 def read_adapters(adapters: Mapping[str, str | Path], cfg: ModelConfig) -> dict[str, Modules]:
@@ -257,6 +274,6 @@ def lora_weights(adapters: Mapping[str, Modules], model: Transformer, sources: l
     parts: dict[tuple[int, int, str], list[LoraPart]] = {}
     for slot, modules in enumerate(adapters.values(), start=1):
         for (layer, module), (a, b, scale) in modules.items():
-            part = LoraPart(_offset(cfg, module), a.to(device), (b * scale).T.contiguous().to(device))
+            part = LoraPart(_offset(cfg, module), a.contiguous().to(device), (b * scale).T.contiguous().to(device))
             parts.setdefault((slot, layer, MODULE_SITES[module][0]), []).append(part)
     return LoraWeights(list(adapters), parts, sources, cfg.num_layers)

@@ -262,62 +262,74 @@ int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int 
     return 0;
 }
 
-/* LoRA: for each listed row and each part p, y[row][offset_p + j] += sum_r bt_p[r][j] * t_r with t_r = sum_k a_p[r][k]
- * * x[row][k] (a_p [rank_p][K], bt_p [rank_p][n_p]: B transposed, already scaled; float32). x and y float32 or
- * bfloat16; y's element gets its sum added once (one rounding). Each t_r and each output runs in one fixed order (K
- * in lanes of 8 summed as hsum does, then the tail; r ascending), whichever thread takes it: a row's bits never
- * depend on the rows beside it. The threads split the rank dot products, then 64-column blocks of the outputs, so
- * one row (a decode step) streams the adapter's weights on every core. */
+/* LoRA: for each listed row, y[row][c] += sum over the parts p covering column c (offset_p <= c < offset_p + n_p) of
+ * sum_r bt_p[r][c - offset_p] * scale_p * t_pr, with t_pr = sum_k a_p[r][k] * x[row][k] (a_p [rank_p][K], bt_p
+ * [rank_p][n_p]: B transposed; float32). Parts may overlap (several adapters on one module). x and y float32 or
+ * bfloat16; an element of y gets its sum added once (one rounding); a column no part covers is not written. Every
+ * t_pr and every element runs in one fixed order (K in lanes of 8 summed as hsum does, then the tail; parts, then r,
+ * ascending) whichever thread takes it, so a row's bits never depend on the rows beside it. The threads split the
+ * rank dot products, then 64-column blocks of the output (each element written by one thread), so one row (a decode
+ * step) streams the adapters' weights on every core. */
 #define LORA_COLS 64
 int qd_lora_add(const void *x, int x_bf16, long ldx, void *y, int y_bf16, long ldy, const int64_t *rows, int nrows,
-                int K, int nparts, const int *offsets, const int *ranks, const int *outs, const float *const *a,
-                const float *const *bt) {
-    int total = 0, blocks = 0, first[nparts > 0 ? nparts : 1], first_block[nparts > 0 ? nparts : 1];
+                int K, int nparts, const int *offsets, const int *ranks, const int *outs, const float *scales,
+                const float *const *a, const float *const *bt) {
+    if (nparts < 1 || nrows < 0 || K < 1) return nparts == 0 ? 0 : -1;
+    int total = 0, width = 0;
     for (int p = 0; p < nparts; p++) {
-        if (ranks[p] < 1 || ranks[p] > 512 || outs[p] < 1 || offsets[p] < 0) return -1;
-        first[p] = total, first_block[p] = blocks;
-        total += ranks[p], blocks += (outs[p] + LORA_COLS - 1) / LORA_COLS;
+        if (ranks[p] < 1 || ranks[p] > 512 || outs[p] < 1 || offsets[p] < 0 || total > (1 << 20)) return -1;
+        total += ranks[p];
+        if (offsets[p] + outs[p] > width) width = offsets[p] + outs[p];
     }
     float *t = malloc(sizeof(float) * (size_t)total * (nrows > 0 ? nrows : 1));
     if (!t) return -2;
+    const int blocks = (width + LORA_COLS - 1) / LORA_COLS;
     const long dots = (long)nrows * total, tiles = (long)nrows * blocks;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (long d = 0; d < dots; d++) {
-            const int i = (int)(d / total), c = (int)(d % total);
-            int p = 0;
-            while (p + 1 < nparts && first[p + 1] <= c) p++;
-            const float *ar = a[p] + (size_t)(c - first[p]) * K;
+            const int i = (int)(d / total);
+            int p = 0, c = (int)(d % total);
+            while (c >= ranks[p]) c -= ranks[p++];
+            const float *ar = a[p] + (size_t)c * K;
             const size_t xr = (size_t)(rows ? rows[i] : i) * ldx;
             __m256 acc = _mm256_setzero_ps();
             int k = 0;
             for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(ar + k), ld8(x, x_bf16, xr + k), acc);
             float s = hsum(acc);
             for (; k < K; k++) s += ar[k] * ld(x, x_bf16, xr + k);
-            t[d] = s;
+            t[d] = s * scales[p];
         }
 #pragma omp for schedule(static)
         for (long b = 0; b < tiles; b++) {
-            const int i = (int)(b / blocks), c = (int)(b % blocks);
-            int p = 0;
-            while (p + 1 < nparts && first_block[p + 1] <= c) p++;
-            const int R = ranks[p], N = outs[p], j0 = (c - first_block[p]) * LORA_COLS;
-            const int j1 = j0 + LORA_COLS < N ? j0 + LORA_COLS : N;
-            const float *tr = t + (size_t)i * total + first[p];
-            const size_t y0 = (size_t)(rows ? rows[i] : i) * ldy + offsets[p];
-            int j = j0;
-            for (; j + 8 <= j1; j += 8) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int r = 0; r < R; r++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(tr[r]), _mm256_loadu_ps(bt[p] + (size_t)r * N + j), acc);
-                st8(y, y_bf16, y0 + j, _mm256_add_ps(ld8(y, y_bf16, y0 + j), acc));
+            const int i = (int)(b / blocks), c0 = (int)(b % blocks) * LORA_COLS;
+            const int c1 = c0 + LORA_COLS < width ? c0 + LORA_COLS : width;
+            float sum[LORA_COLS] = {0};
+            unsigned char covered[LORA_COLS] = {0};
+            const float *tr = t + (size_t)i * total;
+            for (int p = 0; p < nparts; tr += ranks[p], p++) {
+                const int lo = offsets[p] > c0 ? offsets[p] : c0;
+                const int hi = offsets[p] + outs[p] < c1 ? offsets[p] + outs[p] : c1;
+                const int R = ranks[p], N = outs[p];
+                int c = lo;
+                for (; c + 8 <= hi; c += 8) {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int r = 0; r < R; r++)
+                        acc = _mm256_fmadd_ps(_mm256_set1_ps(tr[r]),
+                                              _mm256_loadu_ps(bt[p] + (size_t)r * N + (c - offsets[p])), acc);
+                    _mm256_storeu_ps(sum + (c - c0), _mm256_add_ps(_mm256_loadu_ps(sum + (c - c0)), acc));
+                }
+                for (; c < hi; c++) {
+                    float s = 0.0f;
+                    for (int r = 0; r < R; r++) s = fmaf(tr[r], bt[p][(size_t)r * N + (c - offsets[p])], s);
+                    sum[c - c0] += s;
+                }
+                for (c = lo; c < hi; c++) covered[c - c0] = 1;
             }
-            for (; j < j1; j++) {
-                float s = 0.0f;
-                for (int r = 0; r < R; r++) s = fmaf(tr[r], bt[p][(size_t)r * N + j], s);
-                st(y, y_bf16, y0 + j, ld(y, y_bf16, y0 + j) + s);
-            }
+            const size_t y0 = (size_t)(rows ? rows[i] : i) * ldy;
+            for (int c = c0; c < c1; c++)
+                if (covered[c - c0]) st(y, y_bf16, y0 + c, ld(y, y_bf16, y0 + c) + sum[c - c0]);
         }
     }
     free(t);

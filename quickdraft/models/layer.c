@@ -79,6 +79,7 @@ int qd_moe(const qd_linear_desc *gate_up, const qd_linear_desc *down, int num_ex
 typedef struct {
     int nparts;
     const int *offsets, *ranks, *outs;
+    const float *scales;
     const float *const *a, *const *bt;
 } qd_lora_site;
 
@@ -94,8 +95,8 @@ typedef struct {
 enum { QD_LORA_QKV, QD_LORA_O, QD_LORA_GATE_UP, QD_LORA_DOWN };
 
 int qd_lora_add(const void *x, int x_bf16, long ldx, void *y, int y_bf16, long ldy, const int64_t *rows, int nrows,
-                int K, int nparts, const int *offsets, const int *ranks, const int *outs, const float *const *a,
-                const float *const *bt);
+                int K, int nparts, const int *offsets, const int *ranks, const int *outs, const float *scales,
+                const float *const *a, const float *const *bt);
 
 /* y [T][ldy] += each group's terms at one site of layer `layer`, for x [T][K] (row stride K) */
 static int lora_site(const qd_lora *lora, int layer, int site, const void *x, int x_bf16, int K, void *y, int y_bf16,
@@ -104,7 +105,7 @@ static int lora_site(const qd_lora *lora, int layer, int site, const void *x, in
         const qd_lora_site *s = &lora->sites[g][4 * layer + site];
         if (s->nparts) {
             int rc = qd_lora_add(x, x_bf16, K, y, y_bf16, ldy, lora->rows[g], lora->nrows[g], K, s->nparts, s->offsets,
-                                 s->ranks, s->outs, s->a, s->bt);
+                                 s->ranks, s->outs, s->scales, s->a, s->bt);
             if (rc) return rc;
         }
     }

@@ -43,21 +43,21 @@ class LoraPart:
 
 
 class SiteCall:
-    """One site's parts of a mix of adapters (each B times its adapter's scale), ready for ``native.lora_add``."""
+    """One site's parts of a mix of adapters, each with its adapter's scale, ready for ``native.lora_add`` (the
+    adapters' own tensors: no copy per mix)."""
 
-    def __init__(self, parts: list[LoraPart]) -> None:
+    def __init__(self, parts: list[tuple[LoraPart, float]]) -> None:
         self.parts = parts
         n = len(parts)
-        self._keep = [p.a.contiguous() for p in parts], [p.bt.contiguous() for p in parts]
         ints = ctypes.c_int * n
-        self.arrays = (n, ints(*[p.offset for p in parts]), ints(*[p.a.shape[0] for p in parts]),
-                       ints(*[p.bt.shape[1] for p in parts]),
-                       (ctypes.c_void_p * n)(*[t.data_ptr() for t in self._keep[0]]),
-                       (ctypes.c_void_p * n)(*[t.data_ptr() for t in self._keep[1]]))
+        self.arrays = (n, ints(*[p.offset for p, _ in parts]), ints(*[p.a.shape[0] for p, _ in parts]),
+                       ints(*[p.bt.shape[1] for p, _ in parts]), (ctypes.c_float * n)(*[s for _, s in parts]),
+                       (ctypes.c_void_p * n)(*[p.a.data_ptr() for p, _ in parts]),
+                       (ctypes.c_void_p * n)(*[p.bt.data_ptr() for p, _ in parts]))
 
     def add(self, out: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor) -> None:
-        """``out[rows] += B (A x[rows])`` of every part, in place: on the CPU by ``qd_lora_add`` (a row's bits never
-        depend on the rows beside it), elsewhere by torch in float32."""
+        """``out[rows] += scale B (A x[rows])`` of every part, in place: on the CPU by ``qd_lora_add`` (a row's bits
+        never depend on the rows beside it), elsewhere by torch in float32."""
         if native.runs_lora(out, x):
             if isinstance(rows, slice):
                 native.lora_add(out[rows], x[rows], None, self.arrays)
@@ -65,14 +65,15 @@ class SiteCall:
                 native.lora_add(out, x, rows, self.arrays)
             return
         inputs = x[rows].float()
-        for part in self.parts:
+        for part, scale in self.parts:
             end = part.offset + part.bt.shape[1]
-            out[rows, part.offset:end] += ((inputs @ part.a.T) @ part.bt).to(out.dtype)
+            out[rows, part.offset:end] += ((inputs @ part.a.T * scale) @ part.bt).to(out.dtype)
 
 
 class _Site(ctypes.Structure):  # qd_lora_site (layer.c)
     _fields_ = [("nparts", ctypes.c_int), ("offsets", ctypes.c_void_p), ("ranks", ctypes.c_void_p),
-                ("outs", ctypes.c_void_p), ("a", ctypes.c_void_p), ("bt", ctypes.c_void_p)]
+                ("outs", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("a", ctypes.c_void_p),
+                ("bt", ctypes.c_void_p)]
 
 
 class _Lora(ctypes.Structure):  # qd_lora (layer.c)
@@ -113,8 +114,7 @@ class LoraWeights:
             self._calls.move_to_end(mix)
         key = (layer, site)
         if key not in calls:
-            parts = [p if scale == 1.0 else LoraPart(p.offset, p.a, p.bt * scale)
-                     for slot, scale in mix for p in self.parts.get((slot, layer, site), ())]
+            parts = [(p, scale) for slot, scale in mix for p in self.parts.get((slot, layer, site), ())]
             calls[key] = SiteCall(parts) if parts else None
         return calls[key]
 
@@ -153,8 +153,7 @@ def check_choice(value: object) -> str | dict[str, float] | None:
         return value
     scales = {}
     for name, scale in value.items():
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
-                or abs(scale) > MAX_SCALE:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not abs(scale) <= MAX_SCALE:
             raise InvalidParameterError(f"lora's scale of {name!r} must be a number in [-{MAX_SCALE:g}, "
                                         f"{MAX_SCALE:g}], got {reprlib.repr(scale)}")
         scales[name] = float(scale)

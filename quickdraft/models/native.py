@@ -59,7 +59,7 @@ _SIGNATURES = {
     "qd_decoder_stack": [_P, _I, _P, _I, _I, _P, _P, _P, _L, _L, _P, _P],
     "qd_row_bytes": [_I, _I], "qd_release_threads": [], "qd_dry_repeats": [_P, _I, _I, _P],
     "qd_row_logprobs": [_P, _I, _I, _L, _P, _I, _P, _P, _P, _P],
-    "qd_lora_add": [_P, _I, _L, _P, _I, _L, _P, _I, _I, _I, _P, _P, _P, _P, _P],
+    "qd_lora_add": [_P, _I, _L, _P, _I, _L, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P],
 }
 _RESTYPES = {"qd_row_bytes": ctypes.c_long}  # the others return 0 or an error code
 
@@ -258,14 +258,13 @@ def runs_lora(out: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def lora_add(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None, parts: tuple) -> None:
-    """``out[rows] += B (A x[rows])`` of each LoRA part, in place (``qd_lora_add``: each row's sums in one fixed
+    """``out[rows] += scale B (A x[rows])`` of each LoRA part, in place (``qd_lora_add``: each row's sums in one fixed
     order, so its bits never depend on the batch); ``rows`` (int64) None: every row. ``parts``: (count, offsets,
-    ranks, outs, A pointers, transposed-B pointers) as ctypes arrays (``models/lora.py``'s ``SiteCall``)."""
-    count, offsets, ranks, outs, a, bt = parts
+    ranks, outs, scales, A pointers, transposed-B pointers) as ctypes arrays (``models/lora.py``'s ``SiteCall``)."""
     n = out.shape[0] if rows is None else rows.numel()
     _check(lib().qd_lora_add(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), out.data_ptr(),
                              int(out.dtype == torch.bfloat16), out.stride(0), None if rows is None else rows.data_ptr(),
-                             n, x.shape[1], count, offsets, ranks, outs, a, bt), "qd_lora_add")
+                             n, x.shape[1], *parts), "qd_lora_add")
 
 
 def dry_repeats(tokens: np.ndarray, limit: int) -> np.ndarray | None:

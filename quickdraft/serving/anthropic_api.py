@@ -202,7 +202,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     run = await start_chat(ctx, chat_request(body))
     message_id = new_id("msg")
     if body.stream:
-        events = MessageEvents(message_id, ctx.model_name, run.job.prompt_tokens)
+        events = MessageEvents(message_id, ctx.answering(body.model), run.job.prompt_tokens)
         stream = message_events(events, chat_pieces(run.job, run.reading, ctx.token_text))
         return event_stream(stream, run.job)
     try:
@@ -210,7 +210,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     except ClientGone:
         return Response(status_code=499)
     blocks = content_blocks(whole.reasoning, whole.text, whole.calls)
-    return JSONResponse(message_body(message_id, ctx.model_name, blocks, whole.choice, run.job.prompt_tokens))
+    return JSONResponse(message_body(message_id, ctx.answering(body.model), blocks, whole.choice, run.job.prompt_tokens))
 
 
 @router.post("/v1/messages/count_tokens", responses=_ERRORS)

@@ -40,6 +40,7 @@ def create_app(llm, model_name: str, *, metrics: ServerMetrics | None = None,
     chat page at ``/``. ``lora_scales``: the LoRA adapters every request runs unless it names its own, and their
     scales (llama-server's ``--lora``; see ``lora_api.py``)."""
     limits = limits or ServerLimits()
+    ServerContext.check_adapters(llm, model_name, lora_scales or {})
     engine = AsyncEngine(llm, metrics=metrics, max_waiting_requests=limits.max_waiting_requests,
                          request_timeout_s=limits.request_timeout_s,
                          max_queued_chunks=limits.max_queued_chunks).start()

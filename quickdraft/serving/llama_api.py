@@ -206,7 +206,7 @@ async def _answer(ctx, request: Request, body: LlamaRequest, ids: list[int], pro
     await dry_breakers(ctx, params)
     job = Job.new("llama", [(ids, None)], [params])
     await job.start(ctx.engine)
-    result = _Result(ctx.model_name, len(ids), truncated, bool(body.return_tokens), body.n_indent,
+    result = _Result(ctx.answering(body.model), len(ids), truncated, bool(body.return_tokens), body.n_indent,
                      body.t_max_predict_ms, _TokenProbabilities(
                          ctx.token_text, await asyncio.to_thread(ctx.llm.tokenizer.token_bytes),
                          lambda text: len(ctx.llm.tokenizer.encode_plain(text))) if body.n_probs else None)

@@ -206,7 +206,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     chat, turn = chat_request(body, history, known_calls)
     settings = _settings(body)
     run = await start_chat(ctx, chat)
-    shell = ResponseShell(new_id("resp"), run.job.created, ctx.model_name, settings)
+    shell = ResponseShell(new_id("resp"), run.job.created, ctx.answering(body.model), settings)
 
     def remember(output: list[dict], choice: Choice) -> None:
         if body.store is not False:

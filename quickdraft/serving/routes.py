@@ -60,10 +60,16 @@ class ServerContext:
     def metrics(self) -> ServerMetrics:
         return self.engine.metrics
 
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.lora_scales) - set(self.adapters))
+    @staticmethod
+    def check_adapters(llm: LLM, model_name: str, lora_scales: dict[str, float]) -> None:
+        """Before a server starts: the default scales name adapters the model serves, and no adapter takes the
+        served model's name (a request naming the base would run it)."""
+        adapters = llm.model.lora.names if llm.model.lora is not None else []
+        unknown = sorted(set(lora_scales) - set(adapters))
         if unknown:
             raise ValueError(f"lora_scales names {unknown[0]!r}, which is not one of the model's LoRA adapters")
+        if model_name in adapters:
+            raise ValueError(f"a LoRA adapter is named {model_name!r}, the served model's name")
 
     @property
     def adapters(self) -> list[str]:
@@ -79,12 +85,19 @@ class ServerContext:
     def lora_choice(self, req: LlamaSamplerFields) -> str | dict[str, float] | None:
         """The adapters a request runs (``SamplingParams.lora``): those its ``lora`` field lists (llama-server's), else
         the adapter its ``model`` names (vLLM's), else the server's defaults (llama-server's ``--lora``)."""
-        if req.lora is not None:
-            return request_scales(req.lora, self.adapters)
         model = getattr(req, "model", None)
+        if req.lora is not None:
+            if model in self.adapters:
+                raise invalid_parameter(f"lora: the model {model!r} is a LoRA adapter already; give either an "
+                                        f"adapter's name as model or the adapters as lora", "lora")
+            return request_scales(req.lora, self.adapters)
         if model is not None and model in self.adapters:
             return model
         return {name: scale for name, scale in self.lora_scales.items() if scale} or None
+
+    def answering(self, model: str | None) -> str:
+        """The model a response names: the adapter a request named (as vLLM answers), else the served model."""
+        return model if model is not None and model in self.adapters else self.model_name
 
     def model_cards(self) -> list[dict]:
         """The base model's card and each adapter's (vLLM's shape: ``parent`` the base, ``root`` the adapter's
@@ -163,7 +176,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     echo = (lambda p: job.prompt_text(p, ctx.llm.tokenizer)) if body.echo else None
     logprobs = body.logprobs is not None
     scored = scoring if scoring.top is not None else None
-    head = response_head(job.id, "text_completion", job.created, ctx.model_name)
+    head = response_head(job.id, "text_completion", job.created, ctx.answering(body.model))
     if body.stream:
         return stream_response(job, head, body.include_usage,
                                CompletionChunkFields(echo, logprobs, ctx.token_text, scored),
@@ -236,10 +249,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     run = await start_chat(ctx, body, _chat_top_logprobs(body))
     job, logprobs = run.job, bool(body.logprobs)
     if body.stream:
-        head = response_head(job.id, "chat.completion.chunk", job.created, ctx.model_name)
+        head = response_head(job.id, "chat.completion.chunk", job.created, ctx.answering(body.model))
         return stream_response(job, head, body.include_usage, chat_chunk_fields(logprobs, ctx.token_text, run.reading),
                                chat_opening(job.n), body.include_draft_info)
-    head = response_head(job.id, "chat.completion", job.created, ctx.model_name)
+    head = response_head(job.id, "chat.completion", job.created, ctx.answering(body.model))
     return await _whole_response(request, job, head, lambda c: chat_choice(c, logprobs, ctx.token_text, run.reading),
                                  body.prompt_logprobs)
 

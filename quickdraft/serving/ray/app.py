@@ -72,6 +72,9 @@ class Ingress:
         if path == "/reset_prefix_cache" and request.method == "POST":
             await self._broadcast("reset_prefix_cache")
             return JSONResponse({"status": "ok"})
+        if path == "/lora-adapters" and request.method == "POST":  # one replica's defaults would differ from the rest
+            return JSONResponse(error_body("POST /lora-adapters is not served across replicas: give each request its "
+                                           "adapters (`model`, or llama-server's `lora` field)"), 400)
         body = await self._body(request)
         if body is None:
             return JSONResponse(error_body(f"the request body is larger than this server takes (at most "
