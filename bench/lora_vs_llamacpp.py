@@ -8,16 +8,19 @@ checkout or llama-cpp-python's sdist) the script converts the PEFT directory its
 difference between its tensors and quickdraft's writer's. Both engines then run the same GGUF LoRA file.
 
 Work: the first ``--prompts`` public HumanEval prompts, encoded once by quickdraft's tokenizer and given to both
-engines as ids; ``--tokens`` greedy tokens each, one request at a time (batch 1), with and without the adapter.
+engines as ids; ``--tokens`` greedy tokens each, one request at a time (batch 1), with and without the adapter
+alternately (which goes first swapping each of ``--rounds`` rounds), so that a drift of the machine's speed reaches
+both alike.
 Reported per engine: decode tokens/s (after the first token) without and with the adapter, the adapter's cost, and
 the fraction of the bandwidth limit (the measured read bandwidth over the bytes a step reads: the file's tensors in
 their own types, plus the adapter's); how many leading tokens the engines agree on, per prompt, with and without the
 adapter (the same file on different kernels: they part where their roundings break a near-tie, with or without an
 adapter alike); and quickdraft's aggregate tokens/s for ``--batch`` requests (each prompt's first 16 tokens), all on
-the base, and half of them on the adapter beside the other half. Each engine runs in a process of its own (its peak RSS is its own).
+the base, and half of them on the adapter beside the other half. Each engine runs in a process of its own (its
+peak RSS is its own).
 
 Usage: python bench/lora_vs_llamacpp.py [--model smollm2-135m] [--rank 16] [--prompts 6] [--tokens 64] [--batch 8]
-         [--threads 2] [--converter llama.cpp/convert_lora_to_gguf.py] [--out lora_vs_llamacpp]
+         [--rounds 2] [--threads 2] [--converter llama.cpp/convert_lora_to_gguf.py] [--out lora_vs_llamacpp]
 """
 from __future__ import annotations
 
@@ -78,20 +81,25 @@ def make_adapter(path: Path, rank: int, out: Path, converter: str | None) -> dic
 def child_quickdraft(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from quickdraft import LLM, SamplingParams
     llm = LLM(args.model, threads=args.threads, lora_adapters={"a": args.lora})
-    params = {name: SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, lora=name)
-              for name in (None, "a")}
-    llm.generate([prompts[0][:8]], params["a"])  # warm-up: kernels, caches
+    params = {key: SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, lora=name)
+              for key, name in (("base", None), ("lora", "a"))}
+    llm.generate([prompts[0][:8]], params["lora"])  # warm-up: kernels, caches
     out: dict = {"weights": llm.weights_summary}
-    for name, key in ((None, "base"), ("a", "lora")):
-        runs = []
+    tokens: dict[str, list] = {"base": [], "lora": []}
+    spent = {"base": [0, 0.0], "lora": [0, 0.0]}
+    for round_ in range(args.rounds):  # base and adapter alternate prompt by prompt: drift reaches both alike
         for ids in prompts:
-            llm.reset_prefix_cache()
-            runs.append(llm.generate([ids], params[name])[0])
-        out[key] = {"tokens": [r.outputs[0].token_ids for r in runs],
-                    "tok_s": sum(r.metrics.generated_tokens - 1 for r in runs)
-                    / sum(r.metrics.total_s - r.metrics.ttft_s for r in runs)}
+            for key in ("base", "lora") if round_ % 2 == 0 else ("lora", "base"):
+                llm.reset_prefix_cache()
+                r = llm.generate([ids], params[key])[0]
+                spent[key][0] += r.metrics.generated_tokens - 1
+                spent[key][1] += r.metrics.total_s - r.metrics.ttft_s
+                if round_ == 0:
+                    tokens[key].append(r.outputs[0].token_ids)
+    for key in ("base", "lora"):
+        out[key] = {"tokens": tokens[key], "tok_s": spent[key][0] / spent[key][1]}
     batch = [ids[:16] for ids in (prompts * args.batch)[:args.batch]]  # short prompts: the decode steps' rate
-    for key, names in (("batch_base", [None] * args.batch), ("batch_mixed", [None, "a"] * (args.batch // 2))):
+    for key, names in (("batch_base", ["base"] * args.batch), ("batch_mixed", ["base", "lora"] * (args.batch // 2))):
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
         outs = llm.generate(batch, [params[n] for n in names])
@@ -101,31 +109,39 @@ def child_quickdraft(args: argparse.Namespace, prompts: list[list[int]]) -> dict
 
 def child_llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from llama_cpp import Llama
-    out: dict = {}
-    for key, lora in (("base", None), ("lora", args.lora)):
-        llm = Llama(args.model, n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False,
-                    lora_path=lora)
-        tokens, decode_s = [], 0.0
-        for i, ids in enumerate([prompts[0][:8]] + prompts):  # the first: a warm-up, not counted
-            llm.reset()
-            got, first = [], 0.0
-            for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-                got.append(tok)
-                first = first or time.perf_counter()
-                if len(got) >= args.tokens:
-                    break
-            if i:
-                tokens.append(got)
-                decode_s += time.perf_counter() - first
-        del llm
-        out[key] = {"tokens": tokens, "tok_s": sum(len(t) - 1 for t in tokens) / decode_s}
-    return out
+    engines = {key: Llama(args.model, n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False,
+                          lora_path=lora) for key, lora in (("base", None), ("lora", args.lora))}
+    tokens: dict[str, list] = {"base": [], "lora": []}
+    spent = {"base": [0, 0.0], "lora": [0, 0.0]}
+
+    def run(key: str, ids: list[int]) -> tuple[list[int], float]:
+        llm = engines[key]
+        llm.reset()
+        got, first = [], 0.0
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            got.append(tok)
+            first = first or time.perf_counter()
+            if len(got) >= args.tokens:
+                break
+        return got, time.perf_counter() - first
+
+    for key in engines:
+        run(key, prompts[0][:8])  # warm-up
+    for round_ in range(args.rounds):
+        for ids in prompts:
+            for key in ("base", "lora") if round_ % 2 == 0 else ("lora", "base"):
+                got, decode_s = run(key, ids)
+                spent[key][0] += len(got) - 1
+                spent[key][1] += decode_s
+                if round_ == 0:
+                    tokens[key].append(got)
+    return {key: {"tokens": tokens[key], "tok_s": spent[key][0] / spent[key][1]} for key in engines}
 
 
 def run_child(engine: str, args: argparse.Namespace, prompts_file: Path) -> dict:
     command = [sys.executable, __file__, "--child", engine, "--model", args.model, "--lora", args.lora,
                "--prompts-file", str(prompts_file), "--tokens", str(args.tokens), "--threads", str(args.threads),
-               "--batch", str(args.batch)]
+               "--batch", str(args.batch), "--rounds", str(args.rounds)]
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -144,6 +160,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--converter", default=None)
     parser.add_argument("--out", default="lora_vs_llamacpp")
@@ -199,7 +216,7 @@ def main() -> None:
                     "rows": rows, "agreement": agreement, "changed_by_adapter": changed,
                     "quickdraft": {k: v for k, v in q.items() if k.startswith("batch") or k == "weights"},
                     "settings": {k: getattr(args, k) for k in ("model", "rank", "prompts", "tokens", "batch",
-                                                               "threads")}})
+                                                               "threads", "rounds")}})
 
 
 if __name__ == "__main__":
