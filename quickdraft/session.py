@@ -158,7 +158,7 @@ class Session:
         if params.prompt_logprobs is not None:
             raise InvalidParameterError("prompt_logprobs is not available in a session (its earlier turns are cached, "
                                         "not recomputed); use LLM.generate")
-        if params.lora is not None:
+        if params.lora and (isinstance(params.lora, str) or any(params.lora.values())):  # (none, or all at 0: the base)
             raise InvalidParameterError("a session runs the base model: its caches are kept turn to turn, and an "
                                         "adapter's keys and values differ; use LLM.generate with lora")
         return params

@@ -480,8 +480,9 @@ def test_prompt_logprobs_on_the_gpu(plain, target):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lora_adapters_on_the_gpu(target, tmp_path, dtype):
     """An adapter's requests beside base ones on the GPU: the base requests' tokens are those they get alone (their
-    rows keep the static step's graphs: the adapters' rows take a forward of their own), an adapter's are the same
-    alone and in the batch, and in float32 its prompt logprobs are the CPU's within rounding."""
+    rows keep the static step's graphs: the adapters' rows take a forward of their own), and in float32 an adapter's
+    prompt logprobs are the CPU's within rounding (its terms are torch's matmuls there, whose rounding may follow
+    the batch: its tokens are not compared bit for bit)."""
     from test_lora import KEY, _write_peft  # (the GPU image has no peft: the adapter's files written directly)
 
     torch.manual_seed(1)
@@ -497,7 +498,8 @@ def test_lora_adapters_on_the_gpu(target, tmp_path, dtype):
     names = ["a", None, {"a": 0.5}, None]
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, lora=n) for n in names]
     together = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
-    assert together == [gpu.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    base = [i for i, n in enumerate(names) if n is None]
+    assert [together[i] for i in base] == [gpu.generate([prompts[i]], params[i])[0].outputs[0].token_ids for i in base]
     if dtype == "float32":
         scored = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, lora="a")
         cpu = LLM(target, dtype="float32", kv_cache_memory=TINY_KV, lora_adapters={"a": adapter})

@@ -271,6 +271,9 @@ def test_unknown_adapters_are_refused_by_name(llm):
            llm.generate([[1, 2]], greedy(4))[0].outputs[0].token_ids  # llama-server's empty list: the base
     with pytest.raises(InvalidParameterError, match="session runs the base model"):
         llm.session().generate([1, 2], greedy(2, lora="all"))
+    with llm.session() as session:  # no adapter, or every one at scale 0: the base, which a session runs
+        assert session.generate([1, 2], greedy(2, lora={"all": 0.0})).outputs[0].token_ids == \
+               llm.generate([[1, 2]], greedy(2))[0].outputs[0].token_ids
 
 
 def _write_peft(directory: Path, tensors: dict[str, torch.Tensor], **config) -> Path:
@@ -304,6 +307,8 @@ KEY = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.weight"
      {"lora_alpha": 10 ** 400}, "must be numbers"),
     ({KEY.format(0, "q_proj", "A"): torch.ones(2, 64), KEY.format(0, "q_proj", "B"): torch.ones(64, 2)},
      {"lora_alpha": 1e300}, "overflows float32"),
+    ({KEY.format(0, "q_proj", "A"): torch.ones(2, 64), KEY.format(0, "q_proj", "B"): torch.ones(64, 2)},
+     {"alpha_pattern": {"q_proj(": 2}}, "not a regular expression"),
     ({KEY.format(0, "q_proj", "A"): torch.ones(2, 64, dtype=torch.int32),
       KEY.format(0, "q_proj", "B"): torch.ones(64, 2, dtype=torch.int32)}, {}, "must be float tensors"),
 ])

@@ -169,17 +169,17 @@ class ModelRunner:
         ``device_tokens`` (a decode step on the static step, one token per item, on the device): the ids to run,
         in place of the items' own. ``wait=False`` returns once the work is queued (``last_forward_s`` is then the
         host's time alone): the caller reads the results when it needs them."""
-        if self.device.type == "cuda" and 0 < sum(bool(it.kv.adapter) for it in items) < len(items):
-            return self._forward_apart(items, wait)
         t0 = time.perf_counter()
-        if device_tokens is not None and not (self.launches_ahead(len(items))
+        if device_tokens is not None and not (self.launches_ahead(len(items)) and not any(it.kv.adapter for it in items)
                                               and all(len(it.tokens) == 1 == it.num_logits for it in items)):
-            raise ValueError("device_tokens need the static step, one token with logits per item, and a bucket of "
-                             "that many sequences")
+            raise ValueError("device_tokens need the static step, one token with logits per item of the base model, "
+                             "and a bucket of that many sequences")
         for item in items:  # every block first: running out must leave no cache half-advanced
             end = item.kv.num_cached + len(item.tokens)
             item.kv.make_writable(item.kv.num_cached, end, self.allocator, self.pool)
             item.kv.reserve(end, self.allocator, self.block_size)
+        if self.device.type == "cuda" and 0 < sum(bool(it.kv.adapter) for it in items) < len(items):
+            return self._forward_apart(items, wait)
         long = [len(it.tokens) >= self.long_tokens for it in items] if self.long_model is not None else []
         if self._fits_static(items):  # (an item with prompt logits is a prompt chunk: never in a static bucket)
             out = self.static.run([it.kv for it in items], [it.tokens for it in items], self.logit_columns,

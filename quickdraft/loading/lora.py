@@ -82,8 +82,11 @@ def _checked(path: Path, cfg: ModelConfig, layer: int, module: str, a: torch.Ten
 def _pattern_value(patterns: Mapping[str, object], name: str, default: float) -> float:
     """PEFT's per-module override (``alpha_pattern``): the first pattern that matches the end of the module's name."""
     for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", name):
-            return value  # type: ignore[return-value]
+        try:
+            if re.match(rf"(.*\.)?({pattern})$", name):
+                return value  # type: ignore[return-value]
+        except re.error as exc:
+            raise ModelLoadError(f"alpha_pattern's key {pattern!r} is not a regular expression ({exc})") from None
     return default
 
 
@@ -201,7 +204,7 @@ def write_gguf_lora(modules: Modules, out: str | Path, cfg: ModelConfig) -> Path
 
     arch = gguf_architecture(cfg)
     alphas = {round(scale * a.shape[0], 6) for a, _, scale in modules.values()}
-    alpha = alphas.pop() if len(alphas) == 1 and min(alphas) > 0 else 0.0  # (llama.cpp reads alpha <= 0 as none)
+    alpha = alphas.pop() if len(alphas) == 1 and min(alphas) > 0 else 0.0  # (0: none; a negative one is refused here)
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_type("adapter")
     writer.add_string("adapter.type", "lora")

@@ -23,7 +23,7 @@ from quickdraft.errors import InvalidParameterError, require_unicode
 from quickdraft.models import native
 
 MAX_NAME_CHARS, MAX_MIXED, MAX_SCALE = 256, 64, 100.0
-MAX_CACHED_MIXES = 32
+MAX_CACHED_MIXES = 512  # (more than a step's sequences: a step's mixes never evict each other)
 Mix = tuple[tuple[int, float], ...]  # (slot, scale) of each adapter a sequence runs; () for the base model alone
 
 SITES = ("qkv", "o", "gate_up", "down")  # a layer's projection sites, in qd_lora_site's order (layer.c)
@@ -124,7 +124,9 @@ class LoraWeights:
         kept with the mix's calls."""
         calls = self._calls.get(mix)
         table = calls.get(("table", layers)) if calls is not None else None
-        if table is None:
+        if table is not None:
+            self._calls.move_to_end(mix)
+        else:
             held = [self.site_call(mix, layer, site) for layer in range(layers) for site in SITES]
             sites = [_Site(0) if call is None else _Site(call.arrays[0], *map(ctypes.addressof, call.arrays[1:]))
                      for call in held]
