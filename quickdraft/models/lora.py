@@ -3,7 +3,7 @@
 An adapter adds ``scale * B @ (A @ x)`` (A ``[r, in]``, B ``[out, r]``) to the output of some of a layer's linear
 projections. The base weights are never changed, so one model serves its base and every adapter at once, in any
 weight format: a forward's rows of the base model and of each adapter share the base projections' call, and each
-adapter's rows get its low-rank term added after it (``LoraRows.add``), in the model's dtype.
+adapter's rows get its low-rank term added after it (``LoraRows.add``: summed in float32, added to the output once).
 
 A projection site is where quickdraft calls one projection, possibly several stacked (``qkv``: q, k and v side by
 side; ``gate_up``: gate and up before the activation); an adapter's module is a column range of its site.
