@@ -91,6 +91,9 @@ class Session:
         self._check_open()
         if self._active is not None:
             raise SessionError("a turn is being generated; finish or close its stream before saving the session")
+        if self.kv["target"].adapter:
+            raise SessionError("a session that runs LoRA adapters cannot be saved yet: its snapshot would not say "
+                               "which")
         tensors, metadata = self._snapshot()
         path = Path(path)
         try:
@@ -158,9 +161,12 @@ class Session:
         if params.prompt_logprobs is not None:
             raise InvalidParameterError("prompt_logprobs is not available in a session (its earlier turns are cached, "
                                         "not recomputed); use LLM.generate")
-        if params.lora and (isinstance(params.lora, str) or any(params.lora.values())):  # (none, or all at 0: the base)
-            raise InvalidParameterError("a session runs the base model: its caches are kept turn to turn, and an "
-                                        "adapter's keys and values differ; use LLM.generate with lora")
+        kv = self.loaded.engine.target.new_kv(params.lora)  # (an unknown adapter is refused here)
+        if kv.adapter != self.kv["target"].adapter:
+            if self.history:  # the cache holds the earlier turns' keys and values, computed with their adapters
+                raise InvalidParameterError("lora: a session keeps the LoRA adapters (and scales) of its first turn; "
+                                            "start another session for other ones")
+            self.kv["target"] = kv
         return params
 
     def _runners(self) -> dict[str, ModelRunner]:

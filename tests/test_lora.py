@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.errors import InvalidParameterError, ModelLoadError
+from quickdraft.errors import InvalidParameterError, ModelLoadError, SessionError
 from quickdraft.loading.gguf_metadata import read_header
 from quickdraft.loading.lora import read_peft, write_gguf_lora
 
@@ -269,11 +269,29 @@ def test_unknown_adapters_are_refused_by_name(llm):
             SamplingParams(lora=bad)
     assert llm.generate([[1, 2]], greedy(4, lora={}))[0].outputs[0].token_ids == \
            llm.generate([[1, 2]], greedy(4))[0].outputs[0].token_ids  # llama-server's empty list: the base
-    with pytest.raises(InvalidParameterError, match="session runs the base model"):
-        llm.session().generate([1, 2], greedy(2, lora="all"))
-    with llm.session() as session:  # no adapter, or every one at scale 0: the base, which a session runs
+
+
+
+def test_a_session_keeps_its_first_turns_adapters(llm, tmp_path):
+    """A session's turns under an adapter continue from its cache as LLM.generate of the whole history would; a later
+    turn may not switch adapters (the cache holds the earlier turns' keys), an all-zero mix is the base, and a
+    session that runs adapters is not saved (its snapshot would not say which)."""
+    first, second = prompt(50, 10), prompt(51, 6)
+    with llm.session() as session:
+        one = session.generate(first, greedy(8, lora="all")).outputs[0].token_ids
+        two = session.generate(second, greedy(8, lora="all")).outputs[0].token_ids
+        assert one == llm.generate([first], greedy(8, lora="all"))[0].outputs[0].token_ids
+        assert two == llm.generate([first + one + second], greedy(8, lora="all"))[0].outputs[0].token_ids
+        with pytest.raises(InvalidParameterError, match="keeps the LoRA adapters"):
+            session.generate([1, 2], greedy(2, lora="attn"))
+        with pytest.raises(InvalidParameterError, match="keeps the LoRA adapters"):
+            session.generate([1, 2], greedy(2))
+        with pytest.raises(SessionError, match="cannot be saved yet"):
+            session.save(tmp_path / "s.qds")
+    with llm.session() as session:
         assert session.generate([1, 2], greedy(2, lora={"all": 0.0})).outputs[0].token_ids == \
                llm.generate([[1, 2]], greedy(2))[0].outputs[0].token_ids
+        session.save(tmp_path / "base.qds")
 
 
 def _write_peft(directory: Path, tensors: dict[str, torch.Tensor], **config) -> Path:
