@@ -147,9 +147,13 @@ class SequenceKV:
     # text); None: not kept. May run past num_cached while tokens are hidden.
     tokens: list[int] | None = None
     # the LoRA adapters whose keys and values these are (slots and scales in the model's ``LoraWeights``; (): the base
-    # model alone), and what its blocks' hashes start from: a prefix cached under one adapter is never another's
+    # model alone)
     adapter: Mix = ()
-    hash_seed: bytes = b""
+
+    @property
+    def hash_seed(self) -> bytes:
+        """What its blocks' hashes start from: the adapters, so that a prefix cached under one is never another's."""
+        return repr(self.adapter).encode() if self.adapter else b""
 
     def blocks_needed(self, new_length: int, block_size: int) -> int:
         return max(0, -(-new_length // block_size) - len(self.block_table))
@@ -206,7 +210,7 @@ class SequenceKV:
         length = min(length, self.num_cached)
         table = [allocator.share(b) for b in self.block_table[: -(-length // block_size)]]
         return SequenceKV(table, length, self.hashes[: length // block_size],
-                          None if self.tokens is None else self.tokens[:length], self.adapter, self.hash_seed)
+                          None if self.tokens is None else self.tokens[:length], self.adapter)
 
     def match_prefix(self, tokens: list[int], allocator: BlockAllocator, block_size: int, exact_below: int = 0) -> int:
         """Take cached full blocks that hold a prefix of ``tokens``; at least one token is left to compute.
@@ -239,7 +243,8 @@ class SequenceKV:
         full = min(self.num_cached, len(tokens)) // block_size
         while len(self.hashes) < full:
             i = len(self.hashes)
-            digest = block_hash(self.hashes[-1] if self.hashes else self.hash_seed, tokens[i * block_size:(i + 1) * block_size])
+            parent = self.hashes[-1] if self.hashes else self.hash_seed
+            digest = block_hash(parent, tokens[i * block_size:(i + 1) * block_size])
             allocator.register(self.block_table[i], digest)
             self.hashes.append(digest)
 

@@ -102,8 +102,7 @@ class ModelRunner:
         if unknown:
             raise InvalidParameterError(f"lora {unknown[0]!r} is not an adapter this model serves; it serves "
                                         f"{', '.join(map(repr, names)) or 'none'}")
-        mix = weights.mix(lora)
-        return SequenceKV(adapter=mix, hash_seed=repr(mix).encode() if mix else b"")
+        return SequenceKV(adapter=weights.mix(lora))
 
     def blocks_for(self, kv: SequenceKV, length: int) -> int:
         """Free blocks a forward growing ``kv`` to ``length`` tokens takes: new ones plus copy-on-write copies."""

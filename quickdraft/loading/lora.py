@@ -278,5 +278,5 @@ def lora_weights(adapters: Mapping[str, Modules], model: Transformer, sources: l
     for slot, modules in enumerate(adapters.values(), start=1):
         for (layer, module), (a, b, scale) in modules.items():
             part = LoraPart(_offset(cfg, module), a.contiguous().to(device), (b * scale).T.contiguous().to(device))
-            parts.setdefault((slot, layer, MODULE_SITES[module][0]), []).append(part)
+            parts.setdefault((slot, layer, MODULE_SITES[module]), []).append(part)
     return LoraWeights(list(adapters), parts, sources, cfg.num_layers)

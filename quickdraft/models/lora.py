@@ -27,9 +27,9 @@ MAX_CACHED_MIXES = 512  # (more than a step's sequences: a step's mixes never ev
 Mix = tuple[tuple[int, float], ...]  # (slot, scale) of each adapter a sequence runs; () for the base model alone
 
 SITES = ("qkv", "o", "gate_up", "down")  # a layer's projection sites, in qd_lora_site's order (layer.c)
-# a target module's site, and which of the site's stacked outputs it is
-MODULE_SITES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
-                "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+# a target module's site (where in it: loading/lora.py's _offset)
+MODULE_SITES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
+                "up_proj": "gate_up", "down_proj": "down"}
 
 
 @dataclass(frozen=True)
@@ -91,15 +91,10 @@ class LoraWeights:
         self.names, self.parts, self.sources, self.layers = list(names), parts, list(sources), layers
         self._calls: OrderedDict[Mix, dict[tuple[int, str], SiteCall | None]] = OrderedDict()
 
-    def mix(self, choice: str | Mapping[str, float] | None) -> Mix:
-        """A request's choice (an adapter's name, or names with scales; see ``check_choice``) as slots and scales,
-        adapters of scale 0 left out. Raises KeyError for a name it does not serve."""
-        if choice is None:
-            return ()
+    def mix(self, choice: str | Mapping[str, float]) -> Mix:
+        """A request's choice (an adapter's name, or names with scales, each one it serves; see ``check_choice``) as
+        slots and scales, adapters of scale 0 left out."""
         scales = {choice: 1.0} if isinstance(choice, str) else choice
-        for name in scales:
-            if name not in self.names:
-                raise KeyError(name)
         return tuple((self.names.index(name) + 1, scale) for name, scale in sorted(scales.items()) if scale)
 
     def site_call(self, mix: Mix, layer: int, site: str) -> SiteCall | None:
@@ -133,9 +128,6 @@ class LoraWeights:
             table = ((_Site * len(sites))(*sites), held)
             self._calls[mix][("table", layers)] = table
         return table
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for parts in self.parts.values() for p in parts for t in (p.a, p.bt))
 
 
 def check_choice(value: object) -> str | dict[str, float] | None:

@@ -245,7 +245,8 @@ class Transformer(nn.Module):
             lora = None if attn.lora is None else attn.lora.fused()
             return self.model.norm(stack(x, singles, lora))
         layers = list(self.model.layers)[:num_layers]  # (slicing a ModuleList builds a new one)
-        if attn.lora is None and triton_ops.runs_rms_norm(x, self.model.norm.weight):  # a GPU: each residual add joins the norm after it
+        # a GPU: each residual add joins the norm after it (not where adapters add their terms after projections)
+        if attn.lora is None and triton_ops.runs_rms_norm(x, self.model.norm.weight):
             pending = None
             for layer in layers:
                 x, pending = layer.forward_pending(x, pending, self.rope_of(layer), attn)
