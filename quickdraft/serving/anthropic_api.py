@@ -210,7 +210,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     except ClientGone:
         return Response(status_code=499)
     blocks = content_blocks(whole.reasoning, whole.text, whole.calls)
-    return JSONResponse(message_body(message_id, ctx.answering(body.model), blocks, whole.choice, run.job.prompt_tokens))
+    model = ctx.answering(body.model)
+    return JSONResponse(message_body(message_id, model, blocks, whole.choice, run.job.prompt_tokens))
 
 
 @router.post("/v1/messages/count_tokens", responses=_ERRORS)
