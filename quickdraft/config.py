@@ -9,8 +9,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "olmoe",
-                           "gpt_oss")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "qwen3_moe", "mixtral",
+                           "olmoe", "gpt_oss")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
 # Bounds far beyond any checkpoint's values (factors of 1 to ~100, bases of 10^4 to 10^8, widths of ~16k, contexts of
 # up to ~10M tokens): within them every RoPE angle stays finite and every size fits the C kernels' ints, and a damaged
@@ -134,6 +134,10 @@ class ModelConfig:
     sliding_window: int | None = None  # a sliding layer at position i sees keys j with i - window < j <= i
     layer_types: tuple[str, ...] = ()  # one of LAYER_TYPES per layer; () = every layer full, or sliding if a window is set
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
+    # RoPE rotates the first rotary_dim dims of each q and k head (Phi-4-mini: 3/4 of them), the rest pass as they are;
+    # None: all. Layers in unrotated_layers attend without RoPE at all (SmolLM3: every 4th, "NoPE")
+    rotary_dim: int | None = None
+    unrotated_layers: tuple[int, ...] = ()
     sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma)
     hidden_act: str = "silu"  # the MLP's gate activation
     embedding_multiplier: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
@@ -172,6 +176,12 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim}; rotary embeddings need an even head dimension")
+        rotary = self.rotary_dim
+        if rotary is not None and not (_is_int(rotary, 2, self.head_dim) and rotary % 2 == 0):
+            raise ValueError(f"rotary_dim={self.rotary_dim!r}; allowed: an even int in 2 to head_dim={self.head_dim}")
+        if any(not _is_int(i, 0, self.num_layers - 1) for i in self.unrotated_layers):
+            raise ValueError(f"unrotated_layers={list(self.unrotated_layers)!r:.80}; allowed: layer numbers below "
+                             f"{self.num_layers}")
         if not _is_int(self.max_position_embeddings, 1, MAX_CONTEXT):
             raise ValueError(f"max_position_embeddings={self.max_position_embeddings!r}; allowed: an int in 1 to "
                              f"{MAX_CONTEXT:,}")
@@ -210,9 +220,9 @@ class ModelConfig:
         if not _is_number(self.rms_norm_eps, 0.0, 1.0) or not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r}; allowed: above 0 up to 1")
         scaling = self.rope_scaling
-        if scaling is not None and scaling.type == "longrope" and len(scaling.short_factor) != self.head_dim // 2:
-            raise ValueError(f"longrope factors have {len(scaling.short_factor)} entries; head_dim {self.head_dim} "
-                             f"needs {self.head_dim // 2}, one per frequency")
+        if scaling is not None and scaling.type == "longrope" and len(scaling.short_factor) != self.rotated_dims // 2:
+            raise ValueError(f"longrope factors have {len(scaling.short_factor)} entries; {self.rotated_dims} rotated "
+                             f"dims need {self.rotated_dims // 2}, one per frequency")
 
     def _check_experts(self) -> None:
         """A mixture's sizes, checked before any weight is read (a damaged count would size every allocation)."""
@@ -251,6 +261,11 @@ class ModelConfig:
         return self.sliding_window if self.is_sliding(layer) else None
 
     @property
+    def rotated_dims(self) -> int:
+        """How many of each head's dims RoPE rotates (in layers that rotate at all)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
@@ -268,6 +283,7 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
         d["dense_layers"] = tuple(d.get("dense_layers", ()))
+        d["unrotated_layers"] = tuple(d.get("unrotated_layers", ()))
         scaling = d.get("rope_scaling")
         if isinstance(scaling, dict):
             d["rope_scaling"] = RopeScaling(**{**scaling, "short_factor": tuple(scaling.get("short_factor", ())),

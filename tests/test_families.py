@@ -49,6 +49,15 @@ FAMILIES = {
     "phi3-longrope": (transformers.Phi3ForCausalLM, transformers.Phi3Config(
         num_hidden_layers=2, original_max_position_embeddings=32, sliding_window=WINDOW,
         rope_scaling=dict(type="longrope", **LONGROPE), pad_token_id=0, **SMALL)),
+    # Phi-4-mini: RoPE over the first 3/4 of each head (12 of 16 dims here: 6 frequencies), longrope, tied head
+    "phi4-mini-partial": (transformers.Phi3ForCausalLM, transformers.Phi3Config(
+        num_hidden_layers=2, original_max_position_embeddings=32, tie_word_embeddings=True, pad_token_id=0,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                             short_factor=LONGROPE["short_factor"][:6], long_factor=LONGROPE["long_factor"][:6]),
+        **SMALL)),
+    # SmolLM3: every 4th layer attends without RoPE (NoPE)
+    "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config(
+        num_hidden_layers=4, rope_theta=10000.0, pad_token_id=0, **SMALL)),
 }
 
 
@@ -94,7 +103,7 @@ def test_family_matches_transformers(family_dir, name):
     llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
     # prompts of dynamic and longrope scalings stay within the original context, where HF rotates every position of
     # a forward alike; past it HF's rotation depends on the forward's length, ours on the position (see rope.py)
-    length = 30 if name in ("llama-dynamic-rope", "phi3-longrope") else 5 * WINDOW
+    length = 30 if name in ("llama-dynamic-rope", "phi3-longrope", "phi4-mini-partial") else 5 * WINDOW
     ids = prompt(length)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
@@ -161,7 +170,9 @@ def _edited(tmp_path: Path, source: Path, **changes) -> Path:
     ({"sliding_window": 12.9, "use_sliding_window": True}, r"sliding_window=12.9; allowed"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 7,
                           "long_factor": [1.0] * 7, "original_max_position_embeddings": 32}},
-     r"longrope factors have 7 entries; head_dim 16 needs 8, one per frequency"),
+     r"longrope factors have 7 entries; 16 rotated dims need 8, one per frequency"),
+    ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 is supported for phi3 only \(transformers rotates "
+                                     r"whole heads of qwen3\)"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": "12345678",
                           "long_factor": [1.0] * 8, "original_max_position_embeddings": 32}},
      r"short_factor is str '12345678'; it must be a list of numbers"),
@@ -189,8 +200,51 @@ def test_unsupported_configs_are_refused_by_name(family_dir, tmp_path, changes, 
         LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
 
 
+@pytest.mark.parametrize("name,changes,message", [
+    ("smollm3", {"no_rope_layers": [1, 1, 1]}, r"no_rope_layers=\[1, 1, 1\]; it must list 1 \(RoPE\) or 0 \(none\) "
+                                               r"for each of the 4 layers"),
+    ("smollm3", {"no_rope_layers": [1, 2, 1, 0]}, r"no_rope_layers=\[1, 2, 1, 0\]; it must list"),
+    ("smollm3", {"no_rope_layers": [1.0, 1, 1, 0]}, r"no_rope_layers=\[1.0, 1, 1, 0\]; it must list"),
+    ("smollm3", {"no_rope_layers": None, "no_rope_layer_interval": 0}, r"no_rope_layer_interval=0; it must be an int"),
+    ("phi4-mini-partial", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 2}},
+     r"partial_rotary_factor=2; allowed: a number above 0 up to 1"),
+    ("phi4-mini-partial", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                               "partial_rotary_factor": "0.5"}},
+     r"partial_rotary_factor='0.5'; allowed"),
+    ("phi4-mini-partial", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                               "partial_rotary_factor": 0.1}},  # 1 dim of 16: no pair to rotate
+     r"rotary_dim=1; allowed: an even int in 2 to head_dim=16"),
+    ("phi4-mini-partial", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+                                               "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
+                                               "original_max_position_embeddings": 32}},
+     r"longrope factors have 8 entries; 12 rotated dims need 6, one per frequency"),
+])
+def test_damaged_rotary_settings_are_refused_by_name(family_dir, tmp_path, name, changes, message):
+    path = _edited(tmp_path, family_dir(name)[0], **changes)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+
+
+@pytest.mark.parametrize("name", ["phi4-mini-partial", "smollm3"])
+@pytest.mark.parametrize("weights,dtype", [("int8", "bfloat16"), ("int4", "float32")])
+def test_fused_layers_rotate_as_the_module_path(family_dir, name, weights, dtype, monkeypatch):
+    """RoPE over part of each head, and layers without it, inside the fused C layer: a verify pass beside a decode
+    token gives the module path's logits and caches bit for bit, every layer fused."""
+    from test_fused import _verify_step
+
+    llm = LLM(str(family_dir(name)[0]), weights=weights, dtype=dtype, kv_cache_memory="16MiB")
+    cfg = llm.model.config
+    assert cfg.rotated_dims == (12 if name == "phi4-mini-partial" else 16)
+    assert cfg.unrotated_layers == (() if name == "phi4-mini-partial" else (3,))
+    fused, fused_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), True, monkeypatch)
+    modules, _ = _verify_step(llm, prompt(20), prompt(5, seed=3), False, monkeypatch)
+    assert fused_calls == cfg.num_layers
+    assert all(torch.equal(a, b) for a, b in zip(fused, modules))
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16"])
-@pytest.mark.parametrize("name", ["qwen3", "gemma3", "mistral", "phi3-longrope", "llama3-rope"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "mistral", "phi3-longrope", "llama3-rope", "phi4-mini-partial",
+                                  "smollm3"])
 def test_family_through_the_engine(family_dir, name, weights):
     """Quantized and bfloat16 weights (the fused C layer where it applies): a batch equals each prompt alone, a
     repeated prompt reads its cached prefix, and every drafter keeps greedy output unchanged."""
@@ -303,9 +357,10 @@ def test_rope_tables_cover_the_engines_context_only(family_dir):
 
     llm = LLM(str(family_dir("gemma3")[0]), dtype="float32", kv_cache_memory="16MiB", max_model_len=40,
               num_speculative_tokens=3)
-    limit = llm.model.rope.max_positions  # the context, plus a verify pass's reach past it
-    assert limit == llm.model.local_rope.max_positions and 40 < limit <= 40 + 16 < llm.model.config.max_position_embeddings
-    assert llm.model.rope.cos.shape == (limit, 8)
+    limit = llm.model.max_positions  # the context, plus a verify pass's reach past it
+    ropes = llm.model.ropes
+    assert limit == ropes["local"].max_positions and 40 < limit <= 40 + 16 < llm.model.config.max_position_embeddings
+    assert ropes["global"].cos.shape == (limit, 8)
     out = llm.generate([prompt(8)], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 32  # up to max_model_len
     with pytest.raises(ValueError, match=f"position {limit} is past the {limit} this model was limited to"):

@@ -2,7 +2,8 @@
 writes them: Qwen3 (q/k norms), Gemma 3 (norms around attention and MLP, sliding layers, linear RoPE), Phi-3 (fused
 q/k/v and gate/up, longrope factor tensors) and Llama 3.1 (``rope_freqs``). Each config field is read from the right
 key, each tensor lands under the right HF name with the right values (a fused tensor's row ranges, in float and from
-the file's Q8_0/Q4_0 blocks), and what cannot be run as it is meant (other archs, yarn, partial rotary) is refused."""
+the file's Q8_0/Q4_0 blocks), and what cannot be run as it is meant (other archs, yarn, damaged factors) is refused.
+(Phi-4-mini's partial rotary and SmolLM3's NoPE layers: test_rope_families.py.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -310,7 +311,7 @@ def test_phi3_attention_factor_defaults_as_transformers_computes_it(tmp_path, ca
 
 @pytest.mark.parametrize("case,message", [
     ("one factor tensor", r"has rope_factors_long.weight but not rope_factors_short.weight; longrope needs both"),
-    ("partial rotary", r"'phi3.rope.dimension_count' is 12 but the head dimension is 16; RoPE over part of a head"),
+    ("partial rotary", r"tensor rope_factors_short.weight has shape \(8,\); RoPE over 12 dims of a head needs \(6,\)"),
     ("qkv rows", r"tensor blk.0.attn_qkv.weight has shape \(127, 64\); the model config needs 64 \+ 32 \+ 32 = 128"),
     ("no original context", r"missing 'phi3.rope.scaling.original_context_length'"),
 ])

@@ -46,20 +46,25 @@ def test_rms_norm_matches_torch_and_rows_are_independent(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_matches_torch_and_rows_are_independent(dtype):
+@pytest.mark.parametrize("rotary_dim", [64, 48, 0])
+def test_rope_matches_torch_and_rows_are_independent(dtype, rotary_dim):
+    """Whole heads, the first 48 of 64 dims (partial rotary: the rest pass untouched) and none (a NoPE layer)."""
     torch.manual_seed(1)
-    rope = RotaryEmbedding(64, 10000.0, 512)
+    rope = RotaryEmbedding(64, 10000.0, 512, rotary_dim=rotary_dim)
     rope.reach(512)  # tables for every position used below (they grow with the positions a forward reaches)
     qkv = torch.randn(6, 5 * 64).to(dtype)  # 3 query + 2 key heads of a fused projection, rotated in place
     positions = torch.tensor([3, 100, 101, 102, 400, 511])
     heads = qkv.clone().view(6, 5, 64)
-    x1, x2 = heads.float().chunk(2, dim=-1)
+    half = rotary_dim // 2
+    x1, x2, rest = heads.float().split((half, half, 64 - rotary_dim), dim=-1)
     cos, sin = rope.cos[positions][:, None], rope.sin[positions][:, None]
-    ref = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    ref = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
     batch = qkv.clone()
     native.rope_(batch.view(6, 5, 64), positions, rope.cos, rope.sin)
     tol = 1e-6 if dtype == torch.float32 else 2 ** -7
     assert torch.allclose(batch.view(6, 5, 64).float(), ref, rtol=tol, atol=tol * 4)
+    assert torch.equal(batch.view(6, 5, 64)[..., rotary_dim:], heads[..., rotary_dim:])
+    assert torch.equal(rope(heads.clone(), positions), batch.view(6, 5, 64))  # the module's own call, same bits
     for r in range(6):
         alone = _offset_copy(qkv[r:r + 1], r + 1)
         native.rope_(alone.view(1, 5, 64), positions[r:r + 1], rope.cos, rope.sin)

@@ -85,21 +85,25 @@ def test_kv_write_stores_the_rows_of_a_fused_output_at_their_slots(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 32), (3, 1, 48)])
-def test_rope_rotates_q_and_k_in_place_inside_a_fused_output(heads, kv_heads, dim, dtype):
-    """x is the q/k part of a q/k/v projection's output (rows longer than the heads rotated); v stays as it was."""
+@pytest.mark.parametrize("heads,kv_heads,dim,rotary", [(9, 3, 64, 64), (4, 2, 32, 32), (3, 1, 48, 48), (4, 2, 32, 24),
+                                                       (3, 1, 48, 0)])
+def test_rope_rotates_q_and_k_in_place_inside_a_fused_output(heads, kv_heads, dim, rotary, dtype):
+    """x is the q/k part of a q/k/v projection's output (rows longer than the heads rotated); v stays as it was, and
+    so do the dims past ``rotary`` (partial rotary; 0: a layer without RoPE)."""
     tokens = 5
     qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
     before = qkv.clone()
     qk = qkv[:, :(heads + kv_heads) * dim].reshape(tokens, heads + kv_heads, dim)
     positions = torch.tensor([0, 7, 3, 200, 31], device=DEVICE)
-    cos, sin = (t.to(DEVICE) for t in rope_tables(dim, 10000.0, None, 256))
+    cos, sin = (t.to(DEVICE) for t in rope_tables(rotary, 10000.0, None, 256))
     assert triton_ops.runs_rope(qk)
-    x1, x2 = before[:, :(heads + kv_heads) * dim].reshape(tokens, heads + kv_heads, dim).float().chunk(2, dim=-1)
+    x1, x2, rest = before[:, :(heads + kv_heads) * dim].reshape(tokens, heads + kv_heads, dim).float().split(
+        (rotary // 2, rotary // 2, dim - rotary), dim=-1)
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(dtype)
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1).to(dtype)
     assert triton_ops.rope_(qk, positions, cos, sin) is qk
     torch.testing.assert_close(qk, want, **TOLERANCE[dtype])
+    assert torch.equal(qk[..., rotary:], want[..., rotary:])
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], before[:, (heads + kv_heads) * dim:])
 
 
@@ -249,11 +253,34 @@ def test_the_static_step_rotates_as_it_writes_the_keys(tiny_dir, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every model runs these kernels (tests/test_cuda.py)")
-@pytest.mark.parametrize("kind,name", [("dense", n) for n in ("qwen3", "gemma3", "mistral")] +
+@pytest.mark.parametrize("name,rotated_writes", [("phi4-mini-partial", 0), ("smollm3", 3)])
+def test_the_static_step_with_partial_and_no_rope(family_dir, name, rotated_writes, monkeypatch):
+    """The GPU's static step (Triton's interpreter here) on RoPE over part of each head (Phi-4-mini: rotated, then
+    written, apart) and on layers without RoPE (SmolLM3: its three rotating layers of four rotate as they write) gives
+    the CPU's greedy tokens, n-gram verify passes among them."""
+    from quickdraft.kv import paged_attention, pool
+
+    path = str(family_dir(name)[0])
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [family_prompt(20), family_prompt(9, seed=4) * 2]
+    want = [o.token_ids for o in LLM(path, dtype="float32", kv_cache_memory=TINY_KV).generate(prompts, params)]
+    cpu_kernels_off(monkeypatch)
+    monkeypatch.setattr(paged_attention, "KERNEL_ON_CPU", True)
+    writes, real = [], pool.KVPool.write_rotated
+    monkeypatch.setattr(pool.KVPool, "write_rotated", lambda self, *args: real(self, *args) and not writes.append(1))
+    llm = LLM(path, dtype="float32", kv_cache_memory=TINY_KV, static_step="eager", speculative="ngram",
+              num_speculative_tokens=3)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert len(writes) % max(rotated_writes, 1) == 0 and bool(writes) == bool(rotated_writes)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every model runs these kernels (tests/test_cuda.py)")
+@pytest.mark.parametrize("kind,name", [("dense", n) for n in ("qwen3", "gemma3", "mistral", "phi4-mini-partial",
+                                                               "smollm3")] +
                          [("moe", n) for n in ("qwen3_moe", "mixtral", "olmoe")])
 def test_every_layer_kind_on_the_kernels_gives_torchs_logits(family_dir, moe_dir, kind, name, monkeypatch):
     """Per-head q/k norms (Qwen3), sandwich norms, GeGLU and an embedding multiplier (Gemma 3), a window (Mistral),
-    mixtures with a dense layer among them, whole q/k norms and clamps (OLMoE): a prompt's logits on the kernels are
+    RoPE over part of each head (Phi-4-mini) or none in some layers (SmolLM3), mixtures with a dense layer among them, whole q/k norms and clamps (OLMoE): a prompt's logits on the kernels are
     torch's (float32, within 1e-5)."""
     path, _ = (family_dir if kind == "dense" else moe_dir)(name)
     cpu_kernels_off(monkeypatch)

@@ -132,8 +132,9 @@ class KVPool:
     def write_rotated(self, layer: int, slot_mapping: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Rotate q in place and store k rotated, with v, at ``slot_mapping``, in one kernel where it runs (a float
-        cache on a GPU): True; else False, nothing done (the caller rotates, then ``write``s)."""
-        if self.quantized or not triton_ops.runs_rope_kv_write(q, k, v, self.k[layer]):
+        cache on a GPU, RoPE over whole heads): True; else False, nothing done (the caller rotates, then ``write``s)."""
+        if (self.quantized or 2 * cos.shape[1] != q.shape[-1]
+                or not triton_ops.runs_rope_kv_write(q, k, v, self.k[layer])):
             return False
         triton_ops.rope_kv_write(q, k, v, positions, cos, sin, slot_mapping, self.k[layer], self.v[layer])
         return True

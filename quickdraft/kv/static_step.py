@@ -153,7 +153,7 @@ class StaticStep:
     def end(self) -> int:
         """One past the last position a step may reach: the engine limits the model's positions after building
         its runners, before any forward."""
-        return self.model.rope.max_positions
+        return self.model.max_positions
 
     @property
     def width(self) -> int:

@@ -16,7 +16,11 @@ Config (``family_fields``):
   full and the others slide over ``gemma3.attention.sliding_window`` (none when it is 0 or absent), sliding layers
   use RoPE base 10000, and the attention scale is 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 62-layer 27B). Its
   norm weights are stored as 1 + w, which is what the model multiplies by.
-* phi3: ``phi3.attention.sliding_window`` is ignored, as llama.cpp does (its converters fill it wrongly).
+* phi3: ``phi3.attention.sliding_window`` is ignored, as llama.cpp does (its converters fill it wrongly). A
+  ``phi3.rope.dimension_count`` below the head dimension rotates that many dims of each head (Phi-4-mini: 96 of
+  128), llama.cpp's NeoX RoPE over ``n_rot`` dims as transformers' ``partial_rotary_factor``.
+* smollm3: Llama's layout (q/k rows permuted by the converter) with every 4th layer (3, 7, ...) attending without
+  RoPE, which llama.cpp hard-codes as the file stores no key for it.
 * mixtures of experts (``{arch}.expert_count``): ``qwen3moe``, ``olmoe``, ``gpt-oss``, and ``llama`` with experts
   (Mixtral, run as ``mixtral``). A block's experts are stacked in ``ffn_gate_exps``/``ffn_up_exps`` ``[E, I, H]`` and
   ``ffn_down_exps`` ``[E, H, I]``, quantized per row; expert e is rows ``e * I .. (e + 1) * I`` of the stack seen as
@@ -36,7 +40,7 @@ divides every frequency by the factor. Llama 3.1/3.2 files store the llama3 scal
 divisor per frequency: the same arithmetic as longrope with equal short and long factors. Phi-3 files store longrope
 as ``rope_factors_short``/``rope_factors_long`` with ``phi3.rope.scaling.original_context_length`` and
 ``phi3.rope.scaling.attn_factor``. gpt-oss files declare yarn (see above). Anything else (yarn elsewhere, a rotary part
-of the head, logit soft-capping) is refused rather than run as something it is not.
+of the head outside phi3, logit soft-capping) is refused rather than run as something it is not.
 """
 from __future__ import annotations
 
@@ -81,12 +85,13 @@ LAYER_NAMES = {  # GGUF name in a block -> the HF names it holds, in row order
 LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-                      "phi3": "phi3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
+                      "phi3": "phi3", "smollm3": "smollm3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                       "gpt-oss": "gpt_oss"}  # general.architecture -> ours
 MAX_EXPERTS = 1 << 12
 # read into the config (RoPE factors), or not needed (rotary tables are recomputed)
 IGNORED = re.compile(r"(rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd.*)$")
 QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "qwen3moe", "olmoe")
+SMOLLM3_NOPE_STEP = 4  # every 4th layer attends without RoPE (llama.cpp hard-codes it; the file stores no key)
 GEMMA3_PATTERN = 6  # every 6th layer attends to the whole context
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 SUPPORTED_ROPE = ("none", "linear (rope.scaling.type)", "llama3 (rope_freqs.weight)",
@@ -150,11 +155,15 @@ def family_fields(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[i
                   base: dict[str, Any], read_floats: FloatReader) -> dict[str, Any]:
     """The ModelConfig fields beyond Llama's that this family's metadata and tensors imply (see the module doc);
     ``base``: the Llama fields already read (hidden size, heads, head_dim, layers, context)."""
+    rotary = _rotary_dims(arch, metadata, path, base["head_dim"])
     out: dict[str, Any] = {
-        "rope_scaling": rope_scaling(arch, metadata, shapes, path, base["head_dim"],
-                                     base["max_position_embeddings"], read_floats),
+        "rope_scaling": rope_scaling(arch, metadata, shapes, path, rotary, base["max_position_embeddings"],
+                                     read_floats),
         "qk_norm": arch in QK_NORM_ARCHITECTURES,
+        "rotary_dim": None if rotary == base["head_dim"] else rotary,
     }
+    if arch == "smollm3":
+        out["unrotated_layers"] = tuple(i for i in range(base["num_layers"]) if (i + 1) % SMOLLM3_NOPE_STEP == 0)
     out.update(_experts(arch, metadata, shapes, path, base["num_layers"]))
     if arch == "gemma3":
         out.update(_gemma3(metadata, path, base))
@@ -234,13 +243,25 @@ def _gemma3(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[
     return out
 
 
-def rope_scaling(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path,
-                 head_dim: int, context: int, read_floats: FloatReader) -> RopeScaling | None:
-    """The RoPE scaling the file declares (see the module doc), or None; a kind this loader cannot run is refused."""
+def _rotary_dims(arch: str, metadata: dict[str, Any], path: Path, head_dim: int) -> int:
+    """How many dims of each head RoPE rotates: ``{arch}.rope.dimension_count`` (the head where absent); part of a
+    head only where llama.cpp's RoPE of the family is NeoX's over the first dims as transformers' (phi3)."""
     rotary = int_value(metadata, f"{arch}.rope.dimension_count", path, 0, MAX_WIDTH, default=head_dim)
-    if rotary != head_dim:
+    if rotary == head_dim:
+        return rotary
+    if arch != "phi3":
         raise ModelLoadError(f"{path}: GGUF metadata '{arch}.rope.dimension_count' is {rotary:,} but the head "
-                             f"dimension is {head_dim:,}; RoPE over part of a head is not supported")
+                             f"dimension is {head_dim:,}; RoPE over part of a head is supported for phi3 only")
+    if not 2 <= rotary < head_dim or rotary % 2:
+        raise ModelLoadError(f"{path}: GGUF metadata 'phi3.rope.dimension_count' is {rotary:,}; allowed: an even "
+                             f"number of dims in 2 to the head dimension {head_dim:,}")
+    return rotary
+
+
+def rope_scaling(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path,
+                 rotary: int, context: int, read_floats: FloatReader) -> RopeScaling | None:
+    """The RoPE scaling the file declares (see the module doc) over ``rotary`` dims of each head, or None; a kind
+    this loader cannot run is refused."""
     kind = metadata.get(f"{arch}.rope.scaling.type")
     if arch == "gpt-oss" and kind == "yarn":
         return _yarn(arch, metadata, path)
@@ -256,7 +277,7 @@ def rope_scaling(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[in
         raise ModelLoadError(f"{path}: GGUF metadata {factor_key!r} is {show(factor)}; it must be a positive "
                              f"finite number (or 0: none)")
     linear = kind != "none" and factor not in (None, 0, 1)  # llama.cpp scales by a factor unless the type is none
-    n = head_dim // 2
+    n = rotary // 2
     if arch == "phi3":
         factors = _phi3_factors(metadata, shapes, path, n, context, read_floats)
     elif "rope_freqs.weight" in shapes:
@@ -305,8 +326,8 @@ def _factors(name: str, shapes: dict[str, tuple[int, ...]], path: Path, n: int,
              read_floats: FloatReader) -> tuple[float, ...]:
     """The values of a per-frequency RoPE factor tensor: one positive finite number per frequency."""
     if tuple(shapes[name]) != (n,):
-        raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(shapes[name])}; RoPE over a head of "
-                             f"{2 * n} needs ({n},), one factor per frequency")
+        raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(shapes[name])}; RoPE over {2 * n} dims of "
+                             f"a head needs ({n},), one factor per frequency")
     values = np.asarray(read_floats(name), dtype=np.float64).reshape(-1)
     bad = np.flatnonzero(~(np.isfinite(values) & (values > 0)))
     if bad.size:

@@ -11,7 +11,8 @@ from quickdraft.errors import ModelLoadError
 
 # model_type in config.json -> our architecture name
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-               "phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe", "gpt_oss": "gpt_oss"}
+               "phi3": "phi3", "smollm3": "smollm3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe",
+               "gpt_oss": "gpt_oss"}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # transformers' older names for the same scalings
 _ROPE_ALIASES = {"su": "longrope", None: "default"}
@@ -74,8 +75,10 @@ def _rope_scaling(params: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling | 
         raise ModelLoadError(str(exc)) from exc
 
 
-def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
-    """rope_theta, rope_scaling (of full layers) and local_rope_theta (of sliding layers, if their own)."""
+def _rope(cfg: dict[str, Any], arch: str, head_dim: int) -> dict[str, Any]:
+    """rope_theta, rope_scaling (of full layers), local_rope_theta (of sliding layers, if their own) and rotary_dim
+    (Phi-3's ``partial_rotary_factor``: the first int(head_dim * factor) dims of each head, as transformers cuts them;
+    the other families' transformers code rotates whole heads)."""
     params = _object(cfg.get("rope_parameters"), "rope_parameters")
     full, local = params, {}
     if any(t in params for t in LAYER_TYPES):  # transformers 5: one entry per layer type
@@ -84,11 +87,34 @@ def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
     scaling = _object(cfg["rope_scaling"], "rope_scaling") if cfg.get("rope_scaling") is not None else full
     if local and _rope_scaling(local, cfg) is not None:
         raise ModelLoadError("rope scaling of sliding layers is not supported")
-    if cfg.get("partial_rotary_factor", full.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelLoadError("partial_rotary_factor other than 1 is not supported")
+    factor = cfg.get("partial_rotary_factor", full.get("partial_rotary_factor", 1.0))
+    rotary_dim = None
+    if factor != 1.0:
+        if arch != "phi3":
+            raise ModelLoadError(f"partial_rotary_factor={factor!r:.40} is supported for phi3 only (transformers "
+                                 f"rotates whole heads of {arch})")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor < 1:
+            raise ModelLoadError(f"partial_rotary_factor={factor!r:.40}; allowed: a number above 0 up to 1")
+        rotary_dim = int(head_dim * factor)
     return dict(rope_theta=cfg.get("rope_theta", full.get("rope_theta", 10000.0)),
                 rope_scaling=_rope_scaling(scaling, cfg),
-                local_rope_theta=cfg.get("rope_local_base_freq", local.get("rope_theta")))
+                local_rope_theta=cfg.get("rope_local_base_freq", local.get("rope_theta")), rotary_dim=rotary_dim)
+
+
+def _unrotated_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's NoPE layers: ``no_rope_layers`` holds 1 for each layer that rotates, 0 for one that does not; where
+    it is absent, every ``no_rope_layer_interval``-th layer does not (transformers' default)."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ModelLoadError(f"no_rope_layer_interval={interval!r:.40}; it must be an int of at least 1")
+        return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
+    if not isinstance(flags, list) or len(flags) != num_layers or any(f not in (0, 1) or isinstance(f, float)
+                                                                      for f in flags):
+        raise ModelLoadError(f"no_rope_layers={flags!r:.60}; it must list 1 (RoPE) or 0 (none) for each of the "
+                             f"{num_layers} layers")
+    return tuple(i for i, f in enumerate(flags) if not f)
 
 
 def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple[str, ...], Any]:
@@ -96,8 +122,8 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple
     the values)."""
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
-    if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
-        window = None  # Qwen configs carry a window that only use_sliding_window switches on
+    if arch in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and not cfg.get("use_sliding_window"):
+        window = None  # Qwen and SmolLM3 configs carry a window that only use_sliding_window switches on
     if window is None:
         return (), None
     if types is not None:
@@ -172,6 +198,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
         if act not in _ACTIVATIONS:
             raise ModelLoadError(f"activation {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
         layer_types, window = _layer_types(cfg, arch, num_layers)
+        head_dim = cfg.get("head_dim") or hidden // heads
         eos = _ids(cfg.get("eos_token_id")) + _ids(generation.get("eos_token_id"))
         bos = cfg.get("bos_token_id")
         kwargs = dict(
@@ -181,7 +208,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             attention_bias=_flag(cfg, "attention_bias", arch in ("qwen2", "gpt_oss")),
@@ -192,7 +219,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
             sliding_window=window,
             layer_types=layer_types,
             qk_norm=arch == "qwen3",
-            **_rope(cfg),
+            unrotated_layers=_unrotated_layers(cfg, num_layers) if arch == "smollm3" else (),
+            **_rope(cfg, arch, head_dim),
         )
         if arch == "gemma3":
             kwargs.update(_gemma(cfg, hidden))

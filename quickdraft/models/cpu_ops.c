@@ -69,13 +69,13 @@ int qd_head_norm(void *x, int bf16, const void *w, int w_bf16, int T, int heads,
     return 0;
 }
 
-/* Rotate-half rotary embedding in place: heads [T][heads][D] with row stride row_stride (elements), token t
- * at position positions[t]; cos/sin: float32 [max_positions][D / 2]. */
-int qd_rope(void *x, int bf16, int T, int heads, int D, long row_stride, const int64_t *positions,
+/* Rotate-half rotary embedding in place over the first 2 * half dims of each head (partial rotary; the rest pass as
+ * they are; half 0: none): heads [T][heads][D] with row stride row_stride (elements), token t at position
+ * positions[t]; cos/sin: float32 [max_positions][half]. */
+int qd_rope(void *x, int bf16, int T, int heads, int D, int half, long row_stride, const int64_t *positions,
             const float *cos_table, const float *sin_table) {
-    if (T < 0 || heads <= 0 || D <= 0 || D % 2) return -2;
-    const int half = D / 2;
-    for (int t = 0; t < T; t++) {
+    if (T < 0 || heads <= 0 || D <= 0 || half < 0 || 2 * half > D) return -2;
+    for (int t = 0; t < T && half; t++) {
         const float *c = cos_table + (size_t)positions[t] * half, *s = sin_table + (size_t)positions[t] * half;
         for (int h = 0; h < heads; h++) {
             const size_t base = (size_t)t * row_stride + (size_t)h * D;

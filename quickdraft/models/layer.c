@@ -21,7 +21,7 @@ int qd_linear(const void *x, int x_bf16, int M, int K, int Kpad, int nparts, con
 int qd_linear_bf16(const uint16_t *x_bf16, int M, int K, const uint16_t *w, int N, const float *bias, uint16_t *y);
 int qd_rmsnorm(const void *x, int x_bf16, const void *w, int w_bf16, int M, int D, float eps, void *y);
 int qd_head_norm(void *x, int bf16, const void *w, int w_bf16, int T, int heads, int D, long row_stride, float eps);
-int qd_rope(void *x, int bf16, int T, int heads, int D, long row_stride, const int64_t *positions,
+int qd_rope(void *x, int bf16, int T, int heads, int D, int half, long row_stride, const int64_t *positions,
             const float *cos_table, const float *sin_table);
 int qd_gated(const void *gate_up, int bf16, int M, int N, int act, float limit, float alpha, void *y);
 
@@ -63,8 +63,9 @@ typedef struct {
     float eps, attn_scale; /* attn_scale: the model's attention scale, as the module path passes it */
     int hidden, heads, kv_heads, head_dim, intermediate, act;
     int window; /* keys a token sees at most, itself included (qd_attend's window); 0: its whole context */
+    int rotary_half; /* RoPE rotates the first 2 * rotary_half dims of each head (qd_rope's half; 0: no RoPE) */
     qd_linear_desc qkv, o, gate_up, down;
-    const float *cos, *sin; /* this layer's RoPE tables (layers of one model may differ) */
+    const float *cos, *sin; /* this layer's RoPE tables, [positions][rotary_half] (layers of one model may differ) */
     const float *sinks;     /* float32 [heads]: a logit per head every softmax also normalizes over (gpt-oss); NULL */
     qd_moe_desc moe;        /* a mixture of experts' feed-forward (gate_up.kind 0); moe.num_experts 0: the caller's */
 } qd_layer_desc;
@@ -182,8 +183,9 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     if (L->k_norm)
         CHECK(qd_head_norm(qkv + q_width * es, bf16, L->k_norm, L->norm_bf16, T, L->kv_heads, L->head_dim,
                            (long)qkv_width, L->eps));
-    CHECK(qd_rope(qkv, bf16, T, L->heads, L->head_dim, (long)qkv_width, positions, L->cos, L->sin));
-    CHECK(qd_rope(qkv + q_width * es, bf16, T, L->kv_heads, L->head_dim, (long)qkv_width, positions, L->cos, L->sin));
+    CHECK(qd_rope(qkv, bf16, T, L->heads, L->head_dim, L->rotary_half, (long)qkv_width, positions, L->cos, L->sin));
+    CHECK(qd_rope(qkv + q_width * es, bf16, T, L->kv_heads, L->head_dim, L->rotary_half, (long)qkv_width, positions,
+                  L->cos, L->sin));
     /* every new key/value is in the cache before any token attends */
     CHECK(qd_kv_store(qkv + q_width * es, (long)qkv_width, bf16, T, L->kv_heads, L->head_dim, slot_mapping, kv->k,
                       kv->k_scale, kv->format));

@@ -49,7 +49,7 @@ _error: str | None = None
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "qd_linear": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _I],
-    "qd_rmsnorm": [_P, _I, _P, _I, _I, _I, _F, _P], "qd_rope": [_P, _I, _I, _I, _I, _L, _P, _P, _P],
+    "qd_rmsnorm": [_P, _I, _P, _I, _I, _I, _F, _P], "qd_rope": [_P, _I, _I, _I, _I, _I, _L, _P, _P, _P],
     "qd_attend": [_P, _L, _I, _I, _I, _I, _P, _P, _F, _I, _P, _P],
     "qd_kv_store": [_P, _L, _I, _I, _I, _I, _P, _P, _P, _I],
     "qd_linear_bf16": [_P, _I, _I, _P, _I, _P, _P],
@@ -183,10 +183,13 @@ def runs_rope(x: torch.Tensor) -> bool:
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding of ``x [T, heads, D]`` in place; ``cos``/``sin``: float32 ``[max_pos, D / 2]``,
-    ``positions``: int64 ``[T]``."""
+    """Rotate-half rotary embedding of ``x [T, heads, D]`` in place over the first ``2 * R`` dims of each head;
+    ``cos``/``sin``: float32 ``[max_pos, R]`` (R = D / 2 but for partial rotary), ``positions``: int64 ``[T]``."""
     t, heads, d = x.shape
-    _check(lib().qd_rope(x.data_ptr(), int(x.dtype == torch.bfloat16), t, heads, d, x.stride(0),
+    half = cos.shape[1]
+    if 2 * half > d:
+        raise ValueError(f"RoPE tables rotate {2 * half} dims of heads of {d}")
+    _check(lib().qd_rope(x.data_ptr(), int(x.dtype == torch.bfloat16), t, heads, d, half, x.stride(0),
                          positions.data_ptr(), cos.data_ptr(), sin.data_ptr()), "qd_rope")
     return x
 

@@ -13,8 +13,8 @@ from quickdraft.config import RopeScaling
 from quickdraft.models import native, triton_ops
 
 
-def _inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+def _inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
 
 
 def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -29,29 +29,29 @@ def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
     """YaRN (gpt-oss): frequencies that turn fewer than ``beta_slow`` times over the original context are divided by
     ``factor``, those that turn more than ``beta_fast`` times kept, a linear ramp between (HF's
     ``_compute_yarn_parameters``)."""
     original = s.original_max_position_embeddings
 
     def dimension(rotations: float) -> float:  # the dimension whose frequency turns ``rotations`` times
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low, high = dimension(s.beta_fast), dimension(s.beta_slow)
     if s.truncate:
         low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as HF: no division by zero
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     kept = 1 - ramp  # the share of each frequency left as it is
     return inv_freq / s.factor * (1 - kept) + inv_freq * kept
 
 
-def _angles(head_dim: int, theta: float, scaling: RopeScaling | None, pos: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """[len(pos), head_dim / 2] angles (float64) of positions ``pos`` and the factor cos and sin are scaled by."""
-    inv_freq = _inverse_frequencies(head_dim, theta)
+def _angles(dim: int, theta: float, scaling: RopeScaling | None, pos: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """[len(pos), dim / 2] angles (float64) of positions ``pos`` and the factor cos and sin are scaled by."""
+    inv_freq = _inverse_frequencies(dim, theta)
     kind = scaling.type if scaling is not None else "default"
     if kind == "default":
         return torch.outer(pos, inv_freq), 1.0
@@ -60,15 +60,15 @@ def _angles(head_dim: int, theta: float, scaling: RopeScaling | None, pos: torch
     if kind == "llama3":
         return torch.outer(pos, _llama3(inv_freq, scaling)), 1.0
     if kind == "yarn":
-        return torch.outer(pos, _yarn(inv_freq, head_dim, theta, scaling)), scaling.attention
+        return torch.outer(pos, _yarn(inv_freq, dim, theta, scaling)), scaling.attention
     original = scaling.original_max_position_embeddings
     if kind == "dynamic":
         # HF raises the base from the length a forward reaches; position p is first computed in a forward of
         # length p + 1 when decoding, so each position gets the base of that length (plain up to the original)
         length = torch.clamp(pos + 1, min=original)
         f = scaling.factor
-        bases = theta * ((f * length / original) - (f - 1)) ** (head_dim / (head_dim - 2))
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        bases = theta * ((f * length / original) - (f - 1)) ** (dim / (dim - 2))
+        exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
         return pos[:, None] / bases[:, None] ** exponents[None, :], 1.0
     # longrope: short factors up to the original context, long ones from there
     short = inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float64)
@@ -80,32 +80,38 @@ def _angles(head_dim: int, theta: float, scaling: RopeScaling | None, pos: torch
 CHUNK = 4096  # positions computed at a time: the float64 intermediates stay small beside the float32 tables
 
 
-def rope_tables(head_dim: int, theta: float, scaling: RopeScaling | None, positions: int
+def rope_tables(rotary_dim: int, theta: float, scaling: RopeScaling | None, positions: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos and sin, ``[positions, head_dim / 2]`` (rotate-half layout: entry i rotates dims i and i + D/2);
-    ``ModelConfig`` has checked the settings (longrope: one factor per frequency)."""
-    cos, sin = torch.empty(positions, head_dim // 2), torch.empty(positions, head_dim // 2)
+    """float32 cos and sin, ``[positions, rotary_dim / 2]`` (rotate-half layout over the head's first ``rotary_dim``
+    dims: entry i rotates dims i and i + rotary_dim / 2; frequencies from ``rotary_dim`` as HF's partial rotary
+    computes them); ``ModelConfig`` has checked the settings (longrope: one factor per frequency)."""
+    cos, sin = torch.empty(positions, rotary_dim // 2), torch.empty(positions, rotary_dim // 2)
+    if rotary_dim == 0:
+        return cos, sin
     for start in range(0, positions, CHUNK):
         pos = torch.arange(start, min(positions, start + CHUNK), dtype=torch.float64)
-        angles, attention = _angles(head_dim, theta, scaling, pos)
+        angles, attention = _angles(rotary_dim, theta, scaling, pos)
         cos[start:start + len(pos)] = angles.cos() * attention
         sin[start:start + len(pos)] = angles.sin() * attention
     return cos, sin
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half (NeoX) layout, as HF stores q/k projections; a table row per position (``rope.py``).
+    """Rotate-half (NeoX) layout, as HF stores q/k projections; a table row per position (``rope.py``). It rotates
+    the first ``rotary_dim`` dims of each head (partial rotary; the kernels read that width off the tables); one of
+    ``rotary_dim`` 0 leaves heads as they are (a layer without RoPE).
 
     The tables grow with the positions a forward reaches (``reach``), doubling, up to the engine's context (``limit``):
     Gemma 3 270M's two tables for its whole 32k context, 256-wide heads, are 64 MiB beside 270M parameters, and a
     short conversation needs a few hundred rows."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling, self.max_positions = head_dim, theta, scaling, max_positions
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         self.device = torch.device(device)
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin [rows, D / 2]
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin [rows, rotary_dim / 2]
         self._grow = threading.Lock()
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
 
@@ -126,7 +132,7 @@ class RotaryEmbedding(nn.Module):
             tables = self._tables
             if tables is None or len(tables[0]) < end:
                 rows = min(self.max_positions, max(end, 256, 2 * len(tables[0]) if tables is not None else 0))
-                cos, sin = rope_tables(self.head_dim, self.theta, self.scaling, rows)
+                cos, sin = rope_tables(self.rotary_dim, self.theta, self.scaling, rows)
                 self._tables = (cos.to(self.device), sin.to(self.device))
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +148,7 @@ class RotaryEmbedding(nn.Module):
         return self.tables()[1]
 
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of ``positions`` as ``[T, 1, head_dim / 2]``, gathered once per step: every layer of a forward
+        """cos and sin of ``positions`` as ``[T, 1, rotary_dim / 2]``, gathered once per step: every layer of a forward
         passes the same positions tensor (on a GPU each gather is a kernel launch, and decoding is launch-bound)."""
         cached = self._rows  # one read: threads that share the model (run-ahead self-drafting) each see a whole tuple
         if cached is None or cached[0] is not positions:
@@ -151,6 +157,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]; may rotate x in place (x is a fresh projection output)."""
+        if self.rotary_dim == 0:
+            return x
         if native.runs_rope(x):
             cos, sin = self.tables()
             return native.rope_(x, positions, cos, sin)
@@ -158,8 +166,9 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.tables()
             return triton_ops.rope_(x, positions, cos, sin)
         cos, sin = self.rows(positions)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        x1, x2, rest = x.float().split((self.rotary_dim // 2, self.rotary_dim // 2, self.head_dim - self.rotary_dim),
+                                       dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).to(x.dtype)
 
     def rotate_pair(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -139,7 +139,10 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.uses_local_rope = cfg.is_sliding(layer) and cfg.local_rope_theta is not None
+        # which RoPE it rotates with: the sliding layers' own base (Gemma 3), none at all (SmolLM3's NoPE layers), or
+        # the model's
+        self.rope_kind = ("none" if layer in cfg.unrotated_layers else
+                          "local" if cfg.is_sliding(layer) and cfg.local_rope_theta is not None else "global")
         # (key, fused layer) as one tuple: threads sharing the model (run-ahead self-drafting) read it in one go
         self._fused: tuple[tuple, FusedLayer | None] | None = None
 
@@ -227,7 +230,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope, self.local_rope = _ropes(cfg)
+        self.ropes = _ropes(cfg)
         self._stacks: dict[int | None, FusedStack] = {}
         self.quant_info: dict = {}  # set where the loader quantizes the linear layers (format, kernels, sources)
         self.lora: LoraWeights | None = None  # the LoRA adapters it serves (set by the builder)
@@ -258,21 +261,24 @@ class Transformer(nn.Module):
     def reach(self, end: int) -> None:
         """RoPE rows for positions below ``end``; a position past the model's limit is refused (the C kernels index
         the tables by position, unchecked)."""
-        if end > self.rope.max_positions:
-            raise ValueError(f"position {end - 1} is past the {self.rope.max_positions} this model was limited to")
-        for rope in (self.rope, self.local_rope):
-            if rope is not None:
-                rope.reach(end)
+        if end > self.max_positions:
+            raise ValueError(f"position {end - 1} is past the {self.max_positions} this model was limited to")
+        for rope in self.ropes.values():
+            rope.reach(end)
+
+    @property
+    def max_positions(self) -> int:
+        """Positions below this have RoPE rows (the model's context, or the engine's limit on it)."""
+        return self.ropes["global"].max_positions
 
     def limit_positions(self, positions: int) -> None:
         """The engine reaches positions below ``positions`` only: RoPE tables for those alone."""
-        for rope in (self.rope, self.local_rope):
-            if rope is not None:
-                rope.limit(positions)
+        for rope in self.ropes.values():
+            rope.limit(positions)
 
     def rope_of(self, layer: DecoderLayer) -> RotaryEmbedding:
-        """Gemma 3's sliding layers rotate with their own base."""
-        return self.local_rope if layer.uses_local_rope else self.rope
+        """The layer's RoPE (``DecoderLayer.rope_kind``)."""
+        return self.ropes[layer.rope_kind]
 
     def fused_stack(self, num_layers: int | None) -> FusedStack | None:
         """The first ``num_layers`` layers as one C call when every one of them is fused (see fused.py), else None;
@@ -308,16 +314,22 @@ def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], device: s
     model.load_state_dict({k: tensors[k].to(device) for k in expected}, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rope, model.local_rope = _ropes(cfg, device)
+    model.ropes = _ropes(cfg, device)
     return model.eval().requires_grad_(False)
 
 
-def _ropes(cfg: ModelConfig, device: str | torch.device = "cpu") -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
-    """The full layers' rotary tables, and the sliding layers' where they have their own base."""
-    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling, device)
-    if cfg.local_rope_theta is None:
-        return rope, None
-    return rope, RotaryEmbedding(cfg.head_dim, cfg.local_rope_theta, cfg.max_position_embeddings, device=device)
+def _ropes(cfg: ModelConfig, device: str | torch.device = "cpu") -> nn.ModuleDict:
+    """The model's RoPE by ``DecoderLayer.rope_kind``: "global", and "local" (sliding layers with their own base) and
+    "none" (layers without RoPE: tables 0 wide) where some layer uses them."""
+    ropes = {"global": RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling,
+                                       device, cfg.rotary_dim)}
+    if cfg.local_rope_theta is not None:
+        ropes["local"] = RotaryEmbedding(cfg.head_dim, cfg.local_rope_theta, cfg.max_position_embeddings,
+                                         device=device, rotary_dim=cfg.rotary_dim)
+    if cfg.unrotated_layers:
+        ropes["none"] = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device=device,
+                                        rotary_dim=0)
+    return nn.ModuleDict(ropes)
 
 
 def weight_bytes(module: torch.nn.Module) -> int:

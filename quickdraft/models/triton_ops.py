@@ -86,11 +86,16 @@ def runs_rope(x: torch.Tensor) -> bool:
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding of ``x [T, heads, D]`` in place; ``cos``/``sin``: float32 ``[max_pos, D / 2]``,
-    ``positions``: int64 ``[T]`` (on x's device: nothing is read back, so a CUDA graph can hold it)."""
+    """Rotate-half rotary embedding of ``x [T, heads, D]`` in place over the first ``2 * R`` dims of each head;
+    ``cos``/``sin``: float32 ``[max_pos, R]`` (R = D / 2 but for partial rotary), ``positions``: int64 ``[T]`` (on
+    x's device: nothing is read back, so a CUDA graph can hold it)."""
     t, heads, d = x.shape
-    _kernels()[1][(t,)](x, positions, cos, sin, x.stride(0), heads, d // 2, BLOCK_H=_block(heads),
-                        BLOCK_D=_block(d // 2))
+    half = cos.shape[1]
+    if 2 * half > d:
+        raise ValueError(f"RoPE tables rotate {2 * half} dims of heads of {d}")
+    if half:
+        _kernels()[1][(t,)](x, positions, cos, sin, x.stride(0), heads, d, half, BLOCK_H=_block(heads),
+                            BLOCK_D=_block(half))
     return x
 
 
@@ -104,7 +109,8 @@ def runs_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, slots: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
     """``rope_`` of q (in place) and of k, written with v to the cache at ``slots`` (k itself is left as it was), in
-    one kernel: the bits of ``rope_`` then ``kv_write`` (``runs_rope_kv_write`` holds)."""
+    one kernel: the bits of ``rope_`` then ``kv_write`` (``runs_rope_kv_write`` holds; tables that rotate whole
+    heads: ``cos.shape[1] * 2 == D``)."""
     t, heads, d = q.shape
     kv_heads = k.shape[1]
     _rope_kv_write_kernel()[(t,)](q, k, v, positions, cos, sin, slots, cache_k, cache_v, q.stride(0), k.stride(0),
@@ -142,7 +148,7 @@ def _kernels():
         tl.store(y_ptr + row * D + cols, (x * inv * w).to(y_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, H, HALF, BLOCK_H: tl.constexpr,
+    def rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, H, D, HALF, BLOCK_H: tl.constexpr,
                     BLOCK_D: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         heads = tl.arange(0, BLOCK_H)[:, None]
@@ -151,7 +157,7 @@ def _kernels():
         position = tl.load(pos_ptr + t).to(tl.int64)
         cos = tl.load(cos_ptr + position * HALF + cols, mask=cols < HALF, other=0.0)
         sin = tl.load(sin_ptr + position * HALF + cols, mask=cols < HALF, other=0.0)
-        first = x_ptr + t * stride_t + heads * (2 * HALF) + cols
+        first = x_ptr + t * stride_t + heads * D + cols
         x1 = tl.load(first, mask=inside, other=0.0).to(tl.float32)
         x2 = tl.load(first + HALF, mask=inside, other=0.0).to(tl.float32)
         tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=inside)

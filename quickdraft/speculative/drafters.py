@@ -287,7 +287,7 @@ class ModelDrafter(Drafter):
         ended: set[int] = set()  # sequences whose grammar allows nothing the draft can write
         while stop is None or not stop(steps):
             # a draft past the draft model's positions (its view can be longer than the target's tokens) stops
-            limit = self.runner.model.rope.max_positions
+            limit = self.runner.model.max_positions
             active = [i for i, (seq, k) in enumerate(zip(seqs, ks))
                       if len(drafts[i]) < k and i not in ended and not self.cancelled(seq) and self.vocab.can_draft(seq)
                       and len(self.vocab.view(seq)) + len(drafts[i]) < limit]

@@ -1,0 +1,173 @@
+"""RoPE over part of each head (Phi-4-mini) and layers without RoPE (SmolLM3) from GGUF files as llama.cpp's converter
+writes them: transformers' logits and greedy tokens from the file, every quantized kernel exact against the module
+path, llama.cpp itself reading the same file as we do (where llama-cpp-python is installed), and damaged keys refused.
+(The HF directories of both families are checked in test_families.py.)"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.errors import ModelLoadError
+from test_families import TOLERANCE, family_dir, hf_greedy, prompt  # noqa: F401 (a fixture)
+from test_moe import add_model_keys, add_word_tokenizer, llama_permute
+from test_parity import our_logits
+
+LLAMA_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+PHI3_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+              "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+ARCH = {"smollm3": "smollm3", "phi4-mini-partial": "phi3"}
+
+
+def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, rotary: int | None = None,
+               original: int | None = None) -> Path:
+    """``hf_path``'s checkpoint as llama.cpp's converter writes it: SmolLM3 as Llama (q/k rows permuted, no key for
+    its NoPE layers), Phi-4-mini as phi3 (fused q/k/v and gate/up, ``rope.dimension_count`` its rotated dims or
+    ``rotary``, the longrope factors, their original context or ``original``, and the attention factor the converter
+    computes, a tied head); 2-D weights in ``qtype`` (default float32)."""
+    import gguf.quants
+    from gguf import GGUFWriter
+
+    cfg = json.loads((hf_path / "config.json").read_text())
+    state = load_file(hf_path / "model.safetensors")
+    w = GGUFWriter(str(path), ARCH[name])
+    add_model_keys(w, cfg)
+    add_word_tokenizer(w, cfg["vocab_size"])
+    rope = cfg["rope_parameters"]
+    if name == "phi4-mini-partial":
+        dims = int(rope["partial_rotary_factor"] * cfg["hidden_size"]) // cfg["num_attention_heads"]
+        original = original or rope["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_dimension_count(dims if rotary is None else rotary)
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+    def add(gguf_name: str, t: torch.Tensor) -> None:
+        t = t.float().contiguous().numpy()
+        if qtype is not None and t.ndim == 2:
+            w.add_tensor(gguf_name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, t)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"])
+    add("output_norm.weight", state["model.norm.weight"])
+    if "lm_head.weight" in state:
+        add("output.weight", state["lm_head.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        for hf, kind in (PHI3_LAYER if name == "phi4-mini-partial" else LLAMA_LAYER).items():
+            t = state[f"model.layers.{i}.{hf}.weight"]
+            if kind in ("attn_q", "attn_k"):
+                t = llama_permute(t, cfg["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"])
+            add(f"blk.{i}.{kind}.weight", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("name", list(ARCH))
+def test_gguf_matches_transformers(family_dir, tmp_path, name):
+    """A float32 file: transformers' logits within float32 rounding, and its greedy tokens."""
+    hf_path, hf = family_dir(name)
+    llm = LLM(str(write_gguf(tmp_path / "m.gguf", hf_path, name)), dtype="float32", weights="float32",
+              kv_cache_memory="16MiB")
+    cfg = llm.model.config
+    if name == "smollm3":
+        assert (cfg.architecture, cfg.unrotated_layers, cfg.rotary_dim) == ("smollm3", (3,), None)
+    else:
+        assert (cfg.architecture, cfg.unrotated_layers, cfg.rotary_dim) == ("phi3", (), 12)
+        assert cfg.rope_scaling.type == "longrope" and len(cfg.rope_scaling.short_factor) == 6
+    ids = prompt(30)  # within the original context of the longrope factors (see test_families.py)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert (our_logits(llm, ids) - ref).abs().max().item() < TOLERANCE
+    start = prompt(8, seed=2)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert llm.generate([start], params)[0].token_ids == hf_greedy(hf, start, 20)
+
+
+@pytest.mark.parametrize("name", list(ARCH))
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_the_files_own_blocks_keep_greedy_output(family_dir, tmp_path, name, qtype):
+    """The file's own quantized blocks on the fused C layers: a batch equals each prompt alone, and the model drafting
+    for itself (n-gram, its own layers) keeps every greedy token."""
+    from gguf import GGMLQuantizationType as QT
+
+    path = str(write_gguf(tmp_path / "m.gguf", family_dir(name)[0], name, QT[qtype]))
+    prompts = [prompt(n, seed=n) for n in (5, 27)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = LLM(path, kv_cache_memory="16MiB")
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == alone
+    for spec in (dict(speculative="ngram"), dict(speculative="self")):
+        drafted = LLM(path, kv_cache_memory="16MiB", num_speculative_tokens=3, **spec)
+        assert [o.token_ids for o in drafted.generate(prompts, params)] == alone, spec
+
+
+@pytest.mark.parametrize("rotary,message", [
+    (10, r"tensor rope_factors_short.weight has shape \(6,\); RoPE over 10 dims of a head needs \(5,\), one factor "
+         r"per frequency"),
+    (7, r"'phi3.rope.dimension_count' is 7; allowed: an even number of dims in 2 to the head dimension 16"),
+    (0, r"'phi3.rope.dimension_count' is 0; allowed: an even number"),
+])
+def test_damaged_rotary_dims_are_refused(family_dir, tmp_path, rotary, message):
+    path = write_gguf(tmp_path / "m.gguf", family_dir("phi4-mini-partial")[0], "phi4-mini-partial", rotary=rotary)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_part_of_a_head_outside_phi3_is_refused(family_dir, tmp_path):
+    """llama.cpp rotates Llama-layout files' pairs over the permuted rows: RoPE over part of their heads is not the
+    NeoX rotation of the first dims, so it is refused rather than run as something else."""
+    from gguf import GGUFReader, GGUFWriter
+
+    source = write_gguf(tmp_path / "m.gguf", family_dir("smollm3")[0], "smollm3")
+    reader = GGUFReader(str(source))
+    w = GGUFWriter(str(tmp_path / "partial.gguf"), "smollm3")
+    for field in reader.fields.values():
+        if field.name.startswith(("smollm3.", "tokenizer.")) and field.types:
+            value = field.contents()
+            w.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    w.add_rope_dimension_count(8)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=r"'smollm3.rope.dimension_count' is 8 but the head dimension is 16; RoPE "
+                                             r"over part of a head is supported for phi3 only"):
+        LLM(str(tmp_path / "partial.gguf"), dtype="float32", kv_cache_memory="16MiB")
+
+
+@pytest.mark.parametrize("name", list(ARCH))
+def test_llama_cpp_reads_the_gguf_as_we_do(family_dir, tmp_path, name):
+    """The real peer on the same file (where llama-cpp-python is installed): its logits are ours within its own
+    arithmetic (f16 products: 2e-4 here, where rotating SmolLM3's NoPE layer moves them by 6e-3), every position's
+    argmax the same: NoPE layers and RoPE over part of each head are where llama.cpp puts them."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (pip install quickdraft[llamacpp])")
+    from llama_cpp import Llama
+
+    # llama.cpp picks longrope's short or long factors for every position by its context (at least 256), we by each
+    # position: the file's original context at 256 makes both take the short ones below it
+    path = write_gguf(tmp_path / "m.gguf", family_dir(name)[0], name, original=256)
+    ids = prompt(30)
+    ours = our_logits(LLM(str(path), dtype="float32", weights="float32", kv_cache_memory="16MiB"), ids)
+    peer = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2)
+    peer.eval(ids)
+    theirs = torch.tensor(np.array(peer.scores[:len(ids)]))
+    assert (ours - theirs).abs().max().item() < 1e-4 * ours.abs().max().item()
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
