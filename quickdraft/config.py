@@ -9,15 +9,16 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "qwen3_moe", "mixtral",
-                           "olmoe", "gpt_oss")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "granite", "qwen3_moe",
+                           "mixtral", "olmoe", "gpt_oss")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
 # Bounds far beyond any checkpoint's values (factors of 1 to ~100, bases of 10^4 to 10^8, widths of ~16k, contexts of
 # up to ~10M tokens): within them every RoPE angle stays finite and every size fits the C kernels' ints, and a damaged
 # value is refused at load rather than failing every request (or sizing a loop or an allocation) later.
 FACTOR_RANGE = (1e-3, 1e6)
 THETA_RANGE = (1.0, 1e12)
-SCALAR_RANGE = (1e-3, 1e9)  # query_pre_attn_scalar (attention scale = its -1/2 power) and the embedding multiplier
+# query_pre_attn_scalar (attention scale = its -1/2 power), the embedding and residual multipliers, the logits' divisor
+SCALAR_RANGE = (1e-3, 1e9)
 MAX_WIDTH = 1 << 20
 MAX_CONTEXT = 1 << 24
 MAX_EXPERTS = 1 << 12  # the largest mixtures have a few hundred experts a layer
@@ -111,7 +112,9 @@ class ModelConfig:
     Qwen3 normalizes q and k per head (``qk_norm``); Mistral slides a window; Gemma 3 scales the embeddings, wraps
     attention and MLP in norms before and after (``sandwich_norms``), gates with GELU-tanh, interleaves sliding and
     full layers and gives sliding layers their own RoPE base; Phi-3 stores q/k/v and gate/up fused (split at load)
-    and stretches RoPE with longrope.
+    and stretches RoPE with longrope (Phi-4-mini rotates only the first ``rotary_dim`` dims of each head); SmolLM3
+    leaves RoPE out of every 4th layer (``unrotated_layers``); Granite scales embeddings, attention, each residual
+    add and the logits by multipliers of its own.
     """
 
     architecture: str
@@ -142,6 +145,11 @@ class ModelConfig:
     hidden_act: str = "silu"  # the MLP's gate activation
     embedding_multiplier: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5; None: head_dim ** -0.5
+    # Granite's multipliers: the attention scale itself (over query_pre_attn_scalar), each attention and MLP output
+    # times residual_multiplier before its residual add, and the logits divided by logits_scaling
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     qk_norm_per_head: bool = True  # with qk_norm: each head (Qwen3, Gemma 3), or all of q and of k at once (OLMoE)
     clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv (OLMoE)
     # a mixture of experts (Qwen3-MoE, Mixtral, OLMoE): num_experts per layer (0: dense), each token's top
@@ -207,10 +215,12 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (_is_number(value, *THETA_RANGE) and value > THETA_RANGE[0]):
                 raise ValueError(f"{name}={value}; allowed: above {THETA_RANGE[0]:g} up to {THETA_RANGE[1]:g}")
-        for name in ("embedding_multiplier", "query_pre_attn_scalar"):
+        for name in ("embedding_multiplier", "query_pre_attn_scalar", "residual_multiplier", "logits_scaling"):
             value = getattr(self, name)
             if value is not None and not _is_number(value, *SCALAR_RANGE):
                 raise ValueError(f"{name}={value!r}; allowed: {SCALAR_RANGE[0]:g} to {SCALAR_RANGE[1]:g}")
+        if self.attention_multiplier is not None and not _is_number(self.attention_multiplier, 1e-6, 1e3):
+            raise ValueError(f"attention_multiplier={self.attention_multiplier!r}; allowed: 1e-06 to 1000")
         if self.clip_qkv is not None and not _is_number(self.clip_qkv, 1e-6, 1e9):
             raise ValueError(f"clip_qkv={self.clip_qkv!r}; allowed: 1e-06 to 1e+09")
         if self.swiglu_limit is not None and not _is_number(self.swiglu_limit, 1e-6, 1e9):
@@ -267,6 +277,8 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def to_dict(self) -> dict[str, Any]:

@@ -55,6 +55,11 @@ FAMILIES = {
         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
                              short_factor=LONGROPE["short_factor"][:6], long_factor=LONGROPE["long_factor"][:6]),
         **SMALL)),
+    # Granite 3: embeddings, attention scale, residual adds and logits each scaled by a multiplier of its own
+    "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig(
+        num_hidden_layers=2, embedding_multiplier=12.0, attention_multiplier=0.0390625, residual_multiplier=0.22,
+        logits_scaling=0.125, tie_word_embeddings=True, rope_theta=10000.0, pad_token_id=0,
+        **{k: v for k, v in SMALL.items() if k != "head_dim"})),
     # SmolLM3: every 4th layer attends without RoPE (NoPE)
     "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config(
         num_hidden_layers=4, rope_theta=10000.0, pad_token_id=0, **SMALL)),
@@ -131,6 +136,9 @@ def test_config_fields_of_each_family(family_dir):
     assert [cfg.window(i) for i in range(3)] == [WINDOW, None, WINDOW]
     assert cfg.qk_norm and cfg.sandwich_norms and cfg.hidden_act == "gelu_tanh" and cfg.attention_scale == 24 ** -0.5
     assert cfg.rope_scaling.type == "linear" and cfg.embedding_multiplier == 64 ** 0.5
+    granite = LLM(str(family_dir("granite")[0]), dtype="float32", kv_cache_memory="16MiB").model.config
+    assert (granite.embedding_multiplier, granite.attention_scale, granite.residual_multiplier,
+            granite.logits_scaling) == (12.0, 0.0390625, 0.22, 0.125)
     phi = LLM(str(family_dir("phi3-longrope")[0]), dtype="float32", kv_cache_memory="16MiB").model.config
     assert phi.rope_scaling.type == "longrope" and phi.rope_scaling.original_max_position_embeddings == 32
     assert phi.rope_scaling.factor == 256 / 32 and [phi.window(i) for i in range(2)] == [WINDOW, WINDOW]
@@ -218,24 +226,29 @@ def test_unsupported_configs_are_refused_by_name(family_dir, tmp_path, changes, 
                                                "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
                                                "original_max_position_embeddings": 32}},
      r"longrope factors have 8 entries; 12 rotated dims need 6, one per frequency"),
+    ("granite", {"residual_multiplier": float("nan")}, r"residual_multiplier=nan; allowed: 0.001 to 1e\+09"),
+    ("granite", {"logits_scaling": 0}, r"logits_scaling=0; allowed: 0.001 to 1e\+09"),
+    ("granite", {"attention_multiplier": 1e300}, r"attention_multiplier=1e\+300; allowed: 1e-06 to 1000"),
+    ("granite", {"embedding_multiplier": "12"}, r"embedding_multiplier='12'; allowed"),
 ])
-def test_damaged_rotary_settings_are_refused_by_name(family_dir, tmp_path, name, changes, message):
+def test_damaged_family_settings_are_refused_by_name(family_dir, tmp_path, name, changes, message):
     path = _edited(tmp_path, family_dir(name)[0], **changes)
     with pytest.raises(ModelLoadError, match=message):
         LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
 
 
-@pytest.mark.parametrize("name", ["phi4-mini-partial", "smollm3"])
+@pytest.mark.parametrize("name", ["phi4-mini-partial", "smollm3", "granite"])
 @pytest.mark.parametrize("weights,dtype", [("int8", "bfloat16"), ("int4", "float32")])
-def test_fused_layers_rotate_as_the_module_path(family_dir, name, weights, dtype, monkeypatch):
-    """RoPE over part of each head, and layers without it, inside the fused C layer: a verify pass beside a decode
-    token gives the module path's logits and caches bit for bit, every layer fused."""
+def test_fused_layers_equal_the_module_path(family_dir, name, weights, dtype, monkeypatch):
+    """RoPE over part of each head, layers without it, Granite's residual multiplier and attention scale inside the
+    fused C layer: a verify pass beside a decode token gives the module path's logits and caches bit for bit, every
+    layer fused."""
     from test_fused import _verify_step
 
     llm = LLM(str(family_dir(name)[0]), weights=weights, dtype=dtype, kv_cache_memory="16MiB")
     cfg = llm.model.config
-    assert cfg.rotated_dims == (12 if name == "phi4-mini-partial" else 16)
-    assert cfg.unrotated_layers == (() if name == "phi4-mini-partial" else (3,))
+    assert (cfg.rotated_dims, cfg.unrotated_layers, cfg.residual_multiplier) == {
+        "phi4-mini-partial": (12, (), 1.0), "smollm3": (16, (3,), 1.0), "granite": (16, (), 0.22)}[name]
     fused, fused_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), True, monkeypatch)
     modules, _ = _verify_step(llm, prompt(20), prompt(5, seed=3), False, monkeypatch)
     assert fused_calls == cfg.num_layers
@@ -244,7 +257,7 @@ def test_fused_layers_rotate_as_the_module_path(family_dir, name, weights, dtype
 
 @pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16"])
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "mistral", "phi3-longrope", "llama3-rope", "phi4-mini-partial",
-                                  "smollm3"])
+                                  "smollm3", "granite"])
 def test_family_through_the_engine(family_dir, name, weights):
     """Quantized and bfloat16 weights (the fused C layer where it applies): a batch equals each prompt alone, a
     repeated prompt reads its cached prefix, and every drafter keeps greedy output unchanged."""

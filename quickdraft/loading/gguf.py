@@ -28,7 +28,7 @@ from quickdraft.loading.tensor_set import check_tensor_set, expected_shapes
 log = logging.getLogger(__name__)
 
 # llama.cpp's converter permutes q/k rows of these architectures for its rotary layout.
-PERMUTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3")
+PERMUTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3", "granite")
 
 
 def hf_tensor_types(gguf_types: dict[str, str], experts: dict[str, int] | None = None) -> dict[str, str]:

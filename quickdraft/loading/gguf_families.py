@@ -21,6 +21,9 @@ Config (``family_fields``):
   128), llama.cpp's NeoX RoPE over ``n_rot`` dims as transformers' ``partial_rotary_factor``.
 * smollm3: Llama's layout (q/k rows permuted by the converter) with every 4th layer (3, 7, ...) attending without
   RoPE, which llama.cpp hard-codes as the file stores no key for it.
+* granite: Llama's layout with transformers' multipliers under llama.cpp's names: ``granite.embedding_scale``,
+  ``granite.attention.scale`` (the attention scale itself; 0 or absent: 1/sqrt(head_dim)), ``granite.residual_scale``
+  and ``granite.logit_scale`` (the logits' divisor); ``granite.rope.scaling.finetuned`` false means no RoPE at all.
 * mixtures of experts (``{arch}.expert_count``): ``qwen3moe``, ``olmoe``, ``gpt-oss``, and ``llama`` with experts
   (Mixtral, run as ``mixtral``). A block's experts are stacked in ``ffn_gate_exps``/``ffn_up_exps`` ``[E, I, H]`` and
   ``ffn_down_exps`` ``[E, H, I]``, quantized per row; expert e is rows ``e * I .. (e + 1) * I`` of the stack seen as
@@ -85,7 +88,7 @@ LAYER_NAMES = {  # GGUF name in a block -> the HF names it holds, in row order
 LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-                      "phi3": "phi3", "smollm3": "smollm3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
+                      "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                       "gpt-oss": "gpt_oss"}  # general.architecture -> ours
 MAX_EXPERTS = 1 << 12
 # read into the config (RoPE factors), or not needed (rotary tables are recomputed)
@@ -164,6 +167,8 @@ def family_fields(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[i
     }
     if arch == "smollm3":
         out["unrotated_layers"] = tuple(i for i in range(base["num_layers"]) if (i + 1) % SMOLLM3_NOPE_STEP == 0)
+    elif arch == "granite":
+        out.update(_granite(metadata, path, base["num_layers"]))
     out.update(_experts(arch, metadata, shapes, path, base["num_layers"]))
     if arch == "gemma3":
         out.update(_gemma3(metadata, path, base))
@@ -208,6 +213,22 @@ def _experts(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, .
         clamp = metadata.get("olmoe.attention.clamp_kqv")
         out.update(qk_norm_per_head=False, clip_qkv=None if clamp in (None, 0, 0.0) else clamp)
     return out
+
+
+def _granite(metadata: dict[str, Any], path: Path, num_layers: int) -> dict[str, Any]:
+    """Granite's multipliers (see the module doc; a 0 means none, as llama.cpp reads it)."""
+    def scale(key: str, default: float | None) -> float | None:
+        return default if metadata.get(key) in (0, 0.0) else positive_float(metadata, key, path, default)
+
+    rotates = metadata.get("granite.rope.scaling.finetuned", True)
+    if not isinstance(rotates, bool):
+        raise ModelLoadError(f"{path}: GGUF metadata 'granite.rope.scaling.finetuned' is {show(rotates)}; it must be a "
+                             f"bool")
+    return dict(embedding_multiplier=scale("granite.embedding_scale", 1.0),
+                attention_multiplier=scale("granite.attention.scale", None),
+                residual_multiplier=scale("granite.residual_scale", 1.0),
+                logits_scaling=scale("granite.logit_scale", 1.0),
+                unrotated_layers=() if rotates else tuple(range(num_layers)))
 
 
 GPT_OSS_SWIGLU = (1.702, 7.0)  # alpha, limit: the released models' (llama.cpp hard-codes them too)

@@ -11,7 +11,7 @@ from quickdraft.errors import ModelLoadError
 
 # model_type in config.json -> our architecture name
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-               "phi3": "phi3", "smollm3": "smollm3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe",
+               "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe",
                "gpt_oss": "gpt_oss"}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # transformers' older names for the same scalings
@@ -149,6 +149,13 @@ def _gemma(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
                 query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256))
 
 
+def _granite(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four multipliers (transformers' defaults 1; ModelConfig checks their ranges)."""
+    return dict(embedding_multiplier=cfg.get("embedding_multiplier", 1.0),
+                attention_multiplier=cfg.get("attention_multiplier", 1.0),
+                residual_multiplier=cfg.get("residual_multiplier", 1.0), logits_scaling=cfg.get("logits_scaling", 1.0))
+
+
 def _experts(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     """A mixture's fields, with each family's transformers defaults where config.json leaves one out: Mixtral always
     renormalizes its top-k, Qwen3-MoE and OLMoE by ``norm_topk_prob`` (false by default); Qwen3-MoE's experts have
@@ -224,6 +231,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
         )
         if arch == "gemma3":
             kwargs.update(_gemma(cfg, hidden))
+        elif arch == "granite":
+            kwargs.update(_granite(cfg))
         kwargs.update(_experts(cfg, arch, num_layers))
         scaling = kwargs["rope_scaling"]
         if scaling is not None and scaling.type == "dynamic":  # the context it stretches to

@@ -59,9 +59,10 @@ class _MoeDesc(ctypes.Structure):  # qd_moe_desc
 class _LayerDesc(ctypes.Structure):  # qd_layer_desc
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P),
                 ("post_mlp_norm", _P), ("norm_bf16", ctypes.c_int), ("eps", ctypes.c_float),
-                ("attn_scale", ctypes.c_float), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
-                ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int),
-                ("act", ctypes.c_int), ("window", ctypes.c_int), ("rotary_half", ctypes.c_int),
+                ("attn_scale", ctypes.c_float), ("residual_scale", ctypes.c_float), ("hidden", ctypes.c_int),
+                ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("intermediate", ctypes.c_int), ("act", ctypes.c_int), ("window", ctypes.c_int),
+                ("rotary_half", ctypes.c_int),
                 ("qkv", _LinearDesc), ("o", _LinearDesc), ("gate_up", _LinearDesc), ("down", _LinearDesc),
                 ("cos", _P), ("sin", _P), ("sinks", _P), ("moe", _MoeDesc)]
 
@@ -173,8 +174,9 @@ class FusedLayer:
         sinks = None if attn.sinks is None else attn.sinks.detach().float().reshape(attn.num_heads).contiguous()
         desc = _LayerDesc(**{place: norm.weight.data_ptr() for place, norm in placed.items()},
                           norm_bf16=int(norms[0].dtype == torch.bfloat16), eps=layer.input_layernorm.eps,
-                          attn_scale=attn.scale, hidden=hidden, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
-                          head_dim=attn.head_dim, intermediate=down.in_features, act=act,
+                          attn_scale=attn.scale, residual_scale=layer.residual_multiplier, hidden=hidden,
+                          heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                          intermediate=down.in_features, act=act,
                           window=attn.window or 0, rotary_half=rope.cos.shape[1], qkv=qkv, o=o, gate_up=gate_up,
                           down=down, cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr(),
                           sinks=None if sinks is None else sinks.data_ptr(), moe=moe or _MoeDesc())

@@ -61,6 +61,7 @@ typedef struct {
     const void *input_norm, *post_norm, *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
     int norm_bf16;
     float eps, attn_scale; /* attn_scale: the model's attention scale, as the module path passes it */
+    float residual_scale;  /* each attention and MLP output times this before its residual add (Granite; else 1) */
     int hidden, heads, kv_heads, head_dim, intermediate, act;
     int window; /* keys a token sees at most, itself included (qd_attend's window); 0: its whole context */
     int rotary_half; /* RoPE rotates the first 2 * rotary_half dims of each head (qd_rope's half; 0: no RoPE) */
@@ -127,8 +128,11 @@ static int run_linear(const qd_linear_desc *d, const void *x, int bf16, int M, v
     return -2;
 }
 
-/* x += y elementwise, rounded once to x's dtype (what torch's x + y gives) */
-static void add_into(void *x, const void *y, int bf16, size_t n) {
+/* x += y * scale elementwise, y * scale rounded to the dtype first where scale is not 1 (torch's x + y * scale: a
+ * sublayer's output times Granite's residual multiplier), then the sum rounded once (what torch's x + y gives) */
+static void add_into(void *x, void *y, int bf16, size_t n, float scale) {
+    if (scale != 1.f)
+        for (size_t i = 0; i < n; i++) st(y, bf16, i, ld(y, bf16, i) * scale);
     for (size_t i = 0; i < n; i++) st(x, bf16, i, ld(x, bf16, i) + ld(y, bf16, i));
 }
 
@@ -196,7 +200,7 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     CHECK(run_linear(&L->o, att, bf16, T, tmp));
     CHECK(lora_site(lora, layer, QD_LORA_O, att, bf16, (int)q_width, tmp, bf16, L->hidden));
     if (L->post_attn_norm) CHECK(qd_rmsnorm(tmp, bf16, L->post_attn_norm, L->norm_bf16, T, L->hidden, L->eps, tmp));
-    add_into(x, tmp, bf16, n_h);
+    add_into(x, tmp, bf16, n_h, L->residual_scale);
     if (!L->gate_up.kind && !L->moe.num_experts) return 0; /* a mixture's layer whose feed-forward the caller runs */
     if (!L->gate_up.kind) { /* a mixture of experts: the module path's SparseMoE, in the same calls */
         const qd_moe_desc *m = &L->moe;
@@ -214,7 +218,7 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
                        routes.experts, weights));
         CHECK(qd_moe(m->gate_up, m->down, m->num_experts, h, bf16, T, L->hidden, m->k, routes.experts, weights,
                      m->act, m->limit, m->alpha, tmp));
-        add_into(x, tmp, bf16, n_h);
+        add_into(x, tmp, bf16, n_h, L->residual_scale);
         return 0;
     }
 
@@ -237,7 +241,7 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     CHECK(run_linear(&L->down, act, bf16, T, tmp));
     CHECK(lora_site(lora, layer, QD_LORA_DOWN, act, bf16, L->intermediate, tmp, bf16, L->hidden));
     if (L->post_mlp_norm) CHECK(qd_rmsnorm(tmp, bf16, L->post_mlp_norm, L->norm_bf16, T, L->hidden, L->eps, tmp));
-    add_into(x, tmp, bf16, n_h);
+    add_into(x, tmp, bf16, n_h, L->residual_scale);
     return 0;
 }
 

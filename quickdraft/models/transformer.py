@@ -1,4 +1,4 @@
-"""One decoder-only transformer for the Llama, Mistral, Qwen2/3, Gemma 3 and Phi-3 families.
+"""One decoder-only transformer for the Llama, Mistral, Qwen2/3, Gemma 3, Phi-3/4, SmolLM3 and Granite families.
 
 A family is data (``ModelConfig``): which norms a layer has, the MLP's activation, the attention scale and window,
 the RoPE tables. Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``) so an HF state
@@ -139,6 +139,7 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite: each sublayer's output scaled before its add
         # which RoPE it rotates with: the sliding layers' own base (Gemma 3), none at all (SmolLM3's NoPE layers), or
         # the model's
         self.rope_kind = ("none" if layer in cfg.unrotated_layers else
@@ -180,27 +181,32 @@ class DecoderLayer(nn.Module):
                 layer, lora = self.self_attn.layer, attn.lora
                 x = fused(x, tokens, None if lora is None else lora.fused(), layer)
                 # a mixture's layer not fused whole: its attention and residual add
-                return x if fused.whole else x + self.mlp(self.post_attention_layernorm(x))
+                return x if fused.whole else x + self.residual(self.mlp(self.post_attention_layernorm(x)))
         if attn.lora is not None:
             return self.forward_lora(x, rope, attn, attn.lora)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, attn))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.residual(self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, attn)))
+            return x + self.residual(self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
+        x = x + self.residual(self.self_attn(self.input_layernorm(x), rope, attn))
+        return x + self.residual(self.mlp(self.post_attention_layernorm(x)))
+
+    def residual(self, out: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as its residual add takes it: times Granite's multiplier (rounded to out's dtype, as
+        transformers and the fused layer round it), else itself."""
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
     def forward_lora(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention, lora: LoraRows) -> torch.Tensor:
         """``forward`` on the module path with the adapters' terms (a mixture's experts take none)."""
         layer = self.self_attn.layer
         out = self.self_attn.forward_lora(self.input_layernorm(x), rope, attn, lora)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(out)
+            x = x + self.residual(self.post_attention_layernorm(out))
             h = self.pre_feedforward_layernorm(x)
             y = self.mlp(h) if self.sparse else self.mlp.forward_lora(h, lora, layer)
-            return x + self.post_feedforward_layernorm(y)
-        x = x + out
+            return x + self.residual(self.post_feedforward_layernorm(y))
+        x = x + self.residual(out)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h) if self.sparse else self.mlp.forward_lora(h, lora, layer))
+        return x + self.residual(self.mlp(h) if self.sparse else self.mlp.forward_lora(h, lora, layer))
 
     def forward_pending(self, x: torch.Tensor, pending: torch.Tensor | None, rope: RotaryEmbedding, attn: Attention
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,9 +215,11 @@ class DecoderLayer(nn.Module):
         the layer's output."""
         x, out = self.self_attn.forward_added(x, pending, self.input_layernorm, rope, attn)
         if self.sandwich:
-            x, y = self.mlp.forward_added(x, self.post_attention_layernorm(out), self.pre_feedforward_layernorm)
-            return x, self.post_feedforward_layernorm(y)
-        return self.mlp.forward_added(x, out, self.post_attention_layernorm)
+            x, y = self.mlp.forward_added(x, self.residual(self.post_attention_layernorm(out)),
+                                          self.pre_feedforward_layernorm)
+            return x, self.residual(self.post_feedforward_layernorm(y))
+        x, y = self.mlp.forward_added(x, self.residual(out), self.post_attention_layernorm)
+        return x, self.residual(y)
 
 
 class Backbone(nn.Module):
@@ -293,7 +301,10 @@ class Transformer(nn.Module):
         return stack
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 logits of final hidden states (divided by Granite's ``logits_scaling``)."""
+        logits = self.lm_head(hidden).float()
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling
 
 
 def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], device: str | torch.device = "cpu",

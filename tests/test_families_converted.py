@@ -1,7 +1,7 @@
-"""RoPE over part of each head (Phi-4-mini) and layers without RoPE (SmolLM3) from GGUF files as llama.cpp's converter
-writes them: transformers' logits and greedy tokens from the file, every quantized kernel exact against the module
-path, llama.cpp itself reading the same file as we do (where llama-cpp-python is installed), and damaged keys refused.
-(The HF directories of both families are checked in test_families.py.)"""
+"""Families from GGUF files as llama.cpp's converter writes them, made here from test_families.py's HF checkpoints: RoPE
+over part of each head (Phi-4-mini), layers without RoPE (SmolLM3), Granite's multipliers. transformers' logits and
+greedy tokens from the file, the file's quantized blocks keeping greedy output, llama.cpp itself reading the same file
+as we do (where llama-cpp-python is installed), and damaged keys refused."""
 from __future__ import annotations
 
 import importlib.util
@@ -25,19 +25,21 @@ LLAMA_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 PHI3_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
               "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-ARCH = {"smollm3": "smollm3", "phi4-mini-partial": "phi3"}
+ARCH = {"smollm3": "smollm3", "phi4-mini-partial": "phi3", "granite": "granite"}
 
 
 def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, rotary: int | None = None,
-               original: int | None = None) -> Path:
-    """``hf_path``'s checkpoint as llama.cpp's converter writes it: SmolLM3 as Llama (q/k rows permuted, no key for
-    its NoPE layers), Phi-4-mini as phi3 (fused q/k/v and gate/up, ``rope.dimension_count`` its rotated dims or
+               original: int | None = None, rotates: bool = True) -> Path:
+    """``hf_path``'s checkpoint as llama.cpp's converter writes it: SmolLM3 and Granite as Llama (q/k rows permuted;
+    no key for SmolLM3's NoPE layers, Granite's multipliers as ``*_scale`` keys), Phi-4-mini as phi3 (fused q/k/v and gate/up, ``rope.dimension_count`` its rotated dims or
     ``rotary``, the longrope factors, their original context or ``original``, and the attention factor the converter
-    computes, a tied head); 2-D weights in ``qtype`` (default float32)."""
+    computes, a tied head); 2-D weights in ``qtype`` (default float32). ``rotates`` False: Granite's
+    ``rope.scaling.finetuned`` key saying no layer rotates."""
     import gguf.quants
     from gguf import GGUFWriter
 
     cfg = json.loads((hf_path / "config.json").read_text())
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])  # (Granite's config has none)
     state = load_file(hf_path / "model.safetensors")
     w = GGUFWriter(str(path), ARCH[name])
     add_model_keys(w, cfg)
@@ -52,6 +54,13 @@ def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, rotary: int | N
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if name == "granite":
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
+        if not rotates:
+            w.add_bool("granite.rope.scaling.finetuned", False)
 
     def add(gguf_name: str, t: torch.Tensor) -> None:
         t = t.float().contiguous().numpy()
@@ -84,11 +93,13 @@ def test_gguf_matches_transformers(family_dir, tmp_path, name):
     llm = LLM(str(write_gguf(tmp_path / "m.gguf", hf_path, name)), dtype="float32", weights="float32",
               kv_cache_memory="16MiB")
     cfg = llm.model.config
-    if name == "smollm3":
-        assert (cfg.architecture, cfg.unrotated_layers, cfg.rotary_dim) == ("smollm3", (3,), None)
-    else:
-        assert (cfg.architecture, cfg.unrotated_layers, cfg.rotary_dim) == ("phi3", (), 12)
+    assert (cfg.architecture, cfg.unrotated_layers, cfg.rotary_dim) == {
+        "smollm3": ("smollm3", (3,), None), "phi4-mini-partial": ("phi3", (), 12), "granite": ("granite", (), None)}[name]
+    if name == "phi4-mini-partial":
         assert cfg.rope_scaling.type == "longrope" and len(cfg.rope_scaling.short_factor) == 6
+    if name == "granite":
+        assert (cfg.embedding_multiplier, cfg.attention_scale, cfg.residual_multiplier, cfg.logits_scaling) == (
+            12.0, 0.0390625, pytest.approx(0.22), 0.125)
     ids = prompt(30)  # within the original context of the longrope factors (see test_families.py)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
@@ -152,20 +163,23 @@ def test_part_of_a_head_outside_phi3_is_refused(family_dir, tmp_path):
         LLM(str(tmp_path / "partial.gguf"), dtype="float32", kv_cache_memory="16MiB")
 
 
-@pytest.mark.parametrize("name", list(ARCH))
-def test_llama_cpp_reads_the_gguf_as_we_do(family_dir, tmp_path, name):
+@pytest.mark.parametrize("name,rotates", [(name, True) for name in ARCH] + [("granite", False)])
+def test_llama_cpp_reads_the_gguf_as_we_do(family_dir, tmp_path, name, rotates):
     """The real peer on the same file (where llama-cpp-python is installed): its logits are ours within its own
     arithmetic (f16 products: 2e-4 here, where rotating SmolLM3's NoPE layer moves them by 6e-3), every position's
-    argmax the same: NoPE layers and RoPE over part of each head are where llama.cpp puts them."""
+    argmax the same: NoPE layers, RoPE over part of each head and Granite's multipliers are where llama.cpp puts
+    them; a Granite file whose ``rope.scaling.finetuned`` is false rotates no layer, in both."""
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python is not installed (pip install quickdraft[llamacpp])")
     from llama_cpp import Llama
 
     # llama.cpp picks longrope's short or long factors for every position by its context (at least 256), we by each
     # position: the file's original context at 256 makes both take the short ones below it
-    path = write_gguf(tmp_path / "m.gguf", family_dir(name)[0], name, original=256)
+    path = write_gguf(tmp_path / "m.gguf", family_dir(name)[0], name, original=256, rotates=rotates)
     ids = prompt(30)
-    ours = our_logits(LLM(str(path), dtype="float32", weights="float32", kv_cache_memory="16MiB"), ids)
+    llm = LLM(str(path), dtype="float32", weights="float32", kv_cache_memory="16MiB")
+    assert len(llm.model.config.unrotated_layers) == (0 if rotates else 2) or name == "smollm3"
+    ours = our_logits(llm, ids)
     peer = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2)
     peer.eval(ids)
     theirs = torch.tensor(np.array(peer.scores[:len(ids)]))
