@@ -1,7 +1,8 @@
 """The families whose layers differ from Llama's in RoPE or scaling, at their real shapes, against llama.cpp on the same
 GGUF: SmolLM3-3B (every 4th of 36 layers without RoPE), Phi-4-mini (RoPE over 96 of each head's 128 dims, longrope,
-fused q/k/v and gate/up) and Granite-3.3-2B (embedding, attention, residual and logit multipliers). Each is a
-random-weight model of the released config's sizes and vocabulary (tied embeddings, as released), written as F16 with
+fused q/k/v and gate/up), Granite-3.3-2B (embedding, attention, residual and logit multipliers) and OLMo-2-1B (norms
+after attention and the MLP only, whole-q/k norms). Each is a random-weight model of the released config's sizes and
+vocabulary (tied embeddings where the release ties them: all but OLMo 2), written as F16 with
 gguf-py a tensor at a time, quantized to Q4_K_M by llama.cpp's own quantizer (llama-cpp-python's
 ``llama_model_quantize``), the F16 source then deleted. The tokenizer is the packaged SmolLM2's (below 151,936 tokens)
 or Qwen2.5's, padded with control tokens to the shape's vocabulary.
@@ -15,7 +16,7 @@ of the read-bandwidth limit (bandwidth measured in the same run), and how many o
 engines agree on (random weights: near-ties are common, so agreement that ends early is arithmetic, not layout;
 tests/test_families_converted.py checks the layout against llama.cpp's logits).
 
-Usage: python bench/families_cpu.py [--families smollm3,phi4-mini,granite] [--tokens 64] [--prompts 3]
+Usage: python bench/families_cpu.py [--families smollm3,phi4-mini,granite,olmo2] [--tokens 64] [--prompts 3]
        [--name families_cpu]
 Prints a table and the process's peak RSS (both engines loaded at once), and writes bench/results/<name>.json.
 Needs llama-cpp-python (pip install quickdraft[llamacpp]) and about 8 GB of free disk for the largest F16 source.
@@ -48,6 +49,8 @@ FAMILIES = {  # the released configs' sizes
                       ffn=8192, vocab=200064, rope_base=1e4, context=131072, eps=1e-5, rotary=96, original=4096),
     "granite": dict(arch="granite", model="Granite-3.3-2B", hidden=2048, layers=40, heads=32, kv_heads=8, head_dim=64,
                     ffn=8192, vocab=49159, rope_base=1e7, context=131072, eps=1e-5),
+    "olmo2": dict(arch="olmo2", model="OLMo-2-1B", hidden=2048, layers=16, heads=16, kv_heads=16, head_dim=128,
+                  ffn=8192, vocab=100352, rope_base=5e5, context=4096, eps=1e-6),
 }
 GRANITE_SCALES = dict(embedding=12.0, attention=0.015625, residual=0.22, logit=8.0)
 
@@ -78,6 +81,8 @@ def build_f16(path: Path, name: str) -> Path:
     q, kv = s["heads"] * hd, s["kv_heads"] * hd
     tensors: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (s["vocab"], d), "w"),
                                                        ("output_norm.weight", (d,), "norm")]
+    if name == "olmo2":  # the one release here whose head is not its embedding table
+        tensors.append(("output.weight", (s["vocab"], d), "w"))
     if name == "phi4-mini":
         half = s["rotary"] // 2
         scale = s["context"] / s["original"]
@@ -93,8 +98,12 @@ def build_f16(path: Path, name: str) -> Path:
         w.add_logit_scale(g["logit"])
     for i in range(s["layers"]):
         p = f"blk.{i}."
-        tensors += [(p + "attn_norm.weight", (d,), "norm"), (p + "ffn_norm.weight", (d,), "norm"),
-                    (p + "attn_output.weight", (d, q), "w"), (p + "ffn_down.weight", (d, f), "w")]
+        if name == "olmo2":  # norms after attention and the MLP, q and k normed whole
+            tensors += [(p + "post_attention_norm.weight", (d,), "norm"), (p + "post_ffw_norm.weight", (d,), "norm"),
+                        (p + "attn_q_norm.weight", (q,), "norm"), (p + "attn_k_norm.weight", (kv,), "norm")]
+        else:
+            tensors += [(p + "attn_norm.weight", (d,), "norm"), (p + "ffn_norm.weight", (d,), "norm")]
+        tensors += [(p + "attn_output.weight", (d, q), "w"), (p + "ffn_down.weight", (d, f), "w")]
         if name == "phi4-mini":  # fused, as the released Phi checkpoints and their GGUFs store them
             tensors += [(p + "attn_qkv.weight", (q + 2 * kv, d), "w"), (p + "ffn_up.weight", (2 * f, d), "w")]
         else:

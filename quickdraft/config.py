@@ -9,8 +9,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "granite", "qwen3_moe",
-                           "mixtral", "olmoe", "gpt_oss")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "granite", "olmo2",
+                           "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
 # Bounds far beyond any checkpoint's values (factors of 1 to ~100, bases of 10^4 to 10^8, widths of ~16k, contexts of
 # up to ~10M tokens): within them every RoPE angle stays finite and every size fits the C kernels' ints, and a damaged
@@ -19,9 +19,15 @@ FACTOR_RANGE = (1e-3, 1e6)
 THETA_RANGE = (1.0, 1e12)
 # query_pre_attn_scalar (attention scale = its -1/2 power), the embedding and residual multipliers, the logits' divisor
 SCALAR_RANGE = (1e-3, 1e9)
+ATTENTION_MULTIPLIER_RANGE = (1e-6, 1e3)  # Granite's attention scale itself (1/64 in the released models)
 MAX_WIDTH = 1 << 20
 MAX_CONTEXT = 1 << 24
 MAX_EXPERTS = 1 << 12  # the largest mixtures have a few hundred experts a layer
+# fields added since saved sessions began fingerprinting the config (loading/checkpoint.content_fingerprint): each is
+# hashed only where it differs from its default, so a model whose fingerprint did not use it keeps the fingerprint
+# (and its sessions resume); a field added later joins them
+ADDED_FIELDS = ("rotary_dim", "unrotated_layers", "attention_multiplier", "residual_multiplier", "logits_scaling",
+                "pre_norms")
 
 
 def _is_int(value: object, low: int, high: int) -> bool:
@@ -114,7 +120,8 @@ class ModelConfig:
     full layers and gives sliding layers their own RoPE base; Phi-3 stores q/k/v and gate/up fused (split at load)
     and stretches RoPE with longrope (Phi-4-mini rotates only the first ``rotary_dim`` dims of each head); SmolLM3
     leaves RoPE out of every 4th layer (``unrotated_layers``); Granite scales embeddings, attention, each residual
-    add and the logits by multipliers of its own.
+    add and the logits by multipliers of its own; OLMo 2 keeps only the norms after attention and after the MLP
+    (``pre_norms`` False) and normalizes all of q and of k at once, as OLMoE does.
     """
 
     architecture: str
@@ -142,6 +149,7 @@ class ModelConfig:
     rotary_dim: int | None = None
     unrotated_layers: tuple[int, ...] = ()
     sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma)
+    pre_norms: bool = True  # False: none before attention or the MLP, only the sandwich's after them (OLMo 2)
     hidden_act: str = "silu"  # the MLP's gate activation
     embedding_multiplier: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5; None: head_dim ** -0.5
@@ -195,6 +203,8 @@ class ModelConfig:
                              f"{MAX_CONTEXT:,}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ValueError("pre_norms=False needs sandwich_norms: a layer needs a norm before or after each block")
         self._check_layers()
         self._check_scales()
         self._check_experts()
@@ -217,10 +227,11 @@ class ModelConfig:
                 raise ValueError(f"{name}={value}; allowed: above {THETA_RANGE[0]:g} up to {THETA_RANGE[1]:g}")
         for name in ("embedding_multiplier", "query_pre_attn_scalar", "residual_multiplier", "logits_scaling"):
             value = getattr(self, name)
-            if value is not None and not _is_number(value, *SCALAR_RANGE):
+            if (value is not None or name != "query_pre_attn_scalar") and not _is_number(value, *SCALAR_RANGE):
                 raise ValueError(f"{name}={value!r}; allowed: {SCALAR_RANGE[0]:g} to {SCALAR_RANGE[1]:g}")
-        if self.attention_multiplier is not None and not _is_number(self.attention_multiplier, 1e-6, 1e3):
-            raise ValueError(f"attention_multiplier={self.attention_multiplier!r}; allowed: 1e-06 to 1000")
+        low, high = ATTENTION_MULTIPLIER_RANGE
+        if self.attention_multiplier is not None and not _is_number(self.attention_multiplier, low, high):
+            raise ValueError(f"attention_multiplier={self.attention_multiplier!r}; allowed: {low:g} to {high:g}")
         if self.clip_qkv is not None and not _is_number(self.clip_qkv, 1e-6, 1e9):
             raise ValueError(f"clip_qkv={self.clip_qkv!r}; allowed: 1e-06 to 1e+09")
         if self.swiglu_limit is not None and not _is_number(self.swiglu_limit, 1e-6, 1e9):
@@ -230,6 +241,8 @@ class ModelConfig:
         if not _is_number(self.rms_norm_eps, 0.0, 1.0) or not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r}; allowed: above 0 up to 1")
         scaling = self.rope_scaling
+        if scaling is not None and scaling.type == "dynamic" and self.rotated_dims <= 2:  # its base has dims / (dims - 2)
+            raise ValueError(f"dynamic RoPE scaling needs more than 2 rotated dims; rotary_dim={self.rotary_dim}")
         if scaling is not None and scaling.type == "longrope" and len(scaling.short_factor) != self.rotated_dims // 2:
             raise ValueError(f"longrope factors have {len(scaling.short_factor)} entries; {self.rotated_dims} rotated "
                              f"dims need {self.rotated_dims // 2}, one per frequency")
@@ -307,8 +320,9 @@ class ModelConfig:
         d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = d * (q + 2 * kv) + q * d + 2 * d
-        per_layer += 2 * self.head_dim * self.qk_norm + 2 * d * self.sandwich_norms
+        norms = (2 if self.pre_norms else 0) + (2 if self.sandwich_norms else 0)
+        per_layer = d * (q + 2 * kv) + q * d + d * norms
+        per_layer += ((2 * self.head_dim if self.qk_norm_per_head else q + kv) if self.qk_norm else 0)
         feed_forward = sum(self.num_experts * (3 * d * self.expert_width + d) if self.is_moe_layer(i) else 3 * d * f
                            for i in range(l))
         head = 0 if self.tie_word_embeddings else v * d

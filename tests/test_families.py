@@ -60,6 +60,9 @@ FAMILIES = {
         num_hidden_layers=2, embedding_multiplier=12.0, attention_multiplier=0.0390625, residual_multiplier=0.22,
         logits_scaling=0.125, tie_word_embeddings=True, rope_theta=10000.0, pad_token_id=0,
         **{k: v for k, v in SMALL.items() if k != "head_dim"})),
+    # OLMo 2: norms only after attention and after the MLP, all of q and of k normed at once
+    "olmo2": (transformers.Olmo2ForCausalLM, transformers.Olmo2Config(
+        num_hidden_layers=2, rope_theta=10000.0, pad_token_id=0, **{k: v for k, v in SMALL.items() if k != "head_dim"})),
     # SmolLM3: every 4th layer attends without RoPE (NoPE)
     "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config(
         num_hidden_layers=4, rope_theta=10000.0, pad_token_id=0, **SMALL)),
@@ -221,7 +224,12 @@ def test_unsupported_configs_are_refused_by_name(family_dir, tmp_path, changes, 
      r"partial_rotary_factor='0.5'; allowed"),
     ("phi4-mini-partial", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                "partial_rotary_factor": 0.1}},  # 1 dim of 16: no pair to rotate
-     r"rotary_dim=1; allowed: an even int in 2 to head_dim=16"),
+     r"partial_rotary_factor=0.1 rotates 1 of each head's 16 dims; RoPE needs an even number of at least 2"),
+    ("phi4-mini-partial", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                               "partial_rotary_factor": True}},
+     r"partial_rotary_factor=True; allowed: a number above 0 up to 1"),
+    ("smollm3", {"no_rope_layers": None, "num_hidden_layers": 10 ** 15},  # (never a loop over 10^15 layers)
+     r"num_hidden_layers=1000000000000000; allowed: an int in 1 to 1,048,576"),
     ("phi4-mini-partial", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
                                                "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
                                                "original_max_position_embeddings": 32}},
@@ -230,6 +238,8 @@ def test_unsupported_configs_are_refused_by_name(family_dir, tmp_path, changes, 
     ("granite", {"logits_scaling": 0}, r"logits_scaling=0; allowed: 0.001 to 1e\+09"),
     ("granite", {"attention_multiplier": 1e300}, r"attention_multiplier=1e\+300; allowed: 1e-06 to 1000"),
     ("granite", {"embedding_multiplier": "12"}, r"embedding_multiplier='12'; allowed"),
+    ("granite", {"residual_multiplier": None}, r"residual_multiplier=None; allowed: 0.001 to 1e\+09"),
+    ("granite", {"logits_scaling": None}, r"logits_scaling=None; allowed"),
 ])
 def test_damaged_family_settings_are_refused_by_name(family_dir, tmp_path, name, changes, message):
     path = _edited(tmp_path, family_dir(name)[0], **changes)
@@ -237,27 +247,28 @@ def test_damaged_family_settings_are_refused_by_name(family_dir, tmp_path, name,
         LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
 
 
-@pytest.mark.parametrize("name", ["phi4-mini-partial", "smollm3", "granite"])
+@pytest.mark.parametrize("name", ["phi4-mini-partial", "smollm3", "granite", "olmo2"])
 @pytest.mark.parametrize("weights,dtype", [("int8", "bfloat16"), ("int4", "float32")])
 def test_fused_layers_equal_the_module_path(family_dir, name, weights, dtype, monkeypatch):
-    """RoPE over part of each head, layers without it, Granite's residual multiplier and attention scale inside the
-    fused C layer: a verify pass beside a decode token gives the module path's logits and caches bit for bit, every
-    layer fused."""
+    """RoPE over part of each head, layers without it, Granite's residual multiplier and attention scale, OLMo 2's
+    layers without norms before their blocks and its whole-q/k norms inside the fused C layer: a verify pass beside a
+    decode token gives the module path's logits and caches bit for bit, every layer fused."""
     from test_fused import _verify_step
 
     llm = LLM(str(family_dir(name)[0]), weights=weights, dtype=dtype, kv_cache_memory="16MiB")
     cfg = llm.model.config
     assert (cfg.rotated_dims, cfg.unrotated_layers, cfg.residual_multiplier) == {
-        "phi4-mini-partial": (12, (), 1.0), "smollm3": (16, (3,), 1.0), "granite": (16, (), 0.22)}[name]
+        "phi4-mini-partial": (12, (), 1.0), "smollm3": (16, (3,), 1.0), "granite": (16, (), 0.22),
+        "olmo2": (16, (), 1.0)}[name]
     fused, fused_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), True, monkeypatch)
-    modules, _ = _verify_step(llm, prompt(20), prompt(5, seed=3), False, monkeypatch)
-    assert fused_calls == cfg.num_layers
+    modules, module_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), False, monkeypatch)
+    assert fused_calls == cfg.num_layers and module_calls == 0
     assert all(torch.equal(a, b) for a, b in zip(fused, modules))
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16"])
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "mistral", "phi3-longrope", "llama3-rope", "phi4-mini-partial",
-                                  "smollm3", "granite"])
+                                  "smollm3", "granite", "olmo2"])
 def test_family_through_the_engine(family_dir, name, weights):
     """Quantized and bfloat16 weights (the fused C layer where it applies): a batch equals each prompt alone, a
     repeated prompt reads its cached prefix, and every drafter keeps greedy output unchanged."""

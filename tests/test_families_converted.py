@@ -1,5 +1,6 @@
 """Families from GGUF files as llama.cpp's converter writes them, made here from test_families.py's HF checkpoints: RoPE
-over part of each head (Phi-4-mini), layers without RoPE (SmolLM3), Granite's multipliers. transformers' logits and
+over part of each head (Phi-4-mini), layers without RoPE (SmolLM3), Granite's multipliers, OLMo 2's norms after its
+blocks alone and its whole-q/k norms. transformers' logits and
 greedy tokens from the file, the file's quantized blocks keeping greedy output, llama.cpp itself reading the same file
 as we do (where llama-cpp-python is installed), and damaged keys refused."""
 from __future__ import annotations
@@ -25,16 +26,22 @@ LLAMA_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 PHI3_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
               "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-ARCH = {"smollm3": "smollm3", "phi4-mini-partial": "phi3", "granite": "granite"}
+OLMO2_LAYER = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+ARCH = {"smollm3": "smollm3", "phi4-mini-partial": "phi3", "granite": "granite", "olmo2": "olmo2"}
+LAYERS = {"smollm3": LLAMA_LAYER, "phi4-mini-partial": PHI3_LAYER, "granite": LLAMA_LAYER, "olmo2": OLMO2_LAYER}
 
 
 def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, rotary: int | None = None,
-               original: int | None = None, rotates: bool = True) -> Path:
+               original: int | None = None, rotates: bool = True, scales: dict[str, float] | None = None) -> Path:
     """``hf_path``'s checkpoint as llama.cpp's converter writes it: SmolLM3 and Granite as Llama (q/k rows permuted;
     no key for SmolLM3's NoPE layers, Granite's multipliers as ``*_scale`` keys), Phi-4-mini as phi3 (fused q/k/v and gate/up, ``rope.dimension_count`` its rotated dims or
     ``rotary``, the longrope factors, their original context or ``original``, and the attention factor the converter
-    computes, a tied head); 2-D weights in ``qtype`` (default float32). ``rotates`` False: Granite's
-    ``rope.scaling.finetuned`` key saying no layer rotates."""
+    computes, a tied head), OLMo 2 as its converter writes it (rows as they are, norms after the blocks alone); 2-D
+    weights in ``qtype`` (default float32). ``rotates`` False: Granite's ``rope.scaling.finetuned`` key saying no
+    layer rotates; ``scales``: float keys written over the converter's (a damaged file's)."""
     import gguf.quants
     from gguf import GGUFWriter
 
@@ -55,10 +62,11 @@ def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, rotary: int | N
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if name == "granite":
-        w.add_embedding_scale(cfg["embedding_multiplier"])
-        w.add_attention_scale(cfg["attention_multiplier"])
-        w.add_residual_scale(cfg["residual_multiplier"])
-        w.add_logit_scale(cfg["logits_scaling"])
+        given = {"granite.embedding_scale": cfg["embedding_multiplier"],
+                 "granite.attention.scale": cfg["attention_multiplier"],
+                 "granite.residual_scale": cfg["residual_multiplier"], "granite.logit_scale": cfg["logits_scaling"]}
+        for key, value in {**given, **(scales or {})}.items():
+            w.add_float32(key, value)
         if not rotates:
             w.add_bool("granite.rope.scaling.finetuned", False)
 
@@ -74,9 +82,9 @@ def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, rotary: int | N
     if "lm_head.weight" in state:
         add("output.weight", state["lm_head.weight"])
     for i in range(cfg["num_hidden_layers"]):
-        for hf, kind in (PHI3_LAYER if name == "phi4-mini-partial" else LLAMA_LAYER).items():
+        for hf, kind in LAYERS[name].items():
             t = state[f"model.layers.{i}.{hf}.weight"]
-            if kind in ("attn_q", "attn_k"):
+            if kind in ("attn_q", "attn_k") and ARCH[name] in ("smollm3", "granite"):  # the converter's Llama order
                 t = llama_permute(t, cfg["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"])
             add(f"blk.{i}.{kind}.weight", t)
     w.write_header_to_file()
@@ -94,7 +102,10 @@ def test_gguf_matches_transformers(family_dir, tmp_path, name):
               kv_cache_memory="16MiB")
     cfg = llm.model.config
     assert (cfg.architecture, cfg.unrotated_layers, cfg.rotary_dim) == {
-        "smollm3": ("smollm3", (3,), None), "phi4-mini-partial": ("phi3", (), 12), "granite": ("granite", (), None)}[name]
+        "smollm3": ("smollm3", (3,), None), "phi4-mini-partial": ("phi3", (), 12), "granite": ("granite", (), None),
+        "olmo2": ("olmo2", (), None)}[name]
+    if name == "olmo2":
+        assert not cfg.pre_norms and cfg.sandwich_norms and cfg.qk_norm and not cfg.qk_norm_per_head
     if name == "phi4-mini-partial":
         assert cfg.rope_scaling.type == "longrope" and len(cfg.rope_scaling.short_factor) == 6
     if name == "granite":
@@ -139,25 +150,55 @@ def test_damaged_rotary_dims_are_refused(family_dir, tmp_path, rotary, message):
         LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
 
 
-def test_part_of_a_head_outside_phi3_is_refused(family_dir, tmp_path):
-    """llama.cpp rotates Llama-layout files' pairs over the permuted rows: RoPE over part of their heads is not the
-    NeoX rotation of the first dims, so it is refused rather than run as something else."""
-    from gguf import GGUFReader, GGUFWriter
+@pytest.mark.parametrize("scales,message", [
+    ({"granite.residual_scale": 1e30}, r"'granite.residual_scale' is 1e\+30; allowed: 0.001 to 1e\+09"),
+    ({"granite.attention.scale": float("nan")}, r"'granite.attention.scale' is float nan; it must be a positive"),
+    ({"granite.logit_scale": -8.0}, r"'granite.logit_scale' is float -8.0; it must be a positive"),
+    ({"granite.attention.scale": 1e4}, r"'granite.attention.scale' is 10000; allowed: 1e-06 to 1000"),
+])
+def test_damaged_granite_keys_are_refused_by_name(family_dir, tmp_path, scales, message):
+    path = write_gguf(tmp_path / "damaged.gguf", family_dir("granite")[0], "granite", scales=scales)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
 
-    source = write_gguf(tmp_path / "m.gguf", family_dir("smollm3")[0], "smollm3")
-    reader = GGUFReader(str(source))
-    w = GGUFWriter(str(tmp_path / "partial.gguf"), "smollm3")
+
+def test_an_olmo3_window_is_refused(family_dir, tmp_path):
+    """OLMo 3 files are olmo2 files with a sliding window on 3 of every 4 layers: refused, not run without it."""
+    from gguf import GGUFReader
+
+    source = write_gguf(tmp_path / "m.gguf", family_dir("olmo2")[0], "olmo2")
+    path = _rewritten(GGUFReader(str(source)), tmp_path / "olmo3.gguf", "olmo2", lambda w: w.add_sliding_window(4096))
+    with pytest.raises(ModelLoadError, match=r"'olmo2.attention.sliding_window' is int 4096: OLMo 3's sliding layers "
+                                             r"are not supported yet"):
+        LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+
+
+def _rewritten(reader, path: Path, arch: str, add) -> Path:
+    """The file ``reader`` reads written again at ``path`` with ``add(writer)``'s keys after its own."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
     for field in reader.fields.values():
-        if field.name.startswith(("smollm3.", "tokenizer.")) and field.types:
-            value = field.contents()
-            w.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
-    w.add_rope_dimension_count(8)
+        if field.name.startswith((f"{arch}.", "tokenizer.")) and field.types:
+            w.add_key_value(field.name, field.contents(), field.types[0],
+                            sub_type=field.types[-1] if len(field.types) > 1 else None)
+    add(w)
     for t in reader.tensors:
         w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_part_of_a_head_outside_phi3_is_refused(family_dir, tmp_path):
+    """llama.cpp rotates Llama-layout files' pairs over the permuted rows: RoPE over part of their heads is not the
+    NeoX rotation of the first dims, so it is refused rather than run as something else."""
+    from gguf import GGUFReader
+
+    source = write_gguf(tmp_path / "m.gguf", family_dir("smollm3")[0], "smollm3")
+    _rewritten(GGUFReader(str(source)), tmp_path / "partial.gguf", "smollm3", lambda w: w.add_rope_dimension_count(8))
     with pytest.raises(ModelLoadError, match=r"'smollm3.rope.dimension_count' is 8 but the head dimension is 16; RoPE "
                                              r"over part of a head is supported for phi3 only"):
         LLM(str(tmp_path / "partial.gguf"), dtype="float32", kv_cache_memory="16MiB")
@@ -165,10 +206,10 @@ def test_part_of_a_head_outside_phi3_is_refused(family_dir, tmp_path):
 
 @pytest.mark.parametrize("name,rotates", [(name, True) for name in ARCH] + [("granite", False)])
 def test_llama_cpp_reads_the_gguf_as_we_do(family_dir, tmp_path, name, rotates):
-    """The real peer on the same file (where llama-cpp-python is installed): its logits are ours within its own
-    arithmetic (f16 products: 2e-4 here, where rotating SmolLM3's NoPE layer moves them by 6e-3), every position's
-    argmax the same: NoPE layers, RoPE over part of each head and Granite's multipliers are where llama.cpp puts
-    them; a Granite file whose ``rope.scaling.finetuned`` is false rotates no layer, in both."""
+    """The real peer on the same file (where llama-cpp-python is installed): its logits are ours within float32
+    rounding (1e-5 of the largest; rotating SmolLM3's NoPE layer moves them by 5e-4 of it), every position's argmax
+    the same: NoPE layers, RoPE over part of each head, Granite's multipliers and OLMo 2's norms are where
+    llama.cpp puts them; a Granite file whose ``rope.scaling.finetuned`` is false rotates no layer, in both."""
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python is not installed (pip install quickdraft[llamacpp])")
     from llama_cpp import Llama
@@ -180,8 +221,9 @@ def test_llama_cpp_reads_the_gguf_as_we_do(family_dir, tmp_path, name, rotates):
     llm = LLM(str(path), dtype="float32", weights="float32", kv_cache_memory="16MiB")
     assert len(llm.model.config.unrotated_layers) == (0 if rotates else 2) or name == "smollm3"
     ours = our_logits(llm, ids)
-    peer = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2)
+    # its cache in float32 (type 0), as ours: its default f16 cache alone moves OLMo 2's logits by 4e-4 of the largest
+    peer = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0)
     peer.eval(ids)
     theirs = torch.tensor(np.array(peer.scores[:len(ids)]))
-    assert (ours - theirs).abs().max().item() < 1e-4 * ours.abs().max().item()
+    assert (ours - theirs).abs().max().item() < 1e-5 * ours.abs().max().item()
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))

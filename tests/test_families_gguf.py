@@ -3,7 +3,7 @@ writes them: Qwen3 (q/k norms), Gemma 3 (norms around attention and MLP, sliding
 q/k/v and gate/up, longrope factor tensors) and Llama 3.1 (``rope_freqs``). Each config field is read from the right
 key, each tensor lands under the right HF name with the right values (a fused tensor's row ranges, in float and from
 the file's Q8_0/Q4_0 blocks), and what cannot be run as it is meant (other archs, yarn, damaged factors) is refused.
-(Phi-4-mini's partial rotary and SmolLM3's NoPE layers: test_rope_families.py.)"""
+(Phi-4-mini's partial rotary, SmolLM3's NoPE layers, Granite and OLMo 2: test_families_converted.py.)"""
 from __future__ import annotations
 
 import dataclasses

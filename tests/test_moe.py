@@ -368,16 +368,20 @@ def test_the_seeded_cost_model_prices_the_union_of_experts():
     assert moe.draft(1) == pytest.approx(10 / 100)  # beside what a step reads, not beside every expert
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe"])
 @pytest.mark.parametrize("weights,dtype", [("int8", "bfloat16"), ("int4", "float32")])
-def test_fused_attention_of_a_mixtures_layer_equals_the_module_path(moe_dir, weights, dtype, monkeypatch):
+def test_fused_attention_of_a_mixtures_layer_equals_the_module_path(moe_dir, tmp_path, name, weights, dtype,
+                                                                    monkeypatch):
     """A verify pass beside a decode token: every layer whole in one C call (``FusedStack``; a sparse layer's router
-    and experts inside it) gives the module path's logits and caches bit for bit."""
+    and experts inside it; OLMoE's whole-q/k norms, as the released model has no clamp) gives the module path's
+    logits and caches bit for bit."""
     from test_fused import _verify_step
 
-    llm = LLM(str(moe_dir("qwen3_moe")[0]), weights=weights, dtype=dtype, kv_cache_memory="16MiB")
+    path = moe_dir(name)[0] if name == "qwen3_moe" else _edited(tmp_path, moe_dir(name)[0], clip_qkv=None)
+    llm = LLM(str(path), weights=weights, dtype=dtype, kv_cache_memory="16MiB")
     fused, fused_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), True, monkeypatch)
     modules, module_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), False, monkeypatch)
-    assert fused_calls == 3 and module_calls == 0
+    assert fused_calls == llm.model.config.num_layers and module_calls == 0
     for a, b in zip(fused, modules):
         assert torch.equal(a, b)
 

@@ -612,3 +612,16 @@ def test_a_snapshot_is_readable_by_its_owner_only(llms, tmp_path):
     from quickdraft.loading.tensor_file import write_atomic
     cache = write_atomic(tmp_path / "cache.safetensors", {"x": torch.zeros(2)}, {}, "test cache")
     assert stat.S_IMODE(cache.stat().st_mode) == 0o644
+
+
+def test_fields_added_to_the_config_keep_a_models_fingerprint(smollm2):
+    """A saved session names its model by a fingerprint that hashes the parsed config: a field added to ModelConfig
+    since (``ADDED_FIELDS``) counts only where it differs from its default, so SmolLM2's fingerprint is the one its
+    sessions were saved under before those fields existed (computed then), and a model that uses one differs."""
+    from quickdraft.loading import load_checkpoint
+    from quickdraft.loading.checkpoint import content_fingerprint
+
+    ckpt = load_checkpoint(smollm2)
+    assert ckpt.content_fingerprint() == "0f947d6b81139236ebbe815e38241e59"
+    assert content_fingerprint(smollm2, dataclasses.replace(ckpt.config, residual_multiplier=0.5)) != \
+        ckpt.content_fingerprint()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from quickdraft.config import ModelConfig
+from quickdraft.config import ADDED_FIELDS, ModelConfig
 
 _EDGE_BYTES = 1 << 20
 
@@ -127,5 +127,8 @@ def content_fingerprint(path: str | os.PathLike, config: ModelConfig | None = No
     else:
         _hash_content(h, path, "")
     if config is not None:
-        h.update(json.dumps(dataclasses.asdict(config), sort_keys=True, default=str).encode())
+        defaults = ModelConfig.__dataclass_fields__
+        fields = {name: value for name, value in dataclasses.asdict(config).items()
+                  if name not in ADDED_FIELDS or value != defaults[name].default}
+        h.update(json.dumps(fields, sort_keys=True, default=str).encode())
     return h.hexdigest()[:32]

@@ -24,6 +24,9 @@ Config (``family_fields``):
 * granite: Llama's layout with transformers' multipliers under llama.cpp's names: ``granite.embedding_scale``,
   ``granite.attention.scale`` (the attention scale itself; 0 or absent: 1/sqrt(head_dim)), ``granite.residual_scale``
   and ``granite.logit_scale`` (the logits' divisor); ``granite.rope.scaling.finetuned`` false means no RoPE at all.
+* olmo2: norms only after attention (``post_attention_norm``) and after the MLP (``post_ffw_norm``), and q and k
+  each normed whole (``attn_q_norm``/``attn_k_norm`` as wide as all their heads). A sliding window (OLMo 3, which
+  llama.cpp runs as olmo2) is refused.
 * mixtures of experts (``{arch}.expert_count``): ``qwen3moe``, ``olmoe``, ``gpt-oss``, and ``llama`` with experts
   (Mixtral, run as ``mixtral``). A block's experts are stacked in ``ffn_gate_exps``/``ffn_up_exps`` ``[E, I, H]`` and
   ``ffn_down_exps`` ``[E, H, I]``, quantized per row; expert e is rows ``e * I .. (e + 1) * I`` of the stack seen as
@@ -56,7 +59,8 @@ from typing import Any
 
 import numpy as np
 
-from quickdraft.config import MAX_CONTEXT, MAX_WIDTH, ModelConfig, RopeScaling, every_nth_full
+from quickdraft.config import (ATTENTION_MULTIPLIER_RANGE, MAX_CONTEXT, MAX_WIDTH, SCALAR_RANGE, ModelConfig,
+                               RopeScaling, every_nth_full)
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading.gguf_metadata import int_value, positive_float, show
 
@@ -88,12 +92,13 @@ LAYER_NAMES = {  # GGUF name in a block -> the HF names it holds, in row order
 LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-                      "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
+                      "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
+                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                       "gpt-oss": "gpt_oss"}  # general.architecture -> ours
 MAX_EXPERTS = 1 << 12
 # read into the config (RoPE factors), or not needed (rotary tables are recomputed)
 IGNORED = re.compile(r"(rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd.*)$")
-QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "qwen3moe", "olmoe")
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "qwen3moe", "olmoe", "olmo2")
 SMOLLM3_NOPE_STEP = 4  # every 4th layer attends without RoPE (llama.cpp hard-codes it; the file stores no key)
 GEMMA3_PATTERN = 6  # every 6th layer attends to the whole context
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -169,6 +174,12 @@ def family_fields(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[i
         out["unrotated_layers"] = tuple(i for i in range(base["num_layers"]) if (i + 1) % SMOLLM3_NOPE_STEP == 0)
     elif arch == "granite":
         out.update(_granite(metadata, path, base["num_layers"]))
+    elif arch == "olmo2":
+        window = metadata.get("olmo2.attention.sliding_window")
+        if window not in (None, 0):
+            raise ModelLoadError(f"{path}: GGUF metadata 'olmo2.attention.sliding_window' is {show(window)}: OLMo 3's "
+                                 f"sliding layers are not supported yet (OLMo 2 files have none)")
+        out.update(sandwich_norms=True, pre_norms=False, qk_norm_per_head=False)
     out.update(_experts(arch, metadata, shapes, path, base["num_layers"]))
     if arch == "gemma3":
         out.update(_gemma3(metadata, path, base))
@@ -216,18 +227,25 @@ def _experts(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, .
 
 
 def _granite(metadata: dict[str, Any], path: Path, num_layers: int) -> dict[str, Any]:
-    """Granite's multipliers (see the module doc; a 0 means none, as llama.cpp reads it)."""
-    def scale(key: str, default: float | None) -> float | None:
-        return default if metadata.get(key) in (0, 0.0) else positive_float(metadata, key, path, default)
+    """Granite's multipliers (see the module doc; a 0 means none, as llama.cpp reads it), each within the range
+    ModelConfig allows, refused under its own key."""
+    def scale(key: str, default: float | None, low: float, high: float) -> float | None:
+        value = metadata.get(key)
+        if type(value) in (int, float) and value == 0:
+            return default
+        value = positive_float(metadata, key, path, default)
+        if value is not None and not low <= value <= high:
+            raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {value:g}; allowed: {low:g} to {high:g}")
+        return value
 
     rotates = metadata.get("granite.rope.scaling.finetuned", True)
     if not isinstance(rotates, bool):
         raise ModelLoadError(f"{path}: GGUF metadata 'granite.rope.scaling.finetuned' is {show(rotates)}; it must be a "
                              f"bool")
-    return dict(embedding_multiplier=scale("granite.embedding_scale", 1.0),
-                attention_multiplier=scale("granite.attention.scale", None),
-                residual_multiplier=scale("granite.residual_scale", 1.0),
-                logits_scaling=scale("granite.logit_scale", 1.0),
+    return dict(embedding_multiplier=scale("granite.embedding_scale", 1.0, *SCALAR_RANGE),
+                attention_multiplier=scale("granite.attention.scale", None, *ATTENTION_MULTIPLIER_RANGE),
+                residual_multiplier=scale("granite.residual_scale", 1.0, *SCALAR_RANGE),
+                logits_scaling=scale("granite.logit_scale", 1.0, *SCALAR_RANGE),
                 unrotated_layers=() if rotates else tuple(range(num_layers)))
 
 

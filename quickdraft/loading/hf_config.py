@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from quickdraft.config import LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeScaling, every_nth_full
+from quickdraft.config import LAYER_TYPES, MAX_WIDTH, ROPE_TYPES, ModelConfig, RopeScaling, every_nth_full
 from quickdraft.errors import ModelLoadError
 
 # model_type in config.json -> our architecture name
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-               "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe",
+               "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
+               "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe",
                "gpt_oss": "gpt_oss"}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # transformers' older names for the same scalings
@@ -88,14 +89,17 @@ def _rope(cfg: dict[str, Any], arch: str, head_dim: int) -> dict[str, Any]:
     if local and _rope_scaling(local, cfg) is not None:
         raise ModelLoadError("rope scaling of sliding layers is not supported")
     factor = cfg.get("partial_rotary_factor", full.get("partial_rotary_factor", 1.0))
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+        raise ModelLoadError(f"partial_rotary_factor={factor!r:.40}; allowed: a number above 0 up to 1")
     rotary_dim = None
-    if factor != 1.0:
+    if factor != 1:
         if arch != "phi3":
             raise ModelLoadError(f"partial_rotary_factor={factor!r:.40} is supported for phi3 only (transformers "
                                  f"rotates whole heads of {arch})")
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor < 1:
-            raise ModelLoadError(f"partial_rotary_factor={factor!r:.40}; allowed: a number above 0 up to 1")
         rotary_dim = int(head_dim * factor)
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ModelLoadError(f"partial_rotary_factor={factor!r:.40} rotates {rotary_dim} of each head's "
+                                 f"{head_dim} dims; RoPE needs an even number of at least 2")
     return dict(rope_theta=cfg.get("rope_theta", full.get("rope_theta", 10000.0)),
                 rope_scaling=_rope_scaling(scaling, cfg),
                 local_rope_theta=cfg.get("rope_local_base_freq", local.get("rope_theta")), rotary_dim=rotary_dim)
@@ -199,6 +203,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
     arch = MODEL_TYPES[model_type]
     try:
         hidden, heads, num_layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or not 1 <= num_layers <= MAX_WIDTH:
+            raise ModelLoadError(f"num_hidden_layers={num_layers!r:.40}; allowed: an int in 1 to {MAX_WIDTH:,}")
         if cfg.get("mlp_bias"):
             raise ModelLoadError("mlp_bias=true is not supported")
         act = cfg.get("hidden_activation", cfg.get("hidden_act", "silu"))
@@ -233,6 +239,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
             kwargs.update(_gemma(cfg, hidden))
         elif arch == "granite":
             kwargs.update(_granite(cfg))
+        elif arch == "olmo2":  # norms after attention and the MLP only; all of q and of k normed at once
+            kwargs.update(sandwich_norms=True, pre_norms=False, qk_norm=True, qk_norm_per_head=False)
         kwargs.update(_experts(cfg, arch, num_layers))
         scaling = kwargs["rope_scaling"]
         if scaling is not None and scaling.type == "dynamic":  # the context it stretches to

@@ -10,7 +10,8 @@ from quickdraft.errors import ModelLoadError
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for a checkpoint of this config (lm_head only when untied; q/k norms with
-    ``qk_norm``, the norms before and after the MLP with ``sandwich_norms``)."""
+    ``qk_norm``, the norms before and after the MLP with ``sandwich_norms``, none before attention or the MLP without
+    ``pre_norms``)."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
@@ -53,6 +54,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                         p + "self_attn.k_norm.weight": (kv if whole else cfg.head_dim,)})
         if cfg.sandwich_norms:
             out.update({p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)})
+        if not cfg.pre_norms:  # OLMo 2: the norms after attention and after the MLP alone
+            del out[p + "input_layernorm.weight"], out[p + "pre_feedforward_layernorm.weight"]
     return out
 
 

@@ -58,19 +58,19 @@ class _MoeDesc(ctypes.Structure):  # qd_moe_desc
 
 class _LayerDesc(ctypes.Structure):  # qd_layer_desc
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P),
-                ("post_mlp_norm", _P), ("norm_bf16", ctypes.c_int), ("eps", ctypes.c_float),
-                ("attn_scale", ctypes.c_float), ("residual_scale", ctypes.c_float), ("hidden", ctypes.c_int),
-                ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("post_mlp_norm", _P), ("norm_bf16", ctypes.c_int), ("qk_norm_whole", ctypes.c_int),
+                ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("residual_scale", ctypes.c_float),
+                ("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
                 ("intermediate", ctypes.c_int), ("act", ctypes.c_int), ("window", ctypes.c_int),
-                ("rotary_half", ctypes.c_int),
-                ("qkv", _LinearDesc), ("o", _LinearDesc), ("gate_up", _LinearDesc), ("down", _LinearDesc),
+                ("rotary_half", ctypes.c_int), ("qkv", _LinearDesc), ("o", _LinearDesc), ("gate_up", _LinearDesc), ("down", _LinearDesc),
                 ("cos", _P), ("sin", _P), ("sinks", _P), ("moe", _MoeDesc)]
 
 
 def _norms(layer: nn.Module) -> dict[str, nn.Module | None]:
     """The layer's RMSNorms by their place in qd_layer_desc (None: the layer has none there). In Gemma's sandwich
     the norm before the MLP is pre_feedforward_layernorm, and post_attention_layernorm normalizes the attention's
-    output."""
+    output; OLMo 2's sandwich has no norm before attention or the MLP. q_norm and k_norm normalize each head, or all
+    of q and of k at once (``norm_whole``: OLMoE, OLMo 2)."""
     attn = layer.self_attn
     if layer.sandwich:
         return {"input_norm": layer.input_layernorm, "post_norm": layer.pre_feedforward_layernorm,
@@ -173,7 +173,8 @@ class FusedLayer:
             return None  # a dense MLP never has gpt-oss's activation
         sinks = None if attn.sinks is None else attn.sinks.detach().float().reshape(attn.num_heads).contiguous()
         desc = _LayerDesc(**{place: norm.weight.data_ptr() for place, norm in placed.items()},
-                          norm_bf16=int(norms[0].dtype == torch.bfloat16), eps=layer.input_layernorm.eps,
+                          norm_bf16=int(norms[0].dtype == torch.bfloat16), qk_norm_whole=int(attn.norm_whole),
+                          eps=next(iter(placed.values())).eps,
                           attn_scale=attn.scale, residual_scale=layer.residual_multiplier, hidden=hidden,
                           heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                           intermediate=down.in_features, act=act,

@@ -54,12 +54,15 @@ typedef struct {
  * a mixture of experts (gate_up.kind 0, moe.num_experts > 0: qd_route, then qd_moe), or attention alone (gate_up.kind
  * 0, moe.num_experts 0: a mixture's layer whose feed-forward the caller runs).
  * gate_up either applies SwiGLU itself (gate_up.swiglu, silu only) or returns [gate | up] for qd_gated. Optional
- * parts (NULL: none): q_norm and k_norm, RMSNorm of each q and k head (head_dim weights) before RoPE; post_attn_norm
- * and post_mlp_norm, RMSNorm of the attention's and the MLP's output before its residual add (Gemma's sandwich, in
- * which post_norm is the norm before the MLP). Every norm has the weights' dtype norm_bf16 and eps. */
+ * parts (NULL: none): q_norm and k_norm, RMSNorm of each q and k head (head_dim weights) before RoPE, or with
+ * qk_norm_whole of all of q and all of k at once (heads * head_dim and kv_heads * head_dim weights: OLMoE, OLMo 2);
+ * post_attn_norm and post_mlp_norm, RMSNorm of the attention's and the MLP's output before its residual add (Gemma's
+ * sandwich, in which post_norm is the norm before the MLP); input_norm and post_norm may be NULL where post_attn_norm
+ * and post_mlp_norm are set (OLMo 2: the blocks read the residual stream as it is). Every norm has the weights' dtype
+ * norm_bf16 and eps. */
 typedef struct {
     const void *input_norm, *post_norm, *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
-    int norm_bf16;
+    int norm_bf16, qk_norm_whole;
     float eps, attn_scale; /* attn_scale: the model's attention scale, as the module path passes it */
     float residual_scale;  /* each attention and MLP output times this before its residual add (Granite; else 1) */
     int hidden, heads, kv_heads, head_dim, intermediate, act;
@@ -179,13 +182,20 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     float *gu32 = (float *)next, *act32 = gu32 + (size_t)T * 2 * L->intermediate;
 
     /* attention block */
-    CHECK(qd_rmsnorm(x, bf16, L->input_norm, L->norm_bf16, T, L->hidden, L->eps, h));
-    CHECK(run_linear(&L->qkv, h, bf16, T, qkv));
-    CHECK(lora_site(lora, layer, QD_LORA_QKV, h, bf16, L->hidden, qkv, bf16, (long)qkv_width));
+    if ((!L->input_norm || !L->post_norm) && !(L->post_attn_norm && L->post_mlp_norm)) return -2;
+    const char *in = x; /* what the block reads: the normed stream, or (OLMo 2) the stream itself */
+    if (L->input_norm) {
+        CHECK(qd_rmsnorm(x, bf16, L->input_norm, L->norm_bf16, T, L->hidden, L->eps, h));
+        in = h;
+    }
+    CHECK(run_linear(&L->qkv, in, bf16, T, qkv));
+    CHECK(lora_site(lora, layer, QD_LORA_QKV, in, bf16, L->hidden, qkv, bf16, (long)qkv_width));
+    const int q_heads = L->qk_norm_whole ? 1 : L->heads, k_heads = L->qk_norm_whole ? 1 : L->kv_heads;
     if (L->q_norm)
-        CHECK(qd_head_norm(qkv, bf16, L->q_norm, L->norm_bf16, T, L->heads, L->head_dim, (long)qkv_width, L->eps));
+        CHECK(qd_head_norm(qkv, bf16, L->q_norm, L->norm_bf16, T, q_heads, (int)(q_width / q_heads), (long)qkv_width,
+                           L->eps));
     if (L->k_norm)
-        CHECK(qd_head_norm(qkv + q_width * es, bf16, L->k_norm, L->norm_bf16, T, L->kv_heads, L->head_dim,
+        CHECK(qd_head_norm(qkv + q_width * es, bf16, L->k_norm, L->norm_bf16, T, k_heads, (int)(kv_width / k_heads),
                            (long)qkv_width, L->eps));
     CHECK(qd_rope(qkv, bf16, T, L->heads, L->head_dim, L->rotary_half, (long)qkv_width, positions, L->cos, L->sin));
     CHECK(qd_rope(qkv + q_width * es, bf16, T, L->kv_heads, L->head_dim, L->rotary_half, (long)qkv_width, positions,
@@ -213,6 +223,7 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
             routes.cap = pairs;
         }
         float *weights = (float *)(routes.experts + pairs);
+        if (!L->post_norm) return -2; /* (no mixture family leaves out the norm before its experts) */
         CHECK(qd_rmsnorm(x, bf16, L->post_norm, L->norm_bf16, T, L->hidden, L->eps, h));
         CHECK(qd_route(h, bf16, T, L->hidden, m->router, m->router_bias, m->num_experts, m->k, m->normalize,
                        routes.experts, weights));
@@ -223,19 +234,23 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     }
 
     /* MLP block */
-    CHECK(qd_rmsnorm(x, bf16, L->post_norm, L->norm_bf16, T, L->hidden, L->eps, h));
+    in = x;
+    if (L->post_norm) {
+        CHECK(qd_rmsnorm(x, bf16, L->post_norm, L->norm_bf16, T, L->hidden, L->eps, h));
+        in = h;
+    }
     if (lora_gate_up) { /* QuantGroup.unactivated, the terms, then qd_gated in float32 rounded once */
         const qd_linear_desc *g = &L->gate_up;
-        CHECK(qd_linear(h, bf16, T, g->in_features, g->padded_in, g->nparts, g->weights, g->scales_zeros, g->formats,
+        CHECK(qd_linear(in, bf16, T, g->in_features, g->padded_in, g->nparts, g->weights, g->scales_zeros, g->formats,
                         g->part_rows, g->biases, 0, gu32, 0));
-        CHECK(lora_site(lora, layer, QD_LORA_GATE_UP, h, bf16, L->hidden, gu32, 0, 2 * (long)L->intermediate));
+        CHECK(lora_site(lora, layer, QD_LORA_GATE_UP, in, bf16, L->hidden, gu32, 0, 2 * (long)L->intermediate));
         CHECK(qd_gated(gu32, 0, T, L->intermediate, L->act, 0.f, 0.f, act32));
         for (size_t i = 0; i < n_act; i++) st(act, bf16, i, act32[i]);
     } else if (L->gate_up.swiglu) {
-        CHECK(run_linear(&L->gate_up, h, bf16, T, act));
+        CHECK(run_linear(&L->gate_up, in, bf16, T, act));
     } else {
-        CHECK(run_linear(&L->gate_up, h, bf16, T, gu));
-        CHECK(lora_site(lora, layer, QD_LORA_GATE_UP, h, bf16, L->hidden, gu, bf16, 2 * (long)L->intermediate));
+        CHECK(run_linear(&L->gate_up, in, bf16, T, gu));
+        CHECK(lora_site(lora, layer, QD_LORA_GATE_UP, in, bf16, L->hidden, gu, bf16, 2 * (long)L->intermediate));
         CHECK(qd_gated(gu, bf16, T, L->intermediate, L->act, 0.f, 0.f, act));
     }
     CHECK(run_linear(&L->down, act, bf16, T, tmp));

@@ -33,23 +33,31 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
-def add_norm(x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, norm(s))`` for ``s = x + pending`` (``x`` where nothing is pending), the add and the norm in one kernel."""
-    if pending is None:
-        return x, norm(x)
+def normed(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``, or x itself where a layer has no norm there (OLMo 2 has none before attention or the MLP)."""
+    return x if norm is None else norm(x)
+
+
+def add_norm(x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, norm(s))`` for ``s = x + pending`` (``x`` where nothing is pending), the add and the norm in one kernel;
+    ``(s, s)`` where ``norm`` is None."""
+    if pending is None or norm is None:
+        x = x if pending is None else x + pending
+        return x, normed(norm, x)
     if not triton_ops.runs_rms_norm(x, norm.weight):
         x = x + pending
         return x, norm(x)
     return triton_ops.add_rms_norm(x, pending, norm.weight, norm.eps)
 
 
-def add_norm_project(x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm, projection: nn.Module
+def add_norm_project(x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm | None, projection: nn.Module
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, projection(norm(s)))`` for ``s = x + pending``: the add and the norm inside the projection's kernel
     where it takes them for these rows (``fuses_norm``: Triton's linear kernel; two launches a layer fewer), else
     ``add_norm`` then the projection."""
     fuses = getattr(projection, "fuses_norm", None)  # (torch's nn.Linear, cuBLAS's, has no such method)
-    if pending is None or not IN_PROJECTIONS or fuses is None or not fuses(x):
+    if pending is None or norm is None or not IN_PROJECTIONS or fuses is None or not fuses(x):
         x, h = add_norm(x, pending, norm)
         return x, projection(h)
     return projection.forward_normed(x, AddNorm(pending, norm.weight, norm.eps))

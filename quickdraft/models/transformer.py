@@ -18,7 +18,7 @@ from quickdraft.models import native, triton_ops
 from quickdraft.models.feed_forward import MLP, SparseMoE
 from quickdraft.models.fused import FusedLayer, FusedStack, SingleTokens
 from quickdraft.models.lora import LoraRows, LoraWeights
-from quickdraft.models.norms import RMSNorm, add_norm, add_norm_project
+from quickdraft.models.norms import RMSNorm, add_norm, add_norm_project, normed
 from quickdraft.models.rope import RotaryEmbedding
 
 
@@ -125,19 +125,19 @@ class SelfAttention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # OLMo 2 has no norm before attention or the MLP (None), only the sandwich's after them
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.pre_norms else None
         self.self_attn = SelfAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sparse = cfg.is_moe_layer(layer)
-        # what the fused C layer does not do: OLMoE's whole-q/k norms and clamps; a mixture of experts' layer is fused
-        # with its router and experts where they run in C, else up to its attention (its feed-forward runs after)
-        attn = self.self_attn
-        self.fusable = not (attn.norm_whole or attn.clip is not None)
+        # what the fused C layer does not do: OLMoE's clamps; a mixture of experts' layer is fused with its router and
+        # experts where they run in C, else up to its attention (its feed-forward runs after)
+        self.fusable = self.self_attn.clip is None
         self.mlp = SparseMoE(cfg) if self.sparse else MLP(cfg)
         # Gemma: post_attention_layernorm normalizes the attention output, and the MLP has a norm on each side
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.pre_norms else None
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each sublayer's output scaled before its add
         # which RoPE it rotates with: the sliding layers' own base (Gemma 3), none at all (SmolLM3's NoPE layers), or
@@ -162,7 +162,7 @@ class DecoderLayer(nn.Module):
         mods = self._modules
         attn, mlp = mods["self_attn"]._modules, mods["mlp"]._modules
         norms = tuple(m._parameters["weight"].data_ptr() for m in (
-            mods["input_layernorm"], mods["post_attention_layernorm"], mods.get("pre_feedforward_layernorm"),
+            mods.get("input_layernorm"), mods["post_attention_layernorm"], mods.get("pre_feedforward_layernorm"),
             mods.get("post_feedforward_layernorm"), attn.get("q_norm"), attn.get("k_norm")) if m is not None)
         sinks = mods["self_attn"]._parameters.get("sinks")
         key = (attn.get("qkv_proj"), attn["o_proj"], mlp.get("gate_up_proj"), mlp.get("down_proj"), norms,
@@ -185,8 +185,10 @@ class DecoderLayer(nn.Module):
         if attn.lora is not None:
             return self.forward_lora(x, rope, attn, attn.lora)
         if self.sandwich:
-            x = x + self.residual(self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, attn)))
-            return x + self.residual(self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
+            out = self.self_attn(normed(self.input_layernorm, x), rope, attn)
+            x = x + self.residual(self.post_attention_layernorm(out))
+            out = self.mlp(normed(self.pre_feedforward_layernorm, x))
+            return x + self.residual(self.post_feedforward_layernorm(out))
         x = x + self.residual(self.self_attn(self.input_layernorm(x), rope, attn))
         return x + self.residual(self.mlp(self.post_attention_layernorm(x)))
 
@@ -198,10 +200,10 @@ class DecoderLayer(nn.Module):
     def forward_lora(self, x: torch.Tensor, rope: RotaryEmbedding, attn: Attention, lora: LoraRows) -> torch.Tensor:
         """``forward`` on the module path with the adapters' terms (a mixture's experts take none)."""
         layer = self.self_attn.layer
-        out = self.self_attn.forward_lora(self.input_layernorm(x), rope, attn, lora)
+        out = self.self_attn.forward_lora(normed(self.input_layernorm, x), rope, attn, lora)
         if self.sandwich:
             x = x + self.residual(self.post_attention_layernorm(out))
-            h = self.pre_feedforward_layernorm(x)
+            h = normed(self.pre_feedforward_layernorm, x)
             y = self.mlp(h) if self.sparse else self.mlp.forward_lora(h, lora, layer)
             return x + self.residual(self.post_feedforward_layernorm(y))
         x = x + self.residual(out)
