@@ -1,4 +1,4 @@
-"""One decoder-only transformer for the Llama, Mistral, Qwen2/3, Gemma 3, Phi-3/4, SmolLM3 and Granite families.
+"""One decoder-only transformer for the Llama, Mistral, Qwen2/3, Gemma 3, Phi-3/4, SmolLM3, Granite and OLMo 2 families.
 
 A family is data (``ModelConfig``): which norms a layer has, the MLP's activation, the attention scale and window,
 the RoPE tables. Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``) so an HF state
