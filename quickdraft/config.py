@@ -205,6 +205,8 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
         if not self.pre_norms and not self.sandwich_norms:
             raise ValueError("pre_norms=False needs sandwich_norms: a layer needs a norm before or after each block")
+        if self.sandwich_norms and self.num_experts:
+            raise ValueError("sandwich_norms with a mixture of experts is not supported (no such family)")
         self._check_layers()
         self._check_scales()
         self._check_experts()

@@ -34,6 +34,9 @@ FAMILIES = {
         num_hidden_layers=2, rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
                                                   low_freq_factor=1.0, high_freq_factor=4.0,
                                                   original_max_position_embeddings=32), **SMALL)),
+    # biases on q/k/v and o (transformers' attention_bias; Qwen2's o has none)
+    "llama-attention-bias": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        num_hidden_layers=2, attention_bias=True, **SMALL)),
     "llama-linear-rope": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
         num_hidden_layers=2, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0), **SMALL)),
     "llama-dynamic-rope": (transformers.LlamaForCausalLM, transformers.LlamaConfig(

@@ -229,7 +229,7 @@ def rope_freqs(*values: float, dtype: type = np.float32) -> dict[str, np.ndarray
 # RoPE: a head of 4 has 2 frequencies, so Llama 3's rope_freqs holds 2 positive divisors
 METADATA_CASES.update({
     "rope_freqs too short": (dict(extra_tensors=rope_freqs(1.0)), r"tensor rope_freqs.weight has shape \(1,\); RoPE "
-                                                                  r"over a head of 4 needs \(2,\), one factor per"),
+                                                                  r"over 4 dims of a head needs \(2,\), one factor per"),
     "rope_freqs too long": (dict(extra_tensors=rope_freqs(*[1.0] * 1000)), r"rope_freqs.weight has shape \(1000,\)"),
     "rope_freqs 2-D": (dict(extra_tensors={"rope_freqs.weight": np.ones((2, 2), np.float32)}),
                        r"rope_freqs.weight has shape \(2, 2\)"),

@@ -386,6 +386,14 @@ def test_fused_attention_of_a_mixtures_layer_equals_the_module_path(moe_dir, tmp
         assert torch.equal(a, b)
 
 
+def test_olmoe_with_its_clamp_keeps_the_module_path(moe_dir):
+    """The fused C layer has no clamp: OLMoE's layers with ``clip_qkv`` are not fused (without it they are, above)."""
+    llm = LLM(str(moe_dir("olmoe")[0]), weights="int8", kv_cache_memory="16MiB")
+    model = llm.model
+    assert model.config.clip_qkv == 2.5
+    assert all(layer.fused(model.rope_of(layer)) is None for layer in model.model.layers)
+
+
 def test_a_replaced_router_rebuilds_the_fused_layer(moe_dir, monkeypatch):
     """A router weight replaced after loading (a new Parameter, other values): the fused layer is rebuilt on it, and
     the step still gives the module path's bits."""

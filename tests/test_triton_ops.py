@@ -278,12 +278,13 @@ def test_the_static_step_with_partial_and_no_rope(family_dir, name, rotating_lay
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every model runs these kernels (tests/test_cuda.py)")
 @pytest.mark.parametrize("kind,name", [("dense", n) for n in ("qwen3", "gemma3", "mistral", "phi4-mini-partial",
-                                                               "smollm3")] +
+                                                               "smollm3", "granite", "olmo2")] +
                          [("moe", n) for n in ("qwen3_moe", "mixtral", "olmoe")])
 def test_every_layer_kind_on_the_kernels_gives_torchs_logits(family_dir, moe_dir, kind, name, monkeypatch):
     """Per-head q/k norms (Qwen3), sandwich norms, GeGLU and an embedding multiplier (Gemma 3), a window (Mistral),
-    RoPE over part of each head (Phi-4-mini) or none in some layers (SmolLM3), mixtures with a dense layer among them, whole q/k norms and clamps (OLMoE): a prompt's logits on the kernels are
-    torch's (float32, within 1e-5)."""
+    RoPE over part of each head (Phi-4-mini) or none in some layers (SmolLM3), Granite's multipliers, OLMo 2's layers
+    with no norm before their blocks (the residual adds left pending, as on a GPU), mixtures with a dense layer among them, whole q/k norms and clamps (OLMoE): a prompt's logits on the kernels are
+    torch's (float32, within 1e-6 of the largest logit)."""
     path, _ = (family_dir if kind == "dense" else moe_dir)(name)
     cpu_kernels_off(monkeypatch)
     pending = []
@@ -294,4 +295,5 @@ def test_every_layer_kind_on_the_kernels_gives_torchs_logits(family_dir, moe_dir
     on_kernels = our_logits(llm, ids)
     assert pending
     monkeypatch.setattr(triton_ops, "KERNEL_ON_CPU", False)
-    assert (on_kernels - our_logits(llm, ids)).abs().max().item() < 1e-5
+    # within 1e-6 of the largest logit (1e-5 at the ~10 of most families; Granite's test model's reach ~90)
+    assert (on_kernels - our_logits(llm, ids)).abs().max().item() < 1e-6 * on_kernels.abs().max().item()

@@ -99,6 +99,8 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpo
         raise ModelLoadError(f"{path}: checkpoint is missing tensor model.embed_tokens.weight")
     kwargs["vocab_size"] = int(embed.shape[0])
     kwargs["attention_bias"] = kwargs["attention_bias"] or "model.layers.0.self_attn.q_proj.bias" in tensors
+    # transformers' Llama, Qwen3, Gemma 3, Granite, OLMo 2... give o_proj a bias with attention_bias too (Qwen2 not)
+    kwargs["attention_out_bias"] = kwargs.get("attention_out_bias") or "model.layers.0.self_attn.o_proj.bias" in tensors
     try:
         cfg = ModelConfig(**kwargs)
     except ValueError as exc:

@@ -126,8 +126,8 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple
     the values)."""
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
-    if arch in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and not cfg.get("use_sliding_window"):
-        window = None  # Qwen and SmolLM3 configs carry a window that only use_sliding_window switches on
+    if arch in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and not cfg.get("use_sliding_window") or arch == "olmo2":
+        window = None  # Qwen and SmolLM3 configs carry a window that only use_sliding_window switches on; OLMo 2's none
     if window is None:
         return (), None
     if types is not None:

@@ -60,7 +60,7 @@ class MLP(nn.Module):
         hidden = self.activate(lora.add(gate_up, x, layer, "gate_up")).to(x.dtype)
         return lora.add(self.down_proj(hidden), hidden, layer, "down")
 
-    def forward_added(self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm
+    def forward_added(self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(s, self(norm(s)))`` for ``s = x + pending``: the add and the norm in the gate/up projection's kernel
         where it takes them (``add_norm_project``)."""
@@ -171,7 +171,7 @@ class SparseMoE(nn.Module):
         bias = self.gate.bias
         return self.fused(), self.gate.weight.data_ptr(), None if bias is None else bias.data_ptr()
 
-    def forward_added(self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm
+    def forward_added(self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(s, self(norm(s)))`` for ``s = x + pending`` (the router reads the normed input: nothing to fuse)."""
         x, h = add_norm(x, pending, norm)

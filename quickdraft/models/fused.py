@@ -60,10 +60,11 @@ class _LayerDesc(ctypes.Structure):  # qd_layer_desc
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P),
                 ("post_mlp_norm", _P), ("norm_bf16", ctypes.c_int), ("qk_norm_whole", ctypes.c_int),
                 ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("residual_scale", ctypes.c_float),
-                ("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("intermediate", ctypes.c_int), ("act", ctypes.c_int), ("window", ctypes.c_int),
-                ("rotary_half", ctypes.c_int), ("qkv", _LinearDesc), ("o", _LinearDesc), ("gate_up", _LinearDesc), ("down", _LinearDesc),
-                ("cos", _P), ("sin", _P), ("sinks", _P), ("moe", _MoeDesc)]
+                ("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+                ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int), ("act", ctypes.c_int),
+                ("window", ctypes.c_int), ("rotary_half", ctypes.c_int), ("qkv", _LinearDesc), ("o", _LinearDesc),
+                ("gate_up", _LinearDesc), ("down", _LinearDesc), ("cos", _P), ("sin", _P), ("sinks", _P),
+                ("moe", _MoeDesc)]
 
 
 def _norms(layer: nn.Module) -> dict[str, nn.Module | None]:

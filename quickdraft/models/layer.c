@@ -183,6 +183,7 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
 
     /* attention block */
     if ((!L->input_norm || !L->post_norm) && !(L->post_attn_norm && L->post_mlp_norm)) return -2;
+    if (L->moe.num_experts && !L->post_norm) return -2; /* (no mixture family leaves out the norm before its experts) */
     const char *in = x; /* what the block reads: the normed stream, or (OLMo 2) the stream itself */
     if (L->input_norm) {
         CHECK(qd_rmsnorm(x, bf16, L->input_norm, L->norm_bf16, T, L->hidden, L->eps, h));
@@ -223,7 +224,6 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
             routes.cap = pairs;
         }
         float *weights = (float *)(routes.experts + pairs);
-        if (!L->post_norm) return -2; /* (no mixture family leaves out the norm before its experts) */
         CHECK(qd_rmsnorm(x, bf16, L->post_norm, L->norm_bf16, T, L->hidden, L->eps, h));
         CHECK(qd_route(h, bf16, T, L->hidden, m->router, m->router_bias, m->num_experts, m->k, m->normalize,
                        routes.experts, weights));

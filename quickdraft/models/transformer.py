@@ -81,7 +81,7 @@ class SelfAttention(nn.Module):
         heads = self.attend_qkv(lora.add(qkv, x, self.layer, "qkv"), rope, attn)
         return lora.add(self.o_proj(heads), heads, self.layer, "o")
 
-    def forward_added(self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm, rope: RotaryEmbedding,
+    def forward_added(self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm | None, rope: RotaryEmbedding,
                       attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
         """``(s, self(norm(s), ...))`` for ``s = x + pending``: the add and the norm in the q/k/v projection's
         kernel where it takes them (``add_norm_project``)."""
