@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import gguf_step_bytes, humaneval_prompts, machine, memory_bandwidth_gbs, save, table  # noqa: E402
 from cpu_vs_llamacpp import llamacpp_runner, prompt_ids, quickdraft_runner  # noqa: E402
-from gguf_files import add_metadata, add_shape_keys, folder, quantize  # noqa: E402
+from gguf_files import add_metadata, add_shape_keys, folder, pool_slice, quantize, write_streamed  # noqa: E402
 
 from quickdraft.loading import resolve_model  # noqa: E402
 from quickdraft.loading.gguf_metadata import read_header  # noqa: E402
@@ -116,21 +116,9 @@ def build_f16(path: Path, name: str) -> Path:
             return np.ones(shape, dtype=np.float32)
         if kind in ("long", "short"):
             return (1.0 + (np.arange(shape[0], dtype=np.float32) * (0.5 if kind == "long" else 0.02)))
-        n = int(np.prod(shape))
-        start = (index * 7919) % (len(pool) - min(n, len(pool) - 1))
-        return np.resize(pool[start:], n).reshape(shape)
+        return pool_slice(pool, shape, index)
 
-    for tensor, shape, kind in tensors:
-        dtype = np.float16 if kind == "w" else np.float32
-        w.add_tensor_info(tensor, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for index, (tensor, shape, kind) in enumerate(tensors):
-        w.write_tensor_data(data(shape, kind, index))
-    w.close()
-    path.with_suffix(".tmp").replace(path)
-    return path
+    return write_streamed(w, path, tensors, data)
 
 
 def model_file(name: str) -> Path:

@@ -131,6 +131,31 @@ def add_metadata(writer, items: dict) -> None:
             writer.add_uint32(key, int(value))
 
 
+def pool_slice(pool: np.ndarray, shape: tuple[int, ...], index: int) -> np.ndarray:
+    """A weight of ``shape`` cut from a random ``pool`` at a place of tensor ``index``'s own (a random-weight model's
+    values do not matter for its speed; drawing each tensor afresh would take minutes)."""
+    n = int(np.prod(shape))
+    start = (index * 7919) % (len(pool) - min(n, len(pool) - 1))
+    return np.resize(pool[start:], n).reshape(shape)
+
+
+def write_streamed(writer, path: Path, tensors: list[tuple[str, tuple[int, ...], str]], data) -> Path:
+    """``tensors`` (name, shape, kind) written by ``writer`` (a GGUFWriter of ``path`` + ``.tmp``) a tensor at a
+    time, never the whole model in memory: kind "w" as float16, the others float32, each made by
+    ``data(shape, kind, index)`` as it is written; then the file takes its name."""
+    for name, shape, kind in tensors:
+        dtype = np.dtype(np.float16 if kind == "w" else np.float32)
+        writer.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for index, (_, shape, kind) in enumerate(tensors):
+        writer.write_tensor_data(data(shape, kind, index))
+    writer.close()
+    path.with_suffix(".tmp").replace(path)
+    return path
+
+
 def bonsai_f16(path: Path) -> Path:
     """A random-weight F16 GGUF of the Bonsai 1.7B shape, with the tokenizer of the packaged Qwen2.5 model."""
     if path.is_file():
