@@ -417,3 +417,39 @@ def test_a_draft_sharing_no_tokens_is_refused_naming_both(family_dir, tiny_dir):
     with pytest.raises(ModelLoadError, match=r"the draft model m\d+ and the target qwen3 share 0 tokens \(of 64 and "
                                              r"96\); a draft of another vocabulary needs at least 32 shared tokens"):
         LLM(str(family_dir("qwen3")[0]), draft=str(tiny_dir(vocab_size=64)), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_an_adapter_on_olmo2_reads_the_stream_as_its_layers_do(family_dir, tmp_path, monkeypatch):
+    """OLMo 2's blocks read the residual stream itself (no norm before them), and an adapter's terms must too: every
+    prompt position's logprob is PEFT's, and int8 fused layers with the adapter give the module path's bits."""
+    from quickdraft.kv import ForwardItem
+    from quickdraft.models.transformer import DecoderLayer, Transformer
+    from test_lora import make_adapter, peft_logprobs
+
+    path = family_dir("olmo2")[0]
+    adapter = make_adapter(path, tmp_path / "adapter", seed=3)
+    ids = prompt(40)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", lora_adapters={"a": str(adapter)})
+    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, lora="a"))[0]
+    want = peft_logprobs(path, adapter, ids)
+    assert max(abs(out.prompt_logprobs[p]["logprob"] - want[p - 1, ids[p]].item()) for p in range(1, len(ids))) < 2e-4
+    runner = LLM(str(path), weights="int8", kv_cache_memory="16MiB", lora_adapters={"a": str(adapter)}).target
+    fused_calls: list[int] = []
+    real = DecoderLayer.fused
+    monkeypatch.setattr(DecoderLayer, "fused", lambda self, rope: fused_calls.append(1) or real(self, rope))
+
+    def step() -> list[torch.Tensor]:  # a verify pass under the adapter beside a base decode token
+        kvs = [runner.new_kv("a"), runner.new_kv(None)]
+        for kv in kvs:
+            runner.forward([ForwardItem(kv, prompt(20), 1)])
+        rows = runner.forward([ForwardItem(kvs[0], prompt(5, seed=3), 5), ForwardItem(kvs[1], [7], 1)])
+        out = [*rows, *(runner.gather(kv)[part] for kv in kvs for part in ("k", "v"))]
+        for kv in kvs:
+            runner.free(kv)
+        return out
+
+    fused = step()
+    assert fused_calls
+    monkeypatch.setattr(DecoderLayer, "fused", lambda self, rope: None)
+    monkeypatch.setattr(Transformer, "fused_stack", lambda self, n: None)
+    assert all(torch.equal(a, b) for a, b in zip(fused, step()))
