@@ -12,9 +12,9 @@ included): quickdraft (default weights: each tensor at the file's own type, the 
 (llama-cpp-python, built natively), both loaded, each prompt run by both back to back in an order that turns with
 every prompt (this shared host's bandwidth drifts); tokens/s, decode tokens/s (after the first token), the bytes a
 token reads (quickdraft's ``step_weight_bytes``; llama.cpp: the file's, ``gguf_step_bytes``), each engine's decode
-share of the read-bandwidth limit (bandwidth measured in the same run). Greedy tokens are not compared: the weights repeat
-slices of one pool, so many logits tie exactly, and the engines' int8 activations break ties their own ways; the
-layout is checked against llama.cpp's float32 logits by tests/test_families_converted.py.
+share of the read-bandwidth limit (bandwidth measured in the same run). Greedy tokens are not compared: the weights
+repeat slices of one pool, so many logits tie exactly, and the engines' int8 activations break ties their own ways;
+the layout is checked against llama.cpp's float32 logits by tests/test_families_converted.py.
 
 Usage: python bench/families_cpu.py [--families smollm3,phi4-mini,granite,olmo2] [--tokens 64] [--prompts 3]
        [--name families_cpu]
@@ -29,7 +29,6 @@ import math
 import resource
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +36,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import gguf_step_bytes, humaneval_prompts, machine, memory_bandwidth_gbs, save, table  # noqa: E402
 from cpu_vs_llamacpp import llamacpp_runner, prompt_ids, quickdraft_runner  # noqa: E402
-from gguf_files import add_metadata, add_shape_keys, folder, pool_slice, quantize, write_streamed  # noqa: E402
+from gguf_files import (add_metadata, add_shape_keys, folder, pool_slice, quantized_from_f16,  # noqa: E402
+                        write_streamed)
 
 from quickdraft.loading import resolve_model  # noqa: E402
 from quickdraft.loading.gguf_metadata import read_header  # noqa: E402
@@ -122,15 +122,7 @@ def build_f16(path: Path, name: str) -> Path:
 
 
 def model_file(name: str) -> Path:
-    out = folder() / f"{name}-shape-Q4_K_M.gguf"
-    if not out.is_file():
-        source = folder() / f"{name}-shape-F16.gguf"
-        t0 = time.perf_counter()
-        build_f16(source, name)
-        print(f"{name} F16 source: {source.stat().st_size / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
-        quantize(source, out, "Q4_K_M")
-        source.unlink()
-    return out
+    return quantized_from_f16(folder() / f"{name}-shape-Q4_K_M.gguf", lambda source: build_f16(source, name))
 
 
 def run_family(name: str, args: argparse.Namespace, bandwidth: float) -> list[dict]:

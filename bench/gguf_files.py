@@ -156,6 +156,20 @@ def write_streamed(writer, path: Path, tensors: list[tuple[str, tuple[int, ...],
     return path
 
 
+def quantized_from_f16(out: Path, build, ftype: str = "Q4_K_M") -> Path:
+    """``out`` (kept where it exists): an F16 source written by ``build(path)`` beside it, quantized to ``ftype`` by
+    llama.cpp's quantizer, the source then deleted (a real-shaped source is several GB)."""
+    if out.is_file():
+        return out
+    source = out.with_name(out.name.replace(ftype, "F16"))
+    t0 = time.perf_counter()
+    build(source)
+    print(f"{source.name}: {source.stat().st_size / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+    quantize(source, out, ftype)
+    source.unlink()
+    return out
+
+
 def bonsai_f16(path: Path) -> Path:
     """A random-weight F16 GGUF of the Bonsai 1.7B shape, with the tokenizer of the packaged Qwen2.5 model."""
     if path.is_file():

@@ -32,7 +32,6 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +39,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import humaneval_prompts, machine, memory_bandwidth_gbs, save, table  # noqa: E402
 from cpu_vs_llamacpp import llamacpp_runner, prompt_ids, quickdraft_runner  # noqa: E402
-from gguf_files import (add_metadata, add_qwen_tokenizer, add_shape_keys, folder, pool_slice, quantize,  # noqa: E402
-                        write_streamed)
+from gguf_files import (add_metadata, add_qwen_tokenizer, add_shape_keys, folder, pool_slice,  # noqa: E402
+                        quantized_from_f16, write_streamed)
 
 from quickdraft import LLM  # noqa: E402
 from quickdraft.loading import resolve_model  # noqa: E402
@@ -158,15 +157,8 @@ def model_file(family: str, layers: int) -> Path:
     if family == "gpt-oss":
         out = folder() / f"gpt-oss-20b-shape-{layers}l-MXFP4.gguf"
         return out if out.is_file() else build_gpt_oss(out, layers)
-    out = folder() / f"qwen3moe-30b-a3b-shape-{layers}l-Q4_K_M.gguf"
-    if not out.is_file():
-        source = folder() / f"qwen3moe-30b-a3b-shape-{layers}l-F16.gguf"
-        t0 = time.perf_counter()
-        build_f16(source, layers)
-        print(f"F16 source: {source.stat().st_size / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
-        quantize(source, out, "Q4_K_M")
-        source.unlink()
-    return out
+    return quantized_from_f16(folder() / f"qwen3moe-30b-a3b-shape-{layers}l-Q4_K_M.gguf",
+                              lambda source: build_f16(source, layers))
 
 
 def verify_cost(path: Path, repeats: int = 15) -> dict:
