@@ -229,7 +229,8 @@ class ModelConfig:
                 raise ValueError(f"{name}={value}; allowed: above {THETA_RANGE[0]:g} up to {THETA_RANGE[1]:g}")
         for name in ("embedding_multiplier", "query_pre_attn_scalar", "residual_multiplier", "logits_scaling"):
             value = getattr(self, name)
-            if (value is not None or name != "query_pre_attn_scalar") and not _is_number(value, *SCALAR_RANGE):
+            optional = name == "query_pre_attn_scalar"  # None: head_dim; the multipliers always have a value
+            if not (optional and value is None) and not _is_number(value, *SCALAR_RANGE):
                 raise ValueError(f"{name}={value!r}; allowed: {SCALAR_RANGE[0]:g} to {SCALAR_RANGE[1]:g}")
         low, high = ATTENTION_MULTIPLIER_RANGE
         if self.attention_multiplier is not None and not _is_number(self.attention_multiplier, low, high):

@@ -35,13 +35,14 @@ LAYERS = {"smollm3": LLAMA_LAYER, "phi4-mini-partial": PHI3_LAYER, "granite": LL
 
 
 def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, rotary: int | None = None,
-               original: int | None = None, rotates: bool = True, scales: dict[str, float] | None = None) -> Path:
+               original: int | None = None, scales: dict[str, float] | None = None, extra=None) -> Path:
     """``hf_path``'s checkpoint as llama.cpp's converter writes it: SmolLM3 and Granite as Llama (q/k rows permuted;
-    no key for SmolLM3's NoPE layers, Granite's multipliers as ``*_scale`` keys), Phi-4-mini as phi3 (fused q/k/v and gate/up, ``rope.dimension_count`` its rotated dims or
-    ``rotary``, the longrope factors, their original context or ``original``, and the attention factor the converter
-    computes, a tied head), OLMo 2 as its converter writes it (rows as they are, norms after the blocks alone); 2-D
-    weights in ``qtype`` (default float32). ``rotates`` False: Granite's ``rope.scaling.finetuned`` key saying no
-    layer rotates; ``scales``: float keys written over the converter's (a damaged file's)."""
+    no key for SmolLM3's NoPE layers, Granite's multipliers as ``*_scale`` keys), Phi-4-mini as phi3 (fused q/k/v and
+    gate/up, ``rope.dimension_count`` its rotated dims or ``rotary``, the longrope factors, their original context or
+    ``original``, and the attention factor the converter computes, a tied head), OLMo 2 as its converter writes it
+    (rows as they are, norms after the blocks alone); 2-D weights in ``qtype`` (default float32). ``scales``: Granite's
+    float keys written over the converter's; ``extra(writer)``: keys the converter does not write (a damaged file's,
+    or another release's)."""
     import gguf.quants
     from gguf import GGUFWriter
 
@@ -67,8 +68,8 @@ def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, rotary: int | N
                  "granite.residual_scale": cfg["residual_multiplier"], "granite.logit_scale": cfg["logits_scaling"]}
         for key, value in {**given, **(scales or {})}.items():
             w.add_float32(key, value)
-        if not rotates:
-            w.add_bool("granite.rope.scaling.finetuned", False)
+    if extra is not None:
+        extra(w)
 
     def add(gguf_name: str, t: torch.Tensor) -> None:
         t = t.float().contiguous().numpy()
@@ -164,44 +165,21 @@ def test_damaged_granite_keys_are_refused_by_name(family_dir, tmp_path, scales, 
 
 def test_an_olmo3_window_is_refused(family_dir, tmp_path):
     """OLMo 3 files are olmo2 files with a sliding window on 3 of every 4 layers: refused, not run without it."""
-    from gguf import GGUFReader
-
-    source = write_gguf(tmp_path / "m.gguf", family_dir("olmo2")[0], "olmo2")
-    path = _rewritten(GGUFReader(str(source)), tmp_path / "olmo3.gguf", "olmo2", lambda w: w.add_sliding_window(4096))
+    path = write_gguf(tmp_path / "olmo3.gguf", family_dir("olmo2")[0], "olmo2",
+                      extra=lambda w: w.add_sliding_window(4096))
     with pytest.raises(ModelLoadError, match=r"'olmo2.attention.sliding_window' is int 4096: OLMo 3's sliding layers "
                                              r"are not supported yet"):
         LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
 
 
-def _rewritten(reader, path: Path, arch: str, add) -> Path:
-    """The file ``reader`` reads written again at ``path`` with ``add(writer)``'s keys after its own."""
-    from gguf import GGUFWriter
-
-    w = GGUFWriter(str(path), arch)
-    for field in reader.fields.values():
-        if field.name.startswith((f"{arch}.", "tokenizer.")) and field.types:
-            w.add_key_value(field.name, field.contents(), field.types[0],
-                            sub_type=field.types[-1] if len(field.types) > 1 else None)
-    add(w)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_part_of_a_head_outside_phi3_is_refused(family_dir, tmp_path):
     """llama.cpp rotates Llama-layout files' pairs over the permuted rows: RoPE over part of their heads is not the
     NeoX rotation of the first dims, so it is refused rather than run as something else."""
-    from gguf import GGUFReader
-
-    source = write_gguf(tmp_path / "m.gguf", family_dir("smollm3")[0], "smollm3")
-    _rewritten(GGUFReader(str(source)), tmp_path / "partial.gguf", "smollm3", lambda w: w.add_rope_dimension_count(8))
+    path = write_gguf(tmp_path / "partial.gguf", family_dir("smollm3")[0], "smollm3",
+                      extra=lambda w: w.add_rope_dimension_count(8))
     with pytest.raises(ModelLoadError, match=r"'smollm3.rope.dimension_count' is 8 but the head dimension is 16; RoPE "
                                              r"over part of a head is supported for phi3 only"):
-        LLM(str(tmp_path / "partial.gguf"), dtype="float32", kv_cache_memory="16MiB")
+        LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
 
 
 @pytest.mark.parametrize("name,rotates", [(name, True) for name in ARCH] + [("granite", False)])
@@ -216,7 +194,8 @@ def test_llama_cpp_reads_the_gguf_as_we_do(family_dir, tmp_path, name, rotates):
 
     # llama.cpp picks longrope's short or long factors for every position by its context (at least 256), we by each
     # position: the file's original context at 256 makes both take the short ones below it
-    path = write_gguf(tmp_path / "m.gguf", family_dir(name)[0], name, original=256, rotates=rotates)
+    no_rope = None if rotates else (lambda w: w.add_bool("granite.rope.scaling.finetuned", False))
+    path = write_gguf(tmp_path / "m.gguf", family_dir(name)[0], name, original=256, extra=no_rope)
     ids = prompt(30)
     llm = LLM(str(path), dtype="float32", weights="float32", kv_cache_memory="16MiB")
     assert len(llm.model.config.unrotated_layers) == (0 if rotates else 2) or name == "smollm3"

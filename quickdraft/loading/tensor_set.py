@@ -19,8 +19,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["lm_head.weight"] = (v, d)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        if cfg.pre_norms:  # (OLMo 2 has no norm before attention or the MLP: the sandwich's after them alone)
+            out[p + "input_layernorm.weight"] = (d,)
         out.update({
-            p + "input_layernorm.weight": (d,),
             p + "post_attention_layernorm.weight": (d,),
             p + "self_attn.q_proj.weight": (q, d),
             p + "self_attn.k_proj.weight": (kv, d),
@@ -53,9 +54,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             out.update({p + "self_attn.q_norm.weight": (q if whole else cfg.head_dim,),
                         p + "self_attn.k_norm.weight": (kv if whole else cfg.head_dim,)})
         if cfg.sandwich_norms:
-            out.update({p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)})
-        if not cfg.pre_norms:  # OLMo 2: the norms after attention and after the MLP alone
-            del out[p + "input_layernorm.weight"], out[p + "pre_feedforward_layernorm.weight"]
+            if cfg.pre_norms:
+                out[p + "pre_feedforward_layernorm.weight"] = (d,)
+            out[p + "post_feedforward_layernorm.weight"] = (d,)
     return out
 
 

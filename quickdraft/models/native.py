@@ -186,10 +186,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     """Rotate-half rotary embedding of ``x [T, heads, D]`` in place over the first ``2 * R`` dims of each head;
     ``cos``/``sin``: float32 ``[max_pos, R]`` (R = D / 2 but for partial rotary), ``positions``: int64 ``[T]``."""
     t, heads, d = x.shape
-    half = cos.shape[1]
-    if 2 * half > d:
-        raise ValueError(f"RoPE tables rotate {2 * half} dims of heads of {d}")
-    _check(lib().qd_rope(x.data_ptr(), int(x.dtype == torch.bfloat16), t, heads, d, half, x.stride(0),
+    _check(lib().qd_rope(x.data_ptr(), int(x.dtype == torch.bfloat16), t, heads, d, cos.shape[1], x.stride(0),
                          positions.data_ptr(), cos.data_ptr(), sin.data_ptr()), "qd_rope")
     return x
 
