@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "granite", "olmo2",
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2",
                            "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
 # Bounds far beyond any checkpoint's values (factors of 1 to ~100, bases of 10^4 to 10^8, widths of ~16k, contexts of
@@ -27,7 +27,7 @@ MAX_EXPERTS = 1 << 12  # the largest mixtures have a few hundred experts a layer
 # hashed only where it differs from its default, so a model whose fingerprint did not use it keeps the fingerprint
 # (and its sessions resume); a field added later joins them
 ADDED_FIELDS = ("rotary_dim", "unrotated_layers", "attention_multiplier", "residual_multiplier", "logits_scaling",
-                "pre_norms")
+                "pre_norms", "attn_logit_softcapping", "final_logit_softcapping")
 
 
 def _is_int(value: object, low: int, high: int) -> bool:
@@ -117,7 +117,8 @@ class ModelConfig:
     Llama is the base: pre-norm attention and a SwiGLU MLP. Qwen2 adds a bias on q/k/v; SmolLM ties the head;
     Qwen3 normalizes q and k per head (``qk_norm``); Mistral slides a window; Gemma 3 scales the embeddings, wraps
     attention and MLP in norms before and after (``sandwich_norms``), gates with GELU-tanh, interleaves sliding and
-    full layers and gives sliding layers their own RoPE base; Phi-3 stores q/k/v and gate/up fused (split at load)
+    full layers and gives sliding layers their own RoPE base (Gemma 2 alternates them, has no q/k norms, and
+    soft-caps attention scores and the final logits, ``cap * tanh(x / cap)``); Phi-3 stores q/k/v and gate/up fused (split at load)
     and stretches RoPE with longrope (Phi-4-mini rotates only the first ``rotary_dim`` dims of each head); SmolLM3
     leaves RoPE out of every 4th layer (``unrotated_layers``); Granite scales embeddings, attention, each residual
     add and the logits by multipliers of its own; OLMo 2 keeps only the norms after attention and after the MLP
@@ -158,6 +159,10 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Gemma 2: each attention score (after the scale) and each final logit soft-capped to (-cap, cap) as
+    # cap * tanh(x / cap); None: not capped
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     qk_norm_per_head: bool = True  # with qk_norm: each head (Qwen3, Gemma 3), or all of q and of k at once (OLMoE)
     clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv (OLMoE)
     # a mixture of experts (Qwen3-MoE, Mixtral, OLMoE): num_experts per layer (0: dense), each token's top
@@ -227,9 +232,11 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (_is_number(value, *THETA_RANGE) and value > THETA_RANGE[0]):
                 raise ValueError(f"{name}={value}; allowed: above {THETA_RANGE[0]:g} up to {THETA_RANGE[1]:g}")
-        for name in ("embedding_multiplier", "query_pre_attn_scalar", "residual_multiplier", "logits_scaling"):
+        for name in ("embedding_multiplier", "query_pre_attn_scalar", "residual_multiplier", "logits_scaling",
+                     "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
-            optional = name == "query_pre_attn_scalar"  # None: head_dim; the multipliers always have a value
+            # None: head_dim's scale, no cap; the multipliers always have a value
+            optional = name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
             if not (optional and value is None) and not _is_number(value, *SCALAR_RANGE):
                 raise ValueError(f"{name}={value!r}; allowed: {SCALAR_RANGE[0]:g} to {SCALAR_RANGE[1]:g}")
         low, high = ATTENTION_MULTIPLIER_RANGE

@@ -46,7 +46,7 @@ def make_case(rng: random.Random, heads: int, kv_heads: int, dim: int, fmt: torc
 
 
 def reference(pool: KVPool, q: torch.Tensor, its: native.AttnItems, window: int = 0,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     k_all, v_all = pool.read(0, its.slots, torch.float64)  # dequantized exactly (int8 * float32 scale)
     heads, dim = q.shape[1:]
     out = torch.empty(len(its.lengths), heads, dim, dtype=torch.float64)
@@ -56,6 +56,8 @@ def reference(pool: KVPool, q: torch.Tensor, its: native.AttnItems, window: int 
         group = heads // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [L, H, D]
         scores = torch.einsum("hd,lhd->hl", q[r].double(), k) * dim ** -0.5
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if sinks is not None:  # one more logit per head, whose value is zero
             scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
             v = torch.cat([v, torch.zeros_like(v[:1])])
@@ -64,17 +66,18 @@ def reference(pool: KVPool, q: torch.Tensor, its: native.AttnItems, window: int 
 
 
 def run(pool: KVPool, q: torch.Tensor, its: native.AttnItems, window: int = 0,
-        sinks: torch.Tensor | None = None) -> torch.Tensor:
+        sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     out = torch.empty_like(q)
-    native.attend(q, pool.layer(0), its, out, q.shape[-1] ** -0.5, window, sinks)
+    native.attend(q, pool.layer(0), its, out, q.shape[-1] ** -0.5, window, sinks, softcap)
     return out
 
 
-def alone(pool: KVPool, q: torch.Tensor, its: native.AttnItems, r: int, window: int = 0) -> torch.Tensor:
+def alone(pool: KVPool, q: torch.Tensor, its: native.AttnItems, r: int, window: int = 0,
+          softcap: float | None = None) -> torch.Tensor:
     """Item r's result when its query attends alone, as a decode step computes it."""
     one = native.AttnItems(torch.tensor([0]), its.slots[r:r + 1].contiguous(), its.lengths[r:r + 1],
                            torch.tensor([0, 1]))
-    return run(pool, q[r:r + 1].contiguous(), one, window)[0]
+    return run(pool, q[r:r + 1].contiguous(), one, window, softcap=softcap)[0]
 
 
 SHAPES = [(14, 2, 64), (12, 2, 128), (8, 8, 64), (16, 1, 32), (9, 3, 64), (32, 4, 128), (8, 2, 256)]
@@ -153,6 +156,27 @@ def test_sinks_match_float64_reference(shape, fmt):
         alone = torch.empty_like(q[:1])
         native.attend(q[2:3].contiguous(), pool.layer(0), one, alone, dim ** -0.5, 0, sinks)
         assert torch.equal(alone[0], together[2]), items[2]
+
+
+@pytest.mark.parametrize("fmt", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("shape", [(14, 2, 64), (8, 8, 256)])
+def test_soft_capped_scores_match_float64_reference(shape, fmt):
+    """Gemma 2's soft-capped scores (cap * tanh(s / cap)), with caps that bend these scores of up to ~30 a lot (2) and
+    a little (50), across partitions and with windows; a row's bits do not depend on its batch or verify group."""
+    heads, kv_heads, dim = shape
+    rng = random.Random(hash((shape, str(fmt), "softcap")) % 1000)
+    act = torch.float32 if fmt == torch.float32 else torch.bfloat16
+    tol = 2e-5 if act == torch.float32 else 8e-3
+    for groups, longest in (([1, 1, 1], 40), ([5, 1, 3], 2600)):
+        pool, q, its, items = make_case(rng, heads, kv_heads, dim, fmt, groups, longest, act)
+        for window, cap in ((0, 2.0), (100, 50.0), (1030, 2.0), (0, 50.0)):
+            got, want = run(pool, q, its, window, softcap=cap).double(), reference(pool, q, its, window, softcap=cap)
+            assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), (groups, longest, window, cap)
+            if cap == 2.0:  # a cap that changes the result
+                assert (got - reference(pool, q, its, window)).abs().max() > 10 * tol
+        together = run(pool, q, its, 100, softcap=2.0)
+        for r in range(len(items)):
+            assert torch.equal(alone(pool, q, its, r, 100, softcap=2.0), together[r]), items[r]
 
 
 @pytest.mark.parametrize("fmt", [torch.float32, torch.bfloat16, torch.int8])

@@ -49,6 +49,11 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, **SMALL)),
+    # Gemma 2: every 2nd layer full, no q/k norms, attention scores and logits soft-capped (caps small enough to bend
+    # this random model's scores of ~0.05 and logits of ~10); its query scale is the head's, as llama.cpp takes it
+    "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
+        num_hidden_layers=3, sliding_window=WINDOW, query_pre_attn_scalar=16, attn_logit_softcapping=0.05,
+        final_logit_softcapping=6.0, attn_implementation="eager", **SMALL)),
     "phi3-longrope": (transformers.Phi3ForCausalLM, transformers.Phi3Config(
         num_hidden_layers=2, original_max_position_embeddings=32, sliding_window=WINDOW,
         rope_scaling=dict(type="longrope", **LONGROPE), pad_token_id=0, **SMALL)),
@@ -142,12 +147,32 @@ def test_config_fields_of_each_family(family_dir):
     assert [cfg.window(i) for i in range(3)] == [WINDOW, None, WINDOW]
     assert cfg.qk_norm and cfg.sandwich_norms and cfg.hidden_act == "gelu_tanh" and cfg.attention_scale == 24 ** -0.5
     assert cfg.rope_scaling.type == "linear" and cfg.embedding_multiplier == 64 ** 0.5
+    gemma2 = LLM(str(family_dir("gemma2")[0]), dtype="float32", kv_cache_memory="16MiB").model.config
+    assert (gemma2.architecture, gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == ("gemma2", 0.05, 6.0)
+    assert [gemma2.window(i) for i in range(3)] == [WINDOW, None, WINDOW] and gemma2.local_rope_theta is None
+    assert not gemma2.qk_norm and gemma2.sandwich_norms and gemma2.tie_word_embeddings
+    assert gemma2.hidden_act == "gelu_tanh" and gemma2.attention_scale == 16 ** -0.5
     granite = LLM(str(family_dir("granite")[0]), dtype="float32", kv_cache_memory="16MiB").model.config
     assert (granite.embedding_multiplier, granite.attention_scale, granite.residual_multiplier,
             granite.logits_scaling) == (12.0, 0.0390625, 0.22, 0.125)
     phi = LLM(str(family_dir("phi3-longrope")[0]), dtype="float32", kv_cache_memory="16MiB").model.config
     assert phi.rope_scaling.type == "longrope" and phi.rope_scaling.original_max_position_embeddings == 32
     assert phi.rope_scaling.factor == 256 / 32 and [phi.window(i) for i in range(2)] == [WINDOW, WINDOW]
+
+
+def test_gemma2_caps_of_null_are_none(family_dir, tmp_path):
+    """A Gemma 2 config.json whose caps are null caps nothing, as transformers reads it; ones left out are
+    transformers' defaults (50 and 30)."""
+    path, _ = family_dir("gemma2")
+    cfg = LLM(str(_edited(tmp_path, path, attn_logit_softcapping=None, final_logit_softcapping=None)),
+              dtype="float32", kv_cache_memory="16MiB").model.config
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (None, None)
+    config = json.loads((path / "config.json").read_text())
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        del config[key]
+    (tmp_path / "edited" / "config.json").write_text(json.dumps(config))
+    cfg = LLM(str(tmp_path / "edited"), dtype="float32", kv_cache_memory="16MiB").model.config
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
 
 
 def _edited(tmp_path: Path, source: Path, **changes) -> Path:
@@ -162,7 +187,7 @@ def _edited(tmp_path: Path, source: Path, **changes) -> Path:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"model_type": "falcon"}, r"unsupported model_type 'falcon'; supported: llama, mistral, qwen2, qwen3, gemma3_text"),
+    ({"model_type": "falcon"}, r"unsupported model_type 'falcon'; supported: llama, mistral, qwen2, qwen3, gemma2, gemma3_text"),
     ({"rope_parameters": {"rope_type": "proportional", "factor": 4.0, "rope_theta": 1e4}},
      r"rope scaling 'proportional' is not supported; supported: default, linear, dynamic, llama3, longrope, yarn"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
@@ -243,6 +268,11 @@ def test_unsupported_configs_are_refused_by_name(family_dir, tmp_path, changes, 
     ("granite", {"embedding_multiplier": "12"}, r"embedding_multiplier='12'; allowed"),
     ("granite", {"residual_multiplier": None}, r"residual_multiplier=None; allowed: 0.001 to 1e\+09"),
     ("granite", {"logits_scaling": None}, r"logits_scaling=None; allowed"),
+    ("gemma2", {"attn_logit_softcapping": float("nan")}, r"attn_logit_softcapping=nan; allowed: 0.001 to 1e\+09"),
+    ("gemma2", {"final_logit_softcapping": 0}, r"final_logit_softcapping=0; allowed: 0.001 to 1e\+09"),
+    ("gemma2", {"attn_logit_softcapping": "50"}, r"attn_logit_softcapping='50'; allowed"),
+    ("gemma2", {"final_logit_softcapping": -30.0}, r"final_logit_softcapping=-30.0; allowed"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping=50.0 is not supported for Gemma 3"),
 ])
 def test_damaged_family_settings_are_refused_by_name(family_dir, tmp_path, name, changes, message):
     path = _edited(tmp_path, family_dir(name)[0], **changes)
@@ -250,19 +280,20 @@ def test_damaged_family_settings_are_refused_by_name(family_dir, tmp_path, name,
         LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
 
 
-@pytest.mark.parametrize("name", ["phi4-mini-partial", "smollm3", "granite", "olmo2"])
+@pytest.mark.parametrize("name", ["phi4-mini-partial", "smollm3", "granite", "olmo2", "gemma2"])
 @pytest.mark.parametrize("weights,dtype", [("int8", "bfloat16"), ("int4", "float32")])
 def test_fused_layers_equal_the_module_path(family_dir, name, weights, dtype, monkeypatch):
     """RoPE over part of each head, layers without it, Granite's residual multiplier and attention scale, OLMo 2's
-    layers without norms before their blocks and its whole-q/k norms inside the fused C layer: a verify pass beside a
-    decode token gives the module path's logits and caches bit for bit, every layer fused."""
+    layers without norms before their blocks and its whole-q/k norms, Gemma 2's soft-capped scores inside the fused C
+    layer: a verify pass beside a decode token gives the module path's logits and caches bit for bit, every layer
+    fused."""
     from test_fused import _verify_step
 
     llm = LLM(str(family_dir(name)[0]), weights=weights, dtype=dtype, kv_cache_memory="16MiB")
     cfg = llm.model.config
     assert (cfg.rotated_dims, cfg.unrotated_layers, cfg.residual_multiplier) == {
         "phi4-mini-partial": (12, (), 1.0), "smollm3": (16, (3,), 1.0), "granite": (16, (), 0.22),
-        "olmo2": (16, (), 1.0)}[name]
+        "olmo2": (16, (), 1.0), "gemma2": (16, (), 1.0)}[name]
     fused, fused_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), True, monkeypatch)
     modules, module_calls = _verify_step(llm, prompt(20), prompt(5, seed=3), False, monkeypatch)
     assert fused_calls == cfg.num_layers and module_calls == 0
@@ -271,7 +302,7 @@ def test_fused_layers_equal_the_module_path(family_dir, name, weights, dtype, mo
 
 @pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16"])
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "mistral", "phi3-longrope", "llama3-rope", "phi4-mini-partial",
-                                  "smollm3", "granite", "olmo2"])
+                                  "smollm3", "granite", "olmo2", "gemma2"])
 def test_family_through_the_engine(family_dir, name, weights):
     """Quantized and bfloat16 weights (the fused C layer where it applies): a batch equals each prompt alone, a
     repeated prompt reads its cached prefix, and every drafter keeps greedy output unchanged."""
@@ -323,15 +354,24 @@ def test_gemma3_270m_gguf_matches_transformers():
         assert LLM(str(path), kv_cache_memory="128MiB", **spec).generate([ids], params)[0].token_ids == plain
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mistral"])
-def test_sliding_window_on_torch_attention(family_dir, name, monkeypatch):
+@pytest.mark.parametrize("name", ["gemma3", "mistral", "gemma2"])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_sliding_window_on_torch_attention(family_dir, name, kernel, monkeypatch):
     """Off quickdraft's CPU kernel (a GPU, or a head layout the kernel does not take) single tokens attend through
-    torch per key bucket: their window must hold there too."""
+    torch per key bucket; where the kernel does not run at all (``kernel`` False), a prompt's long pieces attend in
+    torch's causal call too. Their window (and Gemma 2's soft-capped scores) must hold there as well."""
     from quickdraft.kv import attention
 
-    monkeypatch.setattr(attention.native, "runs_attend", lambda q, cache: False)
+    if kernel:
+        monkeypatch.setattr(attention.native, "runs_attend", lambda q, cache: False)
+    else:
+        monkeypatch.setattr(attention, "native_attention", lambda pool: False)
     path, hf = family_dir(name)
     llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    ids = prompt(5 * WINDOW)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert (our_logits(llm, ids) - ref).abs().max().item() < TOLERANCE
     start = prompt(8, seed=2)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     assert llm.generate([start], params)[0].token_ids == hf_greedy(hf, start, 48)

@@ -384,13 +384,13 @@ def test_unsupported_rope_scaling_is_refused(tmp_path, cache_dir, meta, freqs, m
 
 
 # ---- other architectures ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["falcon", "gemma2", "phi2"])
+@pytest.mark.parametrize("arch", ["falcon", "gemma", "phi2"])
 def test_unknown_architecture_names_it_and_the_supported_ones(tmp_path, cache_dir, arch):
     path = tmp_path / f"{arch}.gguf"
     write(path, arch, {}, tensors_of(list(LLAMA_LAYER), 2, 16, np.random.default_rng(7)))
     with pytest.raises(ModelLoadError) as err:
         load_checkpoint(path)
-    assert f"unsupported architecture '{arch}'; supported: llama, mistral, qwen2, qwen3, gemma3, phi3" in str(err.value)
+    assert f"unsupported architecture '{arch}'; supported: llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3" in str(err.value)
 
 
 def test_mistral_arch_is_read_like_llama(tmp_path, cache_dir):

@@ -177,11 +177,12 @@ class _Step:
                                       torch.tensor(group_first))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               window: int | None = None, sinks: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         assert sinks is None  # no family of these tests has attention sinks
         self.pool.write(layer, self.slot_mapping, k, v)
         out = torch.empty_like(q)
-        native.attend(q, self.pool.layer(layer), self.items, out, scale, window or 0)
+        native.attend(q, self.pool.layer(layer), self.items, out, scale, window or 0, softcap=softcap)
         return out
 
     def single_tokens(self, layer: int) -> SingleTokens:

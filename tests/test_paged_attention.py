@@ -57,8 +57,9 @@ def make_case(dtype: torch.dtype, heads: int, kv_heads: int, dim: int, contexts:
             torch.tensor(query_lens, dtype=torch.int32, device=DEVICE), keys, values)
 
 
-def reference(q, keys, values, contexts, query_lens, queries, scale, window):
-    """Float64, one row at a time: row i of sequence b sees positions up to ctx - qlen + min(i, qlen - 1)."""
+def reference(q, keys, values, contexts, query_lens, queries, scale, window, softcap=None):
+    """Float64, one row at a time: row i of sequence b sees positions up to ctx - qlen + min(i, qlen - 1); scores
+    soft-capped to ``softcap * tanh(s / softcap)`` where given."""
     heads, dim = q.shape[1:]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for b, (ctx, qlen) in enumerate(zip(contexts, query_lens)):
@@ -71,7 +72,10 @@ def reference(q, keys, values, contexts, query_lens, queries, scale, window):
             for h in range(heads):
                 k = keys[b][first:last + 1, h // group]
                 v = values[b][first:last + 1, h // group]
-                w = torch.softmax((k @ q[b * queries + i, h].double().cpu()) * scale, 0)
+                scores = (k @ q[b * queries + i, h].double().cpu()) * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                w = torch.softmax(scores, 0)
                 out[b * queries + i, h] = w @ v
     return out
 
@@ -113,6 +117,26 @@ def test_equals_float64_reference(case, dtype, impl):
     tolerance = TOLERANCE[dtype]
     assert torch.isfinite(out).all()
     assert (out.double().cpu() - want).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("impl", ["kernel", "kernel-split", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=["f32", "int8"])
+@pytest.mark.parametrize("case", ["verify", "window", "padding", "very-long-window"])
+def test_soft_capped_scores_equal_float64_reference(case, dtype, impl):
+    """Gemma 2's soft-capped scores in the kernel (split or not) and the torch fallback, with a cap that bends these
+    scores (of up to ~4) a lot."""
+    heads, kv_heads, dim, contexts, query_lens, queries, window = CASES[case]
+    pool, q, tables, ctx, qlens, keys, values = make_case(dtype, heads, kv_heads, dim, contexts, query_lens, queries)
+    scale, cap, cache = dim ** -0.5, 1.5, pool.layer(0)
+    if impl == "torch":
+        out = paged_attention_torch(q, cache, tables, ctx, qlens, queries, BLOCK, scale, window, softcap=cap)
+    else:
+        splits = paged.KEY_SPLITS if impl == "kernel-split" else 1
+        out = paged_attention(q, cache, tables, ctx, qlens, queries, BLOCK, scale, window, splits=splits, softcap=cap)
+    want = reference(q, keys, values, contexts, query_lens, queries, scale, window, cap)
+    assert (out.double().cpu() - want).abs().max().item() < TOLERANCE[dtype]
+    uncapped = reference(q, keys, values, contexts, query_lens, queries, scale, window)
+    assert (want - uncapped).abs().max().item() > 100 * TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("splits", [1, 8])

@@ -253,11 +253,13 @@ def test_the_static_step_rotates_as_it_writes_the_keys(tiny_dir, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every model runs these kernels (tests/test_cuda.py)")
-@pytest.mark.parametrize("name,rotating_layers", [("phi4-mini-partial", set()), ("smollm3", {0, 1, 2})])
+@pytest.mark.parametrize("name,rotating_layers", [("phi4-mini-partial", set()), ("smollm3", {0, 1, 2}),
+                                                  ("gemma2", {0, 1, 2})])
 def test_the_static_step_with_partial_and_no_rope(family_dir, name, rotating_layers, monkeypatch):
     """The GPU's static step (Triton's interpreter here) on RoPE over part of each head (Phi-4-mini: rotated, then
-    written, apart) and on layers without RoPE (SmolLM3: its three rotating layers of four rotate as they write) gives
-    the CPU's greedy tokens, n-gram verify passes among them."""
+    written, apart), on layers without RoPE (SmolLM3: its three rotating layers of four rotate as they write) and on
+    Gemma 2's soft-capped scores (the paged kernel's cap) gives the CPU's greedy tokens, n-gram verify passes among
+    them."""
     from quickdraft.kv import paged_attention, pool
 
     path = str(family_dir(name)[0])
@@ -277,8 +279,28 @@ def test_the_static_step_with_partial_and_no_rope(family_dir, name, rotating_lay
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every model runs these kernels (tests/test_cuda.py)")
+def test_gemma2_soft_capped_scores_on_the_static_step(family_dir, monkeypatch):
+    """Gemma 2's soft-capped scores in the paged kernel of the GPU's static step (Triton's interpreter here): a decode
+    row and a verify pass's rows past the window give the dynamic path's logits (within 1e-5 of the largest; the
+    test model's cap moves them by ~3e-2)."""
+    from quickdraft.kv import ForwardItem, SequenceKV, paged_attention
+
+    path = str(family_dir("gemma2")[0])
+    cpu_kernels_off(monkeypatch)
+    monkeypatch.setattr(paged_attention, "KERNEL_ON_CPU", True)
+    rows = {}
+    for mode in ("eager", "off"):
+        runner = LLM(path, dtype="float32", kv_cache_memory=TINY_KV, static_step=mode).loaded.engine.target
+        kvs = [SequenceKV(), SequenceKV()]
+        runner.forward([ForwardItem(kv, family_prompt(30, seed=s), 0) for s, kv in enumerate(kvs)])
+        rows[mode] = torch.cat(runner.forward([ForwardItem(kvs[0], [5], 1), ForwardItem(kvs[1], [6, 7, 8], 3)]))
+        assert mode == "off" or runner.static.forwards == 1
+    assert (rows["eager"] - rows["off"]).abs().max().item() < 1e-5 * rows["off"].abs().max().item()
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every model runs these kernels (tests/test_cuda.py)")
 @pytest.mark.parametrize("kind,name", [("dense", n) for n in ("qwen3", "gemma3", "mistral", "phi4-mini-partial",
-                                                               "smollm3", "granite", "olmo2")] +
+                                                               "smollm3", "granite", "olmo2", "gemma2")] +
                          [("moe", n) for n in ("qwen3_moe", "mixtral", "olmoe")])
 def test_every_layer_kind_on_the_kernels_gives_torchs_logits(family_dir, moe_dir, kind, name, monkeypatch):
     """Per-head q/k norms (Qwen3), sandwich norms, GeGLU and an embedding multiplier (Gemma 3), a window (Mistral),

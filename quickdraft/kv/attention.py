@@ -196,11 +196,11 @@ class AttentionBatch:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                window: int | None = None, sinks: torch.Tensor | None = None,
-               rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+               rotary: RotaryEmbedding | None = None, softcap: float | None = None) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]. ``scale``: of the dot products
         (default D ** -0.5); ``window``: a token at position p sees keys p - window < j <= p (default: all);
         ``sinks`` [H]: each head's softmax also normalizes over exp(sink) (gpt-oss); ``rotary``: q and k are not
-        rotated yet (see the ``Attention`` protocol)."""
+        rotated yet (see the ``Attention`` protocol); ``softcap``: scores soft-capped (Gemma 2)."""
         if rotary is not None:
             q, k = rotary.rotate_pair(q, k, self.positions)
         self.pool.write(layer, self.slot_mapping, k, v)
@@ -215,14 +215,14 @@ class AttentionBatch:
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
             if sinks is not None:
                 ks, vs, mask = with_sinks(ks, vs, mask[None, None], sinks.view(1, heads, 1, 1))
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True, scale=scale)
+            o = dot_product_attention(qs, ks, vs, mask, scale, softcap, enable_gqa=True)
             out[first:end] = o[0].transpose(0, 1)
         if not len(self.items.rows):
             return out
         if self.native:
             cache = self.pool.layer(layer)
             if native.runs_attend(q, cache):
-                native.attend(q, cache, self.items, out, scale, window or 0, sinks)
+                native.attend(q, cache, self.items, out, scale, window or 0, sinks, softcap)
                 return out
             self.native = False  # a head layout the kernel does not take (checked once per batch)
         if (window or 0) not in self._singles:
@@ -234,9 +234,25 @@ class AttentionBatch:
             if sinks is not None:
                 ks, vs, mask = with_sinks(ks, vs, mask, sinks.view(1, kv_heads, heads // kv_heads, 1))
             with one_thread(q.device):
-                o = F.scaled_dot_product_attention(grouped[rows], ks, vs, attn_mask=mask, scale=scale)  # [R, KVH, G, D]
+                o = dot_product_attention(grouped[rows], ks, vs, mask, scale, softcap)  # [R, KVH, G, D]
             out[rows] = o.reshape(len(rows), heads, dim)
         return out
+
+
+def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                          softcap: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """torch's ``scaled_dot_product_attention`` of q ``[..., H, m, D]`` over k/v ``[..., KVH, L, D]`` under ``mask``
+    (boolean, or additive logits); ``enable_gqa``: H is a multiple of KVH, consecutive query heads sharing a
+    key/value head. With ``softcap`` (Gemma 2), which SDPA has no option for, the scores are computed out in float32
+    and each soft-capped to ``softcap * tanh(s / softcap)`` before the mask and the softmax, as transformers' Gemma 2
+    does."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa, scale=scale)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.float().repeat_interleave(group, dim=-3), v.float().repeat_interleave(group, dim=-3)
+    scores = torch.tanh(q.float() @ k.transpose(-1, -2) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
 
 
 def with_sinks(ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor

@@ -29,9 +29,8 @@ import functools
 import os
 
 import torch
-import torch.nn.functional as F
 
-from quickdraft.kv.attention import with_sinks
+from quickdraft.kv.attention import dot_product_attention, with_sinks
 from quickdraft.models.native import CacheLayer, KV_SCALE_GROUP
 from quickdraft.models.triton_linear import triton_available
 
@@ -77,8 +76,8 @@ def query_last_keys(context_lens: torch.Tensor, query_lens: torch.Tensor, querie
 
 def paged_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int = 0,
-                    sinks: torch.Tensor | None = None, splits: int = 1, counters: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, splits: int = 1, counters: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q ``[B * queries, H, D]`` (rows of a sequence consecutive); block_tables ``[B, width]``; context_lens,
     query_lens ``[B]``. Returns ``[B * queries, H, D]`` in q's dtype. ``window`` 0: every earlier key. ``sinks``
     [H] (gpt-oss's attention sinks) take the torch path: a mixture of experts, the one family with them, runs
@@ -87,19 +86,20 @@ def paged_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tens
     GPU busy. A row's result depends on ``splits``, so every forward that must give a row's bits alike (the static
     step's decode steps, verify passes and prompt chunks) passes the same value (``KEY_SPLITS``). ``counters``:
     int32 zeros, at least ``merge_groups`` of them, that the split kernel counts its finished programs on and leaves
-    at zero (a CUDA graph's step keeps one buffer for every layer: ``static_step.py``); None: made for this call."""
+    at zero (a CUDA graph's step keeps one buffer for every layer: ``static_step.py``); None: made for this call.
+    ``softcap``: each score (after the scale) soft-capped to ``softcap * tanh(s / softcap)`` (Gemma 2)."""
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two, got {splits}")
     if sinks is None and kernel_runs(q, cache, block_size):
         return _triton_attention(q, cache, block_tables, context_lens, query_lens, queries, block_size, scale, window,
-                                 splits, counters)
+                                 splits, counters, softcap)
     return paged_attention_torch(q, cache, block_tables, context_lens, query_lens, queries, block_size, scale, window,
-                                 sinks)
+                                 sinks, softcap)
 
 
 def paged_attention_torch(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
                           query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int = 0,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """The same attention as the kernel with torch ops of static shape (reads every block of every table)."""
     batch, width = block_tables.shape
     tokens, heads, dim = q.shape
@@ -124,7 +124,7 @@ def paged_attention_torch(q: torch.Tensor, cache: CacheLayer, block_tables: torc
     if sinks is not None:  # each row's head: rows are (query, head of the group) of each key/value head
         rows = sinks.view(kv_heads, 1, group).expand(kv_heads, queries, group).reshape(1, kv_heads, -1, 1)
         k, v, bias = with_sinks(k, v, mask, rows)
-    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=bias, scale=scale)
+    o = dot_product_attention(qs, k, v, bias, scale, softcap)
     o = torch.where(mask.any(-1, keepdim=True), o, 0)  # a row with no keys: zeros, as the kernel
     return o.view(batch, kv_heads, queries, group, dim).permute(0, 2, 1, 3, 4).reshape(tokens, heads, dim)
 
@@ -137,7 +137,7 @@ def merge_groups(batch: int, queries: int, heads: int, kv_heads: int) -> int:
 
 def _triton_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
                       query_lens: torch.Tensor, queries: int, block_size: int, scale: float, window: int,
-                      splits: int, counters: torch.Tensor | None) -> torch.Tensor:
+                      splits: int, counters: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
     tokens, heads, dim = q.shape
     kv_heads = cache.k.shape[1]
     group = heads // kv_heads
@@ -167,7 +167,7 @@ def _triton_attention(q: torch.Tensor, cache: CacheLayer, block_tables: torch.Te
         q, cache.k, cache.v, scales[0], scales[1], out, block_tables, context_lens, query_lens,
         q.stride(0), q.stride(1), cache.k.stride(0), cache.k.stride(1), scales[0].stride(0), scales[0].stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), scale, queries, parts[0], parts[1], heads, counters,
-        GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        softcap or 1.0, SOFTCAP=softcap is not None, GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         TILE=max(block_size, TILE_VALUES // block_d), BLOCK_M=BLOCK_M, WINDOW=window, INT8=quantized,
         SCALE_GROUP=KV_SCALE_GROUP, SPLITS=splits)
     return out
@@ -185,8 +185,8 @@ def _kernel():
     @triton.jit
     def paged_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tables_ptr, ctx_ptr, qlen_ptr,
                                stride_qt, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_ot, stride_oh,
-                               stride_table, scale, queries, part_acc_ptr, part_ml_ptr, HEADS, counter_ptr,
-                               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               stride_table, scale, queries, part_acc_ptr, part_ml_ptr, HEADS, counter_ptr, softcap,
+                               SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                                BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, INT8: tl.constexpr, SCALE_GROUP: tl.constexpr,
                                SPLITS: tl.constexpr):
@@ -240,6 +240,9 @@ def _kernel():
             k = k.to(tl.float32)
             v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            if SOFTCAP:  # softcap * tanh(s / softcap) (Gemma 2), tanh|y| = (1 - e) / (1 + e), e = exp(-2|y|) <= 1
+                e = tl.exp(-2.0 * tl.abs(s / softcap))
+                s = tl.where(s < 0, -softcap, softcap) * (1.0 - e) / (1.0 + e)
             seen = key[None, :] <= last[:, None]
             if WINDOW > 0:
                 seen = seen & (key[None, :] > last[:, None] - WINDOW)

@@ -101,7 +101,7 @@ class StaticAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                window: int | None = None, sinks: torch.Tensor | None = None,
-               rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+               rotary: RotaryEmbedding | None = None, softcap: float | None = None) -> torch.Tensor:
         if rotary is None or not self.pool.write_rotated(layer, self.slots, q, k, v, self.positions,
                                                           *rotary.tables()):
             if rotary is not None:
@@ -110,7 +110,7 @@ class StaticAttention:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return paged_attention(q, self.pool.layer(layer), self.tables, self.context_lens, self.query_lens,
                                self.queries, self.pool.block_size, scale, window or 0, sinks, self.splits,
-                               self.counters)
+                               self.counters, softcap)
 
     def single_tokens(self, layer: int) -> None:
         return None  # the CPU's fused C layers are not part of this path

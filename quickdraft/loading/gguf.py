@@ -20,9 +20,10 @@ from quickdraft.loading import weight_cache
 from quickdraft.loading.checkpoint import Checkpoint, LazyTensors, fingerprint
 from quickdraft.loading.dequant import SUPPORTED_IDS, dequantize, qtype_name, supported_type_names
 from quickdraft.loading.ggml_types import TYPES
-from quickdraft.loading.gguf_families import (GGUF_ARCHITECTURES, IGNORED, FloatReader, end_of_turn_texts,
+from quickdraft.loading.gguf_families import (GGUF_ARCHITECTURES, IGNORED, end_of_turn_texts,
                                               family_fields, fused_rows, hf_targets, is_stacked)
 from quickdraft.loading.gguf_metadata import GGUFHeader, int_value, positive_float, read_header, show
+from quickdraft.loading.gguf_rope import FloatReader
 from quickdraft.loading.tensor_set import check_tensor_set, expected_shapes
 
 log = logging.getLogger(__name__)

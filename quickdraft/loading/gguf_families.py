@@ -16,6 +16,10 @@ Config (``family_fields``):
   full and the others slide over ``gemma3.attention.sliding_window`` (none when it is 0 or absent), sliding layers
   use RoPE base 10000, and the attention scale is 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 62-layer 27B). Its
   norm weights are stored as 1 + w, which is what the model multiplies by.
+* gemma2: Gemma 3's layout without q/k norms; attention scores and the final logits soft-capped
+  (``gemma2.attn_logit_softcapping``, ``gemma2.final_logit_softcapping``), every 2nd layer full and the others
+  (the first one too) sliding over ``gemma2.attention.sliding_window``, with llama.cpp's defaults (50, 30, 4096)
+  where a key is absent; see ``_gemma2``.
 * phi3: ``phi3.attention.sliding_window`` is ignored, as llama.cpp does (its converters fill it wrongly). A
   ``phi3.rope.dimension_count`` below the head dimension rotates that many dims of each head (Phi-4-mini: 96 of
   128), llama.cpp's NeoX RoPE over ``n_rot`` dims as transformers' ``partial_rotary_factor``.
@@ -41,28 +45,23 @@ Config (``family_fields``):
   the band not rounded: its config's ``truncate: false``); the clamped SwiGLU's alpha 1.702 and limit 7 (llama.cpp's
   constants too).
 
-RoPE scaling (``rope_scaling``): ``{arch}.rope.scaling.type`` linear (or absent, with a factor: llama.cpp's default)
-divides every frequency by the factor. Llama 3.1/3.2 files store the llama3 scaling as ``rope_freqs.weight``, a
-divisor per frequency: the same arithmetic as longrope with equal short and long factors. Phi-3 files store longrope
-as ``rope_factors_short``/``rope_factors_long`` with ``phi3.rope.scaling.original_context_length`` and
-``phi3.rope.scaling.attn_factor``. gpt-oss files declare yarn (see above). Anything else (yarn elsewhere, a rotary part
-of the head outside phi3, logit soft-capping) is refused rather than run as something it is not.
+RoPE scaling and the dims it rotates come from ``gguf_rope.py``. Logit soft-capping outside gemma2 is refused rather
+than run as something it is not.
 """
 from __future__ import annotations
 
 import logging
 import math
 import re
-from collections.abc import Callable, Container
+from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from quickdraft.config import (ATTENTION_MULTIPLIER_RANGE, MAX_CONTEXT, MAX_WIDTH, SCALAR_RANGE, ModelConfig,
-                               RopeScaling, every_nth_full)
+                               every_nth_full)
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading.gguf_metadata import int_value, positive_float, show
+from quickdraft.loading.gguf_rope import FloatReader, rope_scaling, rotary_dims
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +90,8 @@ LAYER_NAMES = {  # GGUF name in a block -> the HF names it holds, in row order
 }
 LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-                      "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                      "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
                       "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                       "gpt-oss": "gpt_oss"}  # general.architecture -> ours
 MAX_EXPERTS = 1 << 12
@@ -102,8 +101,9 @@ QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "qwen3moe", "olmoe", "olmo2")
 SMOLLM3_NOPE_STEP = 4  # every 4th layer attends without RoPE (llama.cpp hard-codes it; the file stores no key)
 GEMMA3_PATTERN = 6  # every 6th layer attends to the whole context
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
-SUPPORTED_ROPE = ("none", "linear (rope.scaling.type)", "llama3 (rope_freqs.weight)",
-                  "longrope (phi3 rope_factors_long/short.weight)")
+# llama.cpp's Gemma 2 defaults where the file has no key: a window of 4096 on every 2nd layer (the first one slides),
+# scores soft-capped at 50, logits at 30
+GEMMA2_WINDOW, GEMMA2_PATTERN, GEMMA2_SOFTCAPS = 4096, 2, (50.0, 30.0)
 
 
 def is_stacked(gguf_name: str) -> bool:
@@ -145,7 +145,7 @@ def fused_rows(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
 
 _END_OF_TURN = {  # besides <|im_end|>: the end-of-turn tokens llama.cpp and the HF generation configs stop on
     "qwen2": ("<|endoftext|>",), "qwen3": ("<|endoftext|>",), "qwen3moe": ("<|endoftext|>",),
-    "gemma3": ("<end_of_turn>",),
+    "gemma2": ("<end_of_turn>",), "gemma3": ("<end_of_turn>",),
     "phi3": ("<|end|>", "<|endoftext|>"),
     # harmony: <|return|> ends the final answer, <|call|> a tool call (<|end|> ends a message, not the turn)
     "gpt-oss": ("<|return|>", "<|call|>", "<|endoftext|>"),
@@ -156,14 +156,11 @@ def end_of_turn_texts(arch: str) -> tuple[str, ...]:
     return ("<|im_end|>",) + _END_OF_TURN.get(arch, ())
 
 
-FloatReader = Callable[[str], np.ndarray]  # a small tensor of the file by GGUF name, as float64 values
-
-
 def family_fields(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path,
                   base: dict[str, Any], read_floats: FloatReader) -> dict[str, Any]:
     """The ModelConfig fields beyond Llama's that this family's metadata and tensors imply (see the module doc);
     ``base``: the Llama fields already read (hidden size, heads, head_dim, layers, context)."""
-    rotary = _rotary_dims(arch, metadata, path, base["head_dim"])
+    rotary = rotary_dims(arch, metadata, path, base["head_dim"])
     out: dict[str, Any] = {
         "rope_scaling": rope_scaling(arch, metadata, shapes, path, rotary, base["max_position_embeddings"],
                                      read_floats),
@@ -183,6 +180,8 @@ def family_fields(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[i
     out.update(_experts(arch, metadata, shapes, path, base["num_layers"]))
     if arch == "gemma3":
         out.update(_gemma3(metadata, path, base))
+    elif arch == "gemma2":
+        out.update(_gemma2(metadata, path, base))
     elif arch == "gpt-oss":
         out.update(_gpt_oss(metadata, shapes, path, base))
     elif arch == "phi3" and metadata.get("phi3.attention.sliding_window"):
@@ -282,94 +281,35 @@ def _gemma3(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[
     return out
 
 
-def _rotary_dims(arch: str, metadata: dict[str, Any], path: Path, head_dim: int) -> int:
-    """How many dims of each head RoPE rotates: ``{arch}.rope.dimension_count`` (the head where absent); part of a
-    head only where llama.cpp's RoPE of the family is NeoX's over the first dims as transformers' (phi3)."""
-    rotary = int_value(metadata, f"{arch}.rope.dimension_count", path, 0, MAX_WIDTH, default=head_dim)
-    if rotary == head_dim:
-        return rotary
-    if arch != "phi3":
-        raise ModelLoadError(f"{path}: GGUF metadata '{arch}.rope.dimension_count' is {rotary:,} but the head "
-                             f"dimension is {head_dim:,}; RoPE over part of a head is supported for phi3 only")
-    if not 2 <= rotary < head_dim or rotary % 2:
-        raise ModelLoadError(f"{path}: GGUF metadata 'phi3.rope.dimension_count' is {rotary:,}; allowed: an even "
-                             f"number of dims in 2 to the head dimension {head_dim:,}")
-    return rotary
-
-
-def rope_scaling(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path,
-                 rotary: int, context: int, read_floats: FloatReader) -> RopeScaling | None:
-    """The RoPE scaling the file declares (see the module doc) over ``rotary`` dims of each head, or None; a kind
-    this loader cannot run is refused."""
-    kind = metadata.get(f"{arch}.rope.scaling.type")
-    if arch == "gpt-oss" and kind == "yarn":
-        return _yarn(arch, metadata, path)
-    if kind not in (None, "none", "linear"):
-        raise ModelLoadError(f"{path}: RoPE scaling {show(kind)} ({arch}.rope.scaling.type) is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ROPE)}")
-    factor_key = f"{arch}.rope.scaling.factor"
-    if factor_key not in metadata:
-        factor_key = f"{arch}.rope.scale_linear"  # the older name
-    factor = metadata.get(factor_key)
-    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
-                               or not 0 <= factor < math.inf):
-        raise ModelLoadError(f"{path}: GGUF metadata {factor_key!r} is {show(factor)}; it must be a positive "
-                             f"finite number (or 0: none)")
-    linear = kind != "none" and factor not in (None, 0, 1)  # llama.cpp scales by a factor unless the type is none
-    n = rotary // 2
-    if arch == "phi3":
-        factors = _phi3_factors(metadata, shapes, path, n, context, read_floats)
-    elif "rope_freqs.weight" in shapes:
-        values = _factors("rope_freqs.weight", shapes, path, n, read_floats)
-        factors = RopeScaling("longrope", short_factor=values, long_factor=values,
-                              original_max_position_embeddings=context, attention_factor=1.0)
+def _gemma2(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 as llama.cpp reads it: Gemma's norms, activation and embedding scale; both soft-caps and the window
+    (llama.cpp's defaults where absent, range-checked under their own keys); the sliding layers by
+    ``attention.sliding_window_pattern`` (every n-th layer full; 0: none full) or as a flag per layer (true: slides),
+    by default every 2nd full; ``rope.freq_base_swa`` the sliding layers' RoPE base where given; the attention scale
+    1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 46-layer 27B."""
+    layers, hidden, heads = base["num_layers"], base["hidden_size"], base["num_heads"]
+    caps = {}
+    for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), GEMMA2_SOFTCAPS):
+        cap = positive_float(metadata, f"gemma2.{key}", path, default)
+        if not SCALAR_RANGE[0] <= cap <= SCALAR_RANGE[1]:
+            raise ModelLoadError(f"{path}: GGUF metadata 'gemma2.{key}' is {cap:g}; allowed: {SCALAR_RANGE[0]:g} to "
+                                 f"{SCALAR_RANGE[1]:g}")
+        caps[key] = cap
+    window = int_value(metadata, "gemma2.attention.sliding_window", path, 1, MAX_CONTEXT, default=GEMMA2_WINDOW)
+    pattern = metadata.get("gemma2.attention.sliding_window_pattern", GEMMA2_PATTERN)
+    if isinstance(pattern, list):
+        if len(pattern) != layers or not all(isinstance(flag, bool) for flag in pattern):
+            raise ModelLoadError(f"{path}: GGUF metadata 'gemma2.attention.sliding_window_pattern' is "
+                                 f"{show(pattern)}; as a list it must hold a bool for each of the {layers} layers")
+        sliding = pattern
     else:
-        factors = None
-    if linear and factors is not None:
-        raise ModelLoadError(f"{path}: GGUF declares both linear RoPE scaling ({factor_key}={factor}) and "
-                             f"per-frequency factors; one of them is supported at a time")
-    return RopeScaling("linear", factor=float(factor)) if linear else factors
-
-
-def _yarn(arch: str, metadata: dict[str, Any], path: Path) -> RopeScaling:
-    """gpt-oss's YaRN: the factor and original context from the file, its betas where the file has them (llama.cpp's
-    ``rope.scaling.yarn_beta_fast/slow``), the rest as the released config has them."""
-    factor = positive_float(metadata, f"{arch}.rope.scaling.factor", path, None)
-    original = int_value(metadata, f"{arch}.rope.scaling.original_context_length", path, 2, MAX_CONTEXT)
-    fast = positive_float(metadata, f"{arch}.rope.scaling.yarn_beta_fast", path, 32.0)
-    slow = positive_float(metadata, f"{arch}.rope.scaling.yarn_beta_slow", path, 1.0)
-    try:
-        return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original, truncate=False,
-                           beta_fast=fast, beta_slow=slow)
-    except (TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: GGUF YaRN settings are not usable: {exc}") from exc
-
-
-def _phi3_factors(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path, n: int, context: int,
-                  read_floats: FloatReader) -> RopeScaling | None:
-    names = ("rope_factors_short.weight", "rope_factors_long.weight")
-    present = [name for name in names if name in shapes]
-    if not present:
-        return None
-    if len(present) == 1:
-        raise ModelLoadError(f"{path}: GGUF has {present[0]} but not {(set(names) - set(present)).pop()}; "
-                             f"longrope needs both")
-    short, long = (_factors(name, shapes, path, n, read_floats) for name in names)
-    original = int_value(metadata, "phi3.rope.scaling.original_context_length", path, 1, MAX_CONTEXT)
-    attention = positive_float(metadata, "phi3.rope.scaling.attn_factor", path, None)  # None: transformers' default
-    return RopeScaling("longrope", factor=max(1.0, context / original), short_factor=short, long_factor=long,
-                       original_max_position_embeddings=original, attention_factor=attention)
-
-
-def _factors(name: str, shapes: dict[str, tuple[int, ...]], path: Path, n: int,
-             read_floats: FloatReader) -> tuple[float, ...]:
-    """The values of a per-frequency RoPE factor tensor: one positive finite number per frequency."""
-    if tuple(shapes[name]) != (n,):
-        raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(shapes[name])}; RoPE over {2 * n} dims of "
-                             f"a head needs ({n},), one factor per frequency")
-    values = np.asarray(read_floats(name), dtype=np.float64).reshape(-1)
-    bad = np.flatnonzero(~(np.isfinite(values) & (values > 0)))
-    if bad.size:
-        raise ModelLoadError(f"{path}: tensor {name} holds {values[bad[0]]} at index {bad[0]}; RoPE frequency "
-                             f"factors must be positive finite numbers")
-    return tuple(float(x) for x in values)
+        every = int_value(metadata, "gemma2.attention.sliding_window_pattern", path, 0, MAX_WIDTH,
+                          default=GEMMA2_PATTERN)
+        sliding = [every == 0 or i % every < every - 1 for i in range(layers)]
+    local_theta = positive_float(metadata, "gemma2.rope.freq_base_swa", path, None)
+    if local_theta == base["rope_theta"]:
+        local_theta = None  # one table serves both kinds of layer
+    return dict(sandwich_norms=True, hidden_act="gelu_tanh", embedding_multiplier=math.sqrt(hidden),
+                query_pre_attn_scalar=float(hidden // heads if layers == 46 else base["head_dim"]),
+                sliding_window=window, local_rope_theta=local_theta,
+                layer_types=tuple("sliding_attention" if flag else "full_attention" for flag in sliding), **caps)

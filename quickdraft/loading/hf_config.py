@@ -10,8 +10,8 @@ from quickdraft.config import LAYER_TYPES, MAX_WIDTH, ROPE_TYPES, ModelConfig, R
 from quickdraft.errors import ModelLoadError
 
 # model_type in config.json -> our architecture name
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-               "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+               "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe",
                "gpt_oss": "gpt_oss"}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -132,6 +132,8 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple
         return (), None
     if types is not None:
         return tuple(_numbers(types, "layer_types")), window
+    if arch == "gemma2":  # transformers: every 2nd layer full, the first one slides
+        return every_nth_full(num_layers, 2), window
     if arch == "gemma3":
         pattern = cfg.get("sliding_window_pattern", 6)
         if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
@@ -143,14 +145,21 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple
     return (), window  # Mistral, Phi-3: every layer slides
 
 
-def _gemma(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise ModelLoadError(f"{key}={cfg[key]} is not supported")
+def _gemma(cfg: dict[str, Any], arch: str, hidden: int) -> dict[str, Any]:
+    """Gemma 2 and 3: norms around attention and the MLP (stored as weight, scaling by 1 + weight), embeddings times
+    sqrt(hidden), a query scale of its own; Gemma 3 norms q and k per head, Gemma 2 soft-caps attention scores and
+    logits instead (transformers' defaults 50 and 30 where config.json leaves them out; null: no cap)."""
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError("use_bidirectional_attention=true (an embedding model) is not supported")
-    return dict(qk_norm=True, sandwich_norms=True, embedding_multiplier=hidden ** 0.5,
-                query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256))
+    out = dict(sandwich_norms=True, embedding_multiplier=hidden ** 0.5,
+               query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256))
+    if arch == "gemma2":
+        return {**out, "attn_logit_softcapping": cfg.get("attn_logit_softcapping", 50.0),
+                "final_logit_softcapping": cfg.get("final_logit_softcapping", 30.0)}
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ModelLoadError(f"{key}={cfg[key]} is not supported for Gemma 3 (transformers' Gemma 3 has none)")
+    return {**out, "qk_norm": True}
 
 
 def _granite(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -225,7 +234,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             attention_bias=_flag(cfg, "attention_bias", arch in ("qwen2", "gpt_oss")),
-            tie_word_embeddings=_flag(cfg, "tie_word_embeddings", arch == "gemma3"),
+            tie_word_embeddings=_flag(cfg, "tie_word_embeddings", arch in ("gemma2", "gemma3")),
             bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
             eos_token_ids=tuple(dict.fromkeys(eos)),
             hidden_act=_ACTIVATIONS[act],
@@ -235,8 +244,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
             unrotated_layers=_unrotated_layers(cfg, num_layers) if arch == "smollm3" else (),
             **_rope(cfg, arch, head_dim),
         )
-        if arch == "gemma3":
-            kwargs.update(_gemma(cfg, hidden))
+        if arch in ("gemma2", "gemma3"):
+            kwargs.update(_gemma(cfg, arch, hidden))
         elif arch == "granite":
             kwargs.update(_granite(cfg))
         elif arch == "olmo2":  # norms after attention and the MLP only; all of q and of k normed at once
@@ -346,4 +355,4 @@ def _gpt_oss_expert_tensors(tensors: dict[str, Any], cfg: ModelConfig) -> dict[s
 def is_offset_norm(name: str, cfg: ModelConfig) -> bool:
     """Gemma's norms scale by 1 + weight; the model scales by its weight, so these get 1 added when loaded (GGUF
     files store them so already)."""
-    return cfg.architecture == "gemma3" and name.endswith("norm.weight")
+    return cfg.architecture in ("gemma2", "gemma3") and name.endswith("norm.weight")

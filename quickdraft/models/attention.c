@@ -11,6 +11,7 @@
  *   product's 8 lanes, a softmax denominator) is added in one fixed order, that of an 8-lane single dot product, so
  *   the width never shows in the bits, and a context of one partition gets exactly what the kernel this replaced
  *   computed.
+ * - Gemma 2 soft-caps each score (after the scale) to cap * tanh(s / cap) before its softmax (softcap > 0).
  * - A sliding-window layer (window > 0) sees only the last window positions of each context: partitions wholly
  *   before every row's window are neither computed nor read, nor are tiles before it, so such a layer reads only
  *   its window of the paged cache, however long the context.
@@ -65,6 +66,11 @@ static inline __mmask16 lanes_in(int lo, int hi) { /* lanes lo <= i < hi */
 }
 static inline vf vkeep_in(vf x, int lo, int hi) { return _mm512_maskz_mov_ps(lanes_in(lo, hi), x); } /* others 0 */
 static inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vcopysign(vf x, vf sign) { /* |x| with sign's sign bit (x >= 0) */
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_and_si512(_mm512_castps_si512(sign),
+                                                                                        _mm512_set1_epi32(INT32_MIN))));
+}
 static inline vf vmax_in(vf m, vf x, int lo, int hi) { /* max(m, x) in lanes lo <= i < hi, m elsewhere */
     return _mm512_mask_max_ps(m, lanes_in(lo, hi), m, x);
 }
@@ -97,6 +103,8 @@ static inline __m256 lanes_in(int lo, int hi) { /* all ones in lanes lo <= i < h
                                                 _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(lo - 1))));
 }
 static inline vf vkeep_in(vf x, int lo, int hi) { return _mm256_and_ps(x, lanes_in(lo, hi)); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vcopysign(vf x, vf sign) { return _mm256_or_ps(x, _mm256_and_ps(sign, _mm256_set1_ps(-0.f))); }
 static inline float vhmax(vf x) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -121,6 +129,14 @@ static inline vf exp_neg(vf x) { /* exp for x <= 0 (Cephes polynomial, ~1 ulp) *
     y = vfma(y, x, vset1(5.0000001201e-1f));
     y = vfma(y, vmul(x, x), vadd(x, vset1(1.f)));
     return vmul(y, vasf(vislli(viadd(vcvtt(fx), viset1(127)), 23)));
+}
+
+/* cap * tanh(x / cap) (Gemma 2's soft-capped scores): tanh|y| = (1 - e) / (1 + e) with e = exp(-2|y|) <= 1, which
+ * never overflows, then y's sign; within 1.2e-7 * cap of the true value, a few ulps of a score of that size. */
+static inline vf soft_cap(vf x, float cap) {
+    const vf y = vmul(x, vset1(1.f / cap));
+    const vf e = exp_neg(vmul(vset1(-2.f), vmax(y, vsub(vzero(), y))));
+    return vmul(vcopysign(vdiv(vsub(vset1(1.f), e), vadd(vset1(1.f), e)), y), vset1(cap));
 }
 
 /* Asks for the cache rows of the next tile (slots sl[0..n)) while this one is computed: the rows lie wherever the
@@ -269,13 +285,15 @@ static long first_visible(long length, int window) { return window > 0 && length
 static int clamp_to(long x, int n) { return x < 0 ? 0 : x < n ? (int)x : n; }
 
 /* Softmax numerators of nr rows over one partition's n scores: row r's scores from[r] .. keys[r] - 1 become
- * exp(s - max), every other score up to the tile padding becomes exactly 0 (from tile t_lo on, what the outputs
- * read). Writes each row's max and sum of exponentials. */
-static void softmax_rows(int nr, float *const *srow, const int *from, const int *keys, int t_lo, int n, float *m,
-                         float *l) {
+ * exp(s - max) (s soft-capped first where softcap > 0), every other score up to the tile padding becomes exactly 0
+ * (from tile t_lo on, what the outputs read). Writes each row's max and sum of exponentials. */
+static void softmax_rows(int nr, float *const *srow, const int *from, const int *keys, int t_lo, int n, float softcap,
+                         float *m, float *l) {
     const int n_padded = (n + TILE - 1) / TILE * TILE;
     for (int r = 0; r < nr; r++) {
         const int a = from[r], kr = keys[r], j0 = a / LANES * LANES, padded = (kr + LANES - 1) / LANES * LANES;
+        if (softcap > 0.f) /* (the lanes outside a .. kr - 1 are dropped below, whatever they hold) */
+            for (int j = j0; j < padded; j += LANES) vstoreu(srow[r] + j, soft_cap(vloadu(srow[r] + j), softcap));
         vf vmx = vset1(-INFINITY);
         for (int j = j0; j < padded; j += LANES) vmx = vmax_in(vmx, vloadu(srow[r] + j), a - j, kr - j);
         const float mx = vhmax(vmx);
@@ -297,7 +315,8 @@ static void softmax_rows(int nr, float *const *srow, const int *from, const int 
 /* One task: the rows of group g (its items times the G query heads of key/value head h) over partition part.
  * Writes each row's partial result: running max, sum of exponentials and unnormalized output (D floats). */
 static int attend_partition(const void *q, long q_stride, int q_bf16, int H, int KVH, int D, const qd_kv_cache *kv,
-                            const qd_attn_items *it, int g, int h, int part, float scale, int window, float *res) {
+                            const qd_attn_items *it, int g, int h, int part, float scale, int window, float softcap,
+                            float *res) {
     static __thread scratch qbuf, sbuf, tbuf, abuf;
     const int G = H / KVH, first = (int)it->group_first[g], nq = (int)it->group_first[g + 1] - first, nr = nq * G;
     const int Dp = (D + LANES - 1) / LANES * LANES; /* row stride of the float32 buffers, zero-padded */
@@ -342,7 +361,7 @@ static int attend_partition(const void *q, long q_stride, int q_bf16, int H, int
 #undef DOT
     }
     float *out = res + 2 * nr;
-    softmax_rows(nr, srow, from, keys, t_lo, n, res, res + nr);
+    softmax_rows(nr, srow, from, keys, t_lo, n, softcap, res, res + nr);
     for (int t0 = t_lo; t0 < n; t0 += TILE) { /* outputs */
         const int tn = n - t0 < TILE ? n - t0 : TILE;
         prefetch_rows(kv->v, kv->format, sl + k0 + t0 + tn, n - t0 - tn < TILE ? n - t0 - tn : TILE, KVH, h, D);
@@ -376,11 +395,12 @@ static void merge_row(const float *base, int nr, int D, int r, int first, int en
 }
 
 /* out [T][H][D] (q's dtype), rows rows[r] written: each item's query row attends to its context, or with window > 0
- * to the last window positions of it; sinks: NULL, or a logit per query head [H] in every row's softmax. */
+ * to the last window positions of it; sinks: NULL, or a logit per query head [H] in every row's softmax; softcap > 0:
+ * each score soft-capped to cap * tanh(s / cap) (0: not capped). */
 int qd_attend(const void *q, long q_stride, int q_bf16, int H, int KVH, int D, const qd_kv_cache *kv,
-              const qd_attn_items *it, float scale, int window, const float *sinks, void *out) {
+              const qd_attn_items *it, float scale, int window, const float *sinks, float softcap, void *out) {
     if (KVH <= 0 || H % KVH || D % 8 || D > MAX_DIM || (kv->format == QD_KV_INT8 && D % QGROUP) || it->groups < 0
-        || window < 0)
+        || window < 0 || !(softcap >= 0.f && softcap < INFINITY))
         return -2;
     const int G = H / KVH;
     if (it->groups && (it->group_first[0] < 0 || it->group_first[it->groups] > it->items)) return -2;
@@ -421,7 +441,7 @@ int qd_attend(const void *q, long q_stride, int q_bf16, int H, int KVH, int D, c
         const int local = (int)(task - task_of_group[g]), nparts = (int)((task_of_group[g + 1] - task_of_group[g]) / KVH);
         const int h = local / nparts, part = part0[g] + local % nparts;
         const size_t nr = (size_t)(it->group_first[g + 1] - it->group_first[g]) * G;
-        failed |= -attend_partition(q, q_stride, q_bf16, H, KVH, D, kv, it, g, h, part, scale, window,
+        failed |= -attend_partition(q, q_stride, q_bf16, H, KVH, D, kv, it, g, h, part, scale, window, softcap,
                                     res + res_of_group[g] + (size_t)local * nr * (D + 2));
     }
     if (!failed) { /* merge each row's own partitions in order */

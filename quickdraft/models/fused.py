@@ -64,7 +64,7 @@ class _LayerDesc(ctypes.Structure):  # qd_layer_desc
                 ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int), ("act", ctypes.c_int),
                 ("window", ctypes.c_int), ("rotary_half", ctypes.c_int), ("qkv", _LinearDesc), ("o", _LinearDesc),
                 ("gate_up", _LinearDesc), ("down", _LinearDesc), ("cos", _P), ("sin", _P), ("sinks", _P),
-                ("moe", _MoeDesc)]
+                ("softcap", ctypes.c_float), ("moe", _MoeDesc)]
 
 
 def _norms(layer: nn.Module) -> dict[str, nn.Module | None]:
@@ -181,7 +181,8 @@ class FusedLayer:
                           intermediate=down.in_features, act=act,
                           window=attn.window or 0, rotary_half=rope.cos.shape[1], qkv=qkv, o=o, gate_up=gate_up,
                           down=down, cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr(),
-                          sinks=None if sinks is None else sinks.data_ptr(), moe=moe or _MoeDesc())
+                          sinks=None if sinks is None else sinks.data_ptr(), softcap=attn.softcap or 0.0,
+                          moe=moe or _MoeDesc())
         return cls(desc, [*keep, *norms, rope.cos, rope.sin, sinks], dtype)
 
     def runs(self, x: torch.Tensor, tokens: SingleTokens) -> bool:

@@ -22,7 +22,7 @@ typedef struct {
 } qd_attn_items;
 
 int qd_attend(const void *q, long q_stride, int q_bf16, int H, int KVH, int D, const qd_kv_cache *kv,
-              const qd_attn_items *it, float scale, int window, const float *sinks, void *out);
+              const qd_attn_items *it, float scale, int window, const float *sinks, float softcap, void *out);
 int qd_kv_store(const void *x, long x_stride, int x_bf16, int T, int KVH, int D, const int64_t *slot_mapping,
                 void *cache, float *scales, int format);
 #endif

@@ -71,6 +71,7 @@ typedef struct {
     qd_linear_desc qkv, o, gate_up, down;
     const float *cos, *sin; /* this layer's RoPE tables, [positions][rotary_half] (layers of one model may differ) */
     const float *sinks;     /* float32 [heads]: a logit per head every softmax also normalizes over (gpt-oss); NULL */
+    float softcap;          /* attention scores soft-capped to softcap * tanh(s / softcap) (Gemma 2); 0: not */
     qd_moe_desc moe;        /* a mixture of experts' feed-forward (gate_up.kind 0); moe.num_experts 0: the caller's */
 } qd_layer_desc;
 
@@ -207,7 +208,7 @@ int qd_decoder_layer(const qd_layer_desc *L, void *x, int bf16, int T, const int
     CHECK(qd_kv_store(qkv + (q_width + kv_width) * es, (long)qkv_width, bf16, T, L->kv_heads, L->head_dim, slot_mapping,
                       kv->v, kv->v_scale, kv->format));
     CHECK(qd_attend(qkv, (long)qkv_width, bf16, L->heads, L->kv_heads, L->head_dim, kv, items, L->attn_scale,
-                    L->window, L->sinks, att));
+                    L->window, L->sinks, L->softcap, att));
     CHECK(run_linear(&L->o, att, bf16, T, tmp));
     CHECK(lora_site(lora, layer, QD_LORA_O, att, bf16, (int)q_width, tmp, bf16, L->hidden));
     if (L->post_attn_norm) CHECK(qd_rmsnorm(tmp, bf16, L->post_attn_norm, L->norm_bf16, T, L->hidden, L->eps, tmp));

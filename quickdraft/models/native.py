@@ -50,7 +50,7 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "qd_linear": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _I],
     "qd_rmsnorm": [_P, _I, _P, _I, _I, _I, _F, _P], "qd_rope": [_P, _I, _I, _I, _I, _I, _L, _P, _P, _P],
-    "qd_attend": [_P, _L, _I, _I, _I, _I, _P, _P, _F, _I, _P, _P],
+    "qd_attend": [_P, _L, _I, _I, _I, _I, _P, _P, _F, _I, _P, _F, _P],
     "qd_kv_store": [_P, _L, _I, _I, _I, _I, _P, _P, _P, _I],
     "qd_linear_bf16": [_P, _I, _I, _P, _I, _P, _P],
     "qd_gated": [_P, _I, _I, _I, _I, _F, _F, _P], "qd_decoder_layer": [_P, _P, _I, _I, _P, _P, _P, _P, _P, _I],
@@ -340,15 +340,16 @@ def runs_attend(q: torch.Tensor, cache: CacheLayer) -> bool:
 
 
 def attend(q: torch.Tensor, cache: CacheLayer, items: AttnItems, out: torch.Tensor, scale: float, window: int,
-           sinks: torch.Tensor | None = None) -> None:
+           sinks: torch.Tensor | None = None, softcap: float | None = None) -> None:
     """Each item's query row of ``q [T, H, D]`` attends (dot products times ``scale``, softmax in float32) to its
     context in ``cache``, or with ``window`` > 0 to its last ``window`` positions (itself included; 0: all of it), each
-    softmax also over its head's logit in ``sinks [H]`` (gpt-oss); the result goes to ``out[rows[r]]`` (q's dtype)."""
+    softmax also over its head's logit in ``sinks [H]`` (gpt-oss), each score soft-capped to ``softcap * tanh(s /
+    softcap)`` where given (Gemma 2); the result goes to ``out[rows[r]]`` (q's dtype)."""
     _, heads, d = q.shape
     sinks = None if sinks is None else sinks.detach().float().reshape(heads).contiguous()  # (another shape raises)
     _check(lib().qd_attend(q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), heads, cache.k.shape[1], d,
                            ctypes.byref(cache.desc()), ctypes.byref(items.desc()), scale, window, _ptr(sinks),
-                           out.data_ptr()), "qd_attend")
+                           softcap or 0.0, out.data_ptr()), "qd_attend")
 
 
 def runs_kv_store(x: torch.Tensor, cache: torch.Tensor) -> bool:

@@ -1,4 +1,5 @@
-"""One decoder-only transformer for the Llama, Mistral, Qwen2/3, Gemma 3, Phi-3/4, SmolLM3, Granite and OLMo 2 families.
+"""One decoder-only transformer for the Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4, SmolLM3, Granite and OLMo 2
+families.
 
 A family is data (``ModelConfig``): which norms a layer has, the MLP's activation, the attention scale and window,
 the RoPE tables. Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``) so an HF state
@@ -29,11 +30,12 @@ class Attention(Protocol):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                window: int | None = None, sinks: torch.Tensor | None = None,
-               rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+               rotary: RotaryEmbedding | None = None, softcap: float | None = None) -> torch.Tensor:
         """Write k, v to the cache; each query attends to its context (its last ``window`` keys where given);
         ``sinks`` [H]: a logit per query head that each softmax also normalizes over (gpt-oss). ``rotary``: q and k
         are not rotated yet: rotate them (q in place allowed) at the attention's positions, where a GPU can in the
-        kernel that writes the keys (one launch a layer fewer)."""
+        kernel that writes the keys (one launch a layer fewer). ``softcap``: each score (after the scale) becomes
+        ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2)."""
 
     def single_tokens(self, layer: int) -> SingleTokens | None:
         """Where every new token attends alone on quickdraft's CPU kernel: what a fused layer needs; else None."""
@@ -61,6 +63,7 @@ class SelfAttention(nn.Module):
         self.clip = cfg.clip_qkv  # OLMoE: q, k and v clamped to +-clip_qkv
         self.scale = cfg.attention_scale
         self.window = cfg.window(layer)
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2: scores soft-capped before the softmax
 
     def fuse(self, qkv_proj: nn.Module) -> None:
         """Run q/k/v as one projection (one weight read, one kernel call instead of three)."""
@@ -103,7 +106,7 @@ class SelfAttention(nn.Module):
         if self.q_norm is None and self.clip is None and not native.runs_rope(qk):  # off CPU: rotated by attend
             v = qkv[:, (heads + kv_heads) * dim:].reshape(t, kv_heads, dim)
             out = attn.attend(self.layer, qk[:, :heads], qk[:, heads:], v, self.scale, self.window, self.sinks,
-                              rotary=rope)
+                              rotary=rope, softcap=self.softcap)
             return out.reshape(t, -1)
         return self._attend(*qkv.split(self.qkv_sizes, dim=-1), rope, attn)
 
@@ -119,7 +122,8 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, attn.positions), rope(k, attn.positions)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        return attn.attend(self.layer, q, k, v, self.scale, self.window, self.sinks).reshape(t, -1)
+        return attn.attend(self.layer, q, k, v, self.scale, self.window, self.sinks,
+                           softcap=self.softcap).reshape(t, -1)
 
 
 class DecoderLayer(nn.Module):
@@ -303,10 +307,13 @@ class Transformer(nn.Module):
         return stack
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits of final hidden states (divided by Granite's ``logits_scaling``)."""
+        """float32 logits of final hidden states (divided by Granite's ``logits_scaling``, soft-capped to
+        ``cap * tanh(logit / cap)`` by Gemma 2's ``final_logit_softcapping``)."""
         logits = self.lm_head(hidden).float()
-        scaling = self.config.logits_scaling
-        return logits if scaling == 1.0 else logits / scaling
+        scaling, cap = self.config.logits_scaling, self.config.final_logit_softcapping
+        if scaling != 1.0:
+            logits = logits / scaling
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], device: str | torch.device = "cpu",
