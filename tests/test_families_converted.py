@@ -46,8 +46,8 @@ def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, rotary: int | N
     ``original``, and the attention factor the converter computes, a tied head), OLMo 2 as its converter writes it
     (rows as they are, norms after the blocks alone), Gemma 2 as its converter writes it (norms stored as 1 + w, both
     soft-caps and the window as keys, a tied head); 2-D weights in ``qtype`` (default float32). ``keys``: Granite's
-    and Gemma 2's keys written over the converter's (a float as float32, an int as uint32 or int32, a list as an array, None:
-    left out); ``extra(writer)``: keys the converter does not write (a damaged file's,
+    and Gemma 2's keys written over the converter's (a float as float32, an int as uint32 or int32, a string, a list as an array,
+    None: left out); ``extra(writer)``: keys the converter does not write (a damaged file's,
     or another release's)."""
     import gguf.quants
     from gguf import GGUFWriter
@@ -82,6 +82,8 @@ def write_gguf(path: Path, hf_path: Path, name: str, qtype=None, rotary: int | N
             w.add_float32(key, value)
         elif isinstance(value, int):
             (w.add_uint32 if value >= 0 else w.add_int32)(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
         elif value is not None:
             w.add_array(key, value)
     if extra is not None:
@@ -190,14 +192,19 @@ def test_damaged_granite_keys_are_refused_by_name(family_dir, tmp_path, keys, me
 @pytest.mark.parametrize("keys,message", [
     ({"gemma2.attn_logit_softcapping": float("nan")}, r"'gemma2.attn_logit_softcapping' is float nan; it must be a "
                                                       r"positive finite number"),
-    ({"gemma2.final_logit_softcapping": 0.0}, r"'gemma2.final_logit_softcapping' is float 0.0; it must be a positive"),
+    ({"gemma2.final_logit_softcapping": -1.0}, r"'gemma2.final_logit_softcapping' is float -1.0; it must be a "
+                                               r"positive"),
     ({"gemma2.attn_logit_softcapping": 1e30}, r"'gemma2.attn_logit_softcapping' is 1e\+30; allowed: 0.001 to 1e\+09"),
     ({"gemma2.attention.sliding_window": 0}, r"'gemma2.attention.sliding_window' is 0; allowed: 1 to 16,777,216"),
     ({"gemma2.attention.sliding_window_pattern": [True, False]},
-     r"'gemma2.attention.sliding_window_pattern' is list \[True, False\]; as a list it must hold a bool for each of "
-     r"the 3 layers"),
+     r"'gemma2.attention.sliding_window_pattern' is list \[True, False\]; as a list it must hold a flag \(true/false, "
+     r"1/0\) for each of the 3 layers"),
+    ({"gemma2.attention.sliding_window_pattern": [1, 2, 0]}, r"'gemma2.attention.sliding_window_pattern' is list"),
     ({"gemma2.attention.sliding_window_pattern": -2}, r"'gemma2.attention.sliding_window_pattern' is -2; allowed: 0"),
-    ({"gemma2.rope.freq_base_swa": 1e20}, r"local_rope_theta=1[.\d]*e\+20; allowed: above 1 up to 1e\+12"),
+    ({"gemma2.rope.freq_base_swa": 1e20}, r"'gemma2.rope.freq_base_swa' is 1[.\d]*e\+20; allowed: above 1 up to "
+                                          r"1e\+12"),
+    ({"gemma2.rope.freq_base_swa": 1e5, "gemma2.rope.scaling.type": "linear", "gemma2.rope.scaling.factor": 2.0},
+     r"'gemma2.rope.freq_base_swa' with RoPE scaling is not supported"),
 ])
 def test_damaged_gemma2_keys_are_refused_by_name(family_dir, tmp_path, keys, message):
     path = write_gguf(tmp_path / "damaged.gguf", family_dir("gemma2")[0], "gemma2", keys=keys)
@@ -216,6 +223,8 @@ def test_damaged_gemma2_keys_are_refused_by_name(family_dir, tmp_path, keys, mes
      (0.05, 6.0)),
     ({"gemma2.attention.sliding_window_pattern": [False, True, True]},
      ["full_attention", "sliding_attention", "sliding_attention"], (0.05, 6.0)),
+    ({"gemma2.attention.sliding_window_pattern": [1, 1, 0], "gemma2.final_logit_softcapping": 0.0},  # 0: no cap
+     ["sliding_attention", "sliding_attention", "full_attention"], (0.05, None)),
 ])
 def test_gemma2_keys_as_llama_cpp_reads_them(family_dir, tmp_path, keys, sliding, caps):
     """Which layers slide (``sliding_window_pattern``: every n-th layer full, 0 none, or a flag per layer), and the
@@ -223,7 +232,8 @@ def test_gemma2_keys_as_llama_cpp_reads_them(family_dir, tmp_path, keys, sliding
     path = write_gguf(tmp_path / "m.gguf", family_dir("gemma2")[0], "gemma2", keys=keys)
     cfg = LLM(str(path), dtype="float32", kv_cache_memory="16MiB").model.config
     assert list(cfg.layer_types) == sliding
-    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == pytest.approx(caps)
+    for got, want in zip((cfg.attn_logit_softcapping, cfg.final_logit_softcapping), caps):
+        assert got == (None if want is None else pytest.approx(want))
     assert cfg.sliding_window == (4096 if "gemma2.attention.sliding_window" in keys else 12)
 
 

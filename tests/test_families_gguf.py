@@ -186,13 +186,22 @@ def test_gemma3_without_a_window_is_all_full_layers(tmp_path, cache_dir):
     assert not any(cfg.is_sliding(i) for i in range(2)) and cfg.rope_scaling is None
 
 
-def test_gemma3_logit_softcapping_is_refused(tmp_path, cache_dir):
+@pytest.mark.parametrize("meta,expected", [
+    ({"{arch}.final_logit_softcapping": 30.0}, 30.0),  # llama.cpp caps the logits where the key is set
+    ({"{arch}.final_logit_softcapping": 0.0}, None),  # 0: none, as llama.cpp reads it
+    ({"{arch}.final_logit_softcapping": float("nan")}, r"'gemma3.final_logit_softcapping' is float nan; it must be"),
+    ({"{arch}.attn_logit_softcapping": 50.0}, None),  # ignored, as llama.cpp and transformers ignore it
+])
+def test_gemma3_soft_caps_as_llama_cpp_reads_them(tmp_path, cache_dir, meta, expected):
     path = tmp_path / "gemma3.gguf"
-    write(path, "gemma3", {**GEMMA3_META, "{arch}.block_count": 2, "{arch}.final_logit_softcapping": 30.0},
+    write(path, "gemma3", {**GEMMA3_META, "{arch}.block_count": 2, **meta},
           tensors_of(list(GEMMA3_LAYER), 2, 32, np.random.default_rng(1), kv_heads=1))
-    with pytest.raises(ModelLoadError, match=r"'gemma3.final_logit_softcapping' is float 30.0; logit soft-capping "
-                                             r"is not supported"):
-        load_checkpoint(path)
+    if isinstance(expected, str):
+        with pytest.raises(ModelLoadError, match=expected):
+            load_checkpoint(path)
+        return
+    cfg = load_checkpoint(path).config
+    assert cfg.final_logit_softcapping == expected and cfg.attn_logit_softcapping is None
 
 
 def test_real_gemma3_270m_config(cache_dir):

@@ -248,11 +248,19 @@ def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     does."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa, scale=scale)
-    group = q.shape[-3] // k.shape[-3]
-    k, v = k.float().repeat_interleave(group, dim=-3), v.float().repeat_interleave(group, dim=-3)
-    scores = torch.tanh(q.float() @ k.transpose(-1, -2) * scale / softcap) * softcap
+    *lead, heads, rows, dim = q.shape
+    kv_heads = k.shape[-3]
+    group = heads // kv_heads
+    if group > 1 and mask.dtype == torch.bool and mask.dim() == 2:
+        # a prompt piece: the query heads of a key/value head as one block of rows over its keys, never copied
+        q = q.reshape(*lead, kv_heads, group * rows, dim)
+        mask = mask.repeat(group, 1)
+    elif group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.tanh(q.float() @ k.float().transpose(-1, -2) * scale / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
+    out = (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
+    return out.reshape(*lead, heads, rows, dim)
 
 
 def with_sinks(ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor

@@ -45,8 +45,9 @@ Config (``family_fields``):
   the band not rounded: its config's ``truncate: false``); the clamped SwiGLU's alpha 1.702 and limit 7 (llama.cpp's
   constants too).
 
-RoPE scaling and the dims it rotates come from ``gguf_rope.py``. Logit soft-capping outside gemma2 is refused rather
-than run as something it is not.
+RoPE scaling and the dims it rotates come from ``gguf_rope.py``. Soft caps are read for gemma2 (both) and gemma3 (the
+final logits' cap, as llama.cpp reads it; an attention cap llama.cpp and transformers ignore for Gemma 3, and so does
+this loader).
 """
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
-from quickdraft.config import (ATTENTION_MULTIPLIER_RANGE, MAX_CONTEXT, MAX_WIDTH, SCALAR_RANGE, ModelConfig,
-                               every_nth_full)
+from quickdraft.config import (ATTENTION_MULTIPLIER_RANGE, MAX_CONTEXT, MAX_WIDTH, SCALAR_RANGE, THETA_RANGE,
+                               ModelConfig, every_nth_full)
 from quickdraft.errors import ModelLoadError
 from quickdraft.loading.gguf_metadata import int_value, positive_float, show
 from quickdraft.loading.gguf_rope import FloatReader, rope_scaling, rotary_dims
@@ -182,6 +183,9 @@ def family_fields(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[i
         out.update(_gemma3(metadata, path, base))
     elif arch == "gemma2":
         out.update(_gemma2(metadata, path, base))
+        if out["rope_scaling"] is not None and out["local_rope_theta"] is not None:
+            raise ModelLoadError(f"{path}: GGUF metadata 'gemma2.rope.freq_base_swa' with RoPE scaling is not "
+                                 f"supported (the sliding layers' own base would need the scaling too)")
     elif arch == "gpt-oss":
         out.update(_gpt_oss(metadata, shapes, path, base))
     elif arch == "phi3" and metadata.get("phi3.attention.sliding_window"):
@@ -263,16 +267,15 @@ def _gpt_oss(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path:
 
 
 def _gemma3(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[str, Any]:
-    for key in ("gemma3.final_logit_softcapping", "gemma3.attn_logit_softcapping"):
-        value = metadata.get(key)
-        if value not in (None, 0, 0.0):
-            raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {show(value)}; logit soft-capping is not "
-                                 f"supported (Gemma 3 has none)")
+    if metadata.get("gemma3.attn_logit_softcapping") not in (None, 0, 0.0):
+        log.warning("%s: ignoring GGUF metadata 'gemma3.attn_logit_softcapping', as llama.cpp and transformers do",
+                    path.name)
     layers, hidden, heads = base["num_layers"], base["hidden_size"], base["num_heads"]
     out: dict[str, Any] = {
         "sandwich_norms": True, "hidden_act": "gelu_tanh", "embedding_multiplier": math.sqrt(hidden),
         # llama.cpp: 1/sqrt(n_embd_head_k), except 1/sqrt(n_embd/n_head) for the 27B (62 layers)
         "query_pre_attn_scalar": float(hidden // heads if layers == 62 else base["head_dim"]),
+        "final_logit_softcapping": _cap(metadata, "gemma3.final_logit_softcapping", path, None),
     }
     window = int_value(metadata, "gemma3.attention.sliding_window", path, 0, MAX_CONTEXT, default=0)
     if window:
@@ -281,35 +284,44 @@ def _gemma3(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[
     return out
 
 
+def _cap(metadata: dict[str, Any], key: str, path: Path, default: float | None) -> float | None:
+    """A soft cap (``default`` where absent; 0, as llama.cpp reads it, none), range-checked under its own key."""
+    value = metadata.get(key)
+    if type(value) in (int, float) and value == 0:
+        return None
+    cap = positive_float(metadata, key, path, default)
+    if cap is not None and not SCALAR_RANGE[0] <= cap <= SCALAR_RANGE[1]:
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {cap:g}; allowed: {SCALAR_RANGE[0]:g} to "
+                             f"{SCALAR_RANGE[1]:g}")
+    return cap
+
+
 def _gemma2(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2 as llama.cpp reads it: Gemma's norms, activation and embedding scale; both soft-caps and the window
     (llama.cpp's defaults where absent, range-checked under their own keys); the sliding layers by
     ``attention.sliding_window_pattern`` (every n-th layer full; 0: none full) or as a flag per layer (true: slides),
     by default every 2nd full; ``rope.freq_base_swa`` the sliding layers' RoPE base where given; the attention scale
-    1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 46-layer 27B."""
+    1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 46-layer 27B. A cap of 0 caps nothing."""
     layers, hidden, heads = base["num_layers"], base["hidden_size"], base["num_heads"]
-    caps = {}
-    for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), GEMMA2_SOFTCAPS):
-        cap = positive_float(metadata, f"gemma2.{key}", path, default)
-        if not SCALAR_RANGE[0] <= cap <= SCALAR_RANGE[1]:
-            raise ModelLoadError(f"{path}: GGUF metadata 'gemma2.{key}' is {cap:g}; allowed: {SCALAR_RANGE[0]:g} to "
-                                 f"{SCALAR_RANGE[1]:g}")
-        caps[key] = cap
+    caps = {key: _cap(metadata, f"gemma2.{key}", path, default)
+            for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), GEMMA2_SOFTCAPS)}
     window = int_value(metadata, "gemma2.attention.sliding_window", path, 1, MAX_CONTEXT, default=GEMMA2_WINDOW)
     pattern = metadata.get("gemma2.attention.sliding_window_pattern", GEMMA2_PATTERN)
     if isinstance(pattern, list):
-        if len(pattern) != layers or not all(isinstance(flag, bool) for flag in pattern):
+        if len(pattern) != layers or not all(type(flag) in (bool, int) and flag in (0, 1) for flag in pattern):
             raise ModelLoadError(f"{path}: GGUF metadata 'gemma2.attention.sliding_window_pattern' is "
-                                 f"{show(pattern)}; as a list it must hold a bool for each of the {layers} layers")
-        sliding = pattern
+                                 f"{show(pattern)}; as a list it must hold a flag (true/false, 1/0) for each of the "
+                                 f"{layers} layers")
+        sliding = [bool(flag) for flag in pattern]
     else:
         every = int_value(metadata, "gemma2.attention.sliding_window_pattern", path, 0, MAX_WIDTH,
                           default=GEMMA2_PATTERN)
         sliding = [every == 0 or i % every < every - 1 for i in range(layers)]
-    local_theta = positive_float(metadata, "gemma2.rope.freq_base_swa", path, None)
-    if local_theta == base["rope_theta"]:
-        local_theta = None  # one table serves both kinds of layer
+    local_theta = positive_float(metadata, "gemma2.rope.freq_base_swa", path, base["rope_theta"])
+    if not THETA_RANGE[0] < local_theta <= THETA_RANGE[1]:
+        raise ModelLoadError(f"{path}: GGUF metadata 'gemma2.rope.freq_base_swa' is {local_theta:g}; allowed: above "
+                             f"{THETA_RANGE[0]:g} up to {THETA_RANGE[1]:g}")
     return dict(sandwich_norms=True, hidden_act="gelu_tanh", embedding_multiplier=math.sqrt(hidden),
                 query_pre_attn_scalar=float(hidden // heads if layers == 46 else base["head_dim"]),
-                sliding_window=window, local_rope_theta=local_theta,
+                sliding_window=window, local_rope_theta=None if local_theta == base["rope_theta"] else local_theta,
                 layer_types=tuple("sliding_attention" if flag else "full_attention" for flag in sliding), **caps)

@@ -3,11 +3,14 @@ checkpoints on the Hub use (``rope_theta``, ``rope_scaling``, ``rope_local_base_
 and the ones transformers 5 writes (``rope_parameters``, per layer type for Gemma 3, and ``layer_types``)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from quickdraft.config import LAYER_TYPES, MAX_WIDTH, ROPE_TYPES, ModelConfig, RopeScaling, every_nth_full
 from quickdraft.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 # model_type in config.json -> our architecture name
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
@@ -15,6 +18,11 @@ MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3"
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe",
                "gpt_oss": "gpt_oss"}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# transformers' defaults where a family's config.json leaves a key out and the family's default is not Llama's
+_FAMILY_DEFAULTS = {
+    "gemma2": {"head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096},
+    "gemma3": {"head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096},
+}
 # transformers' older names for the same scalings
 _ROPE_ALIASES = {"su": "longrope", None: "default"}
 
@@ -147,18 +155,19 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple
 
 def _gemma(cfg: dict[str, Any], arch: str, hidden: int) -> dict[str, Any]:
     """Gemma 2 and 3: norms around attention and the MLP (stored as weight, scaling by 1 + weight), embeddings times
-    sqrt(hidden), a query scale of its own; Gemma 3 norms q and k per head, Gemma 2 soft-caps attention scores and
-    logits instead (transformers' defaults 50 and 30 where config.json leaves them out; null: no cap)."""
+    sqrt(hidden), a query scale of its own, the final logits soft-capped where set; Gemma 2 soft-caps attention scores
+    too (transformers' defaults 50 and 30 where config.json leaves them out; null: no cap), Gemma 3 norms q and k per
+    head instead (transformers' Gemma 3 reads no attention cap, whatever its config says)."""
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError("use_bidirectional_attention=true (an embedding model) is not supported")
-    out = dict(sandwich_norms=True, embedding_multiplier=hidden ** 0.5,
-               query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256))
+    out = dict(sandwich_norms=True, embedding_multiplier=hidden ** 0.5, query_pre_attn_scalar=cfg.get(
+        "query_pre_attn_scalar", 256), final_logit_softcapping=cfg.get("final_logit_softcapping",
+                                                                       30.0 if arch == "gemma2" else None))
     if arch == "gemma2":
-        return {**out, "attn_logit_softcapping": cfg.get("attn_logit_softcapping", 50.0),
-                "final_logit_softcapping": cfg.get("final_logit_softcapping", 30.0)}
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise ModelLoadError(f"{key}={cfg[key]} is not supported for Gemma 3 (transformers' Gemma 3 has none)")
+        return {**out, "attn_logit_softcapping": cfg.get("attn_logit_softcapping", 50.0)}
+    if cfg.get("attn_logit_softcapping") is not None:
+        log.warning("attn_logit_softcapping=%r is ignored, as transformers' and llama.cpp's Gemma 3 ignore it",
+                    cfg["attn_logit_softcapping"])
     return {**out, "qk_norm": True}
 
 
@@ -210,6 +219,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any], path: Path) 
     if model_type not in MODEL_TYPES:
         raise ModelLoadError(f"{where}: unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
     arch = MODEL_TYPES[model_type]
+    cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **cfg}  # (Gemma's MLP reads hidden_activation alone, as transformers')
     try:
         hidden, heads, num_layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or not 1 <= num_layers <= MAX_WIDTH:

@@ -67,6 +67,7 @@ static inline __mmask16 lanes_in(int lo, int hi) { /* lanes lo <= i < hi */
 static inline vf vkeep_in(vf x, int lo, int hi) { return _mm512_maskz_mov_ps(lanes_in(lo, hi), x); } /* others 0 */
 static inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
 static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vkeep_nan(vf x, vf y) { return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x); }
 static inline vf vcopysign(vf x, vf sign) { /* |x| with sign's sign bit (x >= 0) */
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_and_si512(_mm512_castps_si512(sign),
                                                                                         _mm512_set1_epi32(INT32_MIN))));
@@ -104,6 +105,7 @@ static inline __m256 lanes_in(int lo, int hi) { /* all ones in lanes lo <= i < h
 }
 static inline vf vkeep_in(vf x, int lo, int hi) { return _mm256_and_ps(x, lanes_in(lo, hi)); }
 static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vkeep_nan(vf x, vf y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
 static inline vf vcopysign(vf x, vf sign) { return _mm256_or_ps(x, _mm256_and_ps(sign, _mm256_set1_ps(-0.f))); }
 static inline float vhmax(vf x) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -132,11 +134,12 @@ static inline vf exp_neg(vf x) { /* exp for x <= 0 (Cephes polynomial, ~1 ulp) *
 }
 
 /* cap * tanh(x / cap) (Gemma 2's soft-capped scores): tanh|y| = (1 - e) / (1 + e) with e = exp(-2|y|) <= 1, which
- * never overflows, then y's sign; within 1.2e-7 * cap of the true value, a few ulps of a score of that size. */
+ * never overflows, then y's sign; a NaN stays NaN (as torch's path keeps it). Within about 1e-7 * cap of the true
+ * value absolutely, which is what a softmax sees (a score's relative precision near 0 is lost, its effect is not). */
 static inline vf soft_cap(vf x, float cap) {
     const vf y = vmul(x, vset1(1.f / cap));
     const vf e = exp_neg(vmul(vset1(-2.f), vmax(y, vsub(vzero(), y))));
-    return vmul(vcopysign(vdiv(vsub(vset1(1.f), e), vadd(vset1(1.f), e)), y), vset1(cap));
+    return vkeep_nan(x, vmul(vcopysign(vdiv(vsub(vset1(1.f), e), vadd(vset1(1.f), e)), y), vset1(cap)));
 }
 
 /* Asks for the cache rows of the next tile (slots sl[0..n)) while this one is computed: the rows lie wherever the
