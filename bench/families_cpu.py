@@ -1,8 +1,9 @@
 """The families whose layers differ from Llama's in RoPE or scaling, at their real shapes, against llama.cpp on the same
 GGUF: SmolLM3-3B (every 4th of 36 layers without RoPE), Phi-4-mini (RoPE over 96 of each head's 128 dims, longrope,
-fused q/k/v and gate/up), Granite-3.3-2B (embedding, attention, residual and logit multipliers) and OLMo-2-1B (norms
-after attention and the MLP only, whole-q/k norms). Each is a random-weight model of the released config's sizes and
-vocabulary (tied embeddings where the release ties them: all but OLMo 2), written as F16 with
+fused q/k/v and gate/up), Granite-3.3-2B (embedding, attention, residual and logit multipliers), OLMo-2-1B (norms
+after attention and the MLP only, whole-q/k norms) and Gemma-2-2B (norms around attention and the MLP, soft-capped
+attention scores and logits, 256-wide heads, a 256,000-token vocabulary). Each is a random-weight model of the released
+config's sizes and vocabulary (tied embeddings where the release ties them: all but OLMo 2), written as F16 with
 gguf-py a tensor at a time, quantized to Q4_K_M by llama.cpp's own quantizer (llama-cpp-python's
 ``llama_model_quantize``), the F16 source then deleted. The tokenizer is the packaged SmolLM2's (below 151,936 tokens)
 or Qwen2.5's, padded with control tokens to the shape's vocabulary.
@@ -16,7 +17,7 @@ share of the read-bandwidth limit (bandwidth measured in the same run). Greedy t
 repeat slices of one pool, so many logits tie exactly, and the engines' int8 activations break ties their own ways;
 the layout is checked against llama.cpp's float32 logits by tests/test_families_converted.py.
 
-Usage: python bench/families_cpu.py [--families smollm3,phi4-mini,granite,olmo2] [--tokens 64] [--prompts 3]
+Usage: python bench/families_cpu.py [--families smollm3,phi4-mini,granite,olmo2,gemma2] [--tokens 64] [--prompts 3]
        [--name families_cpu]
 Prints a table and the process's peak RSS (both engines loaded at once), and writes bench/results/<name>.json.
 Needs llama-cpp-python (pip install quickdraft[llamacpp]) and about 8 GB of free disk for the largest F16 source.
@@ -51,6 +52,8 @@ FAMILIES = {  # the released configs' sizes
                     ffn=8192, vocab=49159, rope_base=1e7, context=131072, eps=1e-5),
     "olmo2": dict(arch="olmo2", model="OLMo-2-1B", hidden=2048, layers=16, heads=16, kv_heads=16, head_dim=128,
                   ffn=8192, vocab=100352, rope_base=5e5, context=4096, eps=1e-6),
+    "gemma2": dict(arch="gemma2", model="Gemma-2-2B", hidden=2304, layers=26, heads=8, kv_heads=4, head_dim=256,
+                   ffn=9216, vocab=256000, rope_base=1e4, context=8192, eps=1e-6, window=4096, caps=(50.0, 30.0)),
 }
 GRANITE_SCALES = dict(embedding=12.0, attention=0.015625, residual=0.22, logit=8.0)
 
@@ -96,8 +99,14 @@ def build_f16(path: Path, name: str) -> Path:
         w.add_attention_scale(g["attention"])
         w.add_residual_scale(g["residual"])
         w.add_logit_scale(g["logit"])
+    if name == "gemma2":
+        w.add_sliding_window(s["window"])
+        w.add_attn_logit_softcapping(s["caps"][0])
+        w.add_final_logit_softcapping(s["caps"][1])
     for i in range(s["layers"]):
         p = f"blk.{i}."
+        if name == "gemma2":  # norms before and after attention and the MLP
+            tensors += [(p + "post_attention_norm.weight", (d,), "norm"), (p + "post_ffw_norm.weight", (d,), "norm")]
         if name == "olmo2":  # norms after attention and the MLP, q and k normed whole
             tensors += [(p + "post_attention_norm.weight", (d,), "norm"), (p + "post_ffw_norm.weight", (d,), "norm"),
                         (p + "attn_q_norm.weight", (q,), "norm"), (p + "attn_k_norm.weight", (kv,), "norm")]
