@@ -14,6 +14,7 @@ from quickdraft.loading import load_checkpoint
 from quickdraft.loading.checkpoint import LazyTensors
 from quickdraft.loading.quantize import load_model
 from quickdraft.models import qmatmul
+from quickdraft.models.block_embedding import BlockEmbedding
 
 from fixtures_loading import write_tiny_gguf
 
@@ -56,11 +57,13 @@ def test_conversion_holds_one_float_tensor_at_a_time(tmp_path, monkeypatch, qtyp
         assert tracker.calls <= 3, tracker.calls  # the embedding (and the tied head's int8 copy)
     else:
         assert tracker.calls >= 7 * ckpt.config.num_layers  # every layer was read from the file
-    # a quantized model: the embedding table it keeps and the one matrix being converted; a float one: the embedding
-    # and the seven matrices of the layer being packed (q/k/v and gate/up are packed as one projection each)
-    bound = 1 + (7 if fmt == "bfloat16" else 1)
+    # a quantized model: the one matrix being converted (its embedding's rows are read from the file's blocks when
+    # looked up, never a float table); a float one: the embedding and the seven matrices of the layer being packed
+    # (q/k/v and gate/up are packed as one projection each)
+    bound = 8 if fmt == "bfloat16" else 1
     assert tracker.most_alive <= bound, f"{tracker.most_alive} float matrices alive at once while loading"
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert isinstance(model.model.embed_tokens, BlockEmbedding) == (fmt != "bfloat16")
+    assert model.model.embed_tokens(torch.tensor([1, 2])).dtype == torch.bfloat16
 
 
 @pytest.mark.skipif(not qmatmul.available(), reason="row chunks apply to the qmatmul kernel's layout")

@@ -23,8 +23,9 @@ from quickdraft.kv.paged_attention import kernel_possible
 from quickdraft.loading import Checkpoint, load_checkpoint
 from quickdraft.loading.lora import check_adapter_names, lora_weights, read_adapters
 from quickdraft.loading.pack_float import check_gpu_linears, triton_float_linears
-from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, default_lm_head, FLOAT_FORMATS, QUANT_FORMATS, load_model,
-                                        resolve_draft_weights, resolve_weights, weights_summary)
+from quickdraft.loading.quantize import (DRAFT_INT4_OPTIONS, FLOAT_FORMATS, QUANT_FORMATS, default_lm_head,
+                                        load_model, planned_bytes, resolve_draft_weights, resolve_weights,
+                                        weights_summary)
 from quickdraft.loading.weight_cache import dtype_name
 from quickdraft.loading.weight_choice import head_kernel, planned_weight_bytes
 from quickdraft.models import Transformer, native, weight_bytes
@@ -322,7 +323,7 @@ def _memory_plan(o: EngineOptions, checkpoint: Checkpoint, fmt: str | None, draf
     cfg = checkpoint.config
     quantized = fmt if fmt in QUANT_FORMATS else None  # an explicit float format holds float weights
     head = head_kernel(quantized, default_lm_head(quantized), checkpoint.tensor_types)
-    weights = {"target": planned_weight_bytes(cfg, checkpoint.tensor_types, quantized, head, checkpoint.dtype)}
+    weights = {"target": planned_bytes(checkpoint, quantized, head, o.device)}
     # a sequence of the full context holds its drafts too (see the capacity check in build_engine)
     blocks = -(-(max_model_len + o.draft_limit + 1) // o.block_size)
 
@@ -337,8 +338,7 @@ def _memory_plan(o: EngineOptions, checkpoint: Checkpoint, fmt: str | None, draf
         int4 = draft_fmt == "int4"
         quantized = draft_fmt if draft_fmt in QUANT_FORMATS else None
         draft_head = "int4" if int4 else head_kernel(quantized, default_lm_head(quantized), draft.tensor_types)
-        weights["draft"] = planned_weight_bytes(dc, draft.tensor_types, quantized, draft_head,
-                                                draft.dtype, "int4" if int4 else "int8")
+        weights["draft"] = planned_bytes(draft, quantized, draft_head, o.device, "int4" if int4 else "int8")
         if _keeps_float(draft_fmt, o.device):
             weights["draft float copy"] = planned_weight_bytes(dc, draft.tensor_types, None, None, draft.dtype)
         kv.append(kv_need("draft", draft, dc.num_layers))

@@ -5,7 +5,7 @@ import contextlib
 import functools
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -292,6 +292,21 @@ def dequantize_rows(raw: np.ndarray, qtype: int, shape: tuple[int, ...], dtype: 
         r1 = min(rows, r0 + ROW_CHUNK)
         out[r0:r1] = dequantize(raw[r0 * per_row:r1 * per_row], qtype, (r1 - r0, cols))
     return out
+
+
+def rows_reader(raw: np.ndarray, qtype: int, shape: tuple[int, int], dtype: torch.dtype
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A 2-D tensor's rows by index ``[n]``, dequantized to ``dtype`` from its blocks (``raw``) when asked for: the
+    bits ``dequantize_rows`` gives those rows of the whole tensor, which a table read a row at a time (an embedding)
+    then never needs whole."""
+    rows, cols = shape
+    table = raw.reshape(rows, raw.shape[0] // rows)
+
+    def rows_of(ids: torch.Tensor) -> torch.Tensor:
+        picked = np.ascontiguousarray(table[ids.numpy()])
+        return dequantize(picked.reshape(-1), qtype, (len(ids), cols)).to(dtype)
+
+    return rows_of
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, use_cache: bool = True) -> Checkpoint:

@@ -1,9 +1,10 @@
 """On-disk cache of quantized layers, so a model is converted once per source, format and kernel layout.
 
-An entry is a safetensors file under ``cache_root()/quantized/`` holding the model's float tensors (embedding, norms,
-biases) and each quantized layer in the layout of the kernel it runs on, written one layer at a time as it is
-converted and loaded back memory-mapped (an embedding costs only the rows read; the layers, which every step reads
-whole, are copied out a layer at a time, see ``TensorFile.copy``); keyed by the checkpoint fingerprint, the
+An entry is a safetensors file under ``cache_root()/quantized/`` holding the model's float tensors (norms, biases, and
+the embedding where the model does not read its rows from the GGUF's own blocks) and each quantized layer in the layout
+of the kernel it runs on, written one layer at a time as it is converted and loaded back memory-mapped (an embedding
+costs only the rows read; the layers, which every step reads whole, are copied out a layer at a time, see
+``TensorFile.copy``); keyed by the checkpoint fingerprint, the
 format and its options, the source precision and that layout (``cache_layout``), so an entry is only reused where
 the same kernel runs. A damaged or mismatching entry is dropped and rebuilt; ``cache_budget`` drops the least recently
 used entries past a bound.
@@ -34,9 +35,10 @@ from quickdraft.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
-# Bump when the quantization (rounding, mapping) changes; a change of the kernel's stored layout is caught by
+# Bump when the quantization (rounding, mapping) or what an entry holds changes (8: no embedding table where the model
+# reads its rows from the GGUF's blocks); a change of the kernel's stored layout is caught by
 # LAYOUT_SOURCES without a bump.
-QUANT_CACHE_VERSION = "7"
+QUANT_CACHE_VERSION = "8"
 # The files that define how the qmatmul kernel's weights are stored: the repacking, the quantizers, and the C
 # header that reads them. Any change to them makes earlier cache files unusable (a file written in another layout
 # would be read as garbage), so their digest is part of every qmatmul cache key.

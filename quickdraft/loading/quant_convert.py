@@ -333,7 +333,7 @@ def quantize_model(model: Transformer, fmt: str, sources: Sources | None = None,
     (docs/MEASUREMENTS.md, bench/quant_accuracy.py).
     """
     check_quant_options(model, fmt, group_size, lm_head, wide_sources)
-    device = model.model.embed_tokens.weight.device
+    device = model.model.norm.weight.device  # (the embedding may be read from the file's blocks, held nowhere)
     kinds, exact = {}, 0
     for name, mod, is_exact in quantized_layers(model, fmt, sources or Sources(), device, group_size=group_size,
                                                 lm_head=lm_head, wide_sources=wide_sources):

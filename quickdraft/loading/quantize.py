@@ -35,7 +35,7 @@ from torch import nn
 from quickdraft.config import ModelConfig
 from quickdraft.errors import InvalidParameterError, QuickdraftError
 from quickdraft.loading.checkpoint import Checkpoint
-from quickdraft.loading.gguf import hf_tensor_types
+from quickdraft.loading.gguf import hf_tensor_types, rows_reader
 from quickdraft.loading.gguf_families import is_stacked
 from quickdraft.loading.gguf_metadata import int_value, read_header, tensor_shapes, tensor_types as gguf_tensor_types
 from quickdraft.loading.pack_float import pack_float_linears
@@ -55,8 +55,9 @@ from quickdraft.loading.weight_cache import dtype_name, float_weights
 from quickdraft.loading.quant_groups import fuse_quant_linears
 from quickdraft.loading.weight_choice import (auto_format, describe_float, describe_kernels, head_kernel,
                                              kernel_sources, layer_linear_types, planned_kernel_bytes,
-                                             planned_kernels)
+                                             planned_kernels, planned_weight_bytes)
 from quickdraft.models import qmatmul
+from quickdraft.models.block_embedding import BlockEmbedding
 from quickdraft.models.quant_formats import INT4_GROUP_SIZES
 from quickdraft.models.transformer import Transformer, build_model, step_weight_bytes
 
@@ -185,21 +186,26 @@ def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "c
     source = "gguf" if checkpoint.blocks is not None else dtype_name(checkpoint.dtype)
     path, meta = quant_cache_entry(checkpoint.fingerprint, fmt, group_size, head_fmt, source, device,
                                    checkpoint.dtype, wide_sources=wide_sources, head_rows=head_rows)
+    embedding = block_embedding(checkpoint, device, head_fmt)  # None: the table is a float tensor of the model
+    kept = skip if embedding is None else skip | {EMBED}
     entry = open_quantized(path, meta) if use_cache else None
     if entry is None and use_cache:
         # a float head is stored whole (the model built from the entry cuts it), a quantized one as cut
         skeleton = _built(checkpoint.tensors, cfg, "cpu", skip | {EMBED}, head_rows if head_fmt else None)
         layers = quantized_layers(skeleton, fmt, Sources.of(checkpoint, listed_rows(head_rows)), device, **options)
         info = functools.partial(quant_info, fmt, group_size, wide_sources, head_fmt)
-        if write_quantized(path, meta, skeleton, layers, info, {EMBED: lambda: checkpoint.tensors[EMBED]}):
+        late = {} if embedding is not None else {EMBED: lambda: checkpoint.tensors[EMBED]}
+        if write_quantized(path, meta, skeleton, layers, info, late):
             entry = open_quantized(path, meta)
         del skeleton, layers
     if entry is not None:
-        model = _built(entry.tensors, cfg, device, skip, head_rows)
+        model = _built(entry.tensors, cfg, device, kept, head_rows)
         install_quantized(entry, model, group_size, device)
     else:  # no cache: converted in memory
-        model = quantize_model(_built(checkpoint.tensors, cfg, device, skip, head_rows), fmt, Sources.of(checkpoint, listed_rows(head_rows)),
-                               **options)
+        model = quantize_model(_built(checkpoint.tensors, cfg, device, kept, head_rows), fmt,
+                               Sources.of(checkpoint, listed_rows(head_rows)), **options)
+    if embedding is not None:
+        model.model.embed_tokens = embedding
     # which kernel each layer runs on, read before fuse_quant_linears groups them (for weights_summary)
     model.quant_info = {**model.quant_info, "kernels": kernel_sources(model, names, checkpoint.tensor_types,
                                                                       checkpoint.quantization)}
@@ -207,6 +213,32 @@ def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "c
     if head_fmt is not None:  # logits in float32 (see _QuantLinearBase.float_output)
         model.lm_head.float_output = True
     return model
+
+
+def embeds_from_blocks(checkpoint: Checkpoint, device: str | torch.device, head: str | None) -> bool:
+    """Whether a quantized model of this GGUF reads its token embedding's rows from the file's blocks (``head``: the
+    lm_head's format or kernel, None: float): on the CPU, where no float head reads the table whole."""
+    tied_float_head = checkpoint.config.tie_word_embeddings and head is None
+    return torch.device(device).type == "cpu" and EMBED in (checkpoint.block_types or {}) and not tied_float_head
+
+
+def planned_bytes(checkpoint: Checkpoint, fmt: str | None, head: str | None, device: str | torch.device,
+                  wide_sources: str = "int8") -> int:
+    """``planned_weight_bytes`` of a model of ``checkpoint`` in ``fmt`` (None: float) with its lm_head on ``head``,
+    the embedding table left out where its rows are read from the file's blocks."""
+    table = fmt is None or not embeds_from_blocks(checkpoint, device, head)
+    return planned_weight_bytes(checkpoint.config, checkpoint.tensor_types, fmt, head, checkpoint.dtype, wide_sources,
+                                table)
+
+
+def block_embedding(checkpoint: Checkpoint, device: torch.device, head_fmt: str | None) -> BlockEmbedding | None:
+    """The GGUF's token embedding read a row at a time from its own blocks (the rows a step looks up, dequantized
+    when read: ``models/block_embedding.py``) where ``embeds_from_blocks``; else None."""
+    if not embeds_from_blocks(checkpoint, device, head_fmt):
+        return None
+    cfg, types = checkpoint.config, checkpoint.block_types or {}
+    rows = rows_reader(checkpoint.blocks[EMBED], types[EMBED], (cfg.vocab_size, cfg.hidden_size), checkpoint.dtype)
+    return BlockEmbedding(rows, cfg.vocab_size, cfg.hidden_size, checkpoint.dtype)
 
 
 def _linear_names(cfg: ModelConfig, lm_head: bool) -> list[str]:

@@ -88,14 +88,17 @@ def planned_kernel_bytes(shape: tuple[int, ...], kernel: str) -> int:
 
 
 def planned_weight_bytes(cfg: ModelConfig, tensor_types: Mapping[str, str] | None, fmt: str | None,
-                         head: str | None, dtype: torch.dtype, wide_sources: str = "int8") -> int:
+                         head: str | None, dtype: torch.dtype, wide_sources: str = "int8", table: bool = True) -> int:
     """Bytes the weights of a model built in ``fmt`` (None: float weights in ``dtype``) will hold, from its config and
     the file's tensor types alone (before loading): linears in the qmatmul layout or in ``dtype``, the lm_head on
-    the kernel ``head`` (a tied one as its own copy), the embedding table, norms and biases in ``dtype``."""
+    the kernel ``head`` (a tied one as its own copy), the embedding table (unless ``table`` is False: its rows read
+    from the file's blocks, ``quantize.embeds_from_blocks``), norms and biases in ``dtype``."""
     types = tensor_types or {}
 
     total = 0
     for name, shape in expected_shapes(cfg).items():
+        if name == "model.embed_tokens.weight" and not table:
+            continue
         if fmt is not None and _LAYER_LINEAR.fullmatch(name):
             total += planned_kernel_bytes(shape, layer_kernel(fmt, types.get(name), wide_sources))
         elif fmt is not None and head is not None and name == "lm_head.weight":

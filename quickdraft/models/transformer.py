@@ -369,7 +369,8 @@ def step_weight_bytes(model: Transformer) -> int:
     """Bytes of weights one decode step of one token reads: all of them but the embedding table, of which a step reads
     one row per token (a head that is the embedding table itself, float weights tied, reads it whole), and of a
     mixture's experts only the ``num_experts_per_tok`` a token chooses (experts of one layer are the same size)."""
-    embed = model.model.embed_tokens.weight
+    embedding = model.model.embed_tokens  # (read from the file's blocks, a BlockEmbedding holds no tensor)
     experts, share = expert_read(model)
     total = weight_bytes(model) - experts + round(experts * share)
-    return total if getattr(model.lm_head, "weight", None) is embed else total - embed.numel() * embed.element_size()
+    tied = getattr(model.lm_head, "weight", None) is getattr(embedding, "weight", False)
+    return total if tied else total - weight_bytes(embedding)
