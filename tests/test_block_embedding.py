@@ -32,6 +32,9 @@ def test_rows_are_the_tables_bits_and_no_entry_holds_the_table(tmp_path, monkeyp
     assert rows.dtype == dtype and torch.equal(rows, ckpt.tensors[EMBED][ids])
     with pytest.raises(IndexError, match=r"token ids must be in 0\.\.319"):
         embedding(torch.tensor([1, TINY["vocab"]]))
+    with pytest.raises(IndexError, match=r"token ids must be in 0\.\.319"):
+        embedding(torch.tensor([-1]))
+    assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, TINY["hidden"])
     (entry,) = (tmp_path / "cache" / "quantized").glob("*.safetensors")
     with safe_open(entry, "pt") as f:
         assert EMBED not in f.keys() and "model.norm.weight" in f.keys()
@@ -60,3 +63,15 @@ def test_logits_equal_the_float_tables(tmp_path, monkeypatch, tied, weights):
     model = load_model(load_checkpoint(path), weights, lm_head=False, use_cache=False)  # a float head
     assert isinstance(model.model.embed_tokens, BlockEmbedding) != tied
     assert (model.lm_head.weight is getattr(model.model.embed_tokens, "weight", None)) == tied
+
+
+def test_a_table_of_the_wrong_size_is_refused_at_load():
+    """A damaged header (or cached record of it) whose byte count does not match the rows fails when the reader is
+    made, naming the sizes, not in the middle of an engine step."""
+    import numpy as np
+
+    from quickdraft.errors import ModelLoadError
+    from quickdraft.loading.gguf import rows_reader
+
+    with pytest.raises(ModelLoadError, match=r"a Q8_0 tensor of 4 x 64 needs 272 bytes, the file holds 270"):
+        rows_reader(np.zeros(270, np.uint8), int(QT.Q8_0), (4, 64), torch.float32)

@@ -196,8 +196,8 @@ class LoadedEngine:
     @property
     def memory_summary(self) -> str:
         """What the engine holds, e.g. ``'weights 1.02 GiB (int4), KV up to 10.5 GiB (1 MiB in use)'``: the weights as
-        loaded (a memory-mapped embedding counts whole, though only the rows read take memory) and the KV caches'
-        caps, which fill as sequences need them."""
+        loaded (a memory-mapped embedding table counts whole, though only the rows read take memory; one read from the
+        GGUF's blocks counts nothing) and the KV caches' caps, which fill as sequences need them."""
         models = {id(m): m for r in self.runners for m in (r.model, r.long_model) if m is not None}
         weights = sum(weight_bytes(m) for m in models.values())
         kv = self.kv_bytes()

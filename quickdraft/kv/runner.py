@@ -43,8 +43,8 @@ class ModelRunner:
         self.logit_columns = model.config.vocab_size  # see mask_logits_from
         cfg = model.config
         self.num_layers = num_layers or cfg.num_layers
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        norm = model.model.norm.weight  # (every model has one in its activations' dtype; an embedding may hold none)
+        self.device, self.dtype = norm.device, norm.dtype
         self.block_size = block_size
         self.kv_dtype = kv_dtype or self.dtype
         per_block = KVPool.bytes_per_block(self.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, self.kv_dtype)

@@ -162,7 +162,8 @@ def load_model(checkpoint: Checkpoint, fmt: str, device: str | torch.device = "c
     * ``group_size``: int4 group (32, 64, 128); only 32 maps GGUF Q4 blocks exactly.
     * ``lm_head``: the lm_head's format: False (keep the model dtype), ``'gguf'``, ``'int8'``/True or ``'int4'``;
       None: ``default_lm_head(fmt)`` (see bench/quant_accuracy.py for the trade-off). A tied lm_head becomes a
-      quantized copy; the embedding table keeps the model dtype.
+      quantized copy. The embedding's rows are read from a GGUF's blocks on the CPU (``embeds_from_blocks``), else
+      the table keeps the model dtype.
     * ``head_rows``: keep only the lm_head's first rows (``restrict_lm_head``, a draft's vocabulary).
     * ``use_cache``: the converted model goes to ``cache_root()/quantized/`` as it is made, a layer at a time, and runs
       memory-mapped from there (``quant_cache.py``), keyed by the checkpoint fingerprint, format and options, dtype,
