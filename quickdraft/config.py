@@ -9,8 +9,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2",
-                           "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite",
+                           "olmo2", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
 # Bounds far beyond any checkpoint's values (factors of 1 to ~100, bases of 10^4 to 10^8, widths of ~16k, contexts of
 # up to ~10M tokens): within them every RoPE angle stays finite and every size fits the C kernels' ints, and a damaged
@@ -118,9 +118,9 @@ class ModelConfig:
     Qwen3 normalizes q and k per head (``qk_norm``); Mistral slides a window; Gemma 3 scales the embeddings, wraps
     attention and MLP in norms before and after (``sandwich_norms``), gates with GELU-tanh, interleaves sliding and
     full layers and gives sliding layers their own RoPE base (Gemma 2 alternates them, has no q/k norms, and
-    soft-caps attention scores and the final logits, ``cap * tanh(x / cap)``); Phi-3 stores q/k/v and gate/up fused (split at load)
-    and stretches RoPE with longrope (Phi-4-mini rotates only the first ``rotary_dim`` dims of each head); SmolLM3
-    leaves RoPE out of every 4th layer (``unrotated_layers``); Granite scales embeddings, attention, each residual
+    soft-caps attention scores and the final logits, ``cap * tanh(x / cap)``); Phi-3 stores q/k/v and gate/up fused
+    (split at load) and stretches RoPE with longrope (Phi-4-mini rotates only the first ``rotary_dim`` dims of each
+    head); SmolLM3 leaves RoPE out of every 4th layer (``unrotated_layers``); Granite scales embeddings, attention, each residual
     add and the logits by multipliers of its own; OLMo 2 keeps only the norms after attention and after the MLP
     (``pre_norms`` False) and normalizes all of q and of k at once, as OLMoE does.
     """

@@ -303,8 +303,8 @@ def rows_reader(raw: np.ndarray, qtype: int, shape: tuple[int, int], dtype: torc
     geometry = TYPES[qtype]
     row_bytes = cols // geometry.block * geometry.type_size
     if cols % geometry.block or raw.shape[0] != rows * row_bytes:
-        raise ModelLoadError(f"a {qtype_name(qtype)} tensor of {rows:,} x {cols:,} needs {rows * row_bytes:,} bytes, the "
-                             f"file holds {raw.shape[0]:,} (corrupt or truncated file?)")
+        raise ModelLoadError(f"a {qtype_name(qtype)} tensor of {rows:,} x {cols:,} needs {rows * row_bytes:,} bytes, "
+                             f"the file holds {raw.shape[0]:,} (corrupt or truncated file?)")
     table = raw.reshape(rows, row_bytes)
 
     def rows_of(ids: torch.Tensor) -> torch.Tensor:

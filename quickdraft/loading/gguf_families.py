@@ -232,23 +232,17 @@ def _experts(arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, .
 def _granite(metadata: dict[str, Any], path: Path, num_layers: int) -> dict[str, Any]:
     """Granite's multipliers (see the module doc; a 0 means none, as llama.cpp reads it), each within the range
     ModelConfig allows, refused under its own key."""
-    def scale(key: str, default: float | None, low: float, high: float) -> float | None:
-        value = metadata.get(key)
-        if type(value) in (int, float) and value == 0:
-            return default
-        value = positive_float(metadata, key, path, default)
-        if value is not None and not low <= value <= high:
-            raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {value:g}; allowed: {low:g} to {high:g}")
-        return value
+    def scale(key: str, default: float | None, bounds: tuple[float, float]) -> float | None:
+        return _bounded(metadata, key, path, default, bounds, zero=default)
 
     rotates = metadata.get("granite.rope.scaling.finetuned", True)
     if not isinstance(rotates, bool):
         raise ModelLoadError(f"{path}: GGUF metadata 'granite.rope.scaling.finetuned' is {show(rotates)}; it must be a "
                              f"bool")
-    return dict(embedding_multiplier=scale("granite.embedding_scale", 1.0, *SCALAR_RANGE),
-                attention_multiplier=scale("granite.attention.scale", None, *ATTENTION_MULTIPLIER_RANGE),
-                residual_multiplier=scale("granite.residual_scale", 1.0, *SCALAR_RANGE),
-                logits_scaling=scale("granite.logit_scale", 1.0, *SCALAR_RANGE),
+    return dict(embedding_multiplier=scale("granite.embedding_scale", 1.0, SCALAR_RANGE),
+                attention_multiplier=scale("granite.attention.scale", None, ATTENTION_MULTIPLIER_RANGE),
+                residual_multiplier=scale("granite.residual_scale", 1.0, SCALAR_RANGE),
+                logits_scaling=scale("granite.logit_scale", 1.0, SCALAR_RANGE),
                 unrotated_layers=() if rotates else tuple(range(num_layers)))
 
 
@@ -266,16 +260,38 @@ def _gpt_oss(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], path:
                 layer_types=every_nth_full(base["num_layers"], GPT_OSS_PATTERN))
 
 
+def _bounded(metadata: dict[str, Any], key: str, path: Path, default: float | None, bounds: tuple[float, float],
+             zero: float | None) -> float | None:
+    """A positive number in ``bounds`` (``default`` where absent, ``zero`` where 0, as llama.cpp reads a 0), refused
+    under its own key otherwise."""
+    value = metadata.get(key)
+    if type(value) in (int, float) and value == 0:
+        return zero
+    value = positive_float(metadata, key, path, default)
+    low, high = bounds
+    if value is not None and not low <= value <= high:
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {value:g}; allowed: {low:g} to {high:g}")
+    return value
+
+
+def _gemma(base: dict[str, Any], layers_of_27b: int) -> dict[str, Any]:
+    """What Gemma 2 and 3 share: norms around attention and the MLP, GELU-tanh, embeddings times sqrt(hidden), and
+    llama.cpp's attention scale, 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 27B (told by its layer count)."""
+    hidden, heads = base["hidden_size"], base["num_heads"]
+    return dict(sandwich_norms=True, hidden_act="gelu_tanh", embedding_multiplier=math.sqrt(hidden),
+                query_pre_attn_scalar=float(hidden // heads if base["num_layers"] == layers_of_27b
+                                            else base["head_dim"]))
+
+
 def _gemma3(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[str, Any]:
     if metadata.get("gemma3.attn_logit_softcapping") not in (None, 0, 0.0):
         log.warning("%s: ignoring GGUF metadata 'gemma3.attn_logit_softcapping', as llama.cpp and transformers do",
                     path.name)
-    layers, hidden, heads = base["num_layers"], base["hidden_size"], base["num_heads"]
+    layers = base["num_layers"]
     out: dict[str, Any] = {
-        "sandwich_norms": True, "hidden_act": "gelu_tanh", "embedding_multiplier": math.sqrt(hidden),
-        # llama.cpp: 1/sqrt(n_embd_head_k), except 1/sqrt(n_embd/n_head) for the 27B (62 layers)
-        "query_pre_attn_scalar": float(hidden // heads if layers == 62 else base["head_dim"]),
-        "final_logit_softcapping": _cap(metadata, "gemma3.final_logit_softcapping", path, None),
+        **_gemma(base, layers_of_27b=62),
+        "final_logit_softcapping": _bounded(metadata, "gemma3.final_logit_softcapping", path, None, SCALAR_RANGE,
+                                            zero=None),
     }
     window = int_value(metadata, "gemma3.attention.sliding_window", path, 0, MAX_CONTEXT, default=0)
     if window:
@@ -284,26 +300,14 @@ def _gemma3(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[
     return out
 
 
-def _cap(metadata: dict[str, Any], key: str, path: Path, default: float | None) -> float | None:
-    """A soft cap (``default`` where absent; 0, as llama.cpp reads it, none), range-checked under its own key."""
-    value = metadata.get(key)
-    if type(value) in (int, float) and value == 0:
-        return None
-    cap = positive_float(metadata, key, path, default)
-    if cap is not None and not SCALAR_RANGE[0] <= cap <= SCALAR_RANGE[1]:
-        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {cap:g}; allowed: {SCALAR_RANGE[0]:g} to "
-                             f"{SCALAR_RANGE[1]:g}")
-    return cap
-
-
 def _gemma2(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2 as llama.cpp reads it: Gemma's norms, activation and embedding scale; both soft-caps and the window
     (llama.cpp's defaults where absent, range-checked under their own keys); the sliding layers by
     ``attention.sliding_window_pattern`` (every n-th layer full; 0: none full) or as a flag per layer (true: slides),
     by default every 2nd full; ``rope.freq_base_swa`` the sliding layers' RoPE base where given; the attention scale
     1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 46-layer 27B. A cap of 0 caps nothing."""
-    layers, hidden, heads = base["num_layers"], base["hidden_size"], base["num_heads"]
-    caps = {key: _cap(metadata, f"gemma2.{key}", path, default)
+    layers = base["num_layers"]
+    caps = {key: _bounded(metadata, f"gemma2.{key}", path, default, SCALAR_RANGE, zero=None)
             for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), GEMMA2_SOFTCAPS)}
     window = int_value(metadata, "gemma2.attention.sliding_window", path, 1, MAX_CONTEXT, default=GEMMA2_WINDOW)
     pattern = metadata.get("gemma2.attention.sliding_window_pattern", GEMMA2_PATTERN)
@@ -312,16 +316,14 @@ def _gemma2(metadata: dict[str, Any], path: Path, base: dict[str, Any]) -> dict[
             raise ModelLoadError(f"{path}: GGUF metadata 'gemma2.attention.sliding_window_pattern' is "
                                  f"{show(pattern)}; as a list it must hold a flag (true/false, 1/0) for each of the "
                                  f"{layers} layers")
-        sliding = [bool(flag) for flag in pattern]
+        layer_types = tuple("sliding_attention" if flag else "full_attention" for flag in pattern)
     else:
         every = int_value(metadata, "gemma2.attention.sliding_window_pattern", path, 0, MAX_WIDTH,
                           default=GEMMA2_PATTERN)
-        sliding = [every == 0 or i % every < every - 1 for i in range(layers)]
+        layer_types = every_nth_full(layers, every) if every else ("sliding_attention",) * layers
     local_theta = positive_float(metadata, "gemma2.rope.freq_base_swa", path, base["rope_theta"])
     if not THETA_RANGE[0] < local_theta <= THETA_RANGE[1]:
         raise ModelLoadError(f"{path}: GGUF metadata 'gemma2.rope.freq_base_swa' is {local_theta:g}; allowed: above "
                              f"{THETA_RANGE[0]:g} up to {THETA_RANGE[1]:g}")
-    return dict(sandwich_norms=True, hidden_act="gelu_tanh", embedding_multiplier=math.sqrt(hidden),
-                query_pre_attn_scalar=float(hidden // heads if layers == 46 else base["head_dim"]),
-                sliding_window=window, local_rope_theta=None if local_theta == base["rope_theta"] else local_theta,
-                layer_types=tuple("sliding_attention" if flag else "full_attention" for flag in sliding), **caps)
+    return dict(_gemma(base, layers_of_27b=46), sliding_window=window, layer_types=layer_types,
+                local_rope_theta=None if local_theta == base["rope_theta"] else local_theta, **caps)

@@ -239,7 +239,7 @@ def block_embedding(checkpoint: Checkpoint, device: torch.device, head_fmt: str 
         return None
     cfg, types = checkpoint.config, checkpoint.block_types or {}
     rows = rows_reader(checkpoint.blocks[EMBED], types[EMBED], (cfg.vocab_size, cfg.hidden_size), checkpoint.dtype)
-    return BlockEmbedding(rows, cfg.vocab_size, cfg.hidden_size, checkpoint.dtype)
+    return BlockEmbedding(rows, cfg.vocab_size, cfg.hidden_size)
 
 
 def _linear_names(cfg: ModelConfig, lm_head: bool) -> list[str]:

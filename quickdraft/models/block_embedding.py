@@ -15,13 +15,13 @@ from torch import nn
 
 class BlockEmbedding(nn.Module):
     """``nn.Embedding``'s lookup over a table held elsewhere: ``rows_of(ids)`` gives the rows of the unique ids
-    ``[n]`` as ``[n, embedding_dim]`` in ``dtype``."""
+    ``[n]`` as ``[n, embedding_dim]`` in the activations' dtype."""
 
-    def __init__(self, rows_of: Callable[[torch.Tensor], torch.Tensor], num_embeddings: int, embedding_dim: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, rows_of: Callable[[torch.Tensor], torch.Tensor], num_embeddings: int,
+                 embedding_dim: int) -> None:
         super().__init__()
         self.rows_of = rows_of
-        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.num_embeddings:
